@@ -1,0 +1,3 @@
+"""Parrot: serving LLM applications with semantic variables."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""Typed settings with their defaults, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _pow2(lo: int, hi: int) -> list[int]:
+    out, n = [], lo
+    while n <= hi:
+        out.append(n)
+        n *= 2
+    return out
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2"
+    page_size: int = 16
+    kv_memory_mb: int = 1024  # budget for the paged KV pool
+    max_batch_size: int = 64
+    max_num_batched_tokens: int = 512  # prefill chunk / token budget per step
+    # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths
+    token_buckets: list[int] = field(default_factory=lambda: _pow2(16, 512))
+    bs_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    kv_buckets: list[int] = field(default_factory=lambda: _pow2(128, 8192))
+    precompile: bool = True
+    compilation_cache_dir: str | None = "~/.cache/parrot/jax"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
+
+    def __post_init__(self) -> None:
+        for name in ("token_buckets", "bs_buckets", "kv_buckets"):
+            values = sorted(set(getattr(self, name)))
+            if not values or values[0] <= 0:
+                raise ValueError(f"{name} must be positive integers")
+            setattr(self, name, values)
+        if any(b % self.page_size for b in self.kv_buckets):
+            raise ValueError(f"kv_buckets must be multiples of page_size {self.page_size}")

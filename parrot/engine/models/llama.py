@@ -1,0 +1,182 @@
+"""Llama-family decoder in Flax NNX (SmolLM2, Llama, Qwen2-style qkv bias).
+
+Weights use the Hugging Face layout (Q/K rows in rotate-half order), stored transposed as
+`[in, out]` so every projection is `x @ W`. The forward works on a flat token batch (batch.py) and a
+paged KV cache: one `[pages, page_size, kv_heads, head_dim]` array per layer for K and for V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from parrot.engine.attention import paged_attention, write_kv
+from parrot.engine.batch import ForwardBatch
+
+KVCache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    max_position: int = 2048
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+
+    @property
+    def num_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        mlp = 3 * h * self.intermediate_size
+        head = 0 if self.tie_word_embeddings else h * self.vocab_size
+        return self.vocab_size * h + self.num_layers * (attn + mlp + 2 * h) + h + head
+
+
+def _param(w: np.ndarray | jax.Array, dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param(jnp.asarray(w, dtype=dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight: np.ndarray, eps: float, dtype: jnp.dtype) -> None:
+        self.weight = _param(weight, dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(var + self.eps) * self.weight[...]
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x: [T, heads, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
+        self.cfg = cfg
+        self.wq, self.wk, self.wv = _param(w["wq"], dtype), _param(w["wk"], dtype), _param(w["wv"], dtype)
+        self.wo = _param(w["wo"], dtype)
+        if cfg.qkv_bias:
+            self.bq, self.bk, self.bv = _param(w["bq"], dtype), _param(w["bk"], dtype), _param(w["bv"], dtype)
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch, k_cache: jax.Array,
+        v_cache: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        t = x.shape[0]
+        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        if cfg.qkv_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        k_cache = write_kv(k_cache, k.astype(k_cache.dtype), batch.slot_mapping)
+        v_cache = write_kv(v_cache, v.astype(v_cache.dtype), batch.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
+        return o.reshape(t, -1) @ self.wo[...], k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
+        self.w_gate, self.w_up = _param(w["w_gate"], dtype), _param(w["w_up"], dtype)
+        self.w_down = _param(w["w_down"], dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
+        self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, dtype)
+        self.attn = Attention(cfg, w, dtype)
+        self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, dtype)
+        self.mlp = MLP(w, dtype)
+
+    def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
+        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
+        x = x + a
+        return x + self.mlp(self.ffn_norm(x)), k_cache, v_cache
+
+
+class Llama(nnx.Module):
+    """The decoder. `weights` holds numpy arrays named as in `weight_names(cfg)`."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], dtype: jnp.dtype = jnp.float32):
+        self.cfg = cfg
+        self.embed = _param(weights["embed"], dtype)
+        self.layers = nnx.List(
+            DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
+                         dtype)
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(weights["norm"], cfg.rms_eps, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(weights["lm_head"], dtype)
+
+    def __call__(self, batch: ForwardBatch, kv: KVCache) -> tuple[jax.Array, KVCache]:
+        """Returns the logits ([B, vocab], float32) of each sequence's `logits_index` token and the KV."""
+        cfg = self.cfg
+        x = self.embed[...][batch.input_ids]
+        cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
+        ks, vs = list(kv[0]), list(kv[1])
+        for i, layer in enumerate(self.layers):
+            x, ks[i], vs[i] = layer(x, cos, sin, batch, ks[i], vs[i])
+        h = self.norm(x[batch.logits_index])
+        if cfg.tie_word_embeddings:
+            logits = jnp.dot(h, self.embed[...].T)
+        else:
+            logits = h @ self.lm_head[...]
+        return logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+
+
+def weight_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model expects, with its shape (projections as [in, out])."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    names: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head"] = (h, cfg.vocab_size)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        names |= {
+            p + "attn_norm": (h,), p + "ffn_norm": (h,),
+            p + "wq": (h, qd), p + "wk": (h, kvd), p + "wv": (h, kvd), p + "wo": (qd, h),
+            p + "w_gate": (h, f), p + "w_up": (h, f), p + "w_down": (f, h),
+        }
+        if cfg.qkv_bias:
+            names |= {p + "bq": (qd,), p + "bk": (kvd,), p + "bv": (kvd,)}
+    return names
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Random weights for tests (norm weights near 1 so activations stay in range)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_names(cfg).items():
+        if name.endswith("norm"):
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out

@@ -1,0 +1,141 @@
+"""ModelRunner: the model split once with `nnx.split`, a pure jitted forward over a paged KV pool,
+the jitted samplers, bucket shapes, precompilation and the persistent compilation cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from parrot.config import EngineConfig
+from parrot.engine.batch import ForwardBatch, build_batch, pick_bucket
+from parrot.engine.models.llama import KVCache, Llama, LlamaConfig
+from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A compiled forward shape: flat tokens, sequences, queries per sequence, pages per sequence."""
+
+    tokens: int
+    batch: int
+    q_len: int
+    pages: int
+
+
+def default_dtype() -> jnp.dtype:
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    if not directory:
+        return
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class ModelRunner:
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ecfg: EngineConfig,
+                 dtype: jnp.dtype | None = None) -> None:
+        enable_compilation_cache(ecfg.compilation_cache_dir)
+        self.cfg, self.ecfg = cfg, ecfg
+        self.dtype = jnp.dtype(ecfg.dtype or dtype or default_dtype())
+        self.page_size = ecfg.page_size
+        self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])
+        self.kv_buckets = [b for b in ecfg.kv_buckets if b < self.max_len] + [self.max_len]
+        if self.max_len % self.page_size:
+            raise ValueError(f"model context {self.max_len} is not a multiple of page_size {self.page_size}")
+        bytes_per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim
+        bytes_per_page *= self.dtype.itemsize
+        # page 0 is a scratch page: padding tokens write there, never handed to a context
+        self.num_pages = max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
+        model = Llama(cfg, weights, self.dtype)
+        self.graphdef, self.state = nnx.split(model)
+        del model
+        self.kv: KVCache = self._alloc_kv()
+        graphdef = self.graphdef
+
+        def forward(state: nnx.State, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
+            return nnx.merge(graphdef, state)(batch, kv)
+
+        self._forward = jax.jit(forward, donate_argnums=(1,))
+        self._greedy = jax.jit(greedy_sample)
+        self._sample = jax.jit(sample)
+        self.compiled: set[Shape] = set()
+        self.shape_misses = 0
+        self.compile_seconds: dict[Shape, float] = {}
+
+    def _alloc_kv(self) -> KVCache:
+        shape = (self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        ks = tuple(jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers))
+        vs = tuple(jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers))
+        return ks, vs
+
+    # ---- shapes -----------------------------------------------------------------------------
+    def kv_pages_bucket(self, kv_len: int) -> int:
+        return pick_bucket(kv_len, self.kv_buckets) // self.page_size
+
+    def prefill_shape(self, num_tokens: int, kv_len: int) -> Shape:
+        t = pick_bucket(num_tokens, self.ecfg.token_buckets)
+        return Shape(t, 1, t, self.kv_pages_bucket(kv_len))
+
+    def decode_shape(self, batch: int, kv_len: int) -> Shape:
+        b = pick_bucket(batch, self.ecfg.bs_buckets)
+        return Shape(b, b, 1, self.kv_pages_bucket(kv_len))
+
+    def all_shapes(self) -> list[Shape]:
+        """Every shape the serving loop may use: prefill chunks (one sequence) and decode batches."""
+        max_chunk = self.ecfg.max_num_batched_tokens
+        shapes = [Shape(t, 1, t, kv // self.page_size) for t in self.ecfg.token_buckets if t <= max_chunk
+                  for kv in self.kv_buckets if kv >= t]
+        shapes += [Shape(b, b, 1, kv // self.page_size) for b in self.ecfg.bs_buckets
+                   if b <= self.ecfg.max_batch_size for kv in self.kv_buckets]
+        return shapes
+
+    # ---- running ----------------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch) -> jax.Array:
+        """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
+        shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
+                      int(batch.block_tables.shape[1]))
+        if shape not in self.compiled:
+            if self.compiled:
+                self.shape_misses += 1
+                log.warning("compiling shape %s at serve time (not precompiled)", shape)
+            self.compiled.add(shape)
+        logits, self.kv = self._forward(self.state, self.kv, batch)
+        return logits
+
+    def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> np.ndarray:
+        """None samples greedily (the compiled argmax-only path)."""
+        out = self._greedy(logits) if sampling is None else self._sample(logits, sampling)
+        return np.asarray(out)
+
+    def dummy_batch(self, shape: Shape) -> ForwardBatch:
+        """A batch of the given shape writing only to the scratch page."""
+        return build_batch([], self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages)
+
+    def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True) -> None:
+        shapes = list(self.all_shapes() if shapes is None else shapes)
+        for shape in tqdm(shapes, desc="precompiling", unit="shape", disable=not progress):
+            t0 = time.perf_counter()
+            logits = self.forward(self.dummy_batch(shape))
+            self.sample(logits, None)
+            if shape.q_len == 1 or shape.batch == 1:
+                seeds = [0] * shape.batch
+                self.sample(logits, SamplingBatch.build([], [], shape.batch, seeds[:0]))
+            jax.block_until_ready(self.kv)
+            self.compile_seconds[shape] = time.perf_counter() - t0
+            self.compiled.add(shape)

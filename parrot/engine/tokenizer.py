@@ -1,0 +1,171 @@
+"""Tokenizer: byte-level BPE (Hugging Face `tokenizers`) plus the model's chat template (jinja2)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from parrot.errors import InvalidRequestError, ModelLoadError
+
+# GGUF token types (llama.cpp `llama_token_type`): 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+class Tokenizer:
+    """Encodes text to ids, decodes ids to text and renders chat messages with the model's template."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        add_bos_token: bool = False,
+        extra_stop_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        stops = {eos_token_id} if eos_token_id is not None else set()
+        self.stop_token_ids: frozenset[int] = frozenset(stops | set(extra_stop_ids))
+        self._template: jinja2.Template | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        tokens: list[str],
+        merges: list[str],
+        token_types: list[int] | None,
+        pre: str | None,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        add_bos_token: bool = False,
+    ) -> Tokenizer:
+        """Build a byte-level BPE tokenizer from the `tokenizer.ggml.*` metadata of a GGUF file."""
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        if token_types is not None:
+            special = [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(token_types)
+                if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+            ]
+            backend.add_special_tokens(special)
+        return cls(backend, bos_token_id, eos_token_id, chat_template, add_bos_token)
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json` for the chat template and special ids)."""
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the tokenizers library raises bare Exceptions on corrupt JSON
+            raise ModelLoadError(f"cannot read {tok_file}: {exc}") from exc
+        cfg: dict = {}
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            chat_template=cfg.get("chat_template"),
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+        )
+
+    # ---- use ----------------------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render chat messages into the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use a plain completion")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+            def raise_exception(message: str) -> None:
+                raise InvalidRequestError(f"chat template: {message}")
+
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        vocab = self.backend
+        bos = vocab.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = vocab.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+        )
+
+    def to_json(self) -> str:
+        return self.backend.to_str()
+
+
+def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """Byte-level pre-tokenization; models whose GGUF `pre` is smollm split digits one by one first."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
+        return pre_tokenizers.Sequence([digits, byte_level])
+    return byte_level
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters,
+    and finds stop strings as they appear."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # ids before this index are already reflected in `text`
+        self._read = 0
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append one id; returns (new text, hit a stop string). On a stop, text ends before it."""
+        self.ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        full = self.tokenizer.decode(self.ids[self._prefix :])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return "", False  # incomplete UTF-8 sequence or nothing printable yet
+        delta = full[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        old_len = len(self.text)
+        self.text += delta
+        for s in self.stop:
+            # a stop string may straddle deltas: search from where it could have started
+            i = self.text.find(s, max(0, old_len - len(s) + 1))
+            if i != -1:
+                self.text = self.text[:i]
+                return self.text[old_len:] if i > old_len else "", True
+        return delta, False
