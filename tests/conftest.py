@@ -1,0 +1,40 @@
+"""Shared fixtures: the default model (loaded once per test session) and tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot.config import EngineConfig
+from parrot.engine.loader import LoadedModel, load_model
+from parrot.engine.models.llama import LlamaConfig, random_weights
+from parrot.engine.runner import ModelRunner
+from parrot.errors import ModelLoadError
+
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=512)
+
+
+def tiny_engine_config(**kw) -> EngineConfig:
+    base = dict(compilation_cache_dir=None, kv_memory_mb=4, token_buckets=[16, 32, 64, 128],
+                bs_buckets=[1, 2, 4, 8, 16], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    try:
+        return load_model(progress=False)
+    except ModelLoadError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm_runner(smollm: LoadedModel) -> ModelRunner:
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256)
+    return ModelRunner(smollm.config, smollm.weights, cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_runner() -> ModelRunner:
+    return ModelRunner(TINY, random_weights(TINY, seed=0), tiny_engine_config())
