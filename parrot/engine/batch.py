@@ -80,12 +80,15 @@ def build_batch(
         if n > q_len:
             raise ValueError(f"sequence of {n} tokens exceeds query bucket {q_len}")
         pos = np.arange(s.start, s.start + n, dtype=np.int32)
-        pages = np.asarray(s.pages, np.int32)
+        used = -(-(s.start + n) // page_size)  # pages holding this sequence's KV after the step
+        if used > len(s.pages) or used > num_pages:
+            raise ValueError(f"sequence needs {used} pages; has {len(s.pages)}, bucket {num_pages}")
+        pages = np.asarray(s.pages[:used], np.int32)
         input_ids[off : off + n] = s.tokens
         positions[off : off + n] = pos
         slot_mapping[off : off + n] = pages[pos // page_size] * page_size + pos % page_size
         q_index[b, :n] = np.arange(off, off + n, dtype=np.int32)
-        block_tables[b, : len(pages)] = pages
+        block_tables[b, :used] = pages
         kv_lens[b] = s.start + n
         logits_index[b] = off + n - 1
         off += n

@@ -75,7 +75,8 @@ class ModelRunner:
         self._greedy = jax.jit(greedy_sample)
         self._sample = jax.jit(sample)
         self.compiled: set[Shape] = set()
-        self.shape_misses = 0
+        self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
+        self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
 
     def _alloc_kv(self) -> KVCache:
@@ -111,7 +112,7 @@ class ModelRunner:
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]))
         if shape not in self.compiled:
-            if self.compiled:
+            if self.precompiled:
                 self.shape_misses += 1
                 log.warning("compiling shape %s at serve time (not precompiled)", shape)
             self.compiled.add(shape)
@@ -133,9 +134,8 @@ class ModelRunner:
             t0 = time.perf_counter()
             logits = self.forward(self.dummy_batch(shape))
             self.sample(logits, None)
-            if shape.q_len == 1 or shape.batch == 1:
-                seeds = [0] * shape.batch
-                self.sample(logits, SamplingBatch.build([], [], shape.batch, seeds[:0]))
+            self.sample(logits, SamplingBatch.build([], [], shape.batch, []))
             jax.block_until_ready(self.kv)
             self.compile_seconds[shape] = time.perf_counter() - t0
             self.compiled.add(shape)
+        self.precompiled = True

@@ -73,12 +73,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
+    """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
+
     def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
         self.cfg = cfg
-        self.wq, self.wk, self.wv = _param(w["wq"], dtype), _param(w["wk"], dtype), _param(w["wv"], dtype)
+        self.wqkv = _param(np.concatenate([w["wq"], w["wk"], w["wv"]], axis=1), dtype)
         self.wo = _param(w["wo"], dtype)
         if cfg.qkv_bias:
-            self.bq, self.bk, self.bv = _param(w["bq"], dtype), _param(w["bk"], dtype), _param(w["bv"], dtype)
+            self.bqkv = _param(np.concatenate([w["bq"], w["bk"], w["bv"]]), dtype)
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch, k_cache: jax.Array,
@@ -86,12 +88,13 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         t = x.shape[0]
-        q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+        qkv = x @ self.wqkv[...]
         if cfg.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            qkv = qkv + self.bqkv[...]
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q = apply_rope(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = qkv[:, qd + kvd :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
         k_cache = write_kv(k_cache, k.astype(k_cache.dtype), batch.slot_mapping)
         v_cache = write_kv(v_cache, v.astype(v_cache.dtype), batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
@@ -99,12 +102,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU with the gate and up projections fused into one `[hidden, 2 * ffn]` matrix."""
+
     def __init__(self, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
-        self.w_gate, self.w_up = _param(w["w_gate"], dtype), _param(w["w_up"], dtype)
+        self.w_gate_up = _param(np.concatenate([w["w_gate"], w["w_up"]], axis=1), dtype)
         self.w_down = _param(w["w_down"], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        gu = x @ self.w_gate_up[...]
+        f = gu.shape[-1] // 2
+        return (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ self.w_down[...]
 
 
 class DecoderLayer(nnx.Module):
