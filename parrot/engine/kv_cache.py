@@ -246,7 +246,7 @@ class KVCacheManager:
             copy = PageCopy(src=src, dst=dst, num_tokens=partial)
         self._num_cached_tokens -= ctx.num_tokens - n_tokens
         ctx.num_tokens = n_tokens
-        ctx.num_shared_tokens = max(ctx.num_shared_tokens, (n_tokens // self.page_size) * self.page_size)
+        ctx.num_shared_tokens = min(ctx.num_shared_tokens, (n_tokens // self.page_size) * self.page_size)
         return copy
 
     # ---- internals ----------------------------------------------------------------------------
