@@ -38,3 +38,9 @@ def smollm_runner(smollm: LoadedModel) -> ModelRunner:
 @pytest.fixture(scope="session")
 def tiny_runner() -> ModelRunner:
     return ModelRunner(TINY, random_weights(TINY, seed=0), tiny_engine_config())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # "no tests ran" (exit 5, e.g. a -k filter matching nothing) is not a failure of the code under test
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
