@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from pydantic import ValidationError
+
 from parrot.config import EngineConfig
 from parrot.errors import ParrotError
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ParrotError as exc:
+    except (ParrotError, ValidationError) as exc:
         print(f"parrot: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.runner import ModelRunner
-from parrot.engine.sampling import SamplingBatch, SamplingParams
+from parrot.engine.sampling import SamplingBatch, SamplingParams, check_sampling
 from parrot.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from parrot.errors import InvalidRequestError
 
@@ -59,7 +59,7 @@ def prefill(runner: ModelRunner, tokens: list[int], start: int, pages: list[int]
 def generate(
     runner: ModelRunner, tokenizer: Tokenizer | None, prompt_ids: list[int], params: SamplingParams,
 ) -> Generation:
-    params.validate(runner.cfg.vocab_size)
+    check_sampling(params, runner.cfg.vocab_size)
     check_prompt(runner, prompt_ids, params.max_tokens)
     n_pages = (len(prompt_ids) + params.max_tokens + runner.page_size - 1) // runner.page_size
     pages = list(range(1, 1 + n_pages))

@@ -2,46 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from parrot.errors import InvalidRequestError
+from parrot.protocol import SamplingParams
+
+__all__ = ["SamplingBatch", "SamplingParams", "check_sampling", "greedy_sample", "sample"]
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = whole vocabulary
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-    def validate(self, vocab_size: int) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise InvalidRequestError(f"seed must be in [0, 2**32), got {self.seed}")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """What the schema cannot check: bounds that depend on the model."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+    if any(not s for s in params.stop):
+        raise InvalidRequestError("stop strings must not be empty")
 
 
 @jax.tree_util.register_dataclass

@@ -1,0 +1,92 @@
+"""Pydantic schemas shared across layers: engine primitives and runtime info.
+
+This module is the only vocabulary the serve layer and the engine share; it imports neither."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How a Generate decodes. Ranges are checked here; vocabulary bounds by the engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(128, ge=1, description="stop after this many generated tokens")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = whole vocabulary")
+    seed: int | None = Field(None, ge=0, lt=2**32, description="per-request seed; None = random")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output)")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FillRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    context_id: str = Field(min_length=1, max_length=256)
+    parent_context_id: str | None = Field(None, description="fork this context first if context_id is new")
+    token_ids: list[int] = Field(min_length=1)
+
+
+class FillResponse(BaseModel):
+    context_id: str
+    num_tokens: int  # tokens in the context after the fill
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    context_id: str = Field(min_length=1, max_length=256)
+    parent_context_id: str | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+
+class GenerateResponse(BaseModel):
+    context_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    num_tokens: int  # tokens in the context after the generation
+
+
+class StreamChunk(BaseModel):
+    """One event of /generate_stream: new text (possibly empty) and the token that produced it."""
+
+    token_id: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class FreeContextRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    context_id: str = Field(min_length=1, max_length=256)
+
+
+class FreeContextResponse(BaseModel):
+    context_id: str
+    freed_pages: int
+
+
+class RuntimeInfo(BaseModel):
+    """What Ping returns: the engine's load and cache state."""
+
+    model: str
+    max_context_len: int
+    page_size: int
+    total_pages: int
+    free_pages: int
+    num_contexts: int
+    num_cached_tokens: int
+    running: int
+    waiting: int
+    recent_step_ms: float
+    steps: int
+    shape_misses: int
+    preemptions: int
