@@ -48,7 +48,7 @@ def prefill(runner: ModelRunner, tokens: list[int], start: int, pages: list[int]
     for off in range(0, len(tokens), chunk):
         part = tokens[off : off + chunk]
         pos = start + off
-        shape = runner.prefill_shape(len(part), pos + len(part))
+        shape = runner.prefill_shape(1, len(part), pos + len(part))
         batch = build_batch([SequenceSlice(part, pos, pages)], runner.page_size, shape.tokens, shape.batch,
                             shape.q_len, shape.pages)
         logits = runner.forward(batch)

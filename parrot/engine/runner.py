@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from parrot.config import EngineConfig
 from parrot.engine.batch import ForwardBatch, build_batch, pick_bucket
+from parrot.engine.kv_cache import PageCopy
 from parrot.engine.models.llama import KVCache, Llama, LlamaConfig
 from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
 
@@ -47,6 +48,10 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    return jax.tree.map(lambda c: c.at[dst].set(c[src]), kv)
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
@@ -72,6 +77,8 @@ class ModelRunner:
             return nnx.merge(graphdef, state)(batch, kv)
 
         self._forward = jax.jit(forward, donate_argnums=(1,))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
         self._sample = jax.jit(sample)
         self.compiled: set[Shape] = set()
@@ -89,19 +96,25 @@ class ModelRunner:
     def kv_pages_bucket(self, kv_len: int) -> int:
         return pick_bucket(kv_len, self.kv_buckets) // self.page_size
 
-    def prefill_shape(self, num_tokens: int, kv_len: int) -> Shape:
-        t = pick_bucket(num_tokens, self.ecfg.token_buckets)
-        return Shape(t, 1, t, self.kv_pages_bucket(kv_len))
+    def prefill_shape(self, batch: int, q_len: int, kv_len: int) -> Shape:
+        """`batch` sequences of up to `q_len` new tokens each, attending to up to `kv_len` tokens."""
+        q = pick_bucket(q_len, self.ecfg.token_buckets)
+        b = pick_bucket(batch, self.ecfg.prefill_bs_buckets)
+        return Shape(b * q, b, q, self.kv_pages_bucket(max(kv_len, q)))
 
     def decode_shape(self, batch: int, kv_len: int) -> Shape:
         b = pick_bucket(batch, self.ecfg.bs_buckets)
         return Shape(b, b, 1, self.kv_pages_bucket(kv_len))
 
     def all_shapes(self) -> list[Shape]:
-        """Every shape the serving loop may use: prefill chunks (one sequence) and decode batches."""
-        max_chunk = self.ecfg.max_num_batched_tokens
-        shapes = [Shape(t, 1, t, kv // self.page_size) for t in self.ecfg.token_buckets if t <= max_chunk
-                  for kv in self.kv_buckets if kv >= t]
+        """Every shape the serving loop may use: prefill steps (`prefill_bs_buckets` sequences of a
+        token bucket each, within max_num_batched_tokens) and decode batches."""
+        budget = self.ecfg.max_num_batched_tokens
+        max_q = min(self.max_len, pick_bucket(budget, self.ecfg.token_buckets))
+        shapes = [Shape(b * q, b, q, kv // self.page_size)
+                  for q in self.ecfg.token_buckets if q <= max_q
+                  for b in self.ecfg.prefill_bs_buckets if b == 1 or b * q <= budget
+                  for kv in self.kv_buckets if kv >= q]
         shapes += [Shape(b, b, 1, kv // self.page_size) for b in self.ecfg.bs_buckets
                    if b <= self.ecfg.max_batch_size for kv in self.kv_buckets]
         return shapes
@@ -124,12 +137,25 @@ class ModelRunner:
         out = self._greedy(logits) if sampling is None else self._sample(logits, sampling)
         return np.asarray(out)
 
+    def copy_pages(self, copies: list[PageCopy]) -> None:
+        """Copy whole pages src -> dst in every layer's K and V (fork / copy-on-write of a partial page)."""
+        n = self._copy_width
+        for i in range(0, len(copies), n):
+            part = copies[i : i + n]
+            src = np.zeros(n, np.int32)
+            dst = np.zeros(n, np.int32)  # padding copies scratch page 0 onto itself
+            src[: len(part)] = [c.src for c in part]
+            dst[: len(part)] = [c.dst for c in part]
+            self.kv = self._copy(self.kv, src, dst)
+
     def dummy_batch(self, shape: Shape) -> ForwardBatch:
         """A batch of the given shape writing only to the scratch page."""
         return build_batch([], self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages)
 
     def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True) -> None:
         shapes = list(self.all_shapes() if shapes is None else shapes)
+        zeros = np.zeros(self._copy_width, np.int32)
+        self.kv = self._copy(self.kv, zeros, zeros)
         for shape in tqdm(shapes, desc="precompiling", unit="shape", disable=not progress):
             t0 = time.perf_counter()
             logits = self.forward(self.dummy_batch(shape))

@@ -1,0 +1,235 @@
+"""Iteration-level scheduler (Orca): every step picks the batch anew from the running jobs.
+
+A step is one decode batch (jobs with exactly one token to feed: their last sampled token) plus one
+prefill batch (chunks of jobs with more tokens to feed, within `max_num_batched_tokens`). Jobs join
+and leave at any step. KV pages are allocated on demand; when they run out, the newest running job is
+preempted (its private pages freed, its tokens recomputed later), so the cache never overflows and the
+oldest job always makes progress. A job that cannot fit even alone fails with an explicit error.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from parrot.config import EngineConfig
+from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
+from parrot.engine.sequence import Job, JobKind, JobStatus
+from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
+
+
+@dataclass
+class Slot:
+    """One job's share of a step: `tokens` fed at positions `start..`, KV in `pages`."""
+
+    job: Job
+    tokens: list[int]
+    start: int
+    pages: list[int]
+
+
+@dataclass
+class StepPlan:
+    decode: list[Slot] = field(default_factory=list)
+    prefill: list[Slot] = field(default_factory=list)
+    copies: list[PageCopy] = field(default_factory=list)  # page copies to run before the forward
+    failed: list[tuple[Job, ParrotError]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int) -> None:
+        self.kv = kv
+        self.cfg = cfg
+        self.max_len = max_len
+        self.max_prefill_batch = max(cfg.prefill_bs_buckets)
+        self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self.busy: dict[str, Job] = {}  # context -> its running job
+        self.preemptions = 0
+
+    # ---- queue --------------------------------------------------------------------------------
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def referenced(self, context_id: str) -> bool:
+        """True if a queued or running job uses the context (as its own or as the parent to fork)."""
+        return context_id in self.busy or any(
+            j.context_id == context_id or j.parent_context_id == context_id for j in self.waiting)
+
+    def finish(self, job: Job) -> None:
+        job.status = JobStatus.FINISHED
+        self.running.remove(job)
+        del self.busy[job.context_id]
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._admit(plan)
+        scheduled: set[int] = set()
+        # decodes first (running work keeps its pace); preempt the newest job when pages run out
+        for job in sorted(self.running, key=lambda j: j.arrival):
+            if len(job.pending) != 1 or job.status is not JobStatus.RUNNING:
+                continue
+            if len(plan.decode) >= self.cfg.max_batch_size:
+                break
+            if not self._make_room(job, 1, scheduled, plan):
+                continue
+            plan.decode.append(self._slot(job, job.pending[:1]))
+            scheduled.add(job.job_id)
+        # then prefill chunks within the token budget
+        budget = self.cfg.max_num_batched_tokens
+        for job in sorted(self.running, key=lambda j: j.arrival):
+            if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
+                continue
+            if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
+                break
+            if self._room(job.context_id) <= 0:
+                if plan.decode or plan.prefill or not self._make_room(job, 1, scheduled, plan):
+                    continue  # others progress this step and free pages
+            n = min(len(job.pending), budget, self._room(job.context_id))
+            plan.prefill.append(self._slot(job, job.pending[:n]))
+            scheduled.add(job.job_id)
+            budget -= n
+        return plan
+
+    def _slot(self, job: Job, tokens: list[int]) -> Slot:
+        start = self.kv.get(job.context_id).num_tokens
+        pages = self.kv.extend(job.context_id, len(tokens))
+        return Slot(job, tokens, start, pages)
+
+    def _room(self, context_id: str) -> int:
+        """Tokens the context can grow by with the free pages."""
+        ctx = self.kv.get(context_id)
+        tail = (-ctx.num_tokens) % self.kv.page_size
+        return tail + self.kv.num_free_pages * self.kv.page_size
+
+    def _make_room(self, job: Job, n: int, scheduled: set[int], plan: StepPlan) -> bool:
+        """Free pages for `n` more tokens of `job` by preempting the newest running job not already
+        in this step (vLLM's policy; that may be `job` itself: then False). A job alone in the engine
+        that still cannot fit fails with an explicit error instead of waiting forever."""
+        while not self.kv.can_extend(job.context_id, n):
+            candidates = [j for j in self.running if j.job_id not in scheduled]
+            if len(candidates) > 1:
+                victim = max(candidates, key=lambda j: j.arrival)
+                self._preempt(victim)
+                if victim is job:
+                    return False
+                continue
+            if scheduled:
+                self._preempt(job)  # the jobs already in this step will finish and free pages
+                return False
+            err = OutOfPages(self.kv.pages_needed(job.context_id, n), self.kv.num_free_pages,
+                             f"continue context {job.context_id!r}: the rest of the pool is held by "
+                             f"{len(self.kv) - 1} other context(s); free contexts or raise kv_memory_mb")
+            self.finish(job)
+            plan.failed.append((job, err))
+            return False
+        return True
+
+    def _preempt(self, job: Job) -> None:
+        """Drop the job's private KV (recomputed when it runs again) and requeue it by arrival."""
+        ctx = self.kv.get(job.context_id)
+        self.kv.truncate(job.context_id, ctx.num_shared_tokens)
+        job.pending = self.tokens[job.context_id][ctx.num_tokens :]
+        job.status = JobStatus.WAITING
+        job.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(job)
+        del self.busy[job.context_id]
+        self.waiting.append(job)
+        self.waiting = deque(sorted(self.waiting, key=lambda j: j.arrival))
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _admit(self, plan: StepPlan) -> None:
+        """Move waiting jobs whose context (and parent) are idle into running, setting up contexts."""
+        blocked: set[str] = set()
+        kept: deque[Job] = deque()
+        while self.waiting:
+            job = self.waiting.popleft()
+            ctx_id, parent = job.context_id, job.parent_context_id
+            new_ctx = ctx_id not in self.kv
+            parent_busy = new_ctx and parent is not None and (parent in self.busy or parent in blocked)
+            if ctx_id in self.busy or ctx_id in blocked or parent_busy or len(self.running) >= self.cfg.max_batch_size:
+                blocked.add(ctx_id)  # later jobs on this context keep their order
+                kept.append(job)
+                continue
+            try:
+                self._setup(job, plan)
+            except ParrotError as err:
+                plan.failed.append((job, err))
+                continue
+            job.status = JobStatus.RUNNING
+            self.running.append(job)
+            self.busy[ctx_id] = job
+        self.waiting = kept
+
+    def _setup(self, job: Job, plan: StepPlan) -> None:
+        ctx_id = job.context_id
+        resumed = job.preemptions > 0  # context and tokens already set up; KV partly dropped
+        created = False
+        if not resumed and ctx_id not in self.kv:
+            if job.parent_context_id is not None:
+                if job.parent_context_id not in self.kv:
+                    raise NotFoundError(f"parent context {job.parent_context_id!r} does not exist")
+                copy = self.kv.fork(ctx_id, job.parent_context_id)
+                if copy is not None:
+                    plan.copies.append(copy)
+                self.tokens[ctx_id] = list(self.tokens[job.parent_context_id])
+            elif job.kind is JobKind.FILL:
+                self.kv.create(ctx_id)
+                self.tokens[ctx_id] = []
+            else:
+                raise NotFoundError(f"context {ctx_id!r} does not exist (and no parent_context_id to fork)")
+            created = True
+        tokens = self.tokens[ctx_id]
+        extra = len(job.fill_tokens) if job.kind is JobKind.FILL else job.sampling.max_tokens
+        if resumed:
+            extra = 0
+        elif len(tokens) + extra > self.max_len:
+            if created:
+                self.free_context(ctx_id)
+            what = "fill" if job.kind is JobKind.FILL else "max_tokens"
+            raise InvalidRequestError(
+                f"context {ctx_id!r} would exceed the model's maximum length {self.max_len}: it holds "
+                f"{len(tokens)} tokens, {what} adds {extra}")
+        if self.kv.pages_for(len(tokens) + extra) > self.kv.total_pages:
+            if created:
+                self.free_context(ctx_id)
+            raise InvalidRequestError(
+                f"context {ctx_id!r} needs {len(tokens) + extra} tokens of KV; the whole cache holds "
+                f"{self.kv.total_pages * self.kv.page_size}")
+        if job.kind is JobKind.FILL and not resumed:
+            job.base_len = len(tokens)
+            tokens.extend(job.fill_tokens)
+        kv_len = self.kv.get(ctx_id).num_tokens
+        job.pending = tokens[kv_len:]
+        if job.kind is JobKind.GENERATE and not job.pending:
+            if kv_len == 0:
+                raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")
+            copy = self.kv.truncate(ctx_id, kv_len - 1)  # re-feed the last token for its logits
+            if copy is not None:
+                plan.copies.append(copy)
+            job.pending = tokens[-1:]
+
+    def roll_back(self, job: Job) -> PageCopy | None:
+        """Undo a failed fill: its tokens leave the context (KV and token list)."""
+        if job.kind is not JobKind.FILL or job.base_len < 0 or job.context_id not in self.kv:
+            return None
+        copy = None
+        if self.kv.get(job.context_id).num_tokens > job.base_len:
+            copy = self.kv.truncate(job.context_id, job.base_len)
+        del self.tokens[job.context_id][job.base_len :]
+        return copy
+
+    def free_context(self, context_id: str) -> int:
+        freed = self.kv.free(context_id)
+        del self.tokens[context_id]
+        return freed

@@ -1,0 +1,48 @@
+"""Job: one Fill or Generate primitive as the engine tracks it from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parrot.engine.tokenizer import IncrementalDetokenizer
+from parrot.protocol import SamplingParams, StreamChunk
+
+_ids = itertools.count()
+
+
+class JobKind(enum.Enum):
+    FILL = "fill"
+    GENERATE = "generate"
+
+
+class JobStatus(enum.Enum):
+    WAITING = "waiting"  # queued; its context may not exist yet
+    RUNNING = "running"  # holds its context; being prefilled or decoded
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Job:
+    kind: JobKind
+    context_id: str
+    parent_context_id: str | None
+    fill_tokens: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None
+    # called from the engine thread: each StreamChunk, then once with the final result or an exception
+    on_chunk: Callable[[StreamChunk], None] | None = None
+    on_done: Callable[[object | None, BaseException | None], None] | None = None
+    job_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.monotonic)
+    status: JobStatus = JobStatus.WAITING
+    base_len: int = -1  # context length before this fill was applied (-1: not yet); failures roll back
+    pending: list[int] = field(default_factory=list)  # tokens to feed before this job can finish/decode
+    output_ids: list[int] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    stop_ids: frozenset[int] = frozenset()
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    preemptions: int = 0
