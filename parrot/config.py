@@ -18,6 +18,7 @@ class EngineConfig:
     model: str = "smollm2"
     page_size: int = 16
     kv_memory_mb: int = 1024  # budget for the paged KV pool
+    kv_pages: int | None = None  # exact page count (overrides kv_memory_mb), page 0 included
     max_batch_size: int = 64
     max_num_batched_tokens: int = 512  # prefill chunk / token budget per step
     # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths

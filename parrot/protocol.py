@@ -90,3 +90,4 @@ class RuntimeInfo(BaseModel):
     steps: int
     shape_misses: int
     preemptions: int
+    evictions: int

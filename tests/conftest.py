@@ -8,10 +8,30 @@ from parrot.config import EngineConfig
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
 from parrot.engine.runner import ModelRunner
+from parrot.engine.tokenizer import Tokenizer
 from parrot.errors import ModelLoadError
 
-TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+TINY = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=512)
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer without merges: 256 byte tokens + 4 control tokens (ids 256..259)."""
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>", "<pad>", "<unk>"]
+    return Tokenizer.from_gguf_metadata(tokens, [], [1] * 256 + [3] * 4, None, bos_token_id=256, eos_token_id=257,
+                                        chat_template=TINY_CHAT_TEMPLATE)
+
+
+def tiny_model(seed: int = 0) -> LoadedModel:
+    return LoadedModel(TINY, random_weights(TINY, seed=seed), tiny_tokenizer(), "tiny-random")
 
 
 def tiny_engine_config(**kw) -> EngineConfig:

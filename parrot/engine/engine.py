@@ -170,7 +170,7 @@ class LLMEngine:
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
-            shape_misses=self.runner.shape_misses, preemptions=s.preemptions,
+            shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
         )
 
     @property

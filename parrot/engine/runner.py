@@ -66,7 +66,7 @@ class ModelRunner:
         bytes_per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim
         bytes_per_page *= self.dtype.itemsize
         # page 0 is a scratch page: padding tokens write there, never handed to a context
-        self.num_pages = max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
+        self.num_pages = ecfg.kv_pages or max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
         model = Llama(cfg, weights, self.dtype)
         self.graphdef, self.state = nnx.split(model)
         del model

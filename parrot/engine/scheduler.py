@@ -4,11 +4,14 @@ A step is one decode batch (jobs with exactly one token to feed: their last samp
 prefill batch (chunks of jobs with more tokens to feed, within `max_num_batched_tokens`). Jobs join
 and leave at any step. KV pages are allocated on demand; when they run out, the newest running job is
 preempted (its private pages freed, its tokens recomputed later), so the cache never overflows and the
-oldest job always makes progress. A job that cannot fit even alone fails with an explicit error.
+oldest job always makes progress. Before that, idle contexts (no job on them) lose their KV, least
+recently used first; their tokens are kept, so the next primitive on them recomputes it. A job that
+cannot fit even then fails with an explicit error.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -50,7 +53,9 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.busy: dict[str, Job] = {}  # context -> its running job
-        self.preemptions = 0
+        self.last_used: dict[str, float] = {}
+        self.preemptions = 0  # running jobs whose KV was dropped for recompute
+        self.evictions = 0  # idle contexts whose KV was dropped for recompute
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -65,6 +70,7 @@ class Scheduler:
             j.context_id == context_id or j.parent_context_id == context_id for j in self.waiting)
 
     def finish(self, job: Job) -> None:
+        self.last_used[job.context_id] = time.monotonic()
         job.status = JobStatus.FINISHED
         self.running.remove(job)
         del self.busy[job.context_id]
@@ -116,6 +122,8 @@ class Scheduler:
         in this step (vLLM's policy; that may be `job` itself: then False). A job alone in the engine
         that still cannot fit fails with an explicit error instead of waiting forever."""
         while not self.kv.can_extend(job.context_id, n):
+            if self._evict_idle():
+                continue
             candidates = [j for j in self.running if j.job_id not in scheduled]
             if len(candidates) > 1:
                 victim = max(candidates, key=lambda j: j.arrival)
@@ -133,6 +141,17 @@ class Scheduler:
             plan.failed.append((job, err))
             return False
         return True
+
+    def _evict_idle(self) -> bool:
+        """Drop the KV of the least recently used idle context that owns a page alone (its tokens
+        stay; the next primitive on it, or on a fork of it, recomputes them). False if none."""
+        for ctx_id in sorted((c for c in self.kv if c not in self.busy), key=lambda c: self.last_used.get(c, 0.0)):
+            ctx = self.kv.get(ctx_id)
+            if ctx.num_tokens and any(self.kv.refcount(p) == 1 for p in ctx.pages):
+                self.kv.truncate(ctx_id, 0)
+                self.evictions += 1
+                return True
+        return False
 
     def _preempt(self, job: Job) -> None:
         """Drop the job's private KV (recomputed when it runs again) and requeue it by arrival."""
@@ -232,4 +251,5 @@ class Scheduler:
     def free_context(self, context_id: str) -> int:
         freed = self.kv.free(context_id)
         del self.tokens[context_id]
+        self.last_used.pop(context_id, None)
         return freed

@@ -1,0 +1,232 @@
+"""LLMEngine: primitives, batching invariance, forks, preemption, stop conditions, bad input."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=True)
+    yield eng
+    eng.shutdown()
+
+
+def fill(eng: LLMEngine, ctx: str, tokens: list[int], parent: str | None = None):
+    return eng.fill_future(FillRequest(context_id=ctx, parent_context_id=parent, token_ids=tokens)).result(TIMEOUT)
+
+
+def gen(eng: LLMEngine, ctx: str, parent: str | None = None, **sampling):
+    sp = SamplingParams(**({"max_tokens": 8} | sampling))
+    req = GenerateRequest(context_id=ctx, parent_context_id=parent, sampling=sp)
+    return eng.generate_future(req).result(TIMEOUT)
+
+
+def prompt(i: int, n: int = 20) -> list[int]:
+    return [(i * 37 + k * 11) % 250 + 3 for k in range(n)]
+
+
+def test_fill_then_generate(engine: LLMEngine) -> None:
+    r = fill(engine, "fg", prompt(1))
+    assert r.num_tokens == 20
+    g = gen(engine, "fg", max_tokens=5, ignore_eos=True)
+    assert len(g.token_ids) == 5 and g.finish_reason == "length"
+    # the generated tokens are in the context: generating again continues after them
+    assert g.num_tokens == 25
+    g2 = gen(engine, "fg", max_tokens=3, ignore_eos=True)
+    assert g2.num_tokens == 28
+    engine.free_future("fg").result(TIMEOUT)
+
+
+def test_generation_equals_one_shot_prompt(engine: LLMEngine) -> None:
+    """Fill in two parts then generate == fill all at once then generate."""
+    p = prompt(2, 40)
+    fill(engine, "a1", p[:13])
+    fill(engine, "a1", p[13:])
+    fill(engine, "a2", p)
+    a = gen(engine, "a1", max_tokens=10, ignore_eos=True)
+    b = gen(engine, "a2", max_tokens=10, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    for c in ("a1", "a2"):
+        engine.free_future(c).result(TIMEOUT)
+
+
+def test_batching_does_not_change_results(engine: LLMEngine) -> None:
+    alone = []
+    for i in range(12):
+        fill(engine, f"alone{i}", prompt(i, 10 + 3 * i))
+        alone.append(gen(engine, f"alone{i}", max_tokens=12, ignore_eos=True).token_ids)
+
+    def run(i: int) -> list[int]:
+        fill(engine, f"conc{i}", prompt(i, 10 + 3 * i))
+        return gen(engine, f"conc{i}", max_tokens=12, ignore_eos=True).token_ids
+
+    with cf.ThreadPoolExecutor(12) as ex:
+        together = list(ex.map(run, range(12)))
+    assert together == alone
+    for i in range(12):
+        engine.free_future(f"alone{i}").result(TIMEOUT)
+        engine.free_future(f"conc{i}").result(TIMEOUT)
+
+
+def test_forks_equal_unforked(engine: LLMEngine) -> None:
+    prefix = prompt(5, 37)  # a partial last page: the fork copies it
+    fill(engine, "root", prefix)
+    before = engine.ping().free_pages
+    outs = []
+    for i in range(4):
+        fill(engine, f"child{i}", prompt(10 + i, 9), parent="root")
+        outs.append(gen(engine, f"child{i}", max_tokens=8, ignore_eos=True).token_ids)
+    # the children share the root's full pages: each costs far fewer pages than a copy of the prefix
+    assert before - engine.ping().free_pages <= 4 * 2
+    for i in range(4):
+        fill(engine, f"flat{i}", prefix + prompt(10 + i, 9))
+        assert gen(engine, f"flat{i}", max_tokens=8, ignore_eos=True).token_ids == outs[i]
+    # generate directly on a fork of the root
+    g = gen(engine, "gchild", parent="root", max_tokens=6, ignore_eos=True)
+    fill(engine, "gflat", prefix)
+    assert gen(engine, "gflat", max_tokens=6, ignore_eos=True).token_ids == g.token_ids
+    # freeing the parent keeps the children valid
+    engine.free_future("root").result(TIMEOUT)
+    assert gen(engine, "child0", max_tokens=2, ignore_eos=True).num_tokens == 37 + 9 + 8 + 2
+    for c in [f"child{i}" for i in range(4)] + [f"flat{i}" for i in range(4)] + ["gchild", "gflat"]:
+        engine.free_future(c).result(TIMEOUT)
+    assert engine.ping().num_contexts == 0
+
+
+def test_stop_conditions(engine: LLMEngine) -> None:
+    fill(engine, "s", prompt(7, 12))
+    free_run = gen(engine, "s", parent=None, max_tokens=12, ignore_eos=True)
+    engine.free_future("s").result(TIMEOUT)
+    ids = free_run.token_ids
+    # stop token id: the output ends right before its first occurrence
+    fill(engine, "s2", prompt(7, 12))
+    r = gen(engine, "s2", max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]])
+    assert r.finish_reason == "stop" and r.token_ids == ids[: ids.index(ids[3])]
+    engine.free_future("s2").result(TIMEOUT)
+    # stop string: text is cut before it
+    text = free_run.text
+    if len(text) > 4:
+        stop = text[2:4]
+        fill(engine, "s3", prompt(7, 12))
+        r = gen(engine, "s3", max_tokens=12, ignore_eos=True, stop=[stop])
+        assert r.finish_reason == "stop" and r.text == text[: text.index(stop)]
+        engine.free_future("s3").result(TIMEOUT)
+
+
+def test_seeded_sampling_is_reproducible(engine: LLMEngine) -> None:
+    outs = []
+    for i in range(3):
+        fill(engine, f"r{i}", prompt(3, 15))
+        seed = 7 if i < 2 else 8
+        outs.append(gen(engine, f"r{i}", max_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.95,
+                        top_k=50, seed=seed).token_ids)
+        engine.free_future(f"r{i}").result(TIMEOUT)
+    assert outs[0] == outs[1]
+    assert outs[0] != outs[2]
+
+
+def test_streaming_matches_result(engine: LLMEngine) -> None:
+    chunks = []
+    fill(engine, "st", prompt(9, 10))
+    req = GenerateRequest(context_id="st", sampling=SamplingParams(max_tokens=10, ignore_eos=True))
+    res = engine.generate_future(req, on_chunk=chunks.append).result(TIMEOUT)
+    assert "".join(c.text for c in chunks) == res.text
+    assert [c.token_id for c in chunks if c.token_id is not None] == res.token_ids
+    assert chunks[-1].finish_reason == "length"
+    engine.free_future("st").result(TIMEOUT)
+
+
+def test_bad_input(engine: LLMEngine) -> None:
+    with pytest.raises(NotFoundError, match="does not exist"):
+        gen(engine, "nope")
+    with pytest.raises(NotFoundError, match="parent context 'ghost'"):
+        fill(engine, "x", [1, 2], parent="ghost")
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        fill(engine, "x", [1, 99999])
+    with pytest.raises(InvalidRequestError, match="maximum length"):
+        fill(engine, "x", [5] * 600)
+    fill(engine, "short", [5] * 10)
+    with pytest.raises(InvalidRequestError, match="maximum length"):
+        gen(engine, "short", max_tokens=600)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        gen(engine, "short", stop_token_ids=[10**6])
+    with pytest.raises(NotFoundError):
+        engine.free_future("never").result(TIMEOUT)
+    # freeing a context while a generate runs on it
+    fut = engine.generate_future(GenerateRequest(context_id="short",
+                                                 sampling=SamplingParams(max_tokens=400, ignore_eos=True)))
+    with pytest.raises(ConflictError):
+        engine.free_future("short").result(TIMEOUT)
+    fut.result(TIMEOUT)
+    engine.free_future("short").result(TIMEOUT)
+    # the engine keeps serving
+    fill(engine, "after", prompt(1))
+    assert len(gen(engine, "after", max_tokens=3, ignore_eos=True).token_ids) == 3
+    engine.free_future("after").result(TIMEOUT)
+
+
+def test_preemption_when_pages_run_out() -> None:
+    """A pool far too small for all requests at once: every request still finishes, same outputs."""
+    model = tiny_model()
+    big = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    try:
+        expected = []
+        for i in range(6):
+            fill(big, f"p{i}", prompt(i, 30))
+            expected.append(gen(big, f"p{i}", max_tokens=40, ignore_eos=True).token_ids)
+    finally:
+        big.shutdown()
+    small = LLMEngine(model, tiny_engine_config(kv_pages=1 + 14)).start(precompile=False)
+    try:
+        def run(i: int) -> list[int]:
+            fill(small, f"p{i}", prompt(i, 30))
+            return gen(small, f"p{i}", max_tokens=40, ignore_eos=True).token_ids
+
+        with cf.ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(run, range(6)))
+        assert got == expected
+        info = small.ping()
+        assert info.preemptions + info.evictions > 0
+        # the evicted contexts recompute their KV: generating again continues correctly
+        assert gen(small, "p0", max_tokens=5, ignore_eos=True).num_tokens == 30 + 40 + 5
+        # a context that needs more than the whole pool fails clearly
+        with pytest.raises(InvalidRequestError, match="whole cache"):
+            fill(small, "huge", [5] * 300)
+        assert small.alive
+    finally:
+        small.shutdown()
+
+
+def test_preempting_running_jobs_keeps_results() -> None:
+    """Forks of one root decode concurrently in a pool that holds only a few of them at a time."""
+    model = tiny_model()
+    root = prompt(4, 32)  # two full pages, shared by every fork
+
+    def run_all(eng: LLMEngine) -> list[list[int]]:
+        fill(eng, "root", root)
+        with cf.ThreadPoolExecutor(6) as ex:
+            futs = [ex.submit(gen, eng, f"f{i}", "root", max_tokens=40, ignore_eos=True, temperature=0.7, seed=i)
+                    for i in range(6)]
+            return [f.result().token_ids for f in futs]
+
+    big = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    try:
+        expected = run_all(big)
+    finally:
+        big.shutdown()
+    small = LLMEngine(model, tiny_engine_config(kv_pages=1 + 10)).start(precompile=False)
+    try:
+        assert run_all(small) == expected
+        assert small.ping().preemptions > 0
+    finally:
+        small.shutdown()
