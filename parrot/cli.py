@@ -61,6 +61,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig for `parrot engine`: unset batch limits default to EngineConfig's, capped at the largest
+    padding given; every inconsistency is a clear ParrotError."""
+    base = EngineConfig()
+    token_buckets = args.precompile_token_paddings or base.token_buckets
+    bs_buckets = args.precompile_bs_paddings or base.bs_buckets
+    max_tokens = args.max_num_batched_tokens or min(base.max_num_batched_tokens, max(token_buckets))
+    max_batch = args.max_batch_size or min(base.max_batch_size, max(bs_buckets))
+    if max_batch > max(bs_buckets):
+        raise ParrotError(f"--max-batch-size {max_batch} exceeds the largest batch padding {max(bs_buckets)}; "
+                          "add it to --precompile-bs-paddings")
+    try:
+        return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
+                            max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
+                            precompile=not args.disable_precompile,
+                            compilation_cache_dir=args.compilation_cache_dir or None)
+    except ValueError as exc:
+        raise ParrotError(f"invalid engine settings: {exc}") from exc
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from parrot.engine.http_api import run_engine_server
+
+    logging.getLogger("parrot").setLevel(logging.INFO)
+    cfg = engine_config_from_args(args)
+    run_engine_server(args.model, args.host, args.port, cfg, args.serve_core, name=args.name,
+                      advertise_url=args.advertise_url)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parrot", description="Parrot: serving LLM applications")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+
+    e = sub.add_parser("engine", help="serve one model over HTTP (/fill /generate /generate_stream /free_context "
+                                      "/ping /health)")
+    e.add_argument("--host", default="127.0.0.1")
+    e.add_argument("--port", type=int, default=9100)
+    _add_model_args(e)
+    e.add_argument("--max-batch-size", type=int, default=None,
+                   help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
+                        "batch padding)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"prefill token budget per step (default {EngineConfig.max_num_batched_tokens}, capped at "
+                        "the largest token padding)")
+    e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
+                   help="token-count padding buckets (default: powers of two 16..512)")
+    e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
+                   help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
+    e.add_argument("--disable-precompile", action="store_true",
+                   help="compile shapes lazily at serve time instead of before listening")
+    e.add_argument("--serve-core", metavar="URL", default=None,
+                   help="register with this serve core and send it heartbeats")
+    e.add_argument("--name", default=None, help="engine name at the serve core (default: HOSTNAME-PORT)")
+    e.add_argument("--advertise-url", default=None,
+                   help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
+    e.set_defaults(func=cmd_engine)
     return parser
 
 

@@ -26,17 +26,22 @@ class EngineConfig:
     bs_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode batches
     prefill_bs_buckets: list[int] = field(default_factory=lambda: [1, 4])  # fills batched in one prefill step
     kv_buckets: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
+    # shared-prefix (cascade) decode attention: forks of one context read the shared pages once
+    shared_prefix_attention: bool = True
+    cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256, 1024])  # own-KV lengths
     precompile: bool = True
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
 
     def __post_init__(self) -> None:
-        for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets"):
+        for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
             values = sorted(set(getattr(self, name)))
             if not values or values[0] <= 0:
                 raise ValueError(f"{name} must be positive integers")
             setattr(self, name, values)
+        if self.max_batch_size > self.bs_buckets[-1]:
+            raise ValueError("max_batch_size must not exceed the largest batch-size bucket")
         if self.max_num_batched_tokens > self.token_buckets[-1]:
             raise ValueError("max_num_batched_tokens must not exceed the largest token bucket")
-        if any(b % self.page_size for b in self.kv_buckets):
+        if any(b % self.page_size for b in self.kv_buckets + self.cascade_suffix_buckets):
             raise ValueError(f"kv_buckets must be multiples of page_size {self.page_size}")

@@ -91,3 +91,21 @@ class RuntimeInfo(BaseModel):
     shape_misses: int
     preemptions: int
     evictions: int
+    cascade_steps: int
+
+
+# ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----
+class EngineRegistration(BaseModel):
+    """POST {serve_core}/v1/engine/register: an engine announces itself once it is listening."""
+
+    name: str = Field(min_length=1, max_length=256, description="unique engine name; heartbeats refer to it")
+    url: str = Field(description="base URL the serve core reaches the engine's /fill, /generate, ... at")
+    model: str
+    max_context_len: int = Field(ge=1)
+
+
+class EngineHeartbeat(BaseModel):
+    """POST {serve_core}/v1/engine/heartbeat about every second; a 404 answer makes the engine register again."""
+
+    name: str = Field(min_length=1, max_length=256)
+    runtime: RuntimeInfo

@@ -4,6 +4,11 @@ Layout (selective batching, Orca): the `T` scheduled tokens of all sequences are
 non-attention ops run on `[T, hidden]`. Attention regroups the flat queries per sequence through
 `q_index` (`[B, Q]` indices into the flat array; `T` marks padding) and reads each sequence's keys and
 values through its page table (`block_tables`, `[B, P]`).
+
+Shared prefix (cascade) layout: when several decoding sequences were forked from one context, the
+pages they share are listed once in `prefix_pages` (`[Pp]`, Pp > 0) and left out of their own
+`block_tables`, whose first page then holds position `kv_offset[b]`. Attention reads the prefix once
+for all member queries and merges it with each sequence's own suffix (attention.py).
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ class ForwardBatch:
     positions: jax.Array  # [T] int32 position of each token in its sequence
     slot_mapping: jax.Array  # [T] int32 KV slot (page * page_size + offset) each token writes
     q_index: jax.Array  # [B, Q] int32 flat index of each sequence's queries (padding: T)
-    block_tables: jax.Array  # [B, P] int32 pages of each sequence (padding: scratch page 0)
+    block_tables: jax.Array  # [B, P] int32 own pages of each sequence (padding: scratch page 0)
+    kv_offset: jax.Array  # [B] int32 position held by block_tables[b, 0] (shared prefix length or 0)
     kv_lens: jax.Array  # [B] int32 tokens each sequence attends to after this step (padding: 0)
     logits_index: jax.Array  # [B] int32 flat index of the token whose logits are wanted
+    prefix_pages: jax.Array  # [Pp] int32 pages of the shared prefix (Pp = 0: no shared prefix)
+    prefix_len: jax.Array  # [] int32 tokens in the shared prefix
+    in_prefix: jax.Array  # [B] bool sequence b reads the shared prefix
 
     @property
     def num_tokens(self) -> int:
@@ -46,11 +55,14 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
 
 @dataclass
 class SequenceSlice:
-    """One sequence's part of a step: `tokens` appended at `start`, KV pages in `pages`."""
+    """One sequence's part of a step: `tokens` appended at `start`, KV in `pages`.
+
+    `shared_pages`: how many leading pages are the batch's shared prefix (cascade layout)."""
 
     tokens: Sequence[int]
     start: int  # position of tokens[0] (= tokens already in the sequence's KV)
     pages: Sequence[int]
+    shared_pages: int = 0
 
 
 def build_batch(
@@ -60,10 +72,12 @@ def build_batch(
     batch_size: int,
     q_len: int,
     num_pages: int,
+    prefix_pages: int = 0,
 ) -> ForwardBatch:
     """Pack sequences into a padded ForwardBatch of the given bucket shape (host-side numpy).
 
-    Padding tokens write their KV to slot 0 (page 0 is a scratch page never handed to a context)."""
+    Padding tokens write their KV to slot 0 (page 0 is a scratch page never handed to a context).
+    With `prefix_pages` > 0 the sequences with `shared_pages` > 0 must share those leading pages."""
     total = sum(len(s.tokens) for s in seqs)
     if total > num_tokens or len(seqs) > batch_size:
         raise ValueError(f"{len(seqs)} sequences / {total} tokens exceed bucket {batch_size}/{num_tokens}")
@@ -72,24 +86,70 @@ def build_batch(
     slot_mapping = np.zeros(num_tokens, np.int32)
     q_index = np.full((batch_size, q_len), num_tokens, np.int32)
     block_tables = np.zeros((batch_size, num_pages), np.int32)
+    kv_offset = np.zeros(batch_size, np.int32)
     kv_lens = np.zeros(batch_size, np.int32)
     logits_index = np.zeros(batch_size, np.int32)
+    prefix = np.zeros(prefix_pages, np.int32)
+    prefix_len = 0
+    in_prefix = np.zeros(batch_size, bool)
     off = 0
     for b, s in enumerate(seqs):
         n = len(s.tokens)
         if n > q_len:
             raise ValueError(f"sequence of {n} tokens exceeds query bucket {q_len}")
-        pos = np.arange(s.start, s.start + n, dtype=np.int32)
         used = -(-(s.start + n) // page_size)  # pages holding this sequence's KV after the step
-        if used > len(s.pages) or used > num_pages:
-            raise ValueError(f"sequence needs {used} pages; has {len(s.pages)}, bucket {num_pages}")
-        pages = np.asarray(s.pages[:used], np.int32)
+        if used > len(s.pages):
+            raise ValueError(f"sequence needs {used} pages; has {len(s.pages)}")
+        shared = s.shared_pages
+        if shared:
+            if shared > prefix_pages or (prefix_len and shared * page_size != prefix_len):
+                raise ValueError("sequences in the shared prefix must share the same pages")
+            prefix[:shared] = s.pages[:shared]
+            prefix_len = shared * page_size
+            in_prefix[b] = True
+        own = np.asarray(s.pages[shared:used], np.int32)
+        if len(own) > num_pages:
+            raise ValueError(f"sequence needs {len(own)} own pages; bucket holds {num_pages}")
+        pos = np.arange(s.start, s.start + n, dtype=np.int32)
         input_ids[off : off + n] = s.tokens
         positions[off : off + n] = pos
-        slot_mapping[off : off + n] = pages[pos // page_size] * page_size + pos % page_size
+        page_of = pos // page_size - shared
+        slot_mapping[off : off + n] = own[page_of] * page_size + pos % page_size
         q_index[b, :n] = np.arange(off, off + n, dtype=np.int32)
-        block_tables[b, :used] = pages
+        block_tables[b, : len(own)] = own
+        kv_offset[b] = shared * page_size
         kv_lens[b] = s.start + n
         logits_index[b] = off + n - 1
         off += n
-    return ForwardBatch(input_ids, positions, slot_mapping, q_index, block_tables, kv_lens, logits_index)
+    return ForwardBatch(input_ids, positions, slot_mapping, q_index, block_tables, kv_offset, kv_lens,
+                        logits_index, prefix, np.int32(prefix_len), in_prefix)
+
+
+def find_shared_prefix(page_lists: Sequence[Sequence[int]], min_members: int = 2) -> tuple[list[int], int]:
+    """The group of sequences sharing the most prefix KV: (member indices, shared leading pages).
+
+    Sequences forked from one context hold the very same page ids for its full pages, so page
+    identity is KV identity. Picks the group maximising (members - 1) x shared pages (the reads saved).
+    Only full pages can be shared, and a sequence's last page is never shared, so the common prefix
+    always leaves each member at least its own last page."""
+    groups: dict[int, list[int]] = {}
+    for i, pages in enumerate(page_lists):
+        if pages:
+            groups.setdefault(pages[0], []).append(i)
+    best: tuple[list[int], int] = ([], 0)
+    best_saving = 0
+    for members in groups.values():
+        if len(members) < min_members:
+            continue
+        first = page_lists[members[0]]
+        n = min(len(page_lists[i]) for i in members) - 1
+        for i in members[1:]:
+            other = page_lists[i]
+            k = 0
+            while k < n and other[k] == first[k]:
+                k += 1
+            n = k
+        saving = (len(members) - 1) * n
+        if n > 0 and saving > best_saving:
+            best, best_saving = (members, n), saving
+    return best

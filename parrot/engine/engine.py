@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 
 from parrot.config import EngineConfig
-from parrot.engine.batch import SequenceSlice, build_batch
+from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import ModelRunner
@@ -62,6 +62,7 @@ class LLMEngine:
         self._dead: BaseException | None = None
         self._rng = np.random.default_rng()
         self.steps = 0
+        self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
         self._step_ms: collections.deque[float] = collections.deque(maxlen=32)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -171,6 +172,7 @@ class LLMEngine:
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
+            cascade_steps=self.cascade_steps,
         )
 
     @property
@@ -227,12 +229,25 @@ class LLMEngine:
     def _run(self, slots: list[Slot], decode: bool) -> None:
         r = self.runner
         kv_len = max(s.start + len(s.tokens) for s in slots)
-        if decode:
-            shape = r.decode_shape(len(slots), kv_len)
-        else:
-            shape = r.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len)
-        batch = build_batch([SequenceSlice(s.tokens, s.start, s.pages) for s in slots], r.page_size,
-                            shape.tokens, shape.batch, shape.q_len, shape.pages)
+        seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]
+        shape = None
+        if decode and self.cfg.shared_prefix_attention and len(slots) > 1:
+            members, shared = find_shared_prefix([s.pages for s in slots])
+            if shared:
+                for i in members:
+                    seqs[i].shared_pages = shared
+                own = max(s.start + len(s.tokens) - (s.shared_pages * r.page_size) for s in seqs)
+                shape = r.cascade_shape(len(slots), own, shared * r.page_size)
+                if shape is not None:
+                    self.cascade_steps += 1
+                else:
+                    for i in members:
+                        seqs[i].shared_pages = 0
+        if shape is None:
+            shape = (r.decode_shape(len(slots), kv_len) if decode
+                     else r.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len))
+        batch = build_batch(seqs, r.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
+                            shape.prefix_pages)
         logits = r.forward(batch)
         # which rows produce a token: generate jobs whose pending tokens are all fed by this step
         sampling_rows = [i for i, s in enumerate(slots)

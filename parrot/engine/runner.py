@@ -32,6 +32,7 @@ class Shape:
     batch: int
     q_len: int
     pages: int
+    prefix_pages: int = 0  # > 0: cascade decode with a shared prefix of this many pages
 
 
 def default_dtype() -> jnp.dtype:
@@ -106,6 +107,14 @@ class ModelRunner:
         b = pick_bucket(batch, self.ecfg.bs_buckets)
         return Shape(b, b, 1, self.kv_pages_bucket(kv_len))
 
+    def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
+        """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
+        if own_len > self.ecfg.cascade_suffix_buckets[-1] or batch < 2:
+            return None
+        b = pick_bucket(batch, self.ecfg.bs_buckets)
+        own = pick_bucket(own_len, self.ecfg.cascade_suffix_buckets) // self.page_size
+        return Shape(b, b, 1, own, self.kv_pages_bucket(prefix_len))
+
     def all_shapes(self) -> list[Shape]:
         """Every shape the serving loop may use: prefill steps (`prefill_bs_buckets` sequences of a
         token bucket each, within max_num_batched_tokens) and decode batches."""
@@ -115,15 +124,19 @@ class ModelRunner:
                   for q in self.ecfg.token_buckets if q <= max_q
                   for b in self.ecfg.prefill_bs_buckets if b == 1 or b * q <= budget
                   for kv in self.kv_buckets if kv >= q]
-        shapes += [Shape(b, b, 1, kv // self.page_size) for b in self.ecfg.bs_buckets
-                   if b <= self.ecfg.max_batch_size for kv in self.kv_buckets]
+        max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
+        decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
+        shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
+        if self.ecfg.shared_prefix_attention:
+            shapes += [Shape(b, b, 1, own // self.page_size, kv // self.page_size) for b in decode_bs if b >= 2
+                       for own in self.ecfg.cascade_suffix_buckets for kv in self.kv_buckets]
         return shapes
 
     # ---- running ----------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> jax.Array:
         """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
-                      int(batch.block_tables.shape[1]))
+                      int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
         if shape not in self.compiled:
             if self.precompiled:
                 self.shape_misses += 1
@@ -150,7 +163,8 @@ class ModelRunner:
 
     def dummy_batch(self, shape: Shape) -> ForwardBatch:
         """A batch of the given shape writing only to the scratch page."""
-        return build_batch([], self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages)
+        return build_batch([], self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
+                           shape.prefix_pages)
 
     def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True) -> None:
         shapes = list(self.all_shapes() if shapes is None else shapes)

@@ -230,3 +230,26 @@ def test_preempting_running_jobs_keeps_results() -> None:
         assert small.ping().preemptions > 0
     finally:
         small.shutdown()
+
+
+def test_shared_prefix_attention_keeps_results() -> None:
+    """Concurrent forks of one long root decode through cascade attention: same tokens as without."""
+    model = tiny_model()
+    root = prompt(8, 70)
+
+    def run_all(eng: LLMEngine) -> list[list[int]]:
+        fill(eng, "root", root)
+        with cf.ThreadPoolExecutor(5) as ex:
+            futs = [ex.submit(gen, eng, f"f{i}", "root", max_tokens=20, ignore_eos=True, temperature=0.8, seed=i)
+                    for i in range(5)]
+            return [f.result().token_ids for f in futs]
+
+    outs = {}
+    for cascade in (False, True):
+        eng = LLMEngine(model, tiny_engine_config(shared_prefix_attention=cascade)).start(precompile=False)
+        try:
+            outs[cascade] = run_all(eng)
+            assert (eng.ping().cascade_steps > 0) == cascade
+        finally:
+            eng.shutdown()
+    assert outs[True] == outs[False]

@@ -1,0 +1,341 @@
+"""The engine's HTTP face: /fill /generate /generate_stream /free_context /ping /health over one LLMEngine.
+
+Bodies are the pydantic schemas of `parrot.protocol`. Every error answers `{"detail": "<message>"}`:
+  InvalidRequestError 400, NotFoundError 404, ConflictError 409, request validation 422,
+  OutOfPages 507 (the KV pool is full; free contexts or retry), EngineDeadError 503.
+`/generate_stream` is Server-Sent Events: `data: <StreamChunk json>` per chunk, the last chunk carries
+`finish_reason`, then `data: [DONE]`. Errors known before the first chunk (unknown context, bad tokens,
+...) are plain HTTP errors; an error after the stream started is sent as `event: error` with
+`data: {"detail": ...}` and the stream ends without `[DONE]`.
+
+`run_engine_server` loads a model, starts the engine and serves it with uvicorn; given a serve core URL it
+registers there and sends a heartbeat about every second (`serve_core_link`), retrying forever when the
+serve core is unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from parrot.config import EngineConfig
+from parrot.engine.engine import EngineDeadError, LLMEngine
+from parrot.engine.kv_cache import OutOfPages
+from parrot.errors import ConflictError, InvalidRequestError, ModelLoadError, NotFoundError, ParrotError
+from parrot.protocol import (
+    EngineHeartbeat,
+    EngineRegistration,
+    FillRequest,
+    FillResponse,
+    FreeContextRequest,
+    FreeContextResponse,
+    GenerateRequest,
+    GenerateResponse,
+    RuntimeInfo,
+    StreamChunk,
+)
+
+log = logging.getLogger(__name__)
+
+# most specific first: OutOfPages and EngineDeadError are plain ParrotErrors
+_ERROR_STATUS: list[tuple[type[ParrotError], int]] = [
+    (EngineDeadError, 503),
+    (OutOfPages, 507),
+    (NotFoundError, 404),
+    (ConflictError, 409),
+    (InvalidRequestError, 400),
+    (ModelLoadError, 400),
+]
+
+
+def error_status(exc: ParrotError) -> int:
+    for cls, status in _ERROR_STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def _detail(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line per pydantic error: `sampling.top_p: Input should be greater than 0`."""
+    parts = []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON{': ' + reason if reason else ''}")
+            continue
+        where = ".".join(loc)
+        msg = err.get("msg", "invalid value")
+        if not where and err.get("type") == "missing":
+            parts.append("the request needs a JSON body")
+            continue
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def _sse(payload: str, event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+_END = object()  # end-of-stream marker in a stream's queue
+
+
+def create_app(engine: LLMEngine) -> FastAPI:
+    app = FastAPI(title="Parrot engine", summary="Fill / Generate / FreeContext / Ping on one LLMEngine")
+    app.state.engine = engine
+
+    # ---- errors ---------------------------------------------------------------------------------
+    @app.exception_handler(ParrotError)
+    async def _parrot_error(request: Request, exc: ParrotError) -> JSONResponse:
+        status = error_status(exc)
+        if status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, status, exc)
+        return JSONResponse({"detail": _detail(exc)}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+    # ---- primitives -----------------------------------------------------------------------------
+    @app.post("/fill", response_model=FillResponse)
+    async def fill(req: FillRequest) -> FillResponse:
+        return await engine.fill(req)
+
+    @app.post("/generate", response_model=GenerateResponse)
+    async def generate(req: GenerateRequest) -> GenerateResponse:
+        return await engine.generate(req)
+
+    @app.post("/generate_stream", response_class=StreamingResponse,
+              responses={200: {"content": {"text/event-stream": {}},
+                               "description": "`data: <StreamChunk json>` events, then `data: [DONE]`"}})
+    async def generate_stream(req: GenerateRequest) -> StreamingResponse:
+        items = _start_stream(engine, req)
+        first = await items.__anext__()  # errors before the first chunk become plain HTTP errors
+        if isinstance(first, BaseException):
+            raise first
+
+        async def events() -> AsyncIterator[str]:
+            item: object = first
+            while True:
+                if item is _END:
+                    yield _sse("[DONE]")
+                    return
+                if isinstance(item, BaseException):
+                    log.warning("generate_stream %s failed mid-stream: %s", req.context_id, item)
+                    yield _sse(json.dumps({"detail": _detail(item)}), event="error")
+                    return
+                assert isinstance(item, StreamChunk)
+                yield _sse(item.model_dump_json())
+                item = await items.__anext__()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/free_context", response_model=FreeContextResponse)
+    async def free_context(req: FreeContextRequest) -> FreeContextResponse:
+        return await engine.free_context(req.context_id)
+
+    # ---- state ----------------------------------------------------------------------------------
+    @app.get("/ping", response_model=RuntimeInfo)
+    async def ping() -> RuntimeInfo:
+        return engine.ping()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            reason = getattr(engine, "_dead", None) or "not started, or shut down"  # the crash, if any
+            return JSONResponse({"detail": f"the engine is not running ({reason})"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    return app
+
+
+def _start_stream(engine: LLMEngine, req: GenerateRequest) -> AsyncIterator[object]:
+    """Submit a streaming Generate (submit errors raise here) and return an iterator of its StreamChunks,
+    then the exception or `_END`. The engine thread never blocks on or fails because of the consumer: a
+    client that went away leaves chunks in an orphaned queue, and an event loop that closed (server
+    shutdown) swallows them; the generation itself runs to its end."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue[object] = asyncio.Queue()
+
+    def put(item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    fut = engine.generate_future(req, on_chunk=put)
+    fut.add_done_callback(lambda f: put(f.exception() or _END))
+
+    async def items() -> AsyncIterator[object]:
+        while True:
+            item = await q.get()
+            yield item
+            if item is _END or isinstance(item, BaseException):
+                return
+
+    return items()
+
+
+# ---- serve-core link ------------------------------------------------------------------------------
+async def serve_core_link(serve_core_url: str, registration: EngineRegistration, runtime: Callable[[], RuntimeInfo],
+                          interval: float = 1.0, timeout: float = 5.0) -> None:
+    """Register with the serve core, then send a heartbeat every `interval` seconds, forever (cancel the task
+    to stop). Any failure (unreachable, timeout, non-2xx) is logged and retried after `interval`; a
+    heartbeat answered 404 (the serve core forgot us, e.g. it restarted) registers again."""
+    base = serve_core_url.rstrip("/")
+    registered = False
+    failing = False  # log the first failure of a streak as a warning, the rest at debug level
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        while True:
+            try:
+                if not registered:
+                    r = await client.post(f"{base}/v1/engine/register", json=registration.model_dump(mode="json"))
+                    r.raise_for_status()
+                    registered = True
+                    log.info("registered engine %r at %s with the serve core %s", registration.name,
+                             registration.url, base)
+                else:
+                    beat = EngineHeartbeat(name=registration.name, runtime=runtime())
+                    r = await client.post(f"{base}/v1/engine/heartbeat", json=beat.model_dump(mode="json"))
+                    if r.status_code == 404:
+                        log.warning("the serve core %s does not know engine %r; registering again", base,
+                                    registration.name)
+                        registered = False
+                        continue
+                    r.raise_for_status()
+                if failing:
+                    log.info("the serve core %s is reachable again", base)
+                failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # never fatal: the engine keeps serving without a serve core
+                what = "register with" if not registered else "send a heartbeat to"
+                msg = _describe_http_error(exc)
+                log.log(logging.DEBUG if failing else logging.WARNING,
+                        "cannot %s the serve core %s (%s); retrying every %.1fs", what, base, msg, interval)
+                failing = True
+            await asyncio.sleep(interval)
+
+
+def _describe_http_error(exc: Exception) -> str:
+    if isinstance(exc, httpx.HTTPStatusError):
+        return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+# ---- serving --------------------------------------------------------------------------------------
+class EngineServer:
+    """uvicorn serving `create_app(engine)`, plus the serve-core link once the socket is listening.
+
+    `serve()` runs in the caller's event loop; `start_in_thread()` / `stop()` run it in a thread (tests,
+    embedding). The engine's lifecycle (start / shutdown) belongs to the caller."""
+
+    def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 9100, *,
+                 serve_core_url: str | None = None, name: str | None = None, advertise_url: str | None = None,
+                 heartbeat_interval: float = 1.0, log_level: str = "info") -> None:
+        self.engine = engine
+        self.host, self.port = host, port
+        self.serve_core_url = serve_core_url
+        self.name = name or f"{socket.gethostname()}-{port}"
+        self.heartbeat_interval = heartbeat_interval
+        self.app = create_app(engine)
+        self.config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
+                                     timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(self.config)
+        self._advertise_url = advertise_url
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL other processes reach this engine at (for the serve core)."""
+        if self._advertise_url:
+            return self._advertise_url.rstrip("/")
+        host = self.host
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"  # a wildcard bind: the loopback address is reachable on this machine
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def registration(self) -> EngineRegistration:
+        info = self.engine.ping()
+        return EngineRegistration(name=self.name, url=self.url, model=info.model,
+                                  max_context_len=info.max_context_len)
+
+    async def serve(self) -> None:
+        link: asyncio.Task[None] | None = None
+        serving = asyncio.create_task(self.server.serve())
+        try:
+            if self.serve_core_url:
+                while not self.server.started and not serving.done():
+                    await asyncio.sleep(0.02)
+                if self.server.started:
+                    link = asyncio.create_task(serve_core_link(self.serve_core_url, self.registration(),
+                                                               self.engine.ping, self.heartbeat_interval))
+            await serving
+        finally:
+            if link is not None:
+                link.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await link
+
+    def start_in_thread(self, timeout: float = 30.0) -> EngineServer:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve()), name="parrot-engine-http",
+                                        daemon=True)
+        self._thread.start()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started:
+                return self
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the engine server did not start on {self.host}:{self.port}")
+            threading.Event().wait(0.02)
+        raise TimeoutError(f"the engine server did not start within {timeout}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 9100, cfg: EngineConfig | None = None,
+                      serve_core_url: str | None = None, *, name: str | None = None,
+                      advertise_url: str | None = None) -> None:
+    """Load `model` (a name/path for `load_model`, or an already LoadedModel), start an LLMEngine (precompiling
+    per `cfg.precompile`) and serve it until interrupted."""
+    from parrot.engine.loader import LoadedModel, load_model
+
+    cfg = cfg or EngineConfig()
+    loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None)
+    engine.start()
+    server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url)
+    log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()
