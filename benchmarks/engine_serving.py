@@ -1,0 +1,145 @@
+"""Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
+
+    python -m benchmarks.engine_serving [--quick] [--out benchmarks/results/engine_serving.json]
+
+1. Throughput vs concurrency: c clients each fill a ~256-token prompt and generate 128 tokens
+   (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT and inter-token latency p50/p99.
+2. Shared prefix: 16 forks of one 1,000-token context, each filling a short question and generating,
+   vs 16 independent contexts holding a copy of the prefix. Wall time of each, side by side.
+All shapes are precompiled first; shape misses during the runs are reported (should be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from parrot.config import EngineConfig
+from parrot.engine.engine import LLMEngine
+from parrot.engine.loader import load_model
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams, StreamChunk
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+class Client:
+    """One simulated user: fill a context (optionally forked), then stream a generation."""
+
+    def __init__(self, eng: LLMEngine, ctx: str, tokens: list[int], max_tokens: int, parent: str | None = None):
+        self.eng, self.ctx, self.tokens, self.max_tokens, self.parent = eng, ctx, tokens, max_tokens, parent
+        self.token_times: list[float] = []
+        self.start = 0.0
+        self.end = 0.0
+
+    def run(self) -> None:
+        self.start = time.perf_counter()
+        self.eng.fill_future(FillRequest(context_id=self.ctx, parent_context_id=self.parent,
+                                         token_ids=self.tokens)).result()
+
+        def on_chunk(c: StreamChunk) -> None:
+            if c.token_id is not None:
+                self.token_times.append(time.perf_counter())
+
+        sp = SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
+        self.eng.generate_future(GenerateRequest(context_id=self.ctx, sampling=sp), on_chunk=on_chunk).result()
+        self.end = time.perf_counter()
+        self.eng.free_future(self.ctx).result()
+
+
+def run_clients(clients: list[Client]) -> float:
+    threads = [threading.Thread(target=c.run) for c in clients]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int) -> dict:
+    vocab = eng.vocab_size
+    clients = [Client(eng, f"t{conc}-{i}", rng.integers(100, vocab, prompt_len).tolist(), out_len)
+               for i in range(conc)]
+    wall = run_clients(clients)
+    ttft = [c.token_times[0] - c.start for c in clients]
+    itl = [b - a for c in clients for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
+    out_tokens = sum(len(c.token_times) for c in clients)
+    return {"concurrency": conc, "requests": conc, "wall_s": wall, "output_tokens": out_tokens,
+            "output_tokens_per_s": out_tokens / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3}
+
+
+def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
+    vocab = eng.vocab_size
+    prefix = rng.integers(100, vocab, prefix_len).tolist()
+    questions = [rng.integers(100, vocab, q_len).tolist() for _ in range(n)]
+    # independent: every client holds its own copy of the prefix
+    indep = [Client(eng, f"ind{i}", prefix + questions[i], out_len) for i in range(n)]
+    t_indep = run_clients(indep)
+    # forks: the prefix is filled once, every client forks it
+    t0 = time.perf_counter()
+    eng.fill_future(FillRequest(context_id="shared-root", token_ids=prefix)).result()
+    forks = [Client(eng, f"fork{i}", questions[i], out_len, parent="shared-root") for i in range(n)]
+    run_clients(forks)
+    t_forks = time.perf_counter() - t0
+    eng.free_future("shared-root").result()
+    return {"forks": n, "prefix_tokens": prefix_len, "question_tokens": q_len, "output_tokens": out_len,
+            "independent_s": t_indep, "forked_s": t_forks, "speedup": t_indep / t_forks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--quick", action="store_true", help="fewer levels and tokens (a few minutes)")
+    ap.add_argument("--out", default="benchmarks/results/engine_serving.json")
+    args = ap.parse_args()
+    quick = args.quick
+    levels = [1, 4, 16] if quick else [1, 4, 16, 64]
+    prompt_len, out_len = 256, (32 if quick else 128)
+    cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
+                       token_buckets=[16, 32, 64, 128, 256, 512], bs_buckets=[1, 2, 4, 8, 16, 32, 64],
+                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256])
+    model = load_model(args.model)
+    eng = LLMEngine(model, cfg)
+    t0 = time.perf_counter()
+    eng.runner.precompile()
+    compile_s = time.perf_counter() - t0
+    eng.start(precompile=False)
+    rng = np.random.default_rng(0)
+    result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
+                    "throughput": [], "quick": quick}
+    try:
+        for c in levels:
+            r = throughput(eng, rng, c, prompt_len, out_len)
+            result["throughput"].append(r)
+            print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
+                  f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
+                  f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms", flush=True)
+        base = result["throughput"][0]["output_tokens_per_s"]
+        result["throughput_ratio_vs_c1"] = {
+            r["concurrency"]: r["output_tokens_per_s"] / base for r in result["throughput"]}
+        sp = shared_prefix(eng, rng, 16, 1000, 16, 16 if quick else 64)
+        result["shared_prefix"] = sp
+        print(f"16 forks of a 1000-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
+              f"{sp['independent_s']:.1f}s: {sp['speedup']:.2f}x")
+        info = eng.ping()
+        result["runtime"] = info.model_dump()
+        print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}; shape misses: {info.shape_misses}; "
+              f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
+    finally:
+        eng.shutdown()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
