@@ -21,6 +21,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -72,21 +73,27 @@ def _detail(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+def _loc_part(x: object) -> str:
+    s = str(x)
+    return s if s and s.isprintable() and s.strip() == s else repr(x)  # make '' and odd keys visible
+
+
 def _validation_message(exc: RequestValidationError) -> str:
     """One line per pydantic error: `sampling.top_p: Input should be greater than 0`."""
     parts = []
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = tuple(err.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ("body",) else loc
         if err.get("type") == "json_invalid":
             reason = (err.get("ctx") or {}).get("error", "")
             parts.append(f"the body is not valid JSON{': ' + reason if reason else ''}")
             continue
-        where = ".".join(loc)
+        where = ".".join(_loc_part(x) for x in loc)
         msg = err.get("msg", "invalid value")
         if not where and err.get("type") == "missing":
             parts.append("the request needs a JSON body")
             continue
-        parts.append(f"{where}: {msg}" if where else msg)
+        parts.append(f"{where or 'request body'}: {msg}")
     return "; ".join(parts) or "invalid request"
 
 
@@ -119,7 +126,7 @@ def create_app(engine: LLMEngine) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
+        # Starlette re-raises after this response, so uvicorn logs the traceback
         return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
 
     # ---- primitives -----------------------------------------------------------------------------
@@ -313,7 +320,7 @@ class EngineServer:
                 return self
             if not self._thread.is_alive():
                 raise RuntimeError(f"the engine server did not start on {self.host}:{self.port}")
-            threading.Event().wait(0.02)
+            time.sleep(0.02)
         raise TimeoutError(f"the engine server did not start within {timeout}s")
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -337,5 +344,7 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
     try:
         asyncio.run(server.serve())
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then re-raised the signal
+        log.info("engine %r stopped", server.name)
     finally:
         engine.shutdown()
