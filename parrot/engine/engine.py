@@ -82,8 +82,8 @@ class LLMEngine:
     # ---- submitting (any thread) --------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Queue a job; its callbacks run on the engine thread."""
-        if self._dead is not None or self._stop:
-            raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
+        if self._thread is None or self._dead is not None or self._stop:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'not started or shut down'})")
         if job.kind is JobKind.FILL:
             bad = [t for t in job.fill_tokens if not 0 <= t < self.vocab_size]
             if bad:
@@ -135,7 +135,7 @@ class LLMEngine:
             except ParrotError as exc:
                 fut.set_exception(exc)
 
-        if self._dead is not None or self._stop:
+        if self._thread is None or self._dead is not None or self._stop:
             raise EngineDeadError("the engine is not running")
         self._call(do)
         return fut
@@ -174,6 +174,13 @@ class LLMEngine:
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.cascade_steps,
         )
+
+    @property
+    def death_reason(self) -> str | None:
+        """Why the loop is not running (None while it runs)."""
+        if self.alive:
+            return None
+        return str(self._dead) if self._dead is not None else "not started, or shut down"
 
     @property
     def alive(self) -> bool:
@@ -285,8 +292,7 @@ class LLMEngine:
         job.output_ids.append(token)
         ctx_tokens.append(token)  # in the context; its KV is written when it is fed (next step or job)
         delta, hit_stop = job.detok.add(token)
-        if job.on_chunk is not None and (delta or not hit_stop):
-            job.on_chunk(StreamChunk(token_id=token, text=delta))
+        _emit(job, StreamChunk(token_id=token, text=delta))
         if hit_stop:
             return self._complete(job, "stop")
         if len(job.output_ids) >= sp.max_tokens or len(ctx_tokens) >= self.runner.max_len:
@@ -296,9 +302,8 @@ class LLMEngine:
     def _complete(self, job: Job, reason: str) -> None:
         job.finish_reason = reason
         self.scheduler.finish(job)
-        if job.on_chunk is not None:
-            job.on_chunk(StreamChunk(finish_reason=reason))
         assert job.detok is not None
+        _emit(job, StreamChunk(text=job.detok.flush(), finish_reason=reason))
         _finish(job, GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids), text=job.detok.text,
                                       finish_reason=reason, num_tokens=len(self.scheduler.tokens[job.context_id])))
 
@@ -315,9 +320,25 @@ class LLMEngine:
             self._fail(s.job, err)
 
 
+def _emit(job: Job, chunk: StreamChunk) -> None:
+    """Hand a chunk to the job's listener; a failing listener (e.g. a closed event loop) is dropped,
+    never allowed to stop the engine."""
+    if job.on_chunk is None:
+        return
+    try:
+        job.on_chunk(chunk)
+    except Exception:
+        log.warning("stream listener of job %d failed; dropping it", job.job_id, exc_info=True)
+        job.on_chunk = None
+
+
 def _finish(job: Job, result: object | None, err: BaseException | None = None) -> None:
-    if job.on_done is not None:
+    if job.on_done is None:
+        return
+    try:
         job.on_done(result, err)
+    except Exception:
+        log.warning("completion listener of job %d failed", job.job_id, exc_info=True)
 
 
 def _resolver(fut: concurrent.futures.Future) -> Callable[[object | None, BaseException | None], None]:

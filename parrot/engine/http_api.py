@@ -176,7 +176,7 @@ def create_app(engine: LLMEngine) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.alive:
-            reason = getattr(engine, "_dead", None) or "not started, or shut down"  # the crash, if any
+            reason = engine.death_reason
             return JSONResponse({"detail": f"the engine is not running ({reason})"}, status_code=503)
         return JSONResponse({"status": "ok"})
 

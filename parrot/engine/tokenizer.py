@@ -141,31 +141,42 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters,
-    and finds stop strings as they appear."""
+    and finds stop strings as they appear. Text that could be the start of a stop string is held back
+    until it is resolved, so the streamed deltas always concatenate to the final text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # decoded text so far (cut before a stop string once one is found)
+        self.emitted = 0  # characters of `text` already handed out as deltas
         self._prefix = 0  # ids before this index are already reflected in `text`
         self._read = 0
 
     def add(self, token_id: int) -> tuple[str, bool]:
-        """Append one id; returns (new text, hit a stop string). On a stop, text ends before it."""
+        """Append one id; returns (text safe to emit now, hit a stop string)."""
         self.ids.append(token_id)
         prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
         full = self.tokenizer.decode(self.ids[self._prefix :])
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return "", False  # incomplete UTF-8 sequence or nothing printable yet
-        delta = full[len(prefix_text) :]
-        self._prefix, self._read = self._read, len(self.ids)
         old_len = len(self.text)
-        self.text += delta
-        for s in self.stop:
+        self.text += full[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        for stop in self.stop:
             # a stop string may straddle deltas: search from where it could have started
-            i = self.text.find(s, max(0, old_len - len(s) + 1))
+            i = self.text.find(stop, max(0, old_len - len(stop) + 1))
             if i != -1:
                 self.text = self.text[:i]
-                return self.text[old_len:] if i > old_len else "", True
+                return self.flush(), True
+        held = max((k for stop in self.stop for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
+        end = len(self.text) - held
+        delta = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
         return delta, False
+
+    def flush(self) -> str:
+        """Everything not yet emitted (call when the generation ends)."""
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta

@@ -193,9 +193,7 @@ def test_stream_matches_generate(client: httpx.Client) -> None:
 
 @pytest.mark.parametrize("stop", [
     "O",
-    pytest.param("OO", marks=pytest.mark.xfail(
-        reason="engine bug: IncrementalDetokenizer streams the first part of a stop string that spans "
-               "tokens, then drops it from the final text (parrot/engine/tokenizer.py)", strict=False)),
+    "OO",
 ])
 def test_stream_with_stop_string_matches_generate(client: httpx.Client, stop: str) -> None:
     fill(client, "st-base", PROMPT)  # greedy continuation of PROMPT: "OOOOOOOOOOOOOO" + 10 empty tokens
