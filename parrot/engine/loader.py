@@ -100,6 +100,9 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         return value
 
     tensors = {t.name: t for t in reader.tensors}
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{path}: RoPE scaling ({scaling or 'rope_freqs.weight'}) is not supported")
     hidden = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_heads))
@@ -220,11 +223,20 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     arch = next((a for a in archs if a in _HF_ARCHS), None)
     if arch is None:
         raise ModelLoadError(f"{path}: unsupported architecture {archs} (supported: {sorted(_HF_ARCHS)})")
-    if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-        raise ModelLoadError(f"{path}: rope_scaling {hf['rope_scaling']} is not supported")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"{path}: RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not supported")
+    try:
+        cfg = _hf_config(hf, arch, rope)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{cfg_file} lacks or has an invalid {exc} entry") from exc
+    return _load_hf_weights(path, cfg, progress)
+
+
+def _hf_config(hf: dict, arch: str, rope: dict) -> LlamaConfig:
     heads = int(hf["num_attention_heads"])
-    rope = hf.get("rope_parameters") or {}
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -238,6 +250,9 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=_HF_ARCHS[arch],
     )
+
+
+def _load_hf_weights(path: Path, cfg: LlamaConfig, progress: bool) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")

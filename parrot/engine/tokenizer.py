@@ -163,12 +163,11 @@ class IncrementalDetokenizer:
         old_len = len(self.text)
         self.text += full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
-        for stop in self.stop:
-            # a stop string may straddle deltas: search from where it could have started
-            i = self.text.find(stop, max(0, old_len - len(stop) + 1))
-            if i != -1:
-                self.text = self.text[:i]
-                return self.flush(), True
+        # a stop string may straddle deltas: search from where it could have started; earliest wins
+        hits = [i for stop in self.stop if (i := self.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self.flush(), True
         held = max((k for stop in self.stop for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
         end = len(self.text) - held
         delta = self.text[self.emitted : end] if end > self.emitted else ""

@@ -175,6 +175,13 @@ def test_bad_input(engine: LLMEngine) -> None:
     engine.free_future("after").result(TIMEOUT)
 
 
+def test_no_shape_misses_after_precompile(engine: LLMEngine) -> None:
+    """Every forward the tests above ran (prefill chunks, decode batches, forks) was precompiled."""
+    info = engine.ping()
+    assert info.steps > 100
+    assert info.shape_misses == 0
+
+
 def test_preemption_when_pages_run_out() -> None:
     """A pool far too small for all requests at once: every request still finishes, same outputs."""
     model = tiny_model()

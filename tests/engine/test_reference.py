@@ -1,0 +1,149 @@
+"""Proof of correctness against Hugging Face transformers on torch (an independent implementation):
+the default SmolLM2 GGUF loaded by both, logits, greedy continuations, tokenizer and chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from parrot.engine.loader import LoadedModel
+from parrot.engine.offline import generate, prefill
+from parrot.engine.runner import ModelRunner
+from parrot.engine.sampling import SamplingParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+pytestmark = [pytest.mark.reference, pytest.mark.model]
+
+LOGIT_TOLERANCE = 1e-3  # fp32 on both sides; measured ~5e-5
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+PLAIN = "In 1969, 3 astronauts flew 384,400 km to the Moon. Café crème, 東京タワー and 🦜 emoji: 12345."
+CODE = "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib("
+
+TRICKY = [
+    "Hello, world!",
+    "12345 and 3.14159 and 1,000,000",
+    "naïve café — «ça va?» ẞ ǅ ﬁ",
+    "日本語 中文 한국어 العربية עברית",
+    "emoji 🦜🎉👩‍👩‍👧🇫🇷👍🏽",
+    "def f(x):\n\treturn x ** 2  # squared\n",
+    "   spaces   and\n\n\nnewlines\r\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after a special token<|im_end|>",
+    "<|im_start |> not quite special <im_end>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm: LoadedModel) -> Any:
+    """transformers' own GGUF loader (dequantized to fp32); loaded once for the module."""
+    path = Path(smollm.source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # run the full length, like ignore_eos=True
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm: LoadedModel) -> Any:
+    path = Path(smollm.source)
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _prompt(smollm: LoadedModel, name: str) -> list[int]:
+    tok = smollm.tokenizer
+    text = {"chat": lambda: tok.apply_chat_template(CAPITAL), "plain": lambda: PLAIN, "code": lambda: CODE}[name]()
+    return tok.encode(text)
+
+
+def _pages(runner: ModelRunner, n_tokens: int) -> list[int]:
+    return list(range(1, 1 + (n_tokens + runner.page_size - 1) // runner.page_size))
+
+
+def _hf_last_logits(hf_model: Any, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize("name", ["chat", "plain", "code"])
+def test_last_token_logits_match_transformers(smollm: LoadedModel, smollm_runner: ModelRunner, hf_model: Any,
+                                              name: str) -> None:
+    ids = _prompt(smollm, name)
+    ours = np.asarray(prefill(smollm_runner, ids, 0, _pages(smollm_runner, len(ids))))[0]
+    ref = _hf_last_logits(hf_model, ids)
+    diff = float(np.abs(ours - ref).max())
+    print(f"{name}: {len(ids)} tokens, max |logit diff| = {diff:.2e}")
+    assert diff < LOGIT_TOLERANCE
+    assert int(ours.argmax()) == int(ref.argmax())
+
+
+def test_split_prefill_logits_match_transformers(smollm: LoadedModel, smollm_runner: ModelRunner,
+                                                 hf_model: Any) -> None:
+    """A prompt fed in two parts (the second attending to the first's paged KV) gives the same logits."""
+    ids = _prompt(smollm, "plain")
+    pages = _pages(smollm_runner, len(ids))
+    split = 20  # not a page boundary
+    prefill(smollm_runner, ids[:split], 0, pages)
+    ours = np.asarray(prefill(smollm_runner, ids[split:], split, pages))[0]
+    diff = float(np.abs(ours - _hf_last_logits(hf_model, ids)).max())
+    print(f"split prefill: max |logit diff| = {diff:.2e}")
+    assert diff < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["chat", "code"])
+def test_greedy_continuation_matches_transformers(smollm: LoadedModel, smollm_runner: ModelRunner, hf_model: Any,
+                                                  name: str) -> None:
+    ids = _prompt(smollm, name)
+    ours = generate(smollm_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32, ignore_eos=True))
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=32, do_sample=False)
+    ref = out[0, len(ids):].tolist()
+    assert len(ref) == 32
+    assert ours.finish_reason == "length"
+    assert ours.token_ids == ref
+
+
+def test_tokenizer_ids_match_transformers(smollm: LoadedModel, hf_tokenizer: Any) -> None:
+    tok = smollm.tokenizer
+    for text in TRICKY:
+        ids = tok.encode(text)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids), text
+    assert tok.encode("12345") == [tok.backend.token_to_id(d) for d in "12345"]  # digits split one by one
+    assert tok.encode("<|im_start|>") == [hf_tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    assert tok.bos_token_id == hf_tokenizer.bos_token_id
+    assert tok.eos_token_id == hf_tokenizer.eos_token_id
+    assert tok.vocab_size == len(hf_tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("messages", "add_generation_prompt"),
+    [
+        (CAPITAL, True),
+        (CAPITAL, False),
+        ([{"role": "system", "content": "Answer briefly."}, *CAPITAL], True),
+        ([*CAPITAL, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And 🇩🇪?"}], True),
+    ],
+)
+def test_chat_template_matches_transformers(smollm: LoadedModel, hf_tokenizer: Any, messages: list[dict[str, str]],
+                                            add_generation_prompt: bool) -> None:
+    ours = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == ref
+    assert smollm.tokenizer.encode(ours) == hf_tokenizer.encode(ref, add_special_tokens=False)
+
+
+def test_capital_of_france_is_paris(smollm: LoadedModel, smollm_runner: ModelRunner) -> None:
+    ids = _prompt(smollm, "chat")
+    out = generate(smollm_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32))
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # ends with <|im_end|>, not by running out of tokens
