@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from parrot.config import EngineConfig
+from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.sequence import Job, JobKind, JobStatus
 from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
@@ -90,8 +91,10 @@ class Scheduler:
                 continue
             plan.decode.append(self._slot(job, job.pending[:1]))
             scheduled.add(job.job_id)
-        # then prefill chunks within the token budget
+        # then prefill chunks within the token budget; the padded step (sequences bucket x longest
+        # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
+        longest = 0
         for job in sorted(self.running, key=lambda j: j.arrival):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
                 continue
@@ -101,9 +104,14 @@ class Scheduler:
                 if plan.decode or plan.prefill or not self._make_room(job, 1, scheduled, plan):
                     continue  # others progress this step and free pages
             n = min(len(job.pending), budget, self._room(job.context_id))
+            if plan.prefill:
+                count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
+                if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:
+                    break
             plan.prefill.append(self._slot(job, job.pending[:n]))
             scheduled.add(job.job_id)
             budget -= n
+            longest = max(longest, n)
         return plan
 
     def _slot(self, job: Job, tokens: list[int]) -> Slot:
