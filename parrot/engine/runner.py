@@ -50,7 +50,7 @@ def enable_compilation_cache(directory: str | None) -> None:
 
 
 def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    return jax.tree.map(lambda c: c.at[dst].set(c[src]), kv)
+    return jax.tree.map(lambda c: c.at[:, dst].set(c[:, src]), kv)
 
 
 class ModelRunner:
@@ -88,7 +88,7 @@ class ModelRunner:
         self.compile_seconds: dict[Shape, float] = {}
 
     def _alloc_kv(self) -> KVCache:
-        shape = (self.num_pages, self.page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.cfg.num_kv_heads, self.num_pages, self.page_size, self.cfg.head_dim)
         ks = tuple(jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers))
         vs = tuple(jnp.zeros(shape, self.dtype) for _ in range(self.cfg.num_layers))
         return ks, vs

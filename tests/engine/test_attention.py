@@ -28,13 +28,13 @@ def dense_reference(q, keys, values, positions, scale):  # noqa: ANN001, ANN201
 
 
 def make_cache(rng, num_pages):  # noqa: ANN001, ANN202
-    k = rng.standard_normal((num_pages, PS, HKV, D)).astype(np.float32)
-    v = rng.standard_normal((num_pages, PS, HKV, D)).astype(np.float32)
+    k = rng.standard_normal((HKV, num_pages, PS, D)).astype(np.float32)  # the engine's layout
+    v = rng.standard_normal((HKV, num_pages, PS, D)).astype(np.float32)
     return k, v
 
 
 def seq_kv(cache, pages, n):  # noqa: ANN001, ANN202
-    return cache[np.asarray(pages)].reshape(-1, HKV, D)[:n]
+    return cache[:, np.asarray(pages)].reshape(HKV, -1, D)[:, :n].transpose(1, 0, 2)  # [n, Hkv, D]
 
 
 @pytest.mark.parametrize("q_len", [1, 5])
