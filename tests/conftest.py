@@ -52,6 +52,14 @@ def smollm() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm_runner(smollm: LoadedModel) -> ModelRunner:
+    """float32 throughout: the exact mode the reference comparison holds to 1e-3."""
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, dtype="float32")
+    return ModelRunner(smollm.config, smollm.weights, cfg)
+
+
+@pytest.fixture(scope="session")
+def smollm_default_runner(smollm: LoadedModel) -> ModelRunner:
+    """The serving default (on CPUs with bf16 matrix units: bf16 weights in prefill steps)."""
     cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256)
     return ModelRunner(smollm.config, smollm.weights, cfg)
 

@@ -182,7 +182,7 @@ def _ids(n: int = 12) -> list[int]:
 
 def prefix_logits(cfg: LlamaConfig, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     """[len(ids), vocab]: row i is the last-token logits of ids[: i + 1] (one compiled shape)."""
-    runner = ModelRunner(cfg, weights, tiny_engine_config())
+    runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32"))
     pages = list(range(1, 1 + (len(ids) + runner.page_size - 1) // runner.page_size))
     return np.stack([np.asarray(prefill(runner, ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
 

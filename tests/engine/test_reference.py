@@ -147,3 +147,23 @@ def test_capital_of_france_is_paris(smollm: LoadedModel, smollm_runner: ModelRun
     out = generate(smollm_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32))
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends with <|im_end|>, not by running out of tokens
+
+
+MIXED_TOLERANCE = 1.0  # bf16 weights in prefill steps; measured ~0.23
+
+
+@pytest.mark.parametrize("name", ["chat", "plain"])
+def test_default_precision_stays_close_to_transformers(smollm: LoadedModel, smollm_default_runner: ModelRunner,
+                                                       hf_model: Any, name: str) -> None:
+    """The serving default's mixed precision (if the CPU has bf16 matrix units) keeps the same top
+    token and logits within a bf16-sized tolerance of the float32 reference."""
+    ids = _prompt(smollm, name)
+    ours = np.asarray(prefill(smollm_default_runner, ids, 0, _pages(smollm_default_runner, len(ids))))[0]
+    ref = _hf_last_logits(hf_model, ids)
+    assert np.abs(ours - ref).max() < MIXED_TOLERANCE
+    assert ours.argmax() == ref.argmax()
+
+
+def test_default_precision_answers_paris(smollm: LoadedModel, smollm_default_runner: ModelRunner) -> None:
+    ids = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(CAPITAL))
+    assert "Paris" in generate(smollm_default_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32)).text

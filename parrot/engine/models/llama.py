@@ -48,9 +48,17 @@ def _param(w: np.ndarray | jax.Array, dtype: jnp.dtype) -> nnx.Param:
     return nnx.Param(jnp.asarray(w, dtype=dtype))
 
 
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w in the weight's dtype, accumulated and returned in x's dtype (bf16 weights with float32
+    activations run on the CPU's bf16 matrix units)."""
+    if w.dtype == x.dtype:
+        return x @ w
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, weight: np.ndarray, eps: float, dtype: jnp.dtype) -> None:
-        self.weight = _param(weight, dtype)
+        self.weight = _param(weight, dtype)  # the activation dtype
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -88,7 +96,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = x @ self.wqkv[...]
+        qkv = matmul(x, self.wqkv[...])
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -98,7 +106,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k.astype(k_cache.dtype), batch.slot_mapping)
         v_cache = write_kv(v_cache, v.astype(v_cache.dtype), batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
-        return o.reshape(t, -1) @ self.wo[...], k_cache, v_cache
+        return matmul(o.reshape(t, -1), self.wo[...]), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -109,16 +117,16 @@ class MLP(nnx.Module):
         self.w_down = _param(w["w_down"], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gu = x @ self.w_gate_up[...]
+        gu = matmul(x, self.w_gate_up[...])
         f = gu.shape[-1] // 2
-        return (jax.nn.silu(gu[:, :f]) * gu[:, f:]) @ self.w_down[...]
+        return matmul(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...])
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
-        self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, dtype)
+    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype, act_dtype: jnp.dtype) -> None:
+        self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
         self.attn = Attention(cfg, w, dtype)
-        self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, dtype)
+        self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
         self.mlp = MLP(w, dtype)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
@@ -128,33 +136,39 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """The decoder. `weights` holds numpy arrays named as in `weight_names(cfg)`."""
+    """The decoder. `weights` holds numpy arrays named as in `weight_names(cfg)`.
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], dtype: jnp.dtype = jnp.float32):
+    `dtype` is the dtype of the embedding and projection weights; `act_dtype` that of activations,
+    norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], dtype: jnp.dtype = jnp.float32,
+                 act_dtype: jnp.dtype | None = None):
         self.cfg = cfg
+        act_dtype = act_dtype or dtype
+        self.act_dtype = act_dtype
         self.embed = _param(weights["embed"], dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype)
+                         dtype, act_dtype)
             for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(weights["norm"], cfg.rms_eps, dtype)
+        self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(weights["lm_head"], dtype)
 
     def __call__(self, batch: ForwardBatch, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Returns the logits ([B, vocab], float32) of each sequence's `logits_index` token and the KV."""
         cfg = self.cfg
-        x = self.embed[...][batch.input_ids]
+        x = self.embed[...][batch.input_ids].astype(self.act_dtype)
         cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
         ks, vs = list(kv[0]), list(kv[1])
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, cos, sin, batch, ks[i], vs[i])
         h = self.norm(x[batch.logits_index])
         if cfg.tie_word_embeddings:
-            logits = jnp.dot(h, self.embed[...].T)
+            logits = matmul(h, self.embed[...].T)
         else:
-            logits = h @ self.lm_head[...]
+            logits = matmul(h, self.lm_head[...])
         return logits.astype(jnp.float32), (tuple(ks), tuple(vs))
 
 
