@@ -1,0 +1,68 @@
+"""The engine on the real default model: batching and forking do not change results."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from parrot.config import EngineConfig
+from parrot.engine.engine import LLMEngine
+from parrot.engine.loader import LoadedModel
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.model
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water?", "Translate 'hello' to Spanish.",
+    "What is the largest planet?", "Give me a synonym for happy.", "What does CPU stand for?",
+    "How many legs does a spider have?", "What is the chemical symbol for gold?", "Name a famous painter.",
+    "What is the square root of 81?", "Which ocean is the largest?", "What language is spoken in Brazil?",
+    "What is photosynthesis?",
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine(smollm: LoadedModel):
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=512, max_batch_size=16,
+                       token_buckets=[16, 32, 64, 128], max_num_batched_tokens=128, bs_buckets=[1, 2, 4, 8, 16],
+                       kv_buckets=[128, 256, 512], cascade_suffix_buckets=[64, 128])
+    eng = LLMEngine(smollm, cfg).start(precompile=False)
+    yield eng
+    eng.shutdown()
+
+
+def _ids(smollm: LoadedModel, q: str) -> list[int]:
+    tok = smollm.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+
+
+def _run(eng: LLMEngine, ctx: str, ids: list[int], parent: str | None = None) -> list[int]:
+    eng.fill_future(FillRequest(context_id=ctx, parent_context_id=parent, token_ids=ids)).result(300)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = eng.generate_future(GenerateRequest(context_id=ctx, sampling=sp)).result(300).token_ids
+    eng.free_future(ctx).result(60)
+    return out
+
+
+def test_sixteen_concurrent_prompts_equal_each_alone(engine: LLMEngine, smollm: LoadedModel) -> None:
+    prompts = [_ids(smollm, q) for q in QUESTIONS]
+    alone = [_run(engine, f"alone{i}", p) for i, p in enumerate(prompts)]
+    with cf.ThreadPoolExecutor(16) as ex:
+        together = list(ex.map(lambda a: _run(engine, f"conc{a[0]}", a[1]), enumerate(prompts)))
+    assert together == alone
+    assert "Paris" in smollm.tokenizer.decode(alone[0])
+
+
+def test_forked_contexts_equal_unforked(engine: LLMEngine, smollm: LoadedModel) -> None:
+    tok = smollm.tokenizer
+    system = tok.encode("<|im_start|>system\nYou are a concise assistant. Answer in one short sentence.<|im_end|>\n")
+    questions = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in QUESTIONS[:6]]
+    engine.fill_future(FillRequest(context_id="sys", token_ids=system)).result(300)
+    with cf.ThreadPoolExecutor(6) as ex:
+        forked = list(ex.map(lambda a: _run(engine, f"fork{a[0]}", a[1], parent="sys"), enumerate(questions)))
+    engine.free_future("sys").result(60)
+    flat = [_run(engine, f"flat{i}", system + q) for i, q in enumerate(questions)]
+    assert forked == flat
