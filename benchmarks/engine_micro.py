@@ -41,7 +41,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     t_load = time.perf_counter() - t0
     ps = runner.page_size
     result: dict = {
-        "model": loaded.source, "params": loaded.config.num_params, "dtype": str(runner.dtype),
+        "model": loaded.source, "params": loaded.config.num_params, "decode_weight_dtype": str(runner.dtype),
+        "prefill_weight_dtype": str(runner.prefill_dtype), "activation_dtype": str(runner.act_dtype),
         "load_s": t_load, "load_read_dequant_s": t_read, "compile_s": {}, "jax": jax.__version__,
         "backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
     }
@@ -62,7 +63,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, loaded.config.vocab_size, prompt_len).tolist()
     pages = list(range(1, 1 + -(-prompt_len // ps)))
-    go = step(runner.prefill_shape(prompt_len, prompt_len), [SequenceSlice(prompt, 0, pages)])
+    go = step(runner.prefill_shape(1, prompt_len, prompt_len), [SequenceSlice(prompt, 0, pages)])
     t_prefill = float(np.median(_time_steps(go, repeats)))
     result["prefill"] = {"tokens": prompt_len, "median_s": t_prefill, "tokens_per_s": prompt_len / t_prefill}
 
@@ -77,7 +78,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         result["decode"][f"batch_{b}"] = {"context": decode_ctx, "ms_per_step": ms, "tokens_per_s": b * 1e3 / ms}
 
     fl = floors.measure()
-    weight_bytes = loaded.config.num_params * runner.dtype.itemsize
+    weight_bytes = loaded.config.num_params * runner.dtype.itemsize  # the weights a decode step reads
     decode_floor_ms = weight_bytes / (fl["memory_read_gbs"] * 1e9) * 1e3
     prefill_floor = fl["gemm_fp32_gflops"] * 1e9 / (2 * loaded.config.num_params)
     result["floors"] = fl | {
@@ -93,14 +94,15 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
 
 def report(r: dict) -> str:
     lines = [
-        f"model {Path(r['model']).name} ({r['params'] / 1e6:.1f}M params, {r['dtype']}, {r['backend']})",
+        f"model {Path(r['model']).name} ({r['params'] / 1e6:.1f}M params, {r['backend']}; weights: prefill "
+        f"{r['prefill_weight_dtype']}, decode {r['decode_weight_dtype']}; activations {r['activation_dtype']})",
         f"load: {r['load_s']:.2f} s (read + dequantize {r['load_read_dequant_s']:.2f} s)",
     ]
     lines += [f"compile {k}: {v:.2f} s" for k, v in r["compile_s"].items()]
     p = r["prefill"]
     fl = r["floors"]
     lines.append(f"prefill {p['tokens']} tokens: {p['median_s']:.3f} s = {p['tokens_per_s']:.0f} tok/s "
-                 f"(floor {fl['prefill_floor_tokens_per_s']:.0f} tok/s at {fl['gemm_fp32_gflops']:.0f} GFLOP/s; "
+                 f"(fp32 floor {fl['prefill_floor_tokens_per_s']:.0f} tok/s at {fl['gemm_fp32_gflops']:.0f} GFLOP/s; "
                  f"{r['ratios']['prefill_fraction_of_floor']:.0%} of floor)")
     for name, d in r["decode"].items():
         lines.append(f"decode {name} (context {d['context']}): {d['ms_per_step']:.1f} ms/step = "
