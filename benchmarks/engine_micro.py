@@ -7,7 +7,6 @@ machine's floors measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import jax
 import numpy as np
 
 from benchmarks import floors
+from benchmarks.report import write_json
 from parrot.config import EngineConfig
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
@@ -124,10 +124,7 @@ def main() -> None:
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats)
     print(report(r))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(r, indent=2))
-    print(f"wrote {out}")
+    write_json(r, args.out)
 
 
 if __name__ == "__main__":

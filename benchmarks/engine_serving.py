@@ -12,13 +12,12 @@ All shapes are precompiled first; shape misses during the runs are reported (sho
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.report import write_json
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import load_model
@@ -135,10 +134,7 @@ def main() -> None:
               f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
     finally:
         eng.shutdown()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

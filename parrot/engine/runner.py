@@ -3,9 +3,12 @@ the jitted samplers, bucket shapes, precompilation and the persistent compilatio
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +114,7 @@ class ModelRunner:
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
         self._sample = jax.jit(sample)
-        self.compiled: set[Shape] = set()
+        self._executables: dict[Shape, Callable] = {}
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
         self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
@@ -166,14 +169,30 @@ class ModelRunner:
         """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
-        if shape not in self.compiled:
+        exe = self._executables.get(shape)
+        if exe is None:
             if self.precompiled:
                 self.shape_misses += 1
                 log.warning("compiling shape %s at serve time (not precompiled)", shape)
-            self.compiled.add(shape)
+            exe = self._compile(shape)
         state = self.prefill_state if shape.q_len > 1 else self.state
-        logits, self.kv = self._forward(state, self.kv, batch)
+        logits, self.kv = exe(state, self.kv, batch)
         return logits
+
+    @property
+    def compiled(self) -> set[Shape]:
+        return set(self._executables)
+
+    def _compile(self, shape: Shape) -> Callable:
+        """Ahead-of-time compile the forward for one shape (from abstract values only, so several
+        shapes can compile in parallel threads while nothing runs)."""
+        state = self.prefill_state if shape.q_len > 1 else self.state
+        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+        t0 = time.perf_counter()
+        exe = self._forward.lower(abstract(state), abstract(self.kv), self.dummy_batch(shape)).compile()
+        self.compile_seconds[shape] = time.perf_counter() - t0
+        self._executables[shape] = exe
+        return exe
 
     def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> np.ndarray:
         """None samples greedily (the compiled argmax-only path)."""
@@ -197,15 +216,19 @@ class ModelRunner:
                            shape.prefix_pages)
 
     def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True) -> None:
-        shapes = list(self.all_shapes() if shapes is None else shapes)
+        """Compile every shape (one thread per core: XLA compiles one shape on one core), then the
+        samplers and the page copy for every batch size, so serving never compiles."""
+        todo = [s for s in dict.fromkeys(self.all_shapes() if shapes is None else shapes)
+                if s not in self._executables]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = [pool.submit(self._compile, s) for s in todo]
+            for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="precompiling",
+                          unit="shape", disable=not progress):
+                f.result()
         zeros = np.zeros(self._copy_width, np.int32)
         self.kv = self._copy(self.kv, zeros, zeros)
-        for shape in tqdm(shapes, desc="precompiling", unit="shape", disable=not progress):
-            t0 = time.perf_counter()
-            logits = self.forward(self.dummy_batch(shape))
+        for b in sorted({s.batch for s in self._executables}):
+            logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
             self.sample(logits, None)
-            self.sample(logits, SamplingBatch.build([], [], shape.batch, []))
-            jax.block_until_ready(self.kv)
-            self.compile_seconds[shape] = time.perf_counter() - t0
-            self.compiled.add(shape)
+            self.sample(logits, SamplingBatch.build([], [], b, []))
         self.precompiled = True
