@@ -4,6 +4,8 @@ This module is the only vocabulary the serve layer and the engine share; it impo
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -109,3 +111,84 @@ class EngineHeartbeat(BaseModel):
 
     name: str = Field(min_length=1, max_length=256)
     runtime: RuntimeInfo
+
+
+# ---- Parrot REST API (frontend <-> serve core): sessions, semantic variables, calls ----------------
+Criterion = Literal["latency", "throughput"]
+
+
+class SessionCreated(BaseModel):
+    session_id: str
+    session_token: str
+
+
+class SemanticVarCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    name: str = Field(min_length=1, max_length=256)
+    content: str | None = Field(None, max_length=1_000_000)
+
+
+class SemanticVarSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    content: str = Field(max_length=1_000_000)
+
+
+class SemanticVarCreated(BaseModel):
+    var_id: str
+
+
+class SemanticVarContent(BaseModel):
+    var_id: str
+    content: str
+
+
+class SemanticCallParameter(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    is_output: bool = False
+    var_id: str | None = None
+    value: str | None = Field(None, max_length=1_000_000)
+    sampling_config: SamplingParams | None = None
+
+
+class SemanticCallRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    template: str = Field(min_length=1, max_length=1_000_000)
+    parameters: list[SemanticCallParameter] = Field(default_factory=list, max_length=256)
+    models: list[str] | None = None
+    output_criteria: Criterion | None = Field(None, description="run now with this criterion, without a get")
+
+
+class ParamInfo(BaseModel):
+    name: str
+    is_output: bool
+    var_id: str
+
+
+class CallCreated(BaseModel):
+    request_id: str
+    param_info: list[ParamInfo]
+
+
+class NativeInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    var_id: str | None = None
+    value: str | None = Field(None, max_length=1_000_000)
+
+
+class NativeCallRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str
+    transform: str = Field(min_length=1, max_length=64)
+    params: dict[str, Any] = Field(default_factory=dict)
+    inputs: dict[str, NativeInput] = Field(default_factory=dict, max_length=64)
+    outputs: list[str] = Field(min_length=1, max_length=16)
