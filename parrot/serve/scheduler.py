@@ -1,0 +1,124 @@
+"""GlobalScheduler: dispatches ready completion tasks to engines, knowing the app's structure.
+
+Order: latency-critical tasks before throughput tasks, then app-FIFO (requests deeper in an app's DAG,
+i.e. activated by earlier work, first), then arrival. A task group (chains feeding one consumer) is
+dispatched together. Placement, per task: the live engine holding the longest cached prefix of the
+task's tokens (ContextManager), counting prefixes that tasks placed earlier in the same round will
+create, so tasks sharing a prefix land together and fill it once; among equals, the least loaded.
+An engine's capacity depends on what it runs: while it has latency-critical work its load is capped
+low (fast steps), otherwise throughput work fills it to its batch size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from parrot.serve.contexts import ContextManager
+
+Criterion = Literal["latency", "throughput"]
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class CompletionTask:
+    session_id: str
+    tokens: list[int]  # the whole prompt (fills) of the completion chain
+    boundaries: list[int]  # token offsets where semantic variables end: the shareable prefixes
+    criterion: Criterion = "throughput"
+    depth: int = 0  # how many producer tasks precede it in its app (app-FIFO)
+    group: str | None = None  # task group id
+    payload: Any = None  # the executor's own record (chain, variables, sampling)
+    task_id: str = field(default_factory=lambda: f"task-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    engine: str | None = None
+
+    def sort_key(self) -> tuple:
+        return (self.criterion != "latency", -self.depth, self.arrival)
+
+
+@dataclass
+class EngineView:
+    """What the scheduler needs to know of a live engine."""
+
+    name: str
+    max_batch: int
+    queued: int = 0  # work the engine reports waiting (heartbeat)
+
+
+class GlobalScheduler:
+    def __init__(self, contexts: ContextManager, engines: Callable[[], Sequence[EngineView]],
+                 latency_cap: int = 8) -> None:
+        self.contexts = contexts
+        self.engines = engines
+        self.latency_cap = latency_cap
+        self.queue: list[CompletionTask] = []
+        self.running: dict[str, CompletionTask] = {}  # task id -> task (dispatched, not finished)
+
+    def submit(self, task: CompletionTask) -> None:
+        self.queue.append(task)
+
+    def load(self, engine: str) -> int:
+        return sum(1 for t in self.running.values() if t.engine == engine)
+
+    def _capacity(self, view: EngineView, adding: CompletionTask) -> int:
+        latency = adding.criterion == "latency" or any(
+            t.engine == view.name and t.criterion == "latency" for t in self.running.values())
+        cap = min(self.latency_cap, view.max_batch) if latency else view.max_batch
+        return cap - self.load(view.name) - view.queued
+
+    def schedule(self) -> list[CompletionTask]:
+        """Place as many queued tasks as capacity allows; returns them with `engine` set."""
+        views = {v.name: v for v in self.engines()}
+        if not views or not self.queue:
+            return []
+        ordered = self._ordered()
+        placed: list[CompletionTask] = []
+        planned: dict[tuple[str, tuple[int, ...]], int] = {}  # prefixes this round will create
+        for task in ordered:
+            best, best_key = None, None
+            for view in views.values():
+                if self._capacity(view, task) <= 0:
+                    continue
+                cached = self.contexts.cached_length(view.name, task.tokens, task.boundaries)
+                for b in task.boundaries:
+                    if b > cached and planned.get((view.name, tuple(task.tokens[:b]))):
+                        cached = b
+                key = (cached, -self.load(view.name) - view.queued)
+                if best_key is None or key > best_key:
+                    best, best_key = view, key
+            if best is None:
+                continue  # no engine has room now; it waits for the next round
+            task.engine = best.name
+            self.running[task.task_id] = task
+            placed.append(task)
+            for b in task.boundaries:
+                planned[(best.name, tuple(task.tokens[:b]))] = 1
+        placed_ids = {t.task_id for t in placed}
+        self.queue = [t for t in self.queue if t.task_id not in placed_ids]
+        return placed
+
+    def _ordered(self) -> list[CompletionTask]:
+        """Queue order with task groups kept together (a group sorts by its most urgent member)."""
+        ordered = sorted(self.queue, key=CompletionTask.sort_key)
+        groups: dict[str, tuple] = {}
+        for t in ordered:
+            if t.group is not None:
+                groups.setdefault(t.group, t.sort_key())
+        return sorted(ordered, key=lambda t: (groups[t.group] if t.group is not None else t.sort_key(),
+                                              t.group or "", t.sort_key()))
+
+    def finished(self, task: CompletionTask) -> None:
+        self.running.pop(task.task_id, None)
+
+    def engine_dead(self, engine: str) -> list[CompletionTask]:
+        """Requeue the dead engine's unfinished tasks (they run again elsewhere); returns them."""
+        lost = [t for t in self.running.values() if t.engine == engine]
+        for t in lost:
+            del self.running[t.task_id]
+            t.engine = None
+            self.queue.append(t)
+        return lost

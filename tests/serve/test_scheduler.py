@@ -1,0 +1,96 @@
+"""GlobalScheduler: criteria order, task groups, context-aware placement, capacity, failover."""
+
+from __future__ import annotations
+
+from parrot.serve.contexts import ContextManager
+from parrot.serve.scheduler import CompletionTask, EngineView, GlobalScheduler
+
+
+def make(engines: list[EngineView], cm: ContextManager | None = None, cap: int = 8) -> GlobalScheduler:
+    return GlobalScheduler(cm or ContextManager(), lambda: engines, latency_cap=cap)
+
+
+def task(tokens: list[int], boundaries: list[int] | None = None, **kw) -> CompletionTask:
+    return CompletionTask("s", tokens, boundaries or [len(tokens)], **kw)
+
+
+def test_latency_first_then_app_fifo() -> None:
+    s = make([EngineView("e", max_batch=1)])
+    a = task([1], criterion="throughput")
+    b = task([2], criterion="latency")
+    c = task([3], depth=2)
+    for t in (a, b, c):
+        s.submit(t)
+    order = []
+    for _ in range(3):
+        placed = s.schedule()
+        order += placed
+        for t in placed:
+            s.finished(t)
+    assert order == [b, c, a]
+
+
+def test_placement_follows_the_longest_cached_prefix() -> None:
+    cm = ContextManager()
+    cm.register("e2", "sys", [1, 2, 3], None, None)
+    s = make([EngineView("e1", 8), EngineView("e2", 8)], cm)
+    t = task([1, 2, 3, 4], [3, 4])
+    s.submit(t)
+    assert s.schedule() == [t] and t.engine == "e2"
+
+
+def test_tasks_sharing_a_prefix_land_together_and_others_spread() -> None:
+    s = make([EngineView("e1", 8), EngineView("e2", 8)])
+    shared = [task([9, 9, 9, k], [3, 4]) for k in range(3)]
+    other = task([5, 6], [2])
+    for t in [*shared, other]:
+        s.submit(t)
+    s.schedule()
+    assert len({t.engine for t in shared}) == 1
+    assert other.engine != shared[0].engine  # least loaded
+
+
+def test_capacity_and_latency_cap() -> None:
+    s = make([EngineView("e", 16)], cap=2)
+    lat = [task([i], criterion="latency") for i in range(4)]
+    for t in lat:
+        s.submit(t)
+    assert len(s.schedule()) == 2  # latency work keeps the engine's batch small
+    thr = make([EngineView("e", 3)])
+    for i in range(5):
+        thr.submit(task([i]))
+    assert len(thr.schedule()) == 3
+    assert len(thr.queue) == 2
+
+
+def test_task_group_dispatched_together() -> None:
+    s = make([EngineView("e", 2)])
+    lone = task([1])
+    g = [task([2 + i], group="reduce-inputs") for i in range(2)]
+    s.submit(lone)
+    for t in g:
+        s.submit(t)
+    assert s.schedule() == [lone, g[0]]
+    # the group is contiguous in the order, placed where its most urgent member sorts
+    ordered = make([EngineView("e", 9)])
+    for t in [task([7]), *[task([8 + i], group="G") for i in range(3)], task([20])]:
+        ordered.submit(t)
+    names = [t.group for t in ordered._ordered()]
+    first_g = names.index("G")
+    assert names[first_g : first_g + 3] == ["G", "G", "G"]
+
+
+def test_dead_engine_tasks_are_requeued() -> None:
+    engines = [EngineView("e1", 8), EngineView("e2", 8)]
+    s = make(engines)
+    ts = [task([i]) for i in range(4)]
+    for t in ts:
+        s.submit(t)
+    s.schedule()
+    on_e1 = [t for t in ts if t.engine == "e1"]
+    assert on_e1
+    lost = s.engine_dead("e1")
+    assert set(lost) == set(on_e1)
+    engines.pop(0)
+    again = s.schedule()
+    assert set(again) == set(on_e1) and all(t.engine == "e2" for t in again)
