@@ -1,0 +1,606 @@
+"""Engines as the serve layer sees them: one `EngineClient` interface, an `EngineManager` that tracks them.
+
+`EngineClient` has two implementations: `HttpEngineClient` (a remote `parrot engine` process, the routes
+of docs/engine-api.md) and `LocalEngineClient` (an engine object in this process, no HTTP hop). Both raise
+the same errors, so a caller can tell "the request is bad" from "the engine is gone, run it elsewhere":
+
+  NotFoundError          unknown context or parent (404)
+  InvalidRequestError    bad tokens, too long, bad sampling, malformed request (400, 422, other 4xx)
+  ConflictError          freeing a context a running primitive uses (409)
+  EngineOverloadedError  the engine is alive but its KV cache cannot hold the work (507): retry later or elsewhere
+  EngineUnavailableError the engine is unreachable, timed out, answered 5xx or nonsense, or its loop is dead
+
+`EngineManager` holds the engines by name: remote engines register and heartbeat (through
+`engine_routes(manager)`, mounted by the frontend); engines added with `register(client)` are pinged.
+A monitor task marks engines dead when they go silent and calls the `on_engine_dead` callbacks once
+per death, so the scheduler can re-dispatch their unfinished work and the context manager can drop
+their contexts.
+
+This module never imports JAX or `parrot.engine`: the local client takes an already built engine.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import httpx
+from fastapi import APIRouter, HTTPException
+from pydantic import BaseModel, ValidationError
+
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.protocol import (
+    EngineHeartbeat,
+    EngineRegistration,
+    FillRequest,
+    FillResponse,
+    FreeContextRequest,
+    FreeContextResponse,
+    GenerateRequest,
+    GenerateResponse,
+    RuntimeInfo,
+    StreamChunk,
+)
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class EngineUnavailableError(ParrotError):
+    """The engine cannot serve anything right now (unreachable, timed out, 5xx, dead loop): re-dispatch the
+    work to another engine. `engine` names the engine the error came from."""
+
+    def __init__(self, message: str, engine: str | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+class EngineOverloadedError(ParrotError):
+    """The engine is alive but its KV cache cannot hold the work (HTTP 507): retry later or elsewhere."""
+
+    def __init__(self, message: str, engine: str | None = None) -> None:
+        super().__init__(message)
+        self.engine = engine
+
+
+# ---- the interface ------------------------------------------------------------------------------------
+class EngineClient(abc.ABC):
+    """One engine's primitives, asyncio. See the module docstring for the errors they raise."""
+
+    name: str
+    url: str | None  # None: in this process
+    model: str
+    max_context_len: int
+
+    @abc.abstractmethod
+    async def fill(self, req: FillRequest) -> FillResponse: ...
+
+    @abc.abstractmethod
+    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+
+    @abc.abstractmethod
+    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """StreamChunks as tokens are generated; the last carries `finish_reason`."""
+
+    @abc.abstractmethod
+    async def free_context(self, context_id: str) -> FreeContextResponse: ...
+
+    @abc.abstractmethod
+    async def ping(self) -> RuntimeInfo:
+        """The engine's runtime info; raises EngineUnavailableError when it cannot serve."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the client's resources (not the engine's)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, url={self.url!r}, model={self.model!r})"
+
+
+# ---- local: an engine object in this process -----------------------------------------------------------
+class LocalEngine(Protocol):
+    """What LocalEngineClient needs of an engine (parrot.engine.engine.LLMEngine has it)."""
+
+    name: str
+
+    async def fill(self, req: FillRequest) -> FillResponse: ...
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+
+    def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
+
+    async def free_context(self, context_id: str) -> FreeContextResponse: ...
+
+    def ping(self) -> RuntimeInfo: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def death_reason(self) -> str | None: ...
+
+
+def _engine_class(module: str, name: str) -> type | None:
+    """A class of the engine package if it is loaded (it is, when an LLMEngine exists), without importing it."""
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+_PASS_THROUGH = (NotFoundError, InvalidRequestError, ConflictError, EngineUnavailableError, EngineOverloadedError)
+
+
+class LocalEngineClient(EngineClient):
+    """An engine embedded in the serve process: its asyncio methods, errors mapped like the HTTP client's.
+    `close()` leaves the engine running unless `owns_engine`."""
+
+    def __init__(self, engine: LocalEngine, name: str = "local", *, owns_engine: bool = False) -> None:
+        self.engine = engine
+        self.name = name
+        self.url = None
+        info = engine.ping()
+        self.model = info.model
+        self.max_context_len = info.max_context_len
+        self.owns_engine = owns_engine
+
+    def _map(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, _PASS_THROUGH):
+            return exc
+        dead = _engine_class("parrot.engine.engine", "EngineDeadError")
+        full = _engine_class("parrot.engine.kv_cache", "OutOfPages")
+        if (dead is not None and isinstance(exc, dead)) or not self.engine.alive:
+            reason = self.engine.death_reason or str(exc) or type(exc).__name__
+            return EngineUnavailableError(f"engine {self.name!r} is not running ({reason})", self.name)
+        if full is not None and isinstance(exc, full):
+            return EngineOverloadedError(f"engine {self.name!r}: {exc}", self.name)
+        return exc
+
+    async def _call(self, aw: Callable[[], Awaitable[_M]]) -> _M:
+        try:
+            return await aw()
+        except Exception as exc:
+            mapped = self._map(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    async def fill(self, req: FillRequest) -> FillResponse:
+        return await self._call(lambda: self.engine.fill(req))
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        return await self._call(lambda: self.engine.generate(req))
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in self.engine.generate_stream(req):
+                yield chunk
+        except Exception as exc:
+            mapped = self._map(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    async def free_context(self, context_id: str) -> FreeContextResponse:
+        return await self._call(lambda: self.engine.free_context(context_id))
+
+    async def ping(self) -> RuntimeInfo:
+        if not self.engine.alive:
+            raise EngineUnavailableError(f"engine {self.name!r} is not running ({self.engine.death_reason})",
+                                         self.name)
+        try:
+            return self.engine.ping()
+        except Exception as exc:
+            raise self._map(exc) from exc
+
+    async def close(self) -> None:
+        if self.owns_engine:
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:
+                await asyncio.to_thread(shutdown)
+
+
+# ---- remote: a `parrot engine` over HTTP ----------------------------------------------------------------
+def _sse_data(lines: list[str]) -> str:
+    return "\n".join(line[5:].removeprefix(" ") for line in lines)
+
+
+class HttpEngineClient(EngineClient):
+    """A remote engine's routes (docs/engine-api.md) over one pooled httpx.AsyncClient.
+
+    `timeout` bounds each read (a whole non-streamed Generate; a gap between stream events); `connect_timeout`
+    connecting; `ping_timeout` a ping. A timed-out primitive may still run on the engine."""
+
+    def __init__(self, name: str, url: str, model: str, max_context_len: int, *, timeout: float = 600.0,
+                 connect_timeout: float = 5.0, ping_timeout: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.model = model
+        self.max_context_len = max_context_len
+        self.ping_timeout = ping_timeout
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=connect_timeout),
+                                       transport=transport, trust_env=False)
+
+    @classmethod
+    def from_registration(cls, reg: EngineRegistration, **kw: object) -> HttpEngineClient:
+        return cls(reg.name, reg.url, reg.model, reg.max_context_len, **kw)  # type: ignore[arg-type]
+
+    # ---- errors -----------------------------------------------------------------------------------
+    def _unavailable(self, what: str) -> EngineUnavailableError:
+        return EngineUnavailableError(f"engine {self.name!r} at {self.url}: {what}", self.name)
+
+    def _transport_error(self, exc: Exception) -> EngineUnavailableError:
+        if isinstance(exc, httpx.TimeoutException):
+            return self._unavailable(f"timed out ({type(exc).__name__})")
+        detail = str(exc) or type(exc).__name__
+        return self._unavailable(f"cannot reach it ({type(exc).__name__}: {detail})")
+
+    def _status_error(self, status: int, body: bytes) -> ParrotError:
+        try:
+            detail = json.loads(body)["detail"]
+            detail = detail if isinstance(detail, str) else json.dumps(detail)
+        except (ValueError, KeyError, TypeError):
+            detail = body.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+        if status == 404:
+            return NotFoundError(detail)
+        if status == 409:
+            return ConflictError(detail)
+        if status == 507:
+            return EngineOverloadedError(f"engine {self.name!r}: {detail}", self.name)
+        if status >= 500:
+            return self._unavailable(f"HTTP {status}: {detail}")
+        return InvalidRequestError(detail)  # 400, 422 and any other 4xx
+
+    def _is_transport(self, exc: Exception) -> bool:
+        # a closed client (the engine re-registered and this client was replaced) is as good as unreachable
+        return isinstance(exc, httpx.TransportError) or (isinstance(exc, RuntimeError) and self._http.is_closed)
+
+    def _parse(self, model: type[_M], content: bytes) -> _M:
+        try:
+            return model.model_validate_json(content)
+        except ValidationError as exc:
+            raise self._unavailable(f"malformed answer: {exc.errors()[0].get('msg', exc)}") from exc
+
+    async def _request(self, method: str, path: str, model: type[_M], body: BaseModel | None = None,
+                       timeout: float | None = None) -> _M:
+        kw: dict[str, object] = {}
+        if body is not None:
+            kw["json"] = body.model_dump(mode="json")
+        if timeout is not None:
+            kw["timeout"] = timeout
+        try:
+            r = await self._http.request(method, path, **kw)  # type: ignore[arg-type]
+        except Exception as exc:
+            if self._is_transport(exc):
+                raise self._transport_error(exc) from exc
+            raise
+        if r.status_code != 200:
+            raise self._status_error(r.status_code, r.content)
+        return self._parse(model, r.content)
+
+    # ---- primitives -------------------------------------------------------------------------------
+    async def fill(self, req: FillRequest) -> FillResponse:
+        return await self._request("POST", "/fill", FillResponse, req)
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        return await self._request("POST", "/generate", GenerateResponse, req)
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        try:
+            async with self._http.stream("POST", "/generate_stream", json=req.model_dump(mode="json")) as r:
+                if r.status_code != 200:
+                    raise self._status_error(r.status_code, await r.aread())
+                event, data = "message", []
+                async for line in r.aiter_lines():
+                    if line:
+                        if line.startswith("data:"):
+                            data.append(line)
+                        elif line.startswith("event:"):
+                            event = line[6:].strip()
+                        continue  # comments and other fields are ignored
+                    if not data:
+                        continue
+                    payload, kind = _sse_data(data), event
+                    event, data = "message", []
+                    if kind == "error":
+                        raise self._stream_error(payload)
+                    if payload == "[DONE]":
+                        return
+                    yield self._parse(StreamChunk, payload.encode())
+        except ParrotError:
+            raise
+        except Exception as exc:
+            if self._is_transport(exc):
+                raise self._transport_error(exc) from exc
+            raise
+        raise self._unavailable("the stream ended without [DONE]")
+
+    def _stream_error(self, payload: str) -> ParrotError:
+        """An error after the stream started (`event: error`). It carries only a message; a dead engine loop
+        says so ("the engine stopped ..." / "... not running ..."), anything else is reported as a ParrotError
+        with the engine's message (the generation failed; the engine itself serves on)."""
+        try:
+            detail = str(json.loads(payload)["detail"])
+        except (ValueError, KeyError, TypeError):
+            detail = payload
+        low = detail.lower()
+        if low.startswith("the engine stopped") or "not running" in low:
+            return self._unavailable(detail)
+        if low.startswith("kv cache is full"):  # OutOfPages
+            return EngineOverloadedError(f"engine {self.name!r}: {detail}", self.name)
+        return ParrotError(f"engine {self.name!r}: generation failed: {detail}")
+
+    async def free_context(self, context_id: str) -> FreeContextResponse:
+        return await self._request("POST", "/free_context", FreeContextResponse,
+                                   FreeContextRequest(context_id=context_id))
+
+    async def ping(self) -> RuntimeInfo:
+        """GET /health (503 when the engine loop is dead), then GET /ping."""
+        try:
+            r = await self._http.get("/health", timeout=self.ping_timeout)
+        except Exception as exc:
+            if self._is_transport(exc):
+                raise self._transport_error(exc) from exc
+            raise
+        if r.status_code != 200:
+            err = self._status_error(r.status_code, r.content)
+            raise err if isinstance(err, EngineUnavailableError) else self._unavailable(str(err))
+        return await self._request("GET", "/ping", RuntimeInfo, timeout=self.ping_timeout)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+# ---- the manager --------------------------------------------------------------------------------------
+DeadCallback = Callable[[str], Awaitable[None]]
+
+
+@dataclass
+class _Entry:
+    client: EngineClient
+    heartbeats: bool  # True: the engine heartbeats to us; False: the monitor pings it
+    incarnation: int
+    last_seen: float  # time.monotonic() of the last heartbeat / successful ping / registration
+    live: bool = True
+    reason: str | None = None  # why it is dead
+    runtime: RuntimeInfo | None = None
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    name: str
+    url: str | None
+    model: str
+    max_context_len: int
+    live: bool
+    reason: str | None
+    incarnation: int  # bumps on every (re-)registration of the name: an engine restart loses its contexts
+    seconds_since_seen: float
+    runtime: RuntimeInfo | None
+
+
+class EngineManager:
+    """Engines by name, their liveness and latest runtime info. Use it from one asyncio event loop.
+
+    Liveness: a remote engine (`register_remote`) must heartbeat; any other (`register`) is pinged by the
+    monitor every `interval`. An engine is dead when nothing arrived for `dead_after` seconds, when a local
+    ping says its loop is dead, or when a caller reports it (`mark_dead`). Each live -> dead transition, and
+    a re-registration of a live engine (it restarted: its contexts are gone), calls every `on_engine_dead`
+    callback once, as tasks. A dead engine that heartbeats (and answers a ping) or pings fine is live again.
+    """
+
+    def __init__(self, *, client_kwargs: dict[str, object] | None = None) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._callbacks: list[DeadCallback] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._monitor: asyncio.Task[None] | None = None
+        self._incarnations = 0
+        self.client_kwargs = client_kwargs or {}  # for the HttpEngineClients register_remote builds
+
+    # ---- membership -----------------------------------------------------------------------------
+    def register(self, client: EngineClient, *, heartbeats: bool = False) -> EngineClient:
+        """Add (or replace) an engine under `client.name`. Without `heartbeats` the monitor pings it."""
+        now = time.monotonic()
+        old = self._entries.get(client.name)
+        self._incarnations += 1
+        self._entries[client.name] = _Entry(client, heartbeats, self._incarnations, now)
+        if old is not None:
+            if old.client is not client:
+                self._spawn(old.client.close())
+            if old.live:
+                log.warning("engine %r registered again while live: treating its previous run as dead", client.name)
+                self._fire(client.name)
+        log.info("engine %r registered (%s, model %s, max context %d)", client.name, client.url or "in process",
+                 client.model, client.max_context_len)
+        return client
+
+    def register_remote(self, reg: EngineRegistration) -> HttpEngineClient:
+        """A `parrot engine` announced itself: a new HttpEngineClient for it, replacing any under its name."""
+        client = HttpEngineClient.from_registration(reg, **self.client_kwargs)
+        self.register(client, heartbeats=True)
+        return client
+
+    async def unregister(self, name: str) -> None:
+        """Forget an engine (no callback) and close its client."""
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            await entry.client.close()
+
+    def get(self, name: str) -> EngineClient:
+        return self._entry(name).client
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            raise NotFoundError(f"engine {name!r} is not registered")
+        return entry
+
+    # ---- liveness -------------------------------------------------------------------------------
+    async def heartbeat(self, hb: EngineHeartbeat) -> None:
+        """Record a heartbeat. Unknown engine: NotFoundError (the engine registers again on the 404). A dead
+        engine is live again once it also answers a ping (a heartbeat alone does not prove its loop runs)."""
+        entry = self._entry(hb.name)
+        entry.runtime = hb.runtime
+        entry.last_seen = time.monotonic()
+        if not entry.live:
+            try:
+                await entry.client.ping()
+            except ParrotError as exc:
+                log.debug("engine %r heartbeats but does not answer a ping: %s", hb.name, exc)
+                return
+            if self._entries.get(hb.name) is entry and not entry.live:
+                self._revive(hb.name, entry, "heartbeats again")
+
+    def mark_dead(self, name: str, reason: str, client: EngineClient | None = None) -> bool:
+        """A caller saw EngineUnavailableError: mark the engine dead now. Given `client`, only if it is still
+        the engine's current client (not an older run's). True when this call made it dead."""
+        entry = self._entries.get(name)
+        if entry is None or (client is not None and entry.client is not client) or not entry.live:
+            return False
+        entry.live, entry.reason = False, reason
+        log.warning("engine %r is dead: %s", name, reason)
+        self._fire(name)
+        return True
+
+    def _revive(self, name: str, entry: _Entry, how: str) -> None:
+        log.warning("engine %r is live again (%s; it was dead: %s)", name, how, entry.reason)
+        entry.live, entry.reason = True, None
+
+    def is_live(self, name: str) -> bool:
+        entry = self._entries.get(name)
+        return entry is not None and entry.live
+
+    def live_engines(self) -> list[EngineClient]:
+        return [e.client for e in self._entries.values() if e.live]
+
+    def runtime(self, name: str) -> RuntimeInfo | None:
+        """The latest runtime info (heartbeat or ping) of an engine; None before the first."""
+        return self._entry(name).runtime
+
+    def status(self) -> list[EngineStatus]:
+        now = time.monotonic()
+        return [EngineStatus(name, e.client.url, e.client.model, e.client.max_context_len, e.live, e.reason,
+                             e.incarnation, now - e.last_seen, e.runtime) for name, e in self._entries.items()]
+
+    # ---- death callbacks ------------------------------------------------------------------------
+    def on_engine_dead(self, callback: DeadCallback) -> DeadCallback:
+        """`await callback(name)` once per death of an engine (usable as a decorator)."""
+        self._callbacks.append(callback)
+        return callback
+
+    def _fire(self, name: str) -> None:
+        for cb in self._callbacks:
+            self._spawn(self._run_callback(cb, name))
+
+    async def _run_callback(self, cb: DeadCallback, name: str) -> None:
+        try:
+            await cb(name)
+        except Exception:
+            log.exception("on_engine_dead callback %r failed for engine %r", cb, name)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the event loop: nothing to run it on
+            log.error("EngineManager used outside its event loop; dropping %s", coro)
+            coro.close()
+            return
+        task = loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        """Wait for the callbacks (and client closes) started so far."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # ---- the monitor ----------------------------------------------------------------------------
+    async def check(self, dead_after: float = 5.0) -> None:
+        """One monitor sweep: ping the pinged engines (concurrently), then mark the silent ones dead."""
+        pinged = [(name, e) for name, e in self._entries.items() if not e.heartbeats]
+        results = await asyncio.gather(*(self._ping(e, dead_after) for _, e in pinged), return_exceptions=True)
+        for (name, entry), res in zip(pinged, results, strict=True):
+            if self._entries.get(name) is not entry:
+                continue  # replaced meanwhile
+            if isinstance(res, RuntimeInfo):
+                entry.runtime, entry.last_seen = res, time.monotonic()
+                if not entry.live:
+                    self._revive(name, entry, "answers pings again")
+            elif isinstance(res, EngineUnavailableError) and entry.client.url is None:
+                self.mark_dead(name, str(res))  # an in-process engine that says it is dead is dead
+            elif isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res
+        now = time.monotonic()
+        for name, entry in list(self._entries.items()):
+            if entry.live and now - entry.last_seen > dead_after:
+                what = "heartbeat" if entry.heartbeats else "successful ping"
+                self.mark_dead(name, f"no {what} for {now - entry.last_seen:.1f}s")
+
+    async def _ping(self, entry: _Entry, timeout: float) -> RuntimeInfo:
+        return await asyncio.wait_for(entry.client.ping(), timeout)
+
+    def start_monitor(self, interval: float = 1.0, dead_after: float = 5.0) -> asyncio.Task[None]:
+        """Run `check(dead_after)` every `interval` seconds in a background task (in the running loop)."""
+        if self._monitor is not None and not self._monitor.done():
+            return self._monitor
+        # a restarted monitor must not count the time it was off against anyone
+        now = time.monotonic()
+        for entry in self._entries.values():
+            entry.last_seen = max(entry.last_seen, now - interval)
+
+        async def loop() -> None:
+            while True:
+                try:
+                    await self.check(dead_after)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("engine monitor sweep failed")
+                await asyncio.sleep(interval)
+
+        self._monitor = asyncio.get_running_loop().create_task(loop(), name="parrot-engine-monitor")
+        return self._monitor
+
+    async def stop_monitor(self) -> None:
+        task, self._monitor = self._monitor, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def close(self) -> None:
+        """Stop the monitor, close every client, wait for running callbacks."""
+        await self.stop_monitor()
+        entries, self._entries = list(self._entries.values()), {}
+        await asyncio.gather(*(e.client.close() for e in entries), return_exceptions=True)
+        await self.drain()
+
+
+# ---- the serve core's side of registration ------------------------------------------------------------
+def engine_routes(manager: EngineManager, prefix: str = "/v1/engine") -> APIRouter:
+    """`POST {prefix}/register` (EngineRegistration) and `POST {prefix}/heartbeat` (EngineHeartbeat; 404 for
+    an unknown engine, which makes it register again), for the frontend to mount."""
+    router = APIRouter(prefix=prefix, tags=["engines"])
+
+    @router.post("/register")
+    async def register(reg: EngineRegistration) -> dict[str, str]:
+        manager.register_remote(reg)
+        return {"status": "ok"}
+
+    @router.post("/heartbeat")
+    async def heartbeat(hb: EngineHeartbeat) -> dict[str, str]:
+        try:
+            await manager.heartbeat(hb)
+        except NotFoundError as exc:
+            raise HTTPException(404, str(exc)) from exc
+        return {"status": "ok"}
+
+    return router
