@@ -1,0 +1,109 @@
+"""GraphExecutor: lazy, topological execution of one session's graph.
+
+A completion chain runs when all its inputs are ready AND its output is needed: some client reads a
+variable that depends on it (`get` / `stream` with a criterion), or its request was submitted with
+`output_criteria`. Performance deduction (perf.py) walks back from the variable being read. Ready and
+needed chains become CompletionTasks for the GlobalScheduler. Native calls (string transforms) run on
+the server as soon as their inputs are ready and their outputs are needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parrot.serve import perf
+from parrot.serve.graph import CompletionChain, ComputeGraph, RequestChain
+from parrot.serve.perf import Criterion
+from parrot.serve.transforms import TransformCall
+from parrot.serve.variables import SemanticVariable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class NativeNode:
+    call: TransformCall
+    inputs: dict[str, SemanticVariable]
+    outputs: dict[str, SemanticVariable]
+    request_id: str
+    done: bool = False
+    needed: bool = False
+
+
+@dataclass
+class GraphExecutor:
+    graph: ComputeGraph = field(default_factory=ComputeGraph)
+    criteria: dict[str, Criterion] = field(default_factory=dict)  # needed chains by id
+    natives: list[NativeNode] = field(default_factory=list)
+    _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node
+
+    def add_request(self, chain: RequestChain, output_criteria: Criterion | None) -> None:
+        self.graph.insert(chain)
+        if output_criteria is not None:
+            for var in chain.output_vars:
+                self.need(var, output_criteria)
+
+    def add_native(self, node: NativeNode) -> None:
+        for var in node.outputs.values():
+            self._native_of[var.id] = node
+        self.natives.append(node)
+
+    def need(self, var: SemanticVariable, criterion: Criterion) -> None:
+        """A client waits for `var`: mark everything it depends on as needed."""
+        stack, seen = [var], set()
+        while stack:
+            v = stack.pop()
+            if v.id in seen:
+                continue
+            seen.add(v.id)
+            native = self._native_of.get(v.id)
+            if native is not None:
+                native.needed = True
+                stack.extend(native.inputs.values())
+            for chain in perf.deduce(self.graph, v, criterion, self.criteria):
+                stack.extend(chain.dependency_vars)
+
+    def ready(self) -> tuple[list[tuple[CompletionChain, Criterion]], list[NativeNode]]:
+        """Needed chains whose inputs are all ready (marked started), and runnable native calls."""
+        chains = []
+        for chain in self.graph.ready_chains():
+            criterion = self.criteria.get(chain.id)
+            if criterion is not None:
+                self.graph.mark_started(chain)
+                chains.append((chain, criterion))
+        natives = [n for n in self.natives if not n.done and n.needed and all(v.is_ready for v in n.inputs.values())]
+        for n in natives:
+            n.done = True
+        return chains, natives
+
+    def depth(self, chain: CompletionChain) -> int:
+        return perf.depth(self.graph, chain)
+
+    def group(self, chain: CompletionChain) -> str | None:
+        return perf.task_group(self.graph, chain)
+
+    def finished(self, chain: CompletionChain) -> None:
+        self.criteria.pop(chain.id, None)
+        self.graph.remove(chain)
+
+    def fail_downstream(self, reason: str, fail: Callable[[SemanticVariable, str], None]) -> None:
+        """Chains and natives waiting on a failed variable can never run: fail their outputs too."""
+        changed = True
+        while changed:
+            changed = False
+            for chain in self.graph.chains:
+                if not chain.started and any(v.is_failed for v in chain.dependency_vars):
+                    self.graph.mark_started(chain)
+                    if chain.output_var.is_pending:
+                        fail(chain.output_var, f"an input failed: {reason}")
+                    self.finished(chain)
+                    changed = True
+            for n in self.natives:
+                if not n.done and any(v.is_failed for v in n.inputs.values()):
+                    n.done = True
+                    for v in n.outputs.values():
+                        if v.is_pending:
+                            fail(v, f"an input failed: {reason}")
+                    changed = True

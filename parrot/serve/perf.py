@@ -1,0 +1,48 @@
+"""Performance deduction: which chains are needed, how urgently, and which belong together.
+
+Reading a variable with a criterion (latency or throughput) makes every chain it transitively depends
+on needed with that criterion; latency wins over throughput. A chain's depth is the length of the
+longest producer path above it (app-FIFO: deeper work of an app was activated by earlier work and
+goes first). Chains whose outputs feed one consumer chain form a task group, dispatched together so
+the consumer can start as soon as possible.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from parrot.serve.graph import CompletionChain, ComputeGraph
+from parrot.serve.variables import SemanticVariable
+
+Criterion = Literal["latency", "throughput"]
+
+
+def merge(a: Criterion | None, b: Criterion) -> Criterion:
+    return "latency" if "latency" in (a, b) else "throughput"
+
+
+def deduce(graph: ComputeGraph, var: SemanticVariable, criterion: Criterion,
+           criteria: dict[str, Criterion]) -> list[CompletionChain]:
+    """Mark the chains `var` depends on as needed (in `criteria`, by chain id); returns them."""
+    chains = graph.upstream_chains(var)
+    for chain in chains:
+        criteria[chain.id] = merge(criteria.get(chain.id), criterion)
+    return chains
+
+
+def depth(graph: ComputeGraph, chain: CompletionChain, memo: dict[str, int] | None = None) -> int:
+    memo = {} if memo is None else memo
+    if chain.id in memo:
+        return memo[chain.id]
+    producers = [p for v in chain.dependency_vars for p in graph.producers_of(v)]
+    memo[chain.id] = 1 + max((depth(graph, p, memo) for p in producers), default=-1)
+    return memo[chain.id]
+
+
+def task_group(graph: ComputeGraph, chain: CompletionChain) -> str | None:
+    """The group of chains feeding the same consumer as `chain` (None if it feeds none, or alone)."""
+    for consumer in graph.consumers_of(chain.output_var):
+        producers = {p.id for v in consumer.dependency_vars for p in graph.producers_of(v)}
+        if len(producers) > 1:
+            return f"group:{consumer.id}"
+    return None
