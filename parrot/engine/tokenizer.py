@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from parrot.engine.model_files import gguf_field, open_gguf, resolve_model_path
 from parrot.errors import InvalidRequestError, ModelLoadError
 
 # GGUF token types (llama.cpp `llama_token_type`): 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
@@ -128,6 +130,35 @@ class Tokenizer:
 
     def to_json(self) -> str:
         return self.backend.to_str()
+
+
+def load_tokenizer(model: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a model ('smollm2' / None: the default model; a GGUF file: its metadata only;
+    a Hugging Face directory: its tokenizer.json), without loading weights or importing JAX."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    return gguf_tokenizer(open_gguf(path), path)
+
+
+def gguf_tokenizer(reader: Any, path: Path) -> Tokenizer:
+    """The tokenizer described by the `tokenizer.*` metadata of an open `gguf.GGUFReader`."""
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens)")
+    kind = gguf_field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: unsupported tokenizer model {kind!r} (only byte-level BPE 'gpt2')")
+    return Tokenizer.from_gguf_metadata(
+        tokens=list(tokens),
+        merges=list(gguf_field(reader, "tokenizer.ggml.merges", [])),
+        token_types=list(gguf_field(reader, "tokenizer.ggml.token_type", []) or []) or None,
+        pre=gguf_field(reader, "tokenizer.ggml.pre"),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
 
 
 def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:

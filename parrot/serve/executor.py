@@ -88,22 +88,29 @@ class GraphExecutor:
         self.criteria.pop(chain.id, None)
         self.graph.remove(chain)
 
-    def fail_downstream(self, reason: str, fail: Callable[[SemanticVariable, str], None]) -> None:
-        """Chains and natives waiting on a failed variable can never run: fail their outputs too."""
+    def fail_downstream(self, fail: Callable[[SemanticVariable, str], None]) -> None:
+        """Chains and natives waiting on a failed variable can never run: fail their outputs too, with
+        the reason of the input that failed."""
+        def why(vars_: list[SemanticVariable]) -> str | None:
+            bad = next((v for v in vars_ if v.is_failed), None)
+            return None if bad is None else f"input {bad.name!r} ({bad.id}) failed: {bad.error}"
+
         changed = True
         while changed:
             changed = False
             for chain in self.graph.chains:
-                if not chain.started and any(v.is_failed for v in chain.dependency_vars):
+                reason = None if chain.started else why(chain.dependency_vars)
+                if reason is not None:
                     self.graph.mark_started(chain)
                     if chain.output_var.is_pending:
-                        fail(chain.output_var, f"an input failed: {reason}")
+                        fail(chain.output_var, reason)
                     self.finished(chain)
                     changed = True
             for n in self.natives:
-                if not n.done and any(v.is_failed for v in n.inputs.values()):
+                reason = None if n.done else why(list(n.inputs.values()))
+                if reason is not None:
                     n.done = True
                     for v in n.outputs.values():
                         if v.is_pending:
-                            fail(v, f"an input failed: {reason}")
+                            fail(v, reason)
                     changed = True

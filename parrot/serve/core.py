@@ -1,0 +1,386 @@
+"""ParrotServeCore: owns every serve-layer manager and runs apps from semantic variables.
+
+Flow (one asyncio loop): a semantic call is parsed into chunks, bound to variables (the first constant
+text is a global, content-addressed variable split by the prefix matcher; other text is session-local),
+inserted into the session's graph as completion chains. Reading a variable marks what it depends on as
+needed (performance deduction); ready and needed chains become tasks for the GlobalScheduler, which
+places them on engines by cached prefix and load. A task tokenizes its whole prompt at once (the same
+tokens a plain completion of that text gets), forks the longest cached prefix context on its engine,
+fills the rest variable by variable (each boundary cached for later forks) and generates into its
+output variable, streaming. An engine that dies has its unfinished tasks re-dispatched elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
+from parrot.protocol import (
+    CallCreated,
+    FillRequest,
+    GenerateRequest,
+    NativeCallRequest,
+    ParamInfo,
+    SamplingParams,
+    SemanticCallRequest,
+)
+from parrot.serve.contexts import CachedContext, ContextManager
+from parrot.serve.engines import EngineClient, EngineManager, EngineUnavailableError
+from parrot.serve.executor import NativeNode
+from parrot.serve.graph import ConstantFill, Node, PlaceholderFill, PlaceholderGen, RequestChain
+from parrot.serve.perf import Criterion
+from parrot.serve.prefix_matcher import PrefixMatcher
+from parrot.serve.request import Parameter, PlaceholderChunk, parse_request
+from parrot.serve.scheduler import CompletionTask, EngineView, GlobalScheduler
+from parrot.serve.session import Session
+from parrot.serve.tokenizers import TokenizerManager
+from parrot.serve.transforms import TransformContext, TransformError, run_transform, validate_call
+from parrot.serve.variables import SemanticVariable, SemanticVariableManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _TaskRecord:
+    session: Session
+    chain: object  # CompletionChain
+    sampling: SamplingParams
+    streamed: str = ""  # text already appended to the output variable's stream (kept across retries)
+
+
+class ParrotServeCore:
+    def __init__(self, model: str = "smollm2", session_ttl: float = 3600.0, dead_after: float = 5.0,
+                 tokenizers: TokenizerManager | None = None, default_max_tokens: int = 128) -> None:
+        self.model = model
+        self.session_ttl = session_ttl
+        self.dead_after = dead_after
+        self.default_max_tokens = default_max_tokens
+        self.vars = SemanticVariableManager()
+        self.tokenizers = tokenizers or TokenizerManager()
+        self.engines = EngineManager()
+        self.contexts = ContextManager()
+        self.scheduler = GlobalScheduler(self.contexts, self._engine_views)
+        self.prefix_matcher = PrefixMatcher()
+        self.sessions: dict[str, Session] = {}
+        self._inflight_prefix: dict[tuple[str, tuple[int, ...]], asyncio.Future[CachedContext]] = {}
+        self._background: set[asyncio.Task] = set()
+        self.engines.on_engine_dead(self._on_engine_dead)
+        self._expiry: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.engines.start_monitor(interval=1.0, dead_after=self.dead_after)
+        self._expiry = asyncio.create_task(self._expire_sessions())
+        self._spawn(self._tick())
+
+    async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        for t in list(self._background):
+            t.cancel()
+        await self.engines.stop_monitor()
+        await self.engines.close()
+
+    def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _engine_views(self) -> list[EngineView]:
+        views = []
+        for client in self.engines.live_engines():
+            info = self.engines.runtime(client.name)
+            views.append(EngineView(client.name, max_batch=64, queued=info.waiting if info else 0))
+        return views
+
+    # ---- sessions -----------------------------------------------------------------------------
+    def create_session(self) -> Session:
+        session = Session()
+        self.sessions[session.session_id] = session
+        return session
+
+    def get_session(self, session_id: str, token: str | None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFoundError(f"session {session_id!r} does not exist")
+        session.check_token(token)
+        return session
+
+    async def delete_session(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        self.vars.free_session(session.session_id)
+        for ctx in self.contexts.release_session(session.session_id):
+            self._spawn(self._free_context(ctx))
+
+    async def _free_context(self, ctx: CachedContext) -> None:
+        client = self.engines.get(ctx.engine) if self.engines.is_live(ctx.engine) else None
+        for _ in range(120):  # a context still generating is freed once its primitive ends
+            if client is None:
+                return
+            try:
+                await client.free_context(ctx.context_id)
+                return
+            except NotFoundError:
+                return
+            except EngineUnavailableError:
+                return
+            except ParrotError:
+                await asyncio.sleep(0.5)
+
+    async def _tick(self) -> None:
+        """Queued tasks wait for engine capacity or a newly registered engine: retry placing them."""
+        while True:
+            await asyncio.sleep(0.2)
+            if self.scheduler.queue:
+                self._dispatch()
+
+    async def _expire_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(min(30.0, self.session_ttl / 2))
+            for s in [s for s in self.sessions.values() if s.idle_seconds() > self.session_ttl]:
+                log.info("session %s expired after %.0f s idle", s.session_id, s.idle_seconds())
+                await self.delete_session(s)
+
+    # ---- variables ----------------------------------------------------------------------------
+    def create_var(self, session: Session, name: str, content: str | None) -> SemanticVariable:
+        return self.vars.create(session.session_id, name, content)
+
+    def set_var(self, session: Session, var_id: str, content: str) -> None:
+        self.vars.get(var_id, session.session_id).set(content)
+        self._progress(session)
+
+    async def get_var(self, session: Session, var_id: str, criterion: Criterion, timeout: float | None) -> str:
+        var = self.vars.get(var_id, session.session_id)
+        if var.is_pending:
+            session.executor.need(var, criterion)
+            self._progress(session)
+        return await var.wait(timeout)
+
+    def stream_var(self, session: Session, var_id: str, criterion: Criterion) -> AsyncIterator[str]:
+        var = self.vars.get(var_id, session.session_id)
+        if var.is_pending:
+            session.executor.need(var, criterion)
+            self._progress(session)
+        return var.stream()
+
+    # ---- calls --------------------------------------------------------------------------------
+    def semantic_call(self, session: Session, req: SemanticCallRequest) -> CallCreated:
+        params = [Parameter(p.name, p.is_output, p.var_id, p.value,
+                            p.sampling_config.model_dump() if p.sampling_config else None) for p in req.parameters]
+        parsed = parse_request(req.template, params)
+        if not parsed.outputs:
+            raise InvalidRequestError("the template has no output placeholder: nothing to generate")
+        request_id = f"r-{uuid.uuid4().hex[:12]}"
+        bound: dict[str, SemanticVariable] = {}
+        for p in parsed.params.values():
+            if p.var_id is not None:
+                var = self.vars.get(p.var_id, session.session_id)
+                if p.is_output and not var.is_pending:
+                    raise InvalidRequestError(f"output variable {p.var_id} is already set")
+            else:
+                var = self.create_var(session, p.name, p.value)
+            bound[p.name] = var
+        nodes: list[Node] = []
+        first_text = True
+        for chunk in parsed.chunks:
+            if isinstance(chunk, PlaceholderChunk):
+                var, p = bound[chunk.name], parsed.params[chunk.name]
+                nodes.append(PlaceholderGen(var, p.sampling_config) if p.is_output else PlaceholderFill(var))
+                continue
+            if first_text:  # the leading constant: global and content-addressed, split where apps share it
+                self.prefix_matcher.add(chunk.text)
+                for piece in self.prefix_matcher.split(chunk.text):
+                    nodes.append(ConstantFill(self.vars.constant(piece, session.session_id)))
+                first_text = False
+            else:
+                nodes.append(ConstantFill(self.vars.create(session.session_id, "constant", chunk.text,
+                                                           is_constant=True)))
+        chain = RequestChain.build(request_id, session.session_id, nodes)
+        session.executor.add_request(chain, req.output_criteria)
+        session.requests[request_id] = {"template": req.template, "outputs": [v.id for v in chain.output_vars]}
+        self._progress(session)
+        return CallCreated(request_id=request_id, param_info=[
+            ParamInfo(name=n, is_output=parsed.params[n].is_output, var_id=v.id) for n, v in bound.items()])
+
+    def native_call(self, session: Session, req: NativeCallRequest) -> CallCreated:
+        call = validate_call(req.transform, req.params, list(req.inputs), list(req.outputs))
+        request_id = f"n-{uuid.uuid4().hex[:12]}"
+        inputs: dict[str, SemanticVariable] = {}
+        for name, src in req.inputs.items():
+            if (src.var_id is None) == (src.value is None):
+                raise InvalidRequestError(f"native input {name!r} needs exactly one of var_id or value")
+            inputs[name] = (self.vars.get(src.var_id, session.session_id) if src.var_id is not None
+                            else self.create_var(session, name, src.value))
+        outputs = {name: self.vars.create(session.session_id, name, producer=request_id) for name in req.outputs}
+        session.executor.add_native(NativeNode(call, inputs, outputs, request_id))
+        session.requests[request_id] = {"transform": req.transform, "outputs": [v.id for v in outputs.values()]}
+        params = [ParamInfo(name=n, is_output=False, var_id=v.id) for n, v in inputs.items()]
+        params += [ParamInfo(name=n, is_output=True, var_id=v.id) for n, v in outputs.items()]
+        self._progress(session)
+        return CallCreated(request_id=request_id, param_info=params)
+
+    # ---- execution ----------------------------------------------------------------------------
+    def _progress(self, session: Session) -> None:
+        """Run what became runnable: natives inline (cheap string work), chains via the scheduler."""
+        while True:
+            session.executor.fail_downstream(lambda v, r: v.fail_if_pending(r))
+            chains, natives = session.executor.ready()
+            for node in natives:
+                self._run_native(session, node)
+            for chain, criterion in chains:
+                self._submit_chain(session, chain, criterion)
+            if not natives:
+                break
+        self._dispatch()
+
+    def _run_native(self, session: Session, node: NativeNode) -> None:
+        tok = self.tokenizers.get(self.model)
+        ctx = TransformContext.from_tokenizer(tok)
+        try:
+            out = run_transform(node.call, {k: v.content or "" for k, v in node.inputs.items()}, ctx)
+        except TransformError as exc:
+            for var in node.outputs.values():
+                var.fail_if_pending(str(exc))
+            return
+        for name, var in node.outputs.items():
+            if var.is_pending:
+                var.set(out[name])
+
+    def _submit_chain(self, session: Session, chain, criterion: Criterion) -> None:  # noqa: ANN001
+        pieces = [v.content or "" for v in chain.prefix_vars]
+        token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
+        tokens = [t for piece in token_pieces for t in piece]
+        boundaries, n = [], 0
+        for piece in token_pieces:
+            n += len(piece)
+            if n and (not boundaries or boundaries[-1] != n):
+                boundaries.append(n)
+        cfg = dict(chain.gen.sampling_config or {})
+        cfg.setdefault("max_tokens", self.default_max_tokens)
+        try:
+            sampling = SamplingParams(**cfg)
+        except Exception as exc:  # validated on the way in; a bad config fails only this output
+            chain.output_var.fail_if_pending(f"invalid sampling config: {exc}")
+            session.executor.finished(chain)
+            return
+        task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
+                              session.executor.group(chain), payload=_TaskRecord(session, chain, sampling))
+        self.scheduler.submit(task)
+
+    def _dispatch(self) -> None:
+        for task in self.scheduler.schedule():
+            self._spawn(self._run_task(task))
+
+    async def _run_task(self, task: CompletionTask) -> None:
+        rec: _TaskRecord = task.payload
+        chain, session = rec.chain, rec.session
+        var: SemanticVariable = chain.output_var
+        engine = task.engine
+        assert engine is not None
+        try:
+            client = self.engines.get(engine)
+            parent = await self._prefix_context(client, task)
+            gen_id = self.contexts.new_id(session.session_id)
+            req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
+            text, ids = "", []
+            parent.in_use += 1
+            try:
+                async for chunk in client.generate_stream(req):
+                    if chunk.token_id is not None:
+                        ids.append(chunk.token_id)
+                    text += chunk.text
+                    if len(text) > len(rec.streamed) and text.startswith(rec.streamed):
+                        var.append_stream(text[len(rec.streamed):])
+                        rec.streamed = text
+            finally:
+                parent.in_use -= 1
+            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, session.session_id)
+            var.set(text)
+        except EngineUnavailableError as exc:
+            log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
+            self.engines.mark_dead(engine, str(exc))
+            self._engine_gone(engine)
+            return
+        except (ParrotError, asyncio.CancelledError) as exc:
+            reason = str(exc) or type(exc).__name__
+            var.fail_if_pending(reason)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            if task.engine == engine:
+                self.scheduler.finished(task)
+        session.executor.finished(chain)
+        self._progress(session)
+
+    async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> CachedContext:
+        """Fork the longest cached prefix on this engine and fill the rest boundary by boundary, each
+        boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it."""
+        engine = client.name
+        parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
+        self.contexts.record_lookup(len(task.tokens), parent.num_tokens if parent else 0)
+        if parent is not None:
+            self.contexts.touch(parent)
+        rec: _TaskRecord = task.payload
+        prefix_vars = rec.chain.prefix_vars
+        for i, b in enumerate(task.boundaries):
+            if parent is not None and b <= parent.num_tokens:
+                continue
+            owner = None if all(v.session_id is None for v in prefix_vars[: i + 1]) else rec.session.session_id
+            parent = await self._fill_prefix(client, task.tokens[:b], parent, owner)
+        assert parent is not None
+        return parent
+
+    async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
+                           owner: str | None) -> CachedContext:
+        key = (client.name, tuple(tokens))
+        pending = self._inflight_prefix.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
+        if cached is not None:
+            return cached
+        fut: asyncio.Future[CachedContext] = asyncio.get_running_loop().create_future()
+        self._inflight_prefix[key] = fut
+        try:
+            ctx_id = self.contexts.new_id(owner)
+            start = parent.num_tokens if parent is not None else 0
+            await client.fill(FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
+                                          token_ids=tokens[start:]))
+            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
+            fut.set_result(ctx)
+            return ctx
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._inflight_prefix[key]
+
+    # ---- engine failure -----------------------------------------------------------------------
+    async def _on_engine_dead(self, name: str) -> None:
+        self._engine_gone(name)
+
+    def _engine_gone(self, name: str) -> None:
+        """Forget the engine's contexts and run its unfinished tasks elsewhere."""
+        self.contexts.release_engine(name)
+        requeued = self.scheduler.engine_dead(name)
+        if requeued:
+            log.warning("re-dispatching %d task(s) of dead engine %s", len(requeued), name)
+        self._dispatch()
+
+    def inspect(self, session: Session) -> dict:
+        return {
+            "session_id": session.session_id,
+            "variables": [v.to_json(with_content=True) for v in self.vars.session_variables(session.session_id)],
+            "requests": session.requests,
+            "graph": session.executor.graph.to_json(),
+            "idle_seconds": session.idle_seconds(),
+            "now": time.time(),
+        }
+

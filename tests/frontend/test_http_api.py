@@ -1,0 +1,179 @@
+"""The Parrot REST API end to end: a real uvicorn server on loopback, the serve core, an embedded
+engine running a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from parrot.engine.engine import LLMEngine
+from parrot.frontend.http_api import create_app
+from parrot.serve.core import ParrotServeCore
+from parrot.serve.engines import LocalEngineClient
+from parrot.serve.tokenizers import TokenizerManager
+from tests.conftest import tiny_engine_config, tiny_model
+
+SYSTEM = "You are a careful assistant that summarizes text in one line. " * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    tokenizers = TokenizerManager()
+    tokenizers.register("tiny", model.tokenizer)
+    core = ParrotServeCore(model="tiny", tokenizers=tokenizers, default_max_tokens=8)
+    core.engines.register(LocalEngineClient(engine, name="local"))
+    port = _free_port()
+    config = uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", core, engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server[0], timeout=60) as c:
+        yield c
+
+
+def new_session(client: httpx.Client) -> tuple[str, dict]:
+    r = client.post("/v1/session", json={})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    return body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+
+
+def call(client: httpx.Client, sid: str, auth: dict, template: str, params: list[dict], **kw) -> dict:
+    r = client.post("/v1/semantic_call", json={"session_id": sid, "template": template, "parameters": params, **kw},
+                    headers=auth)
+    assert r.status_code == 201, r.text
+    return {p["name"]: p["var_id"] for p in r.json()["param_info"]}
+
+
+def get(client: httpx.Client, sid: str, auth: dict, var_id: str, **params) -> httpx.Response:
+    return client.get(f"/v1/semantic_var/{var_id}", params={"session_id": sid, **params}, headers=auth)
+
+
+def test_call_then_get_generates(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    ids = call(client, sid, auth, SYSTEM + "Text: {{doc}}\nSummary: {{summary}}",
+               [{"name": "doc", "is_output": False, "value": "the cat sat on the mat"},
+                {"name": "summary", "is_output": True, "sampling_config": {"max_tokens": 6, "ignore_eos": True}}])
+    r = get(client, sid, auth, ids["summary"], criteria="latency", timeout=60)
+    assert r.status_code == 200, r.text
+    assert isinstance(r.json()["content"], str)
+    info = client.get(f"/v1/session/{sid}", headers=auth).json()
+    assert any(v["id"] == ids["summary"] and v["state"] == "ready" for v in info["variables"])
+
+
+def test_chain_and_map_reduce_share_the_system_prompt(client: httpx.Client, server) -> None:
+    _, core, engine = server
+    sid, auth = new_session(client)
+    sampling = {"max_tokens": 5, "ignore_eos": True}
+    parts = [f"part {i}: " + "abc " * (i + 1) for i in range(4)]
+    maps = [call(client, sid, auth, SYSTEM + "Chunk: {{chunk}}\nSummary: {{s}}",
+                 [{"name": "chunk", "is_output": False, "value": p},
+                  {"name": "s", "is_output": True, "sampling_config": sampling}]) for p in parts]
+    reduce_params = [{"name": f"s{i}", "is_output": False, "var_id": m["s"]} for i, m in enumerate(maps)]
+    reduce_params.append({"name": "final", "is_output": True, "sampling_config": sampling})
+    template = SYSTEM + "Summaries: " + " ".join(f"{{{{s{i}}}}}" for i in range(4)) + "\nOverall: {{final}}"
+    red = call(client, sid, auth, template, reduce_params)
+    # nothing runs until the result is read (lazy); reading it runs the whole DAG
+    r = get(client, sid, auth, red["final"], criteria="throughput", timeout=120)
+    assert r.status_code == 200, r.text
+    for m in maps:
+        assert get(client, sid, auth, m["s"], timeout=5).status_code == 200
+    assert core.contexts.hit_rate > 0  # the system prompt context was forked, not refilled
+
+
+def test_native_call_in_the_graph(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    ids = call(client, sid, auth, SYSTEM + "Say: {{x}}", [{"name": "x", "is_output": True,
+                                                             "sampling_config": {"max_tokens": 4, "ignore_eos": True}}])
+    r = client.post("/v1/native_call", headers=auth, json={
+        "session_id": sid, "transform": "upper", "inputs": {"text": {"var_id": ids["x"]}}, "outputs": ["output"]})
+    assert r.status_code == 201, r.text
+    out = {p["name"]: p["var_id"] for p in r.json()["param_info"]}["output"]
+    r = get(client, sid, auth, out, timeout=60)
+    assert r.status_code == 200, r.text
+    x = get(client, sid, auth, ids["x"]).json()["content"]
+    assert r.json()["content"] == x.upper()
+
+
+def test_stream_matches_content(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    ids = call(client, sid, auth, SYSTEM + "Go: {{y}}", [{"name": "y", "is_output": True,
+                                                          "sampling_config": {"max_tokens": 8, "ignore_eos": True}}])
+    text = ""
+    with client.stream("GET", f"/v1/semantic_var/{ids['y']}/stream", params={"session_id": sid},
+                       headers=auth) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["text"]
+    assert text == get(client, sid, auth, ids["y"]).json()["content"]
+
+
+def test_auth_and_bad_input(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    other, other_auth = new_session(client)
+    assert client.get(f"/v1/session/{sid}").status_code == 401
+    assert client.get(f"/v1/session/{sid}", headers=other_auth).status_code == 403
+    assert client.get("/v1/session/nope", headers=auth).status_code == 404
+    r = client.post("/v1/semantic_call", headers=auth, json={"session_id": sid, "template": "Hi {{x",
+                                                             "parameters": []})
+    assert r.status_code == 400 and "detail" in r.json()
+    r = client.post("/v1/semantic_call", headers=auth, json={
+        "session_id": sid, "template": "Hi {{a}} and {{b}}", "parameters": [{"name": "a", "is_output": True}]})
+    assert r.status_code == 400
+    v = client.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "v"}).json()["var_id"]
+    set_url = f"/v1/semantic_var/{v}"
+    assert client.post(set_url, headers=auth, json={"session_id": sid, "content": "x"}).status_code == 200
+    assert client.post(set_url, headers=auth, json={"session_id": sid, "content": "y"}).status_code == 409
+    assert get(client, other, other_auth, v).status_code == 404  # another session's variable
+    pending = client.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "p"}).json()["var_id"]
+    assert get(client, sid, auth, pending, timeout=0.2).status_code == 408
+    # a cycle: out feeds in, in feeds out
+    a = client.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "a"}).json()["var_id"]
+    b = client.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "b"}).json()["var_id"]
+    call(client, sid, auth, "X {{a}} then {{b}}", [{"name": "a", "is_output": False, "var_id": a},
+                                                   {"name": "b", "is_output": True, "var_id": b}])
+    r = client.post("/v1/semantic_call", headers=auth, json={
+        "session_id": sid, "template": "Y {{b}} then {{a}}",
+        "parameters": [{"name": "b", "is_output": False, "var_id": b}, {"name": "a", "is_output": True, "var_id": a}]})
+    assert r.status_code == 400 and "cycle" in r.json()["detail"]
+    assert client.post("/v1/semantic_call", headers=auth, content=b"{not json").status_code == 422
+    assert client.delete(f"/v1/session/{sid}", headers=auth).status_code == 204
+    assert client.get(f"/v1/session/{sid}", headers=auth).status_code == 404
+
+
+def test_failed_generation_fails_the_variable(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    ids = call(client, sid, auth, "x" * 50 + " {{y}}",
+               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])  # beyond the context
+    r = get(client, sid, auth, ids["y"], timeout=60)
+    assert r.status_code == 424 and "maximum length" in r.json()["detail"]
+    # a call reading the failed variable fails too, instead of hanging
+    dep = call(client, sid, auth, "Then {{y}} and {{z}}", [{"name": "y", "is_output": False, "var_id": ids["y"]},
+                                                          {"name": "z", "is_output": True}])
+    assert get(client, sid, auth, dep["z"], timeout=30).status_code == 424
