@@ -47,10 +47,64 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _TaskRecord:
-    session: Session
-    chain: object  # CompletionChain
+    """What a task generates into. `owners[i]`: the session owning the prefix context ending at boundary
+    i (None: global constant text, kept across sessions). Subclasses deliver the output."""
+
     sampling: SamplingParams
-    streamed: str = ""  # text already appended to the output variable's stream (kept across retries)
+    owners: list[str | None]
+    owner: str  # owner of the generated context
+    streamed: str = ""  # text already delivered (kept across retries on another engine)
+
+    def deliver(self, text: str) -> None:
+        """`text` is everything generated so far in this attempt; pass on what is new."""
+        if len(text) > len(self.streamed) and text.startswith(self.streamed):
+            self.on_text(text[len(self.streamed):])
+            self.streamed = text
+
+    def on_text(self, delta: str) -> None: ...
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None: ...
+    def failed(self, reason: str) -> None: ...
+
+
+@dataclass(eq=False)
+class _ChainRecord(_TaskRecord):
+    session: Session | None = None
+    chain: object = None  # CompletionChain
+
+    def on_text(self, delta: str) -> None:
+        self.chain.output_var.append_stream(delta)
+
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None:
+        self.chain.output_var.set(text)
+
+    def failed(self, reason: str) -> None:
+        self.chain.output_var.fail_if_pending(reason)
+
+
+@dataclass(eq=False)
+class CompletionResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(eq=False)
+class _PlainRecord(_TaskRecord):
+    """A plain completion (OpenAI-compatible API): deltas and the result go to an asyncio queue."""
+
+    queue: asyncio.Queue | None = None
+
+    def on_text(self, delta: str) -> None:
+        self.queue.put_nowait(delta)
+
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None:
+        reason = "length" if len(token_ids) >= self.sampling.max_tokens else "stop"
+        self.queue.put_nowait(CompletionResult(text, token_ids, reason, prompt_tokens, cached_tokens))
+
+    def failed(self, reason: str) -> None:
+        self.queue.put_nowait(ParrotError(reason))
 
 
 class ParrotServeCore:
@@ -71,9 +125,11 @@ class ParrotServeCore:
         self._background: set[asyncio.Task] = set()
         self.engines.on_engine_dead(self._on_engine_dead)
         self._expiry: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()  # the loop every coroutine of the core runs on
         self.engines.start_monitor(interval=1.0, dead_after=self.dead_after)
         self._expiry = asyncio.create_task(self._expire_sessions())
         self._spawn(self._tick())
@@ -269,8 +325,14 @@ class ParrotServeCore:
             chain.output_var.fail_if_pending(f"invalid sampling config: {exc}")
             session.executor.finished(chain)
             return
+        owners, all_global = [], True
+        for var, piece in zip(chain.prefix_vars, token_pieces, strict=True):
+            all_global = all_global and var.session_id is None
+            if piece:
+                owners.append(None if all_global else session.session_id)
+        rec = _ChainRecord(sampling, owners, session.session_id, session=session, chain=chain)
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
-                              session.executor.group(chain), payload=_TaskRecord(session, chain, sampling))
+                              session.executor.group(chain), payload=rec)
         self.scheduler.submit(task)
 
     def _dispatch(self) -> None:
@@ -279,14 +341,12 @@ class ParrotServeCore:
 
     async def _run_task(self, task: CompletionTask) -> None:
         rec: _TaskRecord = task.payload
-        chain, session = rec.chain, rec.session
-        var: SemanticVariable = chain.output_var
         engine = task.engine
         assert engine is not None
         try:
             client = self.engines.get(engine)
-            parent = await self._prefix_context(client, task)
-            gen_id = self.contexts.new_id(session.session_id)
+            parent, cached = await self._prefix_context(client, task)
+            gen_id = self.contexts.new_id(rec.owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
             text, ids = "", []
             parent.in_use += 1
@@ -295,46 +355,48 @@ class ParrotServeCore:
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
                     text += chunk.text
-                    if len(text) > len(rec.streamed) and text.startswith(rec.streamed):
-                        var.append_stream(text[len(rec.streamed):])
-                        rec.streamed = text
+                    rec.deliver(text)
             finally:
                 parent.in_use -= 1
-            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, session.session_id)
-            var.set(text)
+            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, rec.owner)
+            rec.done(text, ids, len(task.tokens), cached)
         except EngineUnavailableError as exc:
             log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
             self.engines.mark_dead(engine, str(exc))
             self._engine_gone(engine)
             return
         except (ParrotError, asyncio.CancelledError) as exc:
-            reason = str(exc) or type(exc).__name__
-            var.fail_if_pending(reason)
+            rec.failed(str(exc) or type(exc).__name__)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
             if task.engine == engine:
                 self.scheduler.finished(task)
-        session.executor.finished(chain)
-        self._progress(session)
+        if isinstance(rec, _ChainRecord):
+            rec.session.executor.finished(rec.chain)
+            self._progress(rec.session)
+        else:  # a plain completion keeps only its shared (global) prefixes cached
+            for ctx in self.contexts.release_session(rec.owner):
+                self._spawn(self._free_context(ctx))
+            self._dispatch()
 
-    async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> CachedContext:
+    async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
         """Fork the longest cached prefix on this engine and fill the rest boundary by boundary, each
-        boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it."""
+        boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it.
+        Returns the context holding the whole prompt and how many prompt tokens were already cached."""
         engine = client.name
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
-        self.contexts.record_lookup(len(task.tokens), parent.num_tokens if parent else 0)
+        cached = parent.num_tokens if parent else 0
+        self.contexts.record_lookup(len(task.tokens), cached)
         if parent is not None:
             self.contexts.touch(parent)
         rec: _TaskRecord = task.payload
-        prefix_vars = rec.chain.prefix_vars
         for i, b in enumerate(task.boundaries):
             if parent is not None and b <= parent.num_tokens:
                 continue
-            owner = None if all(v.session_id is None for v in prefix_vars[: i + 1]) else rec.session.session_id
-            parent = await self._fill_prefix(client, task.tokens[:b], parent, owner)
+            parent = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i])
         assert parent is not None
-        return parent
+        return parent, cached
 
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
                            owner: str | None) -> CachedContext:
@@ -361,6 +423,42 @@ class ParrotServeCore:
             raise
         finally:
             del self._inflight_prefix[key]
+
+    # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
+    def complete(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
+                 shared: int = 1) -> asyncio.Queue:
+        """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
+        Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
+        pieces are kept as global contexts for later requests (a system prompt), the rest are freed when
+        the completion ends. Returns a queue receiving text deltas, then a CompletionResult or an error."""
+        if not "".join(pieces):
+            raise InvalidRequestError("the prompt is empty")
+        token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
+        tokens = [t for piece in token_pieces for t in piece]
+        owner = f"completion-{uuid.uuid4().hex[:12]}"
+        boundaries, owners, n = [], [], 0
+        for i, piece in enumerate(token_pieces):
+            n += len(piece)
+            if piece:
+                boundaries.append(n)
+                owners.append(None if i < shared else owner)
+        queue: asyncio.Queue = asyncio.Queue()
+        rec = _PlainRecord(sampling, owners, owner, queue=queue)
+        self.scheduler.submit(CompletionTask(owner, tokens, boundaries, criterion, payload=rec))
+        self._dispatch()
+        return queue
+
+    async def run_completion(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
+                             shared: int = 1) -> AsyncIterator[str | CompletionResult]:
+        """Yield text deltas, then the CompletionResult; raises the ParrotError of a failure."""
+        queue = self.complete(pieces, sampling, criterion, shared)
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, CompletionResult):
+                return
 
     # ---- engine failure -----------------------------------------------------------------------
     async def _on_engine_dead(self, name: str) -> None:

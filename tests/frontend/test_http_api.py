@@ -177,3 +177,24 @@ def test_failed_generation_fails_the_variable(client: httpx.Client) -> None:
     dep = call(client, sid, auth, "Then {{y}} and {{z}}", [{"name": "y", "is_output": False, "var_id": ids["y"]},
                                                           {"name": "z", "is_output": True}])
     assert get(client, sid, auth, dep["z"], timeout=30).status_code == 424
+
+
+def test_plain_completions_share_the_cached_prefix(server) -> None:
+    import asyncio
+
+    from parrot.protocol import SamplingParams
+    from parrot.serve.core import CompletionResult
+
+    _, core, _ = server
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def one(question: str) -> CompletionResult:
+        out = [item async for item in core.run_completion([SYSTEM, question], sampling)]
+        assert "".join(x for x in out if isinstance(x, str)) == out[-1].text
+        return out[-1]
+
+    first = asyncio.run_coroutine_threadsafe(one("first question"), core.loop).result(60)
+    second = asyncio.run_coroutine_threadsafe(one("second question"), core.loop).result(60)
+    assert first.cached_tokens == 0 or first.cached_tokens < first.prompt_tokens
+    assert second.cached_tokens > 0  # the system prompt's context was kept and forked
+
