@@ -57,6 +57,7 @@ class GlobalScheduler:
         self.latency_cap = latency_cap
         self.queue: list[CompletionTask] = []
         self.running: dict[str, CompletionTask] = {}  # task id -> task (dispatched, not finished)
+        self.requeued = 0  # tasks re-dispatched after their engine died
 
     def submit(self, task: CompletionTask) -> None:
         self.queue.append(task)
@@ -117,6 +118,7 @@ class GlobalScheduler:
     def engine_dead(self, engine: str) -> list[CompletionTask]:
         """Requeue the dead engine's unfinished tasks (they run again elsewhere); returns them."""
         lost = [t for t in self.running.values() if t.engine == engine]
+        self.requeued += len(lost)
         for t in lost:
             del self.running[t.task_id]
             t.engine = None

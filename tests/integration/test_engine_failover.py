@@ -1,0 +1,92 @@
+"""Kill an engine process in the middle of an app: its unfinished tasks run again on the other engine
+and the app's outputs still come. Real processes: the serve core behind uvicorn in this process, two
+`parrot engine` processes on loopback that register themselves and send heartbeats."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from parrot.engine.models.llama import random_weights
+from parrot.frontend.http_api import create_app
+from parrot.serve.core import ParrotServeCore
+from tests.conftest import TINY
+from tests.engine.test_loader import write_hf_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    model_dir = write_hf_dir(tmp_path / "tiny", TINY, random_weights(TINY, seed=3))
+    core = ParrotServeCore(model=str(model_dir), dead_after=2.0, default_max_tokens=8)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    _wait(lambda: srv.started, 30, "the serve core")
+    url = f"http://127.0.0.1:{port}"
+    procs = []
+    for i in range(2):
+        cmd = [sys.executable, "-m", "parrot.cli", "engine", "--model", str(model_dir), "--port", str(_free_port()),
+               "--serve-core", url, "--name", f"e{i}", "--disable-precompile", "--compilation-cache-dir", "",
+               "--kv-memory-mb", "16"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env={**os.environ, "JAX_PLATFORMS": "cpu"}))
+    try:
+        _wait(lambda: len(core.engines.live_engines()) == 2, 120, "two engines to register")
+        yield url, core, procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+        srv.should_exit = True
+        thread.join(10)
+
+
+def test_killing_an_engine_mid_app_still_delivers_outputs(cluster) -> None:
+    url, core, procs = cluster
+    with httpx.Client(base_url=url, timeout=120) as c:
+        body = c.post("/v1/session", json={}).json()
+        sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+        sampling = {"max_tokens": 120, "ignore_eos": True}
+        outs = []
+        for i in range(6):
+            r = c.post("/v1/semantic_call", headers=auth, json={
+                "session_id": sid, "template": f"Document {i}: " + "words " * (10 + i) + "\nSummary: {{s}}",
+                "parameters": [{"name": "s", "is_output": True, "sampling_config": sampling}],
+                "output_criteria": "throughput"})
+            assert r.status_code == 201, r.text
+            outs.append(r.json()["param_info"][0]["var_id"])
+        # wait until both engines run tasks, then kill one of them hard
+        _wait(lambda: len({t.engine for t in core.scheduler.running.values()}) == 2, 60, "tasks on both engines")
+        victim = procs[0]
+        victim.send_signal(signal.SIGKILL)
+        results = [c.get(f"/v1/semantic_var/{v}", params={"session_id": sid, "timeout": 120}, headers=auth)
+                   for v in outs]
+        assert all(r.status_code == 200 for r in results), [r.text for r in results]
+        assert all(isinstance(r.json()["content"], str) for r in results)
+        assert [e.name for e in core.engines.live_engines()] == ["e1"]
+        assert core.scheduler.requeued > 0  # the killed engine's unfinished tasks ran again on e1
