@@ -11,6 +11,8 @@ import time
 import httpx
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from parrot.engine.engine import LLMEngine
 from parrot.frontend.http_api import create_app
@@ -198,3 +200,23 @@ def test_plain_completions_share_the_cached_prefix(server) -> None:
     assert first.cached_tokens == 0 or first.cached_tokens < first.prompt_tokens
     assert second.cached_tokens > 0  # the system prompt's context was kept and forked
 
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.text(max_size=30),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                max_size=5), max_leaves=12)
+ROUTES = ["/v1/semantic_call", "/v1/native_call", "/v1/semantic_var", "/v1/semantic_var/x"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(ROUTES), body=st.one_of(JSON, st.fixed_dictionaries(
+    {"session_id": st.text(max_size=10), "template": st.text(max_size=40),
+     "parameters": st.lists(st.fixed_dictionaries({"name": st.text(max_size=5), "is_output": st.booleans()},
+                                                  optional={"value": st.text(max_size=5)}), max_size=3)})))
+def test_fuzzed_bodies_never_get_a_500(client: httpx.Client, route: str, body) -> None:  # noqa: ANN001
+    sid, auth = new_session(client)
+    if isinstance(body, dict) and "session_id" in body:
+        body = {**body, "session_id": sid}
+    r = client.post(route, json=body, headers=auth)
+    assert r.status_code < 500, r.text
+    assert "detail" in r.json()
