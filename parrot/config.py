@@ -28,7 +28,7 @@ class EngineConfig:
     kv_buckets: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
     # shared-prefix (cascade) decode attention: forks of one context read the shared pages once
     shared_prefix_attention: bool = True
-    cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256, 1024])  # own-KV lengths
+    cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256])  # own-KV lengths of forks
     precompile: bool = True
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
