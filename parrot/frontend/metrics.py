@@ -1,0 +1,223 @@
+"""Prometheus metrics of the serve core: `GET /metrics` in the Prometheus text format.
+
+Each `ParrotMetrics` has its own `CollectorRegistry` (never the process-global one), so several apps can
+live in one process (tests do). Names follow vLLM / SGLang (`<namespace>:<name>`):
+
+Observed (histograms / counters fed through the `observe_*` API below):
+  parrot:time_to_first_token_seconds     request arrival -> first non-empty text delta
+  parrot:time_per_output_token_seconds   per request: (last delta - first delta) / (completion tokens - 1)
+  parrot:inter_token_latency_seconds     gap between consecutive text deltas (a delta is usually one token)
+  parrot:e2e_request_latency_seconds     request arrival -> CompletionResult
+  parrot:request_queue_time_seconds      task submitted to the GlobalScheduler -> placed on an engine
+  parrot:request_success_total{endpoint, finished_reason}, parrot:request_failure_total{endpoint}
+  parrot:prompt_tokens_total, parrot:generation_tokens_total
+
+Computed at scrape time from the core (a custom collector, read on the event loop):
+  parrot:num_requests_running / parrot:num_requests_waiting   tasks dispatched / queued in the scheduler
+  parrot:engine_num_requests_running{engine} / ..._waiting{engine}   from each engine's RuntimeInfo
+  parrot:kv_cache_usage_perc{engine}     used fraction (0..1, as vLLM) of the engine's KV pages, from its
+                                         latest heartbeat / ping (`core.engines.runtime(name)`); engines
+                                         that have not reported yet are left out
+  parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
+  parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
+  parrot:engines_live, parrot:num_sessions, parrot:num_cached_contexts
+
+Who observes what: the OpenAI-compatible routes (parrot/frontend/openai_api.py) time every choice with
+`start_request()` -> `RequestTimer.delta()` / `.finish()` / `.fail()`. Queue time is observed for every
+task the core schedules (semantic calls too) by wrapping the core's `scheduler.schedule` on the instance
+(`hook_scheduler`, on by default); if the core ever calls `observe_queue_time` itself, construct
+`ParrotMetrics(core, hook_scheduler=False)`. Other callers (e.g. the core's semantic-variable path) can
+use `start_request(endpoint)` the same way, or the raw `observe_ttft / observe_inter_token /
+observe_tpot / observe_e2e / observe_queue_time / observe_tokens` methods. All of them must be called on
+the core's event loop or any single thread (prometheus_client metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from parrot.serve.core import ParrotServeCore
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 120.0, 300.0, 600.0)
+
+
+class _CoreCollector(Collector):
+    """Gauges read from the core at scrape time."""
+
+    def __init__(self, core: ParrotServeCore) -> None:
+        self.core = core
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check for duplicates at registration; names are fixed below
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.core
+        sched = core.scheduler
+        yield GaugeMetricFamily("parrot:num_requests_running", "Completion tasks dispatched to engines.",
+                                value=len(sched.running))
+        yield GaugeMetricFamily("parrot:num_requests_waiting", "Completion tasks queued in the scheduler.",
+                                value=len(sched.queue))
+        live = core.engines.live_engines()
+        yield GaugeMetricFamily("parrot:engines_live", "Engines currently live.", value=len(live))
+        usage = GaugeMetricFamily("parrot:kv_cache_usage_perc",
+                                  "Fraction (0..1) of the engine's KV cache pages in use.", labels=["engine"])
+        running = GaugeMetricFamily("parrot:engine_num_requests_running",
+                                    "Sequences the engine reports running.", labels=["engine"])
+        waiting = GaugeMetricFamily("parrot:engine_num_requests_waiting",
+                                    "Sequences the engine reports waiting.", labels=["engine"])
+        for client in live:
+            info = core.engines.runtime(client.name)
+            if info is None:
+                continue
+            used = 1.0 - info.free_pages / info.total_pages if info.total_pages else 0.0
+            usage.add_metric([client.name], min(1.0, max(0.0, used)))
+            running.add_metric([client.name], info.running)
+            waiting.add_metric([client.name], info.waiting)
+        yield usage
+        yield running
+        yield waiting
+        contexts = core.contexts
+        yield GaugeMetricFamily("parrot:prefix_cache_hit_rate",
+                                "Fraction of prompt tokens served from cached prefix contexts.",
+                                value=contexts.hit_rate)
+        yield CounterMetricFamily("parrot:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=contexts.lookup_tokens)
+        yield CounterMetricFamily("parrot:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=contexts.hit_tokens)
+        yield GaugeMetricFamily("parrot:num_cached_contexts", "KV contexts the core keeps track of.",
+                                value=len(contexts.contexts()))
+        yield GaugeMetricFamily("parrot:num_sessions", "Open Parrot sessions.", value=len(core.sessions))
+
+
+class RequestTimer:
+    """Times one generated sequence (one choice). Call `delta()` for each non-empty text delta as it
+    arrives, then `finish(...)` or `fail()` once."""
+
+    def __init__(self, metrics: ParrotMetrics, endpoint: str, start: float | None = None) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.start = time.perf_counter() if start is None else start
+        self.first: float | None = None
+        self.last: float | None = None
+        self.done = False
+
+    def delta(self, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if self.first is None:
+            self.first = now
+            self.metrics.observe_ttft(now - self.start)
+        else:
+            self.metrics.observe_inter_token(now - self.last)
+        self.last = now
+
+    def finish(self, prompt_tokens: int, completion_tokens: int, finish_reason: str,
+               now: float | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.perf_counter() if now is None else now
+        if self.first is None:  # nothing streamed (e.g. an immediate EOS): first output is the result
+            self.metrics.observe_ttft(now - self.start)
+        elif completion_tokens > 1 and self.last is not None:
+            self.metrics.observe_tpot((self.last - self.first) / (completion_tokens - 1))
+        self.metrics.observe_e2e(now - self.start)
+        self.metrics.observe_tokens(prompt_tokens, completion_tokens)
+        self.metrics.request_success.labels(self.endpoint, finish_reason).inc()
+
+    def fail(self) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.request_failure.labels(self.endpoint).inc()
+
+
+class ParrotMetrics:
+    def __init__(self, core: ParrotServeCore, *, hook_scheduler: bool = True) -> None:
+        self.core = core
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram("parrot:time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("parrot:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("parrot:inter_token_latency_seconds", "Time between consecutive text deltas.",
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("parrot:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("parrot:request_queue_time_seconds",
+                                    "Time a completion task waited in the scheduler before dispatch.",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.request_success = Counter("parrot:request_success", "Finished requests (per generated choice).",
+                                       ["endpoint", "finished_reason"], registry=r)
+        self.request_failure = Counter("parrot:request_failure", "Requests (choices) that failed.",
+                                       ["endpoint"], registry=r)
+        self.prompt_tokens = Counter("parrot:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("parrot:generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        r.register(_CoreCollector(core))
+        if hook_scheduler:
+            self._hook_scheduler()
+
+    # ---- observation API ------------------------------------------------------------------------
+    def start_request(self, endpoint: str, start: float | None = None) -> RequestTimer:
+        """A timer for one generated sequence; `start` is a time.perf_counter() value (default: now)."""
+        return RequestTimer(self, endpoint, start)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(max(0.0, seconds))
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.observe(max(0.0, seconds))
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot.observe(max(0.0, seconds))
+
+    def observe_e2e(self, seconds: float) -> None:
+        self.e2e.observe(max(0.0, seconds))
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(max(0.0, seconds))
+
+    def observe_tokens(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generation_tokens.inc(max(0, completion_tokens))
+
+    def _hook_scheduler(self) -> None:
+        """Observe queue time of every task the scheduler places (arrival is time.monotonic())."""
+        scheduler = self.core.scheduler
+        inner = scheduler.schedule
+
+        def schedule():  # noqa: ANN202 - same signature as GlobalScheduler.schedule
+            placed = inner()
+            now = time.monotonic()
+            for task in placed:
+                self.observe_queue_time(now - task.arrival)
+            return placed
+
+        scheduler.schedule = schedule
+
+    # ---- exposition -----------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+
+        @router.get("/metrics", include_in_schema=False)
+        async def metrics() -> Response:  # async: reads core state on the event loop that mutates it
+            return Response(self.render(), media_type=CONTENT_TYPE_LATEST)
+
+        return router

@@ -1,0 +1,129 @@
+"""`/metrics`: Prometheus text that parses, with the vLLM-style names and values that follow the requests
+made through the OpenAI-compatible API (real uvicorn server, real openai client, tiny random model)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from parrot.engine.engine import LLMEngine
+from parrot.frontend.metrics import ParrotMetrics
+from parrot.serve.core import ParrotServeCore
+from tests.conftest import tiny_engine_config, tiny_model
+from tests.frontend.test_openai_api import serve
+
+HISTOGRAMS = ["parrot:time_to_first_token_seconds", "parrot:time_per_output_token_seconds",
+              "parrot:inter_token_latency_seconds", "parrot:e2e_request_latency_seconds",
+              "parrot:request_queue_time_seconds"]
+GAUGES = ["parrot:num_requests_running", "parrot:num_requests_waiting", "parrot:kv_cache_usage_perc",
+          "parrot:prefix_cache_hit_rate", "parrot:engines_live"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    url, core, srv, thread = serve(engine, "tiny", tiny_model().tokenizer)
+    yield url, core
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """{family name: {(sample name, sorted labels): value}}"""
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(r.text):
+        out[fam.name] = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples}
+    return out
+
+
+def value(families: dict, family: str, sample: str | None = None, **labels: str) -> float:
+    return families[family][(sample or family, tuple(sorted(labels.items())))]
+
+
+def test_metrics_follow_requests(server) -> None:
+    url, core = server
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        system = "You are a metrics test assistant; answer briefly and precisely. " * 2
+        usages = []
+        for q in ("one", "two", "three"):
+            r = client.chat.completions.create(model="tiny", max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True},
+                                               messages=[{"role": "system", "content": system},
+                                                         {"role": "user", "content": q}])
+            usages.append(r.usage)
+        stream = client.completions.create(model="tiny", prompt="Count: 1 2 3", max_tokens=5, temperature=1.0,
+                                           seed=1, n=2, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        usages.append([c.usage for c in stream if c.usage is not None][-1])
+
+    deadline = time.time() + 10  # KV usage comes from the engine's ping (every second)
+    fams = scrape(url)
+    while not fams["parrot:kv_cache_usage_perc"] and time.time() < deadline:
+        time.sleep(0.2)
+        fams = scrape(url)
+    for name in HISTOGRAMS + GAUGES:
+        assert name in fams, name
+    choices = 3 + 2
+    for name in ("parrot:time_to_first_token_seconds", "parrot:e2e_request_latency_seconds",
+                 "parrot:time_per_output_token_seconds"):
+        assert value(fams, name, f"{name}_count") == choices, name
+        assert value(fams, name, f"{name}_sum") > 0, name
+        assert value(fams, name, f"{name}_bucket", le="+Inf") == choices, name
+    assert value(fams, "parrot:request_queue_time_seconds", "parrot:request_queue_time_seconds_count") >= choices
+    assert value(fams, "parrot:inter_token_latency_seconds", "parrot:inter_token_latency_seconds_count") > 0
+    assert value(fams, "parrot:request_success", "parrot:request_success_total",
+                 endpoint="chat", finished_reason="length") == 3
+    assert value(fams, "parrot:request_success", "parrot:request_success_total",
+                 endpoint="completions", finished_reason="length") == 2
+    assert value(fams, "parrot:generation_tokens", "parrot:generation_tokens_total") == sum(
+        u.completion_tokens for u in usages)
+    # the n=2 choices both read the prompt, usage counts it once
+    assert value(fams, "parrot:prompt_tokens", "parrot:prompt_tokens_total") == sum(
+        u.prompt_tokens for u in usages) + usages[-1].prompt_tokens
+    assert value(fams, "parrot:num_requests_running") == 0
+    assert value(fams, "parrot:num_requests_waiting") == 0
+    assert value(fams, "parrot:engines_live") == 1
+    assert 0.0 <= value(fams, "parrot:kv_cache_usage_perc", engine="local") <= 1.0
+    hit_rate = value(fams, "parrot:prefix_cache_hit_rate")
+    assert 0.0 < hit_rate <= 1.0 and hit_rate == pytest.approx(core.contexts.hit_rate)
+    assert value(fams, "parrot:prefix_cache_hits", "parrot:prefix_cache_hits_total") >= sum(
+        u.prompt_tokens_details.cached_tokens for u in usages[:3]) > 0
+
+
+def test_registry_per_instance_and_timer() -> None:
+    core = ParrotServeCore(model="tiny")
+    a, b = ParrotMetrics(core), ParrotMetrics(core)  # two registries: no duplicate-name clash
+    timer = a.start_request("chat", start=10.0)
+    timer.delta(now=10.5)  # TTFT 0.5
+    timer.delta(now=10.7)
+    timer.delta(now=10.9)
+    timer.finish(prompt_tokens=7, completion_tokens=3, finish_reason="stop", now=11.0)
+    timer.finish(prompt_tokens=7, completion_tokens=3, finish_reason="stop", now=12.0)  # counted once
+    a.start_request("completions").fail()
+    fams = {f.name: f for f in text_string_to_metric_families(a.render().decode())}
+
+    def sample(family: str, name: str, **labels: str) -> float:
+        return next(s.value for s in fams[family].samples if s.name == name and s.labels == labels)
+
+    assert sample("parrot:time_to_first_token_seconds", "parrot:time_to_first_token_seconds_sum") == 0.5
+    assert sample("parrot:time_per_output_token_seconds",
+                  "parrot:time_per_output_token_seconds_sum") == pytest.approx(0.2)
+    assert sample("parrot:inter_token_latency_seconds", "parrot:inter_token_latency_seconds_count") == 2
+    assert sample("parrot:e2e_request_latency_seconds", "parrot:e2e_request_latency_seconds_sum") == 1.0
+    assert sample("parrot:prompt_tokens", "parrot:prompt_tokens_total") == 7
+    assert sample("parrot:request_failure", "parrot:request_failure_total", endpoint="completions") == 1
+    assert sample("parrot:engines_live", "parrot:engines_live") == 0
+    assert not list(fams["parrot:kv_cache_usage_perc"].samples)  # no engine, no sample
+    other = {f.name: f for f in text_string_to_metric_families(b.render().decode())}
+    assert next(iter(other["parrot:time_to_first_token_seconds"].samples)).value == 0  # b saw nothing
+    # queue time is observed for whatever the scheduler places (both instances hook it)
+    a.observe_queue_time(0.25)
+    counts = {m: next(s.value for s in m.queue_time.collect()[0].samples if s.name.endswith("_count")) for m in (a, b)}
+    assert (counts[a], counts[b]) == (1, 0)

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible API with the real `openai` client against a real uvicorn server on loopback:
+the serve core and an embedded engine running a tiny random model (and, marked `model`, the default
+SmolLM2 model)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from parrot.config import EngineConfig
+from parrot.engine.engine import LLMEngine
+from parrot.frontend.http_api import create_app
+from parrot.frontend.openai_api import chat_pieces
+from parrot.serve.core import ParrotServeCore
+from parrot.serve.engines import LocalEngineClient
+from parrot.serve.tokenizers import TokenizerManager
+from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
+
+PROMPT = "The quick brown fox jumps over"
+GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(engine: LLMEngine, model_name: str, tokenizer) -> tuple[str, ParrotServeCore, uvicorn.Server,  # noqa: ANN001
+                                                                   threading.Thread]:
+    """Serve create_app(core) on loopback in a thread; the core has `engine` as its one engine."""
+    tokenizers = TokenizerManager()
+    tokenizers.register(model_name, tokenizer)
+    core = ParrotServeCore(model=model_name, tokenizers=tokenizers)
+    core.engines.register(LocalEngineClient(engine, name="local"))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", core, srv, thread
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    url, core, srv, thread = serve(engine, "tiny", tiny_model().tokenizer)
+    yield url, core
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _stream_text(stream, chat: bool) -> tuple[str, str | None, object]:  # noqa: ANN001
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += (ch.delta.content or "") if chat else ch.text
+            finish = ch.finish_reason or finish
+    return text, finish, usage
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").owned_by == "parrot"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI, server) -> None:
+    r = client.completions.create(model="tiny", prompt=PROMPT, **GREEDY)
+    assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
+    [choice] = r.choices
+    assert choice.index == 0 and choice.finish_reason == "length" and choice.text
+    prompt_tokens = len(server[1].tokenizers.encode("tiny", PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        prompt_tokens, 8, prompt_tokens + 8)
+    stream = client.completions.create(model="tiny", prompt=PROMPT, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    text, finish, usage = _stream_text(stream, chat=False)
+    assert text == choice.text and finish == "length"
+    assert usage.completion_tokens == 8 and usage.prompt_tokens == prompt_tokens
+
+
+def test_default_max_tokens_and_prompt_list(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=["Hello there", "General Kenobi"], temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 2 * 16  # the OpenAI default for completions
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
+    r = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    [choice] = r.choices
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model="tiny", messages=messages, stream=True, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # seeded sampling (richer text than the tiny model's greedy output): the same in both modes too
+    kw = dict(model="tiny", messages=messages, temperature=1.0, seed=11, max_tokens=12, extra_body={"ignore_eos": True})
+    sampled = client.chat.completions.create(**kw).choices[0].message.content
+    assert sampled and _stream_text(client.chat.completions.create(stream=True, **kw), chat=True)[0] == sampled
+
+
+def test_n_with_seed(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", prompt=PROMPT, n=2, seed=7, temperature=1.0, max_tokens=12,
+              extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert a.choices[0].text != a.choices[1].text  # choice i uses seed + i
+    assert a.usage.completion_tokens == 24 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2,
+                                            seed=3, max_tokens=4, stream=True, extra_body={"ignore_eos": True})
+    indices = {ch.index for chunk in stream for ch in chunk.choices}
+    assert indices == {0, 1}
+
+
+def test_stop(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 1) if full[i:i + 2].strip() and
+                "\ufffd" not in full[i:i + 2])
+    r = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stop=[stop, "@@@"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == full[:full.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_repeated_system_prompt_is_cached(client: openai.OpenAI) -> None:
+    system = "You are a pirate who answers every question about the sea in rhyme. " * 2
+    usages = []
+    for q in ("How deep is the ocean?", "Why is the sea salty?"):
+        r = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+        usages.append(r.usage)
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    assert usages[1].prompt_tokens_details.cached_tokens >= len(system)  # byte-level tokenizer
+
+
+def test_chat_pieces_split_at_messages() -> None:
+    tok = tiny_tokenizer()
+
+    def render(msgs, gen):  # noqa: ANN001, ANN202
+        return tok.apply_chat_template(msgs, add_generation_prompt=gen)
+
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"}, {"role": "user", "content": "V"}]
+    pieces, shared = chat_pieces(render, msgs)
+    assert "".join(pieces) == render(msgs, True) and len(pieces) == 4 and shared == 1
+    assert pieces[0] == "<|im_start|>system\nS<|im_end|>\n"
+    pieces, shared = chat_pieces(render, msgs[1:])  # no system message: the template's preamble is shared
+    assert pieces[0] == "<|im_start|>user\n" and shared == 1 and "".join(pieces) == render(msgs[1:], True)
+
+    def odd(msgs, gen):  # noqa: ANN001, ANN202 - prefixes do not line up: one piece
+        return f"{len(msgs)}:" + "".join(m["content"] for m in msgs)
+
+    assert chat_pieces(odd, msgs) == (["4:SUAV"], 0)
+
+
+def test_bad_input(client: openai.OpenAI, server) -> None:
+    def bad(exc_type, fn, **kw) -> openai.APIStatusError:  # noqa: ANN001
+        with pytest.raises(exc_type) as info:
+            fn(**kw)
+        assert info.value.type == "invalid_request_error" and info.value.message
+        return info.value
+
+    chat, comp = client.chat.completions.create, client.completions.create
+    e = bad(openai.BadRequestError, chat, model="tiny", messages=[])
+    assert e.param == "messages"
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt=PROMPT, echo=True)
+    assert e.param == "echo" and "echo" in e.message
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt=PROMPT, logprobs=2)
+    assert e.param == "logprobs"
+    bad(openai.BadRequestError, chat, model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True)
+    bad(openai.BadRequestError, comp, model="tiny", prompt="")
+    bad(openai.BadRequestError, comp, model="tiny", prompt=PROMPT, temperature=5)
+    bad(openai.BadRequestError, comp, model="tiny", prompt=PROMPT, n=0)
+    bad(openai.BadRequestError, chat, model="tiny", messages=[{"role": "tool", "content": "x"}])
+    bad(openai.BadRequestError, chat, model="tiny", messages=[{"role": "user", "content": "x"}], stop=[""])
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt="x" * 600, max_tokens=4, stream=True)
+    assert e.code == "context_length_exceeded" and e.param == "prompt" and "512" in e.message
+    e = bad(openai.BadRequestError, chat, model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=600)
+    assert e.code == "context_length_exceeded" and e.param == "max_tokens"
+    # an unknown model name is accepted: one model is served and named in the answer
+    r = comp(model="gpt-3.5-turbo-instruct", prompt=PROMPT, max_tokens=1)
+    assert r.model == "tiny"
+    # malformed JSON and wrong types: 400 in the OpenAI error shape too
+    r = httpx.post(f"{server[0]}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(f"{server[0]}/v1/completions", json={"prompt": 3}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+# ---- the real default model -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm_server(smollm):  # noqa: ANN001
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
+                       token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
+                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False)
+    engine = LLMEngine(smollm, cfg).start(precompile=False)
+    url, core, srv, thread = serve(engine, "smollm2", smollm.tokenizer)
+    yield url
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.mark.model
+def test_smollm_knows_the_capital_of_france(smollm_server: str) -> None:
+    with openai.OpenAI(base_url=f"{smollm_server}/v1", api_key="x", max_retries=0, timeout=300) as c:
+        r = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=10,
+                                      messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
