@@ -62,7 +62,7 @@ class _TaskRecord:
             self.streamed = text
 
     def on_text(self, delta: str) -> None: ...
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None: ...
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
     def failed(self, reason: str) -> None: ...
 
 
@@ -74,7 +74,7 @@ class _ChainRecord(_TaskRecord):
     def on_text(self, delta: str) -> None:
         self.chain.output_var.append_stream(delta)
 
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None:
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
         self.chain.output_var.set(text)
 
     def failed(self, reason: str) -> None:
@@ -99,9 +99,8 @@ class _PlainRecord(_TaskRecord):
     def on_text(self, delta: str) -> None:
         self.queue.put_nowait(delta)
 
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int) -> None:
-        reason = "length" if len(token_ids) >= self.sampling.max_tokens else "stop"
-        self.queue.put_nowait(CompletionResult(text, token_ids, reason, prompt_tokens, cached_tokens))
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
+        self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens))
 
     def failed(self, reason: str) -> None:
         self.queue.put_nowait(ParrotError(reason))
@@ -348,18 +347,19 @@ class ParrotServeCore:
             parent, cached = await self._prefix_context(client, task)
             gen_id = self.contexts.new_id(rec.owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
-            text, ids = "", []
+            text, ids, finish = "", [], "stop"
             parent.in_use += 1
             try:
                 async for chunk in client.generate_stream(req):
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
                     text += chunk.text
+                    finish = chunk.finish_reason or finish
                     rec.deliver(text)
             finally:
                 parent.in_use -= 1
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, rec.owner)
-            rec.done(text, ids, len(task.tokens), cached)
+            rec.done(text, ids, len(task.tokens), cached, finish)
         except EngineUnavailableError as exc:
             log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
             self.engines.mark_dead(engine, str(exc))
@@ -433,6 +433,8 @@ class ParrotServeCore:
         the completion ends. Returns a queue receiving text deltas, then a CompletionResult or an error."""
         if not "".join(pieces):
             raise InvalidRequestError("the prompt is empty")
+        if not self.engines.live_engines():
+            raise EngineUnavailableError("no engine is live: start one (parrot engine --serve-core URL) or wait")
         token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
         tokens = [t for piece in token_pieces for t in piece]
         owner = f"completion-{uuid.uuid4().hex[:12]}"
