@@ -236,3 +236,65 @@ def test_smollm_knows_the_capital_of_france(smollm_server: str) -> None:
         r = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=10,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
+
+
+CHUNKS = [
+    "The Apache License grants every contributor's users a perpetual, worldwide, royalty-free copyright license.",
+    "Redistribution requires keeping the license text and any NOTICE file with the distributed work.",
+    "The work is provided as is, without warranties or conditions of any kind, express or implied.",
+]
+STEP = "Summarize the text in one sentence.\nPrevious summary: {prev}\nText: {chunk}\nSummary:"
+MAP = "Summarize the text in one sentence.\nText: {chunk}\nSummary:"
+REDUCE = "Combine these summaries into one sentence.\n{parts}\nCombined summary:"
+
+
+@pytest.mark.model
+def test_parrot_app_equals_plain_openai_calls(smollm_server: str) -> None:
+    """The same chain and map-reduce apps, run server-side from semantic variables and client-side with
+    plain OpenAI completions, give identical greedy outputs: the DAG changes speed, not results."""
+    sampling = {"max_tokens": 20, "temperature": 0.0}
+    with openai.OpenAI(base_url=f"{smollm_server}/v1", api_key="x", max_retries=0, timeout=300) as oa, \
+            httpx.Client(base_url=smollm_server, timeout=300) as c:
+        def complete(prompt: str) -> str:
+            return oa.completions.create(model="smollm2", prompt=prompt, **sampling).choices[0].text
+
+        # baseline: the app's control flow in the client
+        prev, chain_base = "(none)", []
+        for chunk in CHUNKS:
+            prev = complete(STEP.format(prev=prev, chunk=chunk))
+            chain_base.append(prev)
+        maps_base = [complete(MAP.format(chunk=chunk)) for chunk in CHUNKS]
+        reduce_base = complete(REDUCE.format(parts="\n".join(maps_base)))
+
+        # Parrot: the whole app as semantic calls; one read at the end runs the DAG server-side
+        body = c.post("/v1/session", json={}).json()
+        sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+
+        def call(template: str, inputs: dict[str, dict]) -> str:
+            params = [{"name": k, "is_output": False, **v} for k, v in inputs.items()]
+            params.append({"name": "out", "is_output": True, "sampling_config": sampling})
+            r = c.post("/v1/semantic_call", headers=auth,
+                       json={"session_id": sid, "template": template, "parameters": params})
+            assert r.status_code == 201, r.text
+            return next(p["var_id"] for p in r.json()["param_info"] if p["is_output"])
+
+        def get(var_id: str) -> str:
+            r = c.get(f"/v1/semantic_var/{var_id}", params={"session_id": sid, "timeout": 300}, headers=auth)
+            assert r.status_code == 200, r.text
+            return r.json()["content"]
+
+        step_t = STEP.replace("{prev}", "{{prev}}").replace("{chunk}", "{{chunk}}") + "{{out}}"
+        prev_in: dict = {"value": "(none)"}
+        chain_vars = []
+        for chunk in CHUNKS:
+            v = call(step_t, {"prev": prev_in, "chunk": {"value": chunk}})
+            chain_vars.append(v)
+            prev_in = {"var_id": v}
+        map_vars = [call(MAP.replace("{chunk}", "{{chunk}}") + "{{out}}", {"chunk": {"value": ch}}) for ch in CHUNKS]
+        parts = "\n".join(f"{{{{m{i}}}}}" for i in range(len(CHUNKS)))
+        reduce_var = call(REDUCE.replace("{parts}", parts) + "{{out}}",
+                          {f"m{i}": {"var_id": v} for i, v in enumerate(map_vars)})
+        assert get(chain_vars[-1]) == chain_base[-1]
+        assert [get(v) for v in chain_vars] == chain_base
+        assert get(reduce_var) == reduce_base
+        assert [get(v) for v in map_vars] == maps_base

@@ -1,0 +1,251 @@
+"""The Python SDK end to end: a real uvicorn server on loopback, the serve core, an embedded engine
+running a tiny random model (the fixture pattern of test_http_api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+
+import parrot as P
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
+
+SYSTEM = "You are a careful assistant that summarizes text in one line. " * 2
+FEW = P.Output(max_tokens=5, ignore_eos=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from parrot.engine.engine import LLMEngine
+    from parrot.frontend.http_api import create_app
+    from parrot.serve.core import ParrotServeCore
+    from parrot.serve.engines import LocalEngineClient
+    from parrot.serve.tokenizers import TokenizerManager
+    from tests.conftest import tiny_engine_config, tiny_model
+
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    tokenizers = TokenizerManager()
+    tokenizers.register("tiny", model.tokenizer)
+    core = ParrotServeCore(model="tiny", tokenizers=tokenizers, default_max_tokens=8)
+    core.engines.register(LocalEngineClient(engine, name="local"))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", core
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def vm(server):
+    with P.VirtualMachine(server[0], timeout=60) as machine:
+        yield machine
+
+
+@P.semantic_function(template=SYSTEM + "Text: {{text}}\nSummary: {{summary}}")
+def summarize(text: P.Input, summary: FEW): ...
+
+
+@P.semantic_function
+def refine(summary: P.Input, text: P.Input, new_summary: P.Output(max_tokens=5, ignore_eos=True, temperature=0.0)):
+    """You are a careful assistant that summarizes text in one line. You are a careful assistant that summarizes
+    Running summary: {{summary}}
+    Next part: {{text}}
+    New summary: {{new_summary}}"""
+
+
+def _states(vm: P.VirtualMachine) -> dict[str, str]:
+    return {v["id"]: v["state"] for v in vm.inspect()["variables"]}
+
+
+def test_import_parrot_does_not_import_jax() -> None:
+    code = ("import sys, parrot; heavy = [m for m in sys.modules if m.split('.')[0] in "
+            "('jax', 'jaxlib', 'flax', 'fastapi', 'uvicorn', 'torch')]; print(heavy); assert not heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_decorator_reads_docstring_and_annotations() -> None:
+    assert refine.template.startswith("You are") and "\n    " not in refine.template  # dedented
+    assert refine.outputs == ["new_summary"]
+    with pytest.raises(TypeError, match="annotated"):
+        @P.semantic_function
+        def bad(x: str, y: P.Output):
+            """{{x}} {{y}}"""
+    with pytest.raises(Exception, match="max_tokens"):
+        P.Output(max_tokens=0)
+    with pytest.raises(Exception, match="no VirtualMachine"):
+        summarize("outside any vm")
+
+
+def test_call_then_get(vm: P.VirtualMachine) -> None:
+    out = summarize("the cat sat on the mat")
+    assert isinstance(out, P.SemanticVariable) and out.name == "summary"
+    text = out.get(timeout=60)
+    assert isinstance(text, str) and text == out.get()
+    assert _states(vm)[out.id] == "ready"
+
+
+def test_chain_is_lazy_and_runs_server_side(vm: P.VirtualMachine) -> None:
+    parts = ["first part of the story", "second part", "third and final part"]
+    t = time.perf_counter()
+    running = summarize(parts[0])
+    for part in parts[1:]:
+        running = refine(running, part)  # a variable bound as input: no client-side wait
+    submit = time.perf_counter() - t
+    states = _states(vm)
+    assert states[running.id] == "pending"  # nothing ran: lazy until something is read
+    assert "ready" not in {states[v["id"]] for v in vm.inspect()["variables"] if "summary" in v["name"]}
+    assert isinstance(running.get(timeout=60), str)
+    assert submit < 5
+    assert all(s == "ready" for s in _states(vm).values())
+
+
+def test_map_reduce(vm: P.VirtualMachine, server) -> None:
+    @P.semantic_function(template=SYSTEM + "Summaries: {{a}} | {{b}} | {{c}} | {{d}}\nOverall: {{final}}")
+    def reduce(a: P.Input, b: P.Input, c: P.Input, d: P.Input, final: FEW): ...
+
+    maps = [summarize(f"chunk {i}: " + "abc " * (i + 1)) for i in range(4)]
+    final = reduce(*maps)
+    assert isinstance(final.get(criteria="throughput", timeout=120), str)
+    assert all(isinstance(m.get(timeout=5), str) for m in maps)
+    assert server[1].contexts.hit_rate > 0  # the shared system prompt was forked, not refilled
+
+
+def test_aget_with_gather(vm: P.VirtualMachine) -> None:
+    outs = [summarize(f"doc number {i}") for i in range(3)]
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(o.aget(timeout=60) for o in outs))
+
+    texts = asyncio.run(main())
+    assert texts == [o.get() for o in outs]
+
+
+def test_stream_equals_content(vm: P.VirtualMachine) -> None:
+    @P.semantic_function(template=SYSTEM + "Go: {{y}}")
+    def go(y: P.Output(max_tokens=8, ignore_eos=True)): ...
+
+    a, b = go(), go()
+    streamed = "".join(a.stream())
+    fresh = P.VirtualMachine(vm.url)  # a second view of the same variable, so get asks the server
+    fresh.session_id, fresh._client, fresh._token = vm.session_id, vm._client, vm._token
+    assert streamed == P.SemanticVariable(fresh, a.id, "y").get()
+
+    async def astream() -> str:
+        return "".join([d async for d in b.astream()])
+
+    assert asyncio.run(astream()) == P.SemanticVariable(fresh, b.id, "y").get()
+
+
+def test_native_transform_in_a_chain(vm: P.VirtualMachine) -> None:
+    @P.native_function("upper")
+    def shout(text: P.Input): ...
+
+    @P.native_function("split", sep=" ", maxsplit=1)
+    def head_rest(text: P.Input, head: P.Output, rest: P.Output): ...
+
+    first = summarize("some words here")
+    loud = shout(first)  # generation -> transform -> generation, all in the server's graph
+    last = refine(loud, "more")
+    assert _states(vm)[loud.id] == "pending"
+    assert isinstance(last.get(timeout=60), str)
+    assert loud.get() == first.get().upper()
+    joined = P.transform("join", {"sep": "+"}, a="x", b=first)
+    assert joined.get(timeout=10) == "x+" + first.get()
+    head, rest = head_rest("alpha beta gamma")
+    assert (head.get(timeout=10), rest.get(timeout=10)) == ("alpha", "beta gamma")
+    v = vm.variable("given")
+    trimmed = P.transform("strip", text=v)
+    v.set("  hi  ")
+    assert trimmed.get(timeout=10) == "hi"
+
+
+def test_errors(vm: P.VirtualMachine) -> None:
+    @P.semantic_function(template="Hi {{x")
+    def broken(x: P.Output): ...
+
+    with pytest.raises(InvalidRequestError):
+        broken()  # raised when the call is submitted
+    with pytest.raises(InvalidRequestError, match="unknown transform"):
+        P.transform("eval", text="1+1")
+
+    @P.semantic_function(template="x" * 50 + " {{y}}")
+    def too_long(y: P.Output(max_tokens=5000)): ...
+
+    failed = too_long()
+    with pytest.raises(P.VariableFailedError, match="maximum length"):
+        failed.get(timeout=60)
+    downstream = refine(failed, "more")
+    with pytest.raises(P.VariableFailedError):
+        downstream.get(timeout=30)
+    with pytest.raises(P.VariableFailedError):
+        "".join(downstream.stream())
+
+    pending = vm.variable("p")
+    with pytest.raises(P.VariableTimeoutError):
+        pending.get(timeout=0.2)
+    with pytest.raises(TimeoutError):  # also a builtin TimeoutError
+        pending.get(timeout=0.2)
+    pending.set("x")
+    with pytest.raises(ConflictError):
+        pending.set("y")
+    with pytest.raises(NotFoundError):
+        P.SemanticVariable(vm, "no-such-var", "n").get(timeout=1)
+
+
+def test_session_scope_and_auth(server) -> None:
+    url = server[0]
+    with P.VirtualMachine(url) as a, P.VirtualMachine(url) as b:
+        assert P.current_vm() is b
+        va = a.variable("secret", "42")
+        with pytest.raises(NotFoundError):  # another session's variable
+            P.SemanticVariable(b, va.id, "secret").get(timeout=1)
+        b._client.headers["Authorization"] = f"Bearer {a._token}"
+        with pytest.raises(P.AuthError):
+            b.inspect()
+        b._client.headers["Authorization"] = f"Bearer {b._token}"
+        sid = a.session_id
+    assert sid not in server[1].sessions  # deleted on exit
+    with pytest.raises(Exception, match="no VirtualMachine"):
+        P.current_vm()
+    vm = P.VirtualMachine(url).open()
+    try:
+        out = summarize("explicit vm", vm=vm)
+        assert isinstance(out.get(timeout=60), str)
+    finally:
+        vm.close()
+    with pytest.raises(P.ServerError, match="cannot reach"):
+        P.VirtualMachine(f"http://127.0.0.1:{_free_port()}").open()
+
+
+def test_async_session(server) -> None:
+    async def main() -> tuple[str, str]:
+        async with P.VirtualMachine(server[0]) as vm:
+            assert P.current_vm() is vm
+            out = summarize("async text")
+            failed = refine(vm.variable("never set"), "x")
+            with pytest.raises(P.VariableTimeoutError):
+                await failed.aget(timeout=0.2)
+            return await out.aget(timeout=60), "".join([d async for d in out.astream()])
+
+    text, streamed = asyncio.run(main())
+    assert text == streamed  # astream of a variable already read yields its value
