@@ -227,7 +227,8 @@ class ParrotServeCore:
     # ---- calls --------------------------------------------------------------------------------
     def semantic_call(self, session: Session, req: SemanticCallRequest) -> CallCreated:
         params = [Parameter(p.name, p.is_output, p.var_id, p.value,
-                            p.sampling_config.model_dump() if p.sampling_config else None) for p in req.parameters]
+                            p.sampling_config.model_dump(exclude_unset=True) if p.sampling_config else None)
+                  for p in req.parameters]
         parsed = parse_request(req.template, params)
         if not parsed.outputs:
             raise InvalidRequestError("the template has no output placeholder: nothing to generate")
