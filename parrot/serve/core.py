@@ -108,11 +108,13 @@ class _PlainRecord(_TaskRecord):
 
 class ParrotServeCore:
     def __init__(self, model: str = "smollm2", session_ttl: float = 3600.0, dead_after: float = 5.0,
-                 tokenizers: TokenizerManager | None = None, default_max_tokens: int = 128) -> None:
+                 tokenizers: TokenizerManager | None = None, default_max_tokens: int = 128,
+                 max_global_contexts: int = 256) -> None:
         self.model = model
         self.session_ttl = session_ttl
         self.dead_after = dead_after
         self.default_max_tokens = default_max_tokens
+        self.max_global_contexts = max_global_contexts
         self.vars = SemanticVariableManager()
         self.tokenizers = tokenizers or TokenizerManager()
         self.engines = EngineManager()
@@ -189,11 +191,18 @@ class ParrotServeCore:
                 await asyncio.sleep(0.5)
 
     async def _tick(self) -> None:
-        """Queued tasks wait for engine capacity or a newly registered engine: retry placing them."""
+        """Queued tasks wait for engine capacity or a newly registered engine: retry placing them. Every
+        few seconds, global prefix contexts beyond `max_global_contexts` are dropped, coldest first (hot
+        ones, forked `pin_hits` times or more, are pinned and go last)."""
+        n = 0
         while True:
             await asyncio.sleep(0.2)
             if self.scheduler.queue:
                 self._dispatch()
+            n += 1
+            if n % 25 == 0:
+                for ctx in self.contexts.evict_cold_globals(keep=self.max_global_contexts):
+                    self._spawn(self._free_context(ctx))
 
     async def _expire_sessions(self) -> None:
         while True:
