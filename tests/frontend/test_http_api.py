@@ -4,51 +4,25 @@ engine running a tiny random model."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parrot.engine.engine import LLMEngine
-from parrot.frontend.http_api import create_app
-from parrot.serve.core import ParrotServeCore
-from parrot.serve.engines import LocalEngineClient
-from parrot.serve.tokenizers import TokenizerManager
 from tests.conftest import tiny_engine_config, tiny_model
+from tests.servers import serving_core
 
 SYSTEM = "You are a careful assistant that summarizes text in one line. " * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server():
     model = tiny_model()
     engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
-    tokenizers = TokenizerManager()
-    tokenizers.register("tiny", model.tokenizer)
-    core = ParrotServeCore(model="tiny", tokenizers=tokenizers, default_max_tokens=8)
-    core.engines.register(LocalEngineClient(engine, name="local"))
-    port = _free_port()
-    config = uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", core, engine
-    srv.should_exit = True
-    thread.join(10)
+    with serving_core(engine, "tiny", model.tokenizer, default_max_tokens=8) as (url, core):
+        yield url, core, engine
     engine.shutdown()
 
 

@@ -14,7 +14,7 @@ from parrot.engine.engine import LLMEngine
 from parrot.frontend.metrics import ParrotMetrics
 from parrot.serve.core import ParrotServeCore
 from tests.conftest import tiny_engine_config, tiny_model
-from tests.frontend.test_openai_api import serve
+from tests.servers import serving_core
 
 HISTOGRAMS = ["parrot:time_to_first_token_seconds", "parrot:time_per_output_token_seconds",
               "parrot:inter_token_latency_seconds", "parrot:e2e_request_latency_seconds",
@@ -26,10 +26,8 @@ GAUGES = ["parrot:num_requests_running", "parrot:num_requests_waiting", "parrot:
 @pytest.fixture(scope="module")
 def server():
     engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
-    url, core, srv, thread = serve(engine, "tiny", tiny_model().tokenizer)
-    yield url, core
-    srv.should_exit = True
-    thread.join(10)
+    with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, core):
+        yield url, core
     engine.shutdown()
 
 

@@ -4,58 +4,25 @@ SmolLM2 model)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
-from parrot.frontend.http_api import create_app
 from parrot.frontend.openai_api import chat_pieces
-from parrot.serve.core import ParrotServeCore
-from parrot.serve.engines import LocalEngineClient
-from parrot.serve.tokenizers import TokenizerManager
 from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
+from tests.servers import serving_core
 
 PROMPT = "The quick brown fox jumps over"
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(engine: LLMEngine, model_name: str, tokenizer) -> tuple[str, ParrotServeCore, uvicorn.Server,  # noqa: ANN001
-                                                                   threading.Thread]:
-    """Serve create_app(core) on loopback in a thread; the core has `engine` as its one engine."""
-    tokenizers = TokenizerManager()
-    tokenizers.register(model_name, tokenizer)
-    core = ParrotServeCore(model=model_name, tokenizers=tokenizers)
-    core.engines.register(LocalEngineClient(engine, name="local"))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", core, srv, thread
-
-
 @pytest.fixture(scope="module")
 def server():
     engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
-    url, core, srv, thread = serve(engine, "tiny", tiny_model().tokenizer)
-    yield url, core
-    srv.should_exit = True
-    thread.join(10)
+    with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, core):
+        yield url, core
     engine.shutdown()
 
 
@@ -223,10 +190,8 @@ def smollm_server(smollm):  # noqa: ANN001
                        token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
                        kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False)
     engine = LLMEngine(smollm, cfg).start(precompile=False)
-    url, core, srv, thread = serve(engine, "smollm2", smollm.tokenizer)
-    yield url
-    srv.should_exit = True
-    thread.join(10)
+    with serving_core(engine, "smollm2", smollm.tokenizer) as (url, _):
+        yield url
     engine.shutdown()
 
 

@@ -4,53 +4,30 @@ running a tiny random model (the fixture pattern of test_http_api.py)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-import uvicorn
 
 import parrot as P
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
+from tests.servers import free_port
 
 SYSTEM = "You are a careful assistant that summarizes text in one line. " * 2
 FEW = P.Output(max_tokens=5, ignore_eos=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     from parrot.engine.engine import LLMEngine
-    from parrot.frontend.http_api import create_app
-    from parrot.serve.core import ParrotServeCore
-    from parrot.serve.engines import LocalEngineClient
-    from parrot.serve.tokenizers import TokenizerManager
     from tests.conftest import tiny_engine_config, tiny_model
+    from tests.servers import serving_core
 
     model = tiny_model()
     engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
-    tokenizers = TokenizerManager()
-    tokenizers.register("tiny", model.tokenizer)
-    core = ParrotServeCore(model="tiny", tokenizers=tokenizers, default_max_tokens=8)
-    core.engines.register(LocalEngineClient(engine, name="local"))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started and time.time() < deadline:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", core
-    srv.should_exit = True
-    thread.join(10)
+    with serving_core(engine, "tiny", model.tokenizer, default_max_tokens=8) as (url, core):
+        yield url, core
     engine.shutdown()
 
 
@@ -234,7 +211,7 @@ def test_session_scope_and_auth(server) -> None:
     finally:
         vm.close()
     with pytest.raises(P.ServerError, match="cannot reach"):
-        P.VirtualMachine(f"http://127.0.0.1:{_free_port()}").open()
+        P.VirtualMachine(f"http://127.0.0.1:{free_port()}").open()
 
 
 def test_async_session(server) -> None:

@@ -6,28 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from parrot.engine.models.llama import random_weights
 from parrot.frontend.http_api import create_app
 from parrot.serve.core import ParrotServeCore
 from tests.conftest import TINY
 from tests.engine.test_loader import write_hf_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.servers import free_port, running
 
 
 def _wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
@@ -42,15 +34,14 @@ def _wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
 def cluster(tmp_path: Path):
     model_dir = write_hf_dir(tmp_path / "tiny", TINY, random_weights(TINY, seed=3))
     core = ParrotServeCore(model=str(model_dir), dead_after=2.0, default_max_tokens=8)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(core), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    _wait(lambda: srv.started, 30, "the serve core")
-    url = f"http://127.0.0.1:{port}"
+    with running(create_app(core)) as url:
+        yield from _with_engines(core, url, model_dir)
+
+
+def _with_engines(core: ParrotServeCore, url: str, model_dir: Path):  # noqa: ANN202
     procs = []
     for i in range(2):
-        cmd = [sys.executable, "-m", "parrot.cli", "engine", "--model", str(model_dir), "--port", str(_free_port()),
+        cmd = [sys.executable, "-m", "parrot.cli", "engine", "--model", str(model_dir), "--port", str(free_port()),
                "--serve-core", url, "--name", f"e{i}", "--disable-precompile", "--compilation-cache-dir", "",
                "--kv-memory-mb", "16"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -62,8 +53,6 @@ def cluster(tmp_path: Path):
         for p in procs:
             p.kill()
             p.wait(10)
-        srv.should_exit = True
-        thread.join(10)
 
 
 def test_killing_an_engine_mid_app_still_delivers_outputs(cluster) -> None:

@@ -1,0 +1,64 @@
+"""Real servers for tests: uvicorn on a free loopback port in a thread, and the serve core on top."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.tokenizer import Tokenizer
+from parrot.frontend.http_api import create_app
+from parrot.serve.core import ParrotServeCore
+from parrot.serve.engines import LocalEngineClient
+from parrot.serve.tokenizers import TokenizerManager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running(app: FastAPI, timeout: float = 30.0) -> Iterator[str]:
+    """Serve `app` on 127.0.0.1 in a thread; yields its base URL; stops it on exit."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + timeout
+    while not srv.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def make_core(engine: LLMEngine | None, model_name: str, tokenizer: Tokenizer | None, **core_kw) -> ParrotServeCore:
+    """A serve core whose tokenizer for `model_name` is `tokenizer` and whose one engine is `engine`."""
+    tokenizers = TokenizerManager()
+    if tokenizer is not None:
+        tokenizers.register(model_name, tokenizer)
+    core = ParrotServeCore(model=model_name, tokenizers=tokenizers, **core_kw)
+    if engine is not None:
+        core.engines.register(LocalEngineClient(engine, name="local"))
+    return core
+
+
+@contextmanager
+def serving_core(engine: LLMEngine, model_name: str, tokenizer: Tokenizer, **core_kw) -> Iterator[
+        tuple[str, ParrotServeCore]]:
+    """The Parrot app (REST, OpenAI, metrics) over a core with `engine`, on loopback: (url, core)."""
+    core = make_core(engine, model_name, tokenizer, **core_kw)
+    with running(create_app(core)) as url:
+        yield url, core
