@@ -308,64 +308,43 @@ class VirtualMachine:
                 remaining -= _MAX_POLL
                 poll = min(remaining, _MAX_POLL)
 
-    @staticmethod
-    def _sse_event(event: str | None, data: str) -> str | None:
-        """One SSE event -> a text delta, None at [DONE]; an error event raises."""
-        if event == "error":
-            try:
-                detail = json.loads(data).get("detail", data)
-            except (ValueError, AttributeError):
-                detail = data
-            raise VariableFailedError(str(detail))
-        return json.loads(data)["text"]
-
     def _stream_var(self, var_id: str, criteria: Criterion) -> Iterator[str]:
         params = {"session_id": self.session_id, "criteria": criteria}
+        parser = _VarStream(var_id)
         try:
             with self._sync().stream("GET", f"/v1/semantic_var/{var_id}/stream", params=params,
                                      timeout=httpx.Timeout(self.timeout, read=None)) as response:
                 if response.status_code >= 400:
                     response.read()
                     _check(response)
-                event: str | None = None
                 for line in response.iter_lines():
-                    if line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        delta = self._sse_event(event, data)
-                        event = None
-                        if delta:
-                            yield delta
+                    delta = parser.feed(line)
+                    if parser.done:
+                        return
+                    if delta:
+                        yield delta
         except httpx.TransportError as exc:
             raise _transport_error(self.url, exc) from exc
-        raise ServerError(f"the stream of {var_id} ended without [DONE]")
+        parser.ended()
 
     async def _astream_var(self, var_id: str, criteria: Criterion) -> AsyncIterator[str]:
         params = {"session_id": self.session_id, "criteria": criteria}
+        parser = _VarStream(var_id)
         try:
             async with self._async().stream("GET", f"/v1/semantic_var/{var_id}/stream", params=params,
                                             timeout=httpx.Timeout(self.timeout, read=None)) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _check(response)
-                event: str | None = None
                 async for line in response.aiter_lines():
-                    if line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            return
-                        delta = self._sse_event(event, data)
-                        event = None
-                        if delta:
-                            yield delta
+                    delta = parser.feed(line)
+                    if parser.done:
+                        return
+                    if delta:
+                        yield delta
         except httpx.TransportError as exc:
             raise _transport_error(self.url, exc) from exc
-        raise ServerError(f"the stream of {var_id} ended without [DONE]")
+        parser.ended()
 
     def _set_var(self, var_id: str, content: str) -> None:
         self._request("POST", f"/v1/semantic_var/{var_id}", json={"session_id": self.session_id, "content": content})
@@ -431,3 +410,35 @@ class VirtualMachine:
         if isinstance(value, str):
             return {"value": value}
         raise TypeError(f"input {name!r} must be a str or a SemanticVariable, got {type(value).__name__}")
+
+
+class _VarStream:
+    """Parses a variable stream's Server-Sent Events line by line: text deltas, `[DONE]`, errors."""
+
+    def __init__(self, var_id: str) -> None:
+        self.var_id = var_id
+        self.event: str | None = None
+        self.done = False
+
+    def feed(self, line: str) -> str | None:
+        """One line -> a text delta (or None); sets `done` at [DONE]; an error event raises."""
+        if line.startswith("event:"):
+            self.event = line[6:].strip()
+            return None
+        if not line.startswith("data:"):
+            return None
+        data, event, self.event = line[5:].strip(), self.event, None
+        if data == "[DONE]":
+            self.done = True
+            return None
+        if event == "error":
+            try:
+                detail = json.loads(data).get("detail", data)
+            except (ValueError, AttributeError):
+                detail = data
+            raise VariableFailedError(str(detail))
+        return json.loads(data)["text"]
+
+    def ended(self) -> None:
+        """The connection closed without [DONE]."""
+        raise ServerError(f"the stream of {self.var_id} ended without [DONE]")
