@@ -170,6 +170,7 @@ class ParrotMetrics:
         r.register(_CoreCollector(core))
         if hook_scheduler:
             self._hook_scheduler()
+        core.request_timer = self.start_request  # semantic-call generations are timed too
 
     # ---- observation API ------------------------------------------------------------------------
     def start_request(self, endpoint: str, start: float | None = None) -> RequestTimer:

@@ -16,8 +16,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import (
@@ -54,6 +55,7 @@ class _TaskRecord:
     owners: list[str | None]
     owner: str  # owner of the generated context
     streamed: str = ""  # text already delivered (kept across retries on another engine)
+    created: float = field(default_factory=time.perf_counter)
 
     def deliver(self, text: str) -> None:
         """`text` is everything generated so far in this attempt; pass on what is new."""
@@ -127,6 +129,8 @@ class ParrotServeCore:
         self.engines.on_engine_dead(self._on_engine_dead)
         self._expiry: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # set by the frontend's metrics: (endpoint, start) -> a timer with delta() / finish(...) / fail()
+        self.request_timer: Callable[[str, float], Any] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -358,18 +362,28 @@ class ParrotServeCore:
             gen_id = self.contexts.new_id(rec.owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
             text, ids, finish = "", [], "stop"
+            timer = (self.request_timer("semantic_call", rec.created)
+                     if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
             parent.in_use += 1
             try:
                 async for chunk in client.generate_stream(req):
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
+                    if chunk.text and timer is not None:
+                        timer.delta()
                     text += chunk.text
                     finish = chunk.finish_reason or finish
                     rec.deliver(text)
+            except ParrotError:
+                if timer is not None:
+                    timer.fail()
+                raise
             finally:
                 parent.in_use -= 1
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, rec.owner)
             rec.done(text, ids, len(task.tokens), cached, finish)
+            if timer is not None:
+                timer.finish(len(task.tokens), len(ids), finish)
         except EngineUnavailableError as exc:
             log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
             self.engines.mark_dead(engine, str(exc))

@@ -125,3 +125,22 @@ def test_registry_per_instance_and_timer() -> None:
     a.observe_queue_time(0.25)
     counts = {m: next(s.value for s in m.queue_time.collect()[0].samples if s.name.endswith("_count")) for m in (a, b)}
     assert (counts[a], counts[b]) == (1, 0)
+
+
+def test_semantic_calls_are_timed(server) -> None:
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as c:
+        body = c.post("/v1/session", json={}).json()
+        sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+        before = scrape(url)
+        r = c.post("/v1/semantic_call", headers=auth, json={
+            "session_id": sid, "template": "Say something: {{x}}",
+            "parameters": [{"name": "x", "is_output": True, "sampling_config": {"max_tokens": 4, "ignore_eos": True}}]})
+        var = r.json()["param_info"][0]["var_id"]
+        got = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+        assert got.status_code == 200
+    after = scrape(url)
+    key = ("parrot:request_success_total", (("endpoint", "semantic_call"), ("finished_reason", "length")))
+    assert after["parrot:request_success"][key] - before.get("parrot:request_success", {}).get(key, 0.0) == 1
+    ttft = "parrot:time_to_first_token_seconds"
+    assert after[ttft][(ttft + "_count", ())] > before[ttft][(ttft + "_count", ())]
