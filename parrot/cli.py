@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from parrot.config import EngineConfig
 from parrot.errors import ParrotError
+from parrot.logs import configure as configure_logs
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from parrot.engine.runner import ModelRunner
     from parrot.engine.sampling import SamplingParams
 
+    prompt = args.prompt
+    if not prompt.strip():
+        raise ParrotError("the prompt is empty")
     t0 = time.perf_counter()
     model = load_model(args.model)
     tok = model.tokenizer
@@ -46,9 +50,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                        compilation_cache_dir=args.compilation_cache_dir or None)
     runner = ModelRunner(model.config, model.weights, cfg)
     t_load = time.perf_counter() - t0
-    prompt = args.prompt
-    if not prompt.strip():
-        raise ParrotError("the prompt is empty")
     text = prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -84,7 +85,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
-    logging.getLogger("parrot").setLevel(logging.INFO)
     cfg = engine_config_from_args(args)
     run_engine_server(args.model, args.host, args.port, cfg, args.serve_core, name=args.name,
                       advertise_url=args.advertise_url)
@@ -102,7 +102,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from parrot.serve.core import ParrotServeCore
     from parrot.serve.engines import LocalEngineClient
 
-    logging.getLogger("parrot").setLevel(logging.INFO)
     core = ParrotServeCore(model=args.model)
     core.tokenizers.get(args.model)  # fail fast on a bad model path
     procs: list[subprocess.Popen] = []
@@ -136,6 +135,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_engine_args(e: argparse.ArgumentParser) -> None:
+    e.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="json: one JSON object per log line (structured logs)")
     e.add_argument("--max-batch-size", type=int, default=None,
                    help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
                         "batch padding)")
@@ -187,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    configure_logs(getattr(args, "log_format", "text"), logging.WARNING,
+                   logging.INFO if args.command in ("serve", "engine") else None)
     try:
         return args.func(args)
     except (ParrotError, ValidationError) as exc:
