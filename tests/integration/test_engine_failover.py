@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,3 +80,42 @@ def test_killing_an_engine_mid_app_still_delivers_outputs(cluster) -> None:
         assert all(isinstance(r.json()["content"], str) for r in results)
         assert [e.name for e in core.engines.live_engines()] == ["e1"]
         assert core.scheduler.requeued > 0  # the killed engine's unfinished tasks ran again on e1
+
+
+def test_parrot_serve_with_engine_processes(tmp_path: Path) -> None:
+    """`parrot serve --engines 2`: the serve core starts two engine processes that register themselves."""
+    model_dir = write_hf_dir(tmp_path / "tiny", TINY, random_weights(TINY, seed=4))
+    port, base = free_port(), free_port()
+    cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--engines", "2", "--engine-base-port", str(base), "--disable-precompile",
+           "--compilation-cache-dir", "", "--kv-memory-mb", "16"]
+    proc = subprocess.Popen(cmd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def engines() -> list[str]:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).json()["engines"]
+            except httpx.HTTPError:
+                return []
+
+        _wait(lambda: len(engines()) == 2, 120, "parrot serve and its two engines")
+        with httpx.Client(base_url=url, timeout=60) as c:
+            body = c.post("/v1/session", json={}).json()
+            sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+            r = c.post("/v1/semantic_call", headers=auth, json={
+                "session_id": sid, "template": "Hello {{x}}",
+                "parameters": [{"name": "x", "is_output": True, "sampling_config": {"max_tokens": 4}}]})
+            var = r.json()["param_info"][0]["var_id"]
+            got = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+            assert got.status_code == 200, got.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    time.sleep(0.5)
+    for i in range(2):  # the engine processes went down with the serve core
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", base + i)) != 0
