@@ -102,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from parrot.serve.core import ParrotServeCore
     from parrot.serve.engines import LocalEngineClient
 
-    core = ParrotServeCore(model=args.model)
+    core = ParrotServeCore(model=args.model, prefix_sharing=not args.no_prefix_sharing,
+                           app_aware=not args.no_app_awareness)
     core.tokenizers.get(args.model)  # fail fast on a bad model path
     procs: list[subprocess.Popen] = []
     engine = None
@@ -183,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 (default): one engine embedded in this process; N: start N engine processes that "
                         "register with this serve core and send heartbeats")
     v.add_argument("--engine-base-port", type=int, default=9100, help="engine process i listens on this + i")
+    v.add_argument("--no-prefix-sharing", action="store_true",
+                   help="baseline: every request prefills its whole prompt; no KV reuse across requests")
+    v.add_argument("--no-app-awareness", action="store_true",
+                   help="baseline: first come first served, placement by load only (no criteria, groups, prefixes)")
     v.set_defaults(func=cmd_serve)
     return parser
 

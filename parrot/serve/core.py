@@ -111,7 +111,10 @@ class _PlainRecord(_TaskRecord):
 class ParrotServeCore:
     def __init__(self, model: str = "smollm2", session_ttl: float = 3600.0, dead_after: float = 5.0,
                  tokenizers: TokenizerManager | None = None, default_max_tokens: int = 128,
-                 max_global_contexts: int = 256) -> None:
+                 max_global_contexts: int = 256, prefix_sharing: bool = True, app_aware: bool = True) -> None:
+        """`prefix_sharing=False` and `app_aware=False` give the baseline of the benchmarks: every task
+        prefills its whole prompt in a fresh context freed afterwards, and the scheduler serves first come
+        first served by load only."""
         self.model = model
         self.session_ttl = session_ttl
         self.dead_after = dead_after
@@ -121,7 +124,8 @@ class ParrotServeCore:
         self.tokenizers = tokenizers or TokenizerManager()
         self.engines = EngineManager()
         self.contexts = ContextManager()
-        self.scheduler = GlobalScheduler(self.contexts, self._engine_views)
+        self.prefix_sharing = prefix_sharing
+        self.scheduler = GlobalScheduler(self.contexts, self._engine_views, app_aware=app_aware)
         self.prefix_matcher = PrefixMatcher()
         self.sessions: dict[str, Session] = {}
         self._inflight_prefix: dict[tuple[str, tuple[int, ...]], asyncio.Future[CachedContext]] = {}
@@ -359,7 +363,8 @@ class ParrotServeCore:
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
-            gen_id = self.contexts.new_id(rec.owner)
+            gen_owner = rec.owner if self.prefix_sharing else task.task_id
+            gen_id = self.contexts.new_id(gen_owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
             text, ids, finish = "", [], "stop"
             timer = (self.request_timer("semantic_call", rec.created)
@@ -380,7 +385,7 @@ class ParrotServeCore:
                 raise
             finally:
                 parent.in_use -= 1
-            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, rec.owner)
+            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
             rec.done(text, ids, len(task.tokens), cached, finish)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
@@ -396,6 +401,9 @@ class ParrotServeCore:
         finally:
             if task.engine == engine:
                 self.scheduler.finished(task)
+        if not self.prefix_sharing:
+            for ctx in self.contexts.release_session(task.task_id):
+                self._spawn(self._free_context(ctx))
         if isinstance(rec, _ChainRecord):
             rec.session.executor.finished(rec.chain)
             self._progress(rec.session)
@@ -409,6 +417,11 @@ class ParrotServeCore:
         boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it.
         Returns the context holding the whole prompt and how many prompt tokens were already cached."""
         engine = client.name
+        if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
+            self.contexts.record_lookup(len(task.tokens), 0)
+            ctx_id = self.contexts.new_id(task.task_id)
+            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens))
+            return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
         cached = parent.num_tokens if parent else 0
         self.contexts.record_lookup(len(task.tokens), cached)

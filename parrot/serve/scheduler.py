@@ -51,7 +51,10 @@ class EngineView:
 
 class GlobalScheduler:
     def __init__(self, contexts: ContextManager, engines: Callable[[], Sequence[EngineView]],
-                 latency_cap: int = 8) -> None:
+                 latency_cap: int = 8, app_aware: bool = True) -> None:
+        """`app_aware=False` is the plain-serving baseline: first come first served, no task groups, no
+        latency caps, placement by load only (what a server that sees requests one by one can do)."""
+        self.app_aware = app_aware
         self.contexts = contexts
         self.engines = engines
         self.latency_cap = latency_cap
@@ -66,6 +69,8 @@ class GlobalScheduler:
         return sum(1 for t in self.running.values() if t.engine == engine)
 
     def _capacity(self, view: EngineView, adding: CompletionTask) -> int:
+        if not self.app_aware:
+            return view.max_batch - self.load(view.name) - view.queued
         latency = adding.criterion == "latency" or any(
             t.engine == view.name and t.criterion == "latency" for t in self.running.values())
         cap = min(self.latency_cap, view.max_batch) if latency else view.max_batch
@@ -84,7 +89,8 @@ class GlobalScheduler:
             for view in views.values():
                 if self._capacity(view, task) <= 0:
                     continue
-                cached = self.contexts.cached_length(view.name, task.tokens, task.boundaries)
+                cached = (self.contexts.cached_length(view.name, task.tokens, task.boundaries)
+                          if self.app_aware else 0)
                 for b in task.boundaries:
                     if b > cached and planned.get((view.name, tuple(task.tokens[:b]))):
                         cached = b
@@ -104,6 +110,8 @@ class GlobalScheduler:
 
     def _ordered(self) -> list[CompletionTask]:
         """Queue order with task groups kept together (a group sorts by its most urgent member)."""
+        if not self.app_aware:
+            return sorted(self.queue, key=lambda t: t.arrival)
         ordered = sorted(self.queue, key=CompletionTask.sort_key)
         groups: dict[str, tuple] = {}
         for t in ordered:

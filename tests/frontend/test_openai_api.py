@@ -263,3 +263,29 @@ def test_parrot_app_equals_plain_openai_calls(smollm_server: str) -> None:
         assert [get(v) for v in chain_vars] == chain_base
         assert get(reduce_var) == reduce_base
         assert [get(v) for v in map_vars] == maps_base
+
+
+def test_baseline_mode_shares_no_prefix() -> None:
+    """With prefix sharing switched off (the benchmarks' baseline), a repeated system prompt is
+    prefilled again every time and nothing stays cached."""
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    try:
+        with serving_core(engine, "tiny", model.tokenizer, prefix_sharing=False, app_aware=False) as (url, core), \
+                openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as c:
+            messages = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hi"}]
+            for _ in range(2):
+                r = c.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+                assert r.usage.prompt_tokens_details.cached_tokens == 0
+            _wait_until(lambda: engine.ping().num_contexts == 0)
+            assert engine.ping().num_contexts == 0 and not core.contexts.contexts()
+    finally:
+        engine.shutdown()
+
+
+def _wait_until(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
+    import time
+
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.05)

@@ -94,3 +94,16 @@ def test_dead_engine_tasks_are_requeued() -> None:
     engines.pop(0)
     again = s.schedule()
     assert set(again) == set(on_e1) and all(t.engine == "e2" for t in again)
+
+
+def test_baseline_mode_is_fifo_by_load_only() -> None:
+    cm = ContextManager()
+    cm.register("e2", "sys", [1, 2, 3], None, None)
+    s = GlobalScheduler(cm, lambda: [EngineView("e1", 1), EngineView("e2", 1)], app_aware=False)
+    first = task([1, 2, 3, 4], [3, 4], criterion="throughput")
+    urgent = task([9], criterion="latency", depth=5)
+    s.submit(first)
+    s.submit(urgent)
+    placed = s.schedule()
+    assert placed == [first, urgent]  # arrival order, criteria ignored
+    assert first.engine == "e1"  # the cached prefix on e2 is not considered; the tie goes to the first engine
