@@ -110,10 +110,13 @@ class ContextManager:
             self._forget(ctx)
         return out
 
-    def evict_cold_globals(self, keep: int) -> list[CachedContext]:
-        """Global contexts nobody forks from beyond the `keep` most used: forget and return them."""
+    def evict_cold_globals(self, keep: int, idle_seconds: float = 30.0) -> list[CachedContext]:
+        """Global contexts nobody forks from beyond the `keep` most used: forget and return them. A context
+        used in the last `idle_seconds` is never taken (a task may be about to fork from it)."""
+        now = time.monotonic()
         globals_ = sorted((c for c in self._by_id.values() if c.session_id is None and not c.in_use
-                           and not c.children), key=lambda c: (c.hits >= self.pin_hits, c.last_used))
+                           and not c.children and now - c.last_used > idle_seconds),
+                          key=lambda c: (c.hits >= self.pin_hits, c.last_used))
         out = globals_[: max(0, len(globals_) - keep)]
         for ctx in out:
             self._forget(ctx)

@@ -37,7 +37,8 @@ def test_cold_globals_evicted_hot_kept() -> None:
     cold = cm.register("e1", "cold", [2], None, None)
     cm.touch(hot)
     cm.touch(hot)
-    assert cm.evict_cold_globals(keep=1) == [cold]
+    assert cm.evict_cold_globals(keep=1) == []  # both were used just now: a task may fork from them
+    assert cm.evict_cold_globals(keep=1, idle_seconds=-1) == [cold]
     assert cm.contexts() == [hot]
 
 
