@@ -405,6 +405,10 @@ class ParrotServeCore:
             for ctx in self.contexts.release_session(task.task_id):
                 self._spawn(self._free_context(ctx))
         if isinstance(rec, _ChainRecord):
+            if rec.session.session_id not in self.sessions:  # deleted while this task ran: free what it made
+                for ctx in self.contexts.release_session(rec.session.session_id):
+                    self._spawn(self._free_context(ctx))
+                return
             rec.session.executor.finished(rec.chain)
             self._progress(rec.session)
         else:  # a plain completion keeps only its shared (global) prefixes cached
