@@ -4,6 +4,7 @@ engine running a tiny random model."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -194,3 +195,20 @@ def test_fuzzed_bodies_never_get_a_500(client: httpx.Client, route: str, body) -
     r = client.post(route, json=body, headers=auth)
     assert r.status_code < 500, r.text
     assert "detail" in r.json()
+
+
+def test_deleting_a_session_mid_generation_frees_its_contexts(client: httpx.Client, server) -> None:
+    _, core, _ = server
+    sid, auth = new_session(client)
+    long = {"max_tokens": 200, "ignore_eos": True}
+    ids = call(client, sid, auth, SYSTEM + "Long: {{y}}", [{"name": "y", "is_output": True, "sampling_config": long}],
+               output_criteria="throughput")
+    deadline = time.time() + 30
+    while not any(t.session_id == sid for t in core.scheduler.running.values()) and time.time() < deadline:
+        time.sleep(0.02)
+    assert client.delete(f"/v1/session/{sid}", headers=auth).status_code == 204
+    deadline = time.time() + 30
+    while any(c.session_id == sid for c in core.contexts.contexts()) or core.scheduler.running:
+        assert time.time() < deadline, "the deleted session's contexts were not released"
+        time.sleep(0.05)
+    assert ids["y"] not in {v.id for v in core.vars.session_variables(sid)}
