@@ -28,7 +28,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -163,9 +163,11 @@ class LocalEngineClient(EngineClient):
             return EngineOverloadedError(f"engine {self.name!r}: {exc}", self.name)
         return exc
 
-    async def _call(self, aw: Callable[[], Awaitable[_M]]) -> _M:
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[None]:
+        """Re-raise the engine's own errors as the client-side errors callers act on."""
         try:
-            return await aw()
+            yield
         except Exception as exc:
             mapped = self._map(exc)
             if mapped is exc:
@@ -173,32 +175,28 @@ class LocalEngineClient(EngineClient):
             raise mapped from exc
 
     async def fill(self, req: FillRequest) -> FillResponse:
-        return await self._call(lambda: self.engine.fill(req))
+        with self._mapped():
+            return await self.engine.fill(req)
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        return await self._call(lambda: self.engine.generate(req))
+        with self._mapped():
+            return await self.engine.generate(req)
 
     async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        try:
+        with self._mapped():
             async for chunk in self.engine.generate_stream(req):
                 yield chunk
-        except Exception as exc:
-            mapped = self._map(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
 
     async def free_context(self, context_id: str) -> FreeContextResponse:
-        return await self._call(lambda: self.engine.free_context(context_id))
+        with self._mapped():
+            return await self.engine.free_context(context_id)
 
     async def ping(self) -> RuntimeInfo:
         if not self.engine.alive:
             raise EngineUnavailableError(f"engine {self.name!r} is not running ({self.engine.death_reason})",
                                          self.name)
-        try:
+        with self._mapped():
             return self.engine.ping()
-        except Exception as exc:
-            raise self._map(exc) from exc
 
     async def close(self) -> None:
         if self.owns_engine:
