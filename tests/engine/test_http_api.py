@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,15 +31,10 @@ from parrot.engine.loader import default_model_path
 from parrot.errors import ConflictError, ModelLoadError, ParrotError
 from parrot.protocol import EngineRegistration, GenerateResponse, RuntimeInfo, StreamChunk
 from tests.conftest import tiny_engine_config, tiny_model
+from tests.servers import free_port
 
 VOCAB = 260
 MAX_LEN = 512  # tiny model: min(max_position 512, largest kv bucket 512)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:

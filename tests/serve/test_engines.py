@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -40,14 +39,9 @@ from parrot.serve.engines import (
     engine_routes,
 )
 from tests.conftest import tiny_engine_config, tiny_model
+from tests.servers import free_port
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog.")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
