@@ -83,6 +83,18 @@ class _ChainRecord(_TaskRecord):
         self.chain.output_var.fail_if_pending(reason)
 
 
+def _generation_stats(rec: _ChainRecord, prompt_tokens: int, cached_tokens: int, output_tokens: int,
+                      t_first: float | None) -> dict:
+    """One finished generation's timings, measured from when its task became runnable (all inputs set
+    and the output needed): time to first token, time per output token after it, and latency."""
+    now = time.perf_counter()
+    first = t_first if t_first is not None else now
+    return {"var_id": rec.chain.output_var.id, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+            "output_tokens": output_tokens, "ttft_s": first - rec.created,
+            "tpot_s": (now - first) / (output_tokens - 1) if output_tokens > 1 else None,
+            "latency_s": now - rec.created}
+
+
 @dataclass(eq=False)
 class CompletionResult:
     text: str
@@ -369,11 +381,13 @@ class ParrotServeCore:
             text, ids, finish = "", [], "stop"
             timer = (self.request_timer("semantic_call", rec.created)
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
+            t_first: float | None = None
             parent.in_use += 1
             try:
                 async for chunk in client.generate_stream(req):
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
+                        t_first = t_first or time.perf_counter()
                     if chunk.text and timer is not None:
                         timer.delta()
                     text += chunk.text
@@ -386,6 +400,8 @@ class ParrotServeCore:
             finally:
                 parent.in_use -= 1
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
+            if isinstance(rec, _ChainRecord):
+                rec.session.generations.append(_generation_stats(rec, len(task.tokens), cached, len(ids), t_first))
             rec.done(text, ids, len(task.tokens), cached, finish)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
@@ -520,6 +536,7 @@ class ParrotServeCore:
             "session_id": session.session_id,
             "variables": [v.to_json(with_content=True) for v in self.vars.session_variables(session.session_id)],
             "requests": session.requests,
+            "generations": session.generations,
             "graph": session.executor.graph.to_json(),
             "idle_seconds": session.idle_seconds(),
             "now": time.time(),

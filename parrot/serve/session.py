@@ -28,6 +28,7 @@ class Session:
     created: float = field(default_factory=time.monotonic)
     last_access: float = field(default_factory=time.monotonic)
     requests: dict[str, dict] = field(default_factory=dict)  # request id -> summary for inspection
+    generations: list[dict] = field(default_factory=list)  # timings of finished generations, for inspection
 
     def check_token(self, token: str | None) -> None:
         if not token:

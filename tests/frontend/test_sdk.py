@@ -96,6 +96,19 @@ def test_chain_is_lazy_and_runs_server_side(vm: P.VirtualMachine) -> None:
     assert all(s == "ready" for s in _states(vm).values())
 
 
+def test_inspect_reports_generation_timings(vm: P.VirtualMachine) -> None:
+    first = summarize("a short text about cats")
+    second = refine(first, "and dogs")
+    second.get(timeout=60)
+    gens = {g["var_id"]: g for g in vm.inspect()["generations"]}
+    assert set(gens) == {first.id, second.id}
+    for g in gens.values():
+        assert g["output_tokens"] == 5 and g["prompt_tokens"] > g["cached_tokens"] >= 0
+        assert 0 < g["ttft_s"] <= g["latency_s"] and g["tpot_s"] > 0
+        assert g["latency_s"] >= g["ttft_s"] + 4 * g["tpot_s"] - 1e-6
+    assert gens[second.id]["cached_tokens"] > 0  # the shared system prompt text
+
+
 def test_map_reduce(vm: P.VirtualMachine, server) -> None:
     @P.semantic_function(template=SYSTEM + "Summaries: {{a}} | {{b}} | {{c}} | {{d}}\nOverall: {{final}}")
     def reduce(a: P.Input, b: P.Input, c: P.Input, d: P.Input, final: FEW): ...
