@@ -70,12 +70,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     bs_buckets = args.precompile_bs_paddings or base.bs_buckets
     max_tokens = args.max_num_batched_tokens or min(base.max_num_batched_tokens, max(token_buckets))
     max_batch = args.max_batch_size or min(base.max_batch_size, max(bs_buckets))
+    kv_buckets = base.kv_buckets
+    if args.max_model_len is not None:
+        if args.max_model_len <= 0 or args.max_model_len % base.page_size:
+            raise ParrotError(f"--max-model-len must be a positive multiple of the page size {base.page_size}")
+        kv_buckets = [b for b in kv_buckets if b < args.max_model_len] + [args.max_model_len]
     if max_batch > max(bs_buckets):
         raise ParrotError(f"--max-batch-size {max_batch} exceeds the largest batch padding {max(bs_buckets)}; "
                           "add it to --precompile-bs-paddings")
     try:
         return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
                             max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
+                            kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile,
                             compilation_cache_dir=args.compilation_cache_dir or None)
     except ValueError as exc:
@@ -120,6 +126,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
                    "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb)]
+            for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
+                                ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+                if value is not None:
+                    cmd += [flag, str(value)]
+            for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),
+                                 ("--precompile-bs-paddings", args.precompile_bs_paddings)):
+                if values:
+                    cmd += [flag, *map(str, values)]
             if not cfg.precompile:
                 cmd.append("--disable-precompile")
             procs.append(subprocess.Popen(cmd))
@@ -148,6 +162,9 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                    help="token-count padding buckets (default: powers of two 16..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
                    help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
+    e.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest sequence (prompt + output) in tokens; fewer attention shapes to compile "
+                        "(default: the model's context, at most 8192)")
     e.add_argument("--disable-precompile", action="store_true",
                    help="compile shapes lazily at serve time instead of before listening")
 

@@ -555,6 +555,12 @@ def test_cli_engine_config() -> None:
     assert cfg.max_batch_size == 8 and cfg.precompile and cfg.max_num_batched_tokens == 512
     with pytest.raises(ParrotError, match="max-batch-size 128"):
         engine_config_from_args(build_parser().parse_args(["engine", "--max-batch-size", "128"]))
+    cfg = engine_config_from_args(build_parser().parse_args(["serve", "--max-model-len", "2048"]))
+    assert cfg.kv_buckets == [256, 512, 1024, 2048]
+    cfg = engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1536"]))
+    assert cfg.kv_buckets == [256, 512, 1024, 1536]
+    with pytest.raises(ParrotError, match="multiple of the page size"):
+        engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1000"]))
 
 
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
