@@ -28,12 +28,17 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
+WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "
+          "engine queues it as if it had arrived that long ago, so a task's later primitives keep its place")
+
+
 class FillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     context_id: str = Field(min_length=1, max_length=256)
     parent_context_id: str | None = Field(None, description="fork this context first if context_id is new")
     token_ids: list[int] = Field(min_length=1)
+    waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
 
 
 class FillResponse(BaseModel):
@@ -47,6 +52,7 @@ class GenerateRequest(BaseModel):
     context_id: str = Field(min_length=1, max_length=256)
     parent_context_id: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
 
 
 class GenerateResponse(BaseModel):

@@ -60,7 +60,15 @@ class Scheduler:
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
+        """Queue a job in arrival order. A job may arrive 'earlier' than queued ones (`waited_s`), but never
+        ahead of a queued job touching the same contexts, so primitives on one context keep their order."""
+        related = {job.context_id, job.parent_context_id} - {None}
+        for other in self.waiting:
+            if other.context_id in related or other.parent_context_id == job.context_id:
+                job.arrival = max(job.arrival, other.arrival)
         self.waiting.append(job)
+        if len(self.waiting) > 1 and job.arrival < self.waiting[-2].arrival:
+            self.waiting = deque(sorted(self.waiting, key=lambda j: j.arrival))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -57,6 +57,10 @@ class _TaskRecord:
     streamed: str = ""  # text already delivered (kept across retries on another engine)
     created: float = field(default_factory=time.perf_counter)
 
+    def waited(self) -> float:
+        """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
+        return max(0.0, time.perf_counter() - self.created)
+
     def deliver(self, text: str) -> None:
         """`text` is everything generated so far in this attempt; pass on what is new."""
         if len(text) > len(self.streamed) and text.startswith(self.streamed):
@@ -377,7 +381,8 @@ class ParrotServeCore:
             parent, cached = await self._prefix_context(client, task)
             gen_owner = rec.owner if self.prefix_sharing else task.task_id
             gen_id = self.contexts.new_id(gen_owner)
-            req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling)
+            req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling,
+                                  waited_s=rec.waited())
             text, ids, finish = "", [], "stop"
             timer = (self.request_timer("semantic_call", rec.created)
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
@@ -435,45 +440,49 @@ class ParrotServeCore:
     async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
         """Fork the longest cached prefix on this engine and fill the rest boundary by boundary, each
         boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it.
-        Returns the context holding the whole prompt and how many prompt tokens were already cached."""
+        Returns the context holding the whole prompt and how many prompt tokens this task did not compute
+        itself (found cached, or filled once for several tasks by another of them)."""
         engine = client.name
+        rec: _TaskRecord = task.payload
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
-            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens))
+            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited()))
             return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
-        cached = parent.num_tokens if parent else 0
-        self.contexts.record_lookup(len(task.tokens), cached)
         if parent is not None:
             self.contexts.touch(parent)
-        rec: _TaskRecord = task.payload
+        computed = 0
         for i, b in enumerate(task.boundaries):
             if parent is not None and b <= parent.num_tokens:
                 continue
-            parent = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i])
+            parent, filled = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i], rec)
+            computed += filled
         assert parent is not None
-        return parent, cached
+        self.contexts.record_lookup(len(task.tokens), len(task.tokens) - computed)
+        return parent, len(task.tokens) - computed
 
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
-                           owner: str | None) -> CachedContext:
+                           owner: str | None, rec: _TaskRecord) -> tuple[CachedContext, int]:
+        """The context of `tokens` on this engine, and how many tokens this call filled (0 when it was
+        cached, or filled by a concurrent task that this one waited for)."""
         key = (client.name, tuple(tokens))
         pending = self._inflight_prefix.get(key)
         if pending is not None:
-            return await asyncio.shield(pending)
+            return await asyncio.shield(pending), 0
         cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
         if cached is not None:
-            return cached
+            return cached, 0
         fut: asyncio.Future[CachedContext] = asyncio.get_running_loop().create_future()
         self._inflight_prefix[key] = fut
         try:
             ctx_id = self.contexts.new_id(owner)
             start = parent.num_tokens if parent is not None else 0
             await client.fill(FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
-                                          token_ids=tokens[start:]))
+                                          token_ids=tokens[start:], waited_s=rec.waited()))
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
             fut.set_result(ctx)
-            return ctx
+            return ctx, len(tokens) - start
         except BaseException as exc:
             fut.set_exception(exc)
             fut.exception()  # mark retrieved: waiters re-raise it
