@@ -452,9 +452,14 @@ class ParrotServeCore:
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
         if parent is not None:
             self.contexts.touch(parent)
+        # one Fill up to each prefix worth a context of its own: global text (a system prompt, kept across
+        # sessions) or a prefix another live task shares; the rest of the prompt is filled in one piece
+        keep = self.scheduler.shared_boundaries(task)
+        last = len(task.boundaries) - 1
         computed = 0
         for i, b in enumerate(task.boundaries):
-            if parent is not None and b <= parent.num_tokens:
+            if (parent is not None and b <= parent.num_tokens) or (
+                    i < last and rec.owners[i] is not None and b not in keep):
                 continue
             parent, filled = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i], rec)
             computed += filled

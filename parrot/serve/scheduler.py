@@ -120,6 +120,18 @@ class GlobalScheduler:
         return sorted(ordered, key=lambda t: (groups[t.group] if t.group is not None else t.sort_key(),
                                               t.group or "", t.sort_key()))
 
+    def shared_boundaries(self, task: CompletionTask) -> set[int]:
+        """The boundaries of `task` up to which another queued or running task has the same tokens:
+        the prefixes worth keeping as contexts of their own (the others are filled in one piece)."""
+        others = [t for t in (*self.queue, *self.running.values()) if t is not task]
+        shared: set[int] = set()
+        for b in reversed(task.boundaries):
+            prefix = task.tokens[:b]
+            if any(len(t.tokens) >= b and t.tokens[:b] == prefix for t in others):
+                shared.update(x for x in task.boundaries if x <= b)  # a shared prefix's prefixes are shared
+                break
+        return shared
+
     def finished(self, task: CompletionTask) -> None:
         self.running.pop(task.task_id, None)
 

@@ -109,6 +109,16 @@ def test_inspect_reports_generation_timings(vm: P.VirtualMachine) -> None:
     assert gens[second.id]["cached_tokens"] > 0  # the shared system prompt text
 
 
+def test_unshared_prompt_pieces_are_filled_in_one_piece(vm: P.VirtualMachine, server) -> None:
+    """Contexts are kept at the global system text and at the whole prompt; the session-local pieces in
+    between (the text variable, the constant after it) are one fill, since no other task shares them."""
+    summarize("a lone text about owls").get(timeout=60)
+    mine = [c for c in server[1].contexts.contexts() if c.session_id == vm.session_id]
+    assert len(mine) == 2  # the prompt (forked from the global system text) and the generated output
+    prompt_ctx = min(mine, key=lambda c: c.num_tokens)
+    assert prompt_ctx.parent is not None and prompt_ctx.parent.session_id is None
+
+
 def test_map_reduce(vm: P.VirtualMachine, server) -> None:
     @P.semantic_function(template=SYSTEM + "Summaries: {{a}} | {{b}} | {{c}} | {{d}}\nOverall: {{final}}")
     def reduce(a: P.Input, b: P.Input, c: P.Input, d: P.Input, final: FEW): ...

@@ -107,3 +107,18 @@ def test_baseline_mode_is_fifo_by_load_only() -> None:
     placed = s.schedule()
     assert placed == [first, urgent]  # arrival order, criteria ignored
     assert first.engine == "e1"  # the cached prefix on e2 is not considered; the tie goes to the first engine
+
+
+def test_shared_boundaries_are_prefixes_another_live_task_has() -> None:
+    s = make([EngineView("e", 8)])
+    engineer_a = task([1, 2, 3, 4, 5, 6], [2, 4, 6])  # team prompt | design | module a
+    engineer_b = task([1, 2, 3, 4, 7, 8], [2, 4, 6])  # same team prompt and design, module b
+    alone = task([9, 9, 9], [1, 3])
+    for t in (engineer_a, engineer_b, alone):
+        s.submit(t)
+    assert s.shared_boundaries(engineer_a) == {2, 4}
+    assert s.shared_boundaries(alone) == set()
+    s.schedule()  # running tasks count too
+    assert s.shared_boundaries(engineer_b) == {2, 4}
+    s.finished(engineer_a)
+    assert s.shared_boundaries(engineer_b) == set()
