@@ -111,7 +111,8 @@ class Scheduler:
             if self._room(job.context_id) <= 0:
                 if plan.decode or plan.prefill or not self._make_room(job, 1, scheduled, plan):
                     continue  # others progress this step and free pages
-            n = min(len(job.pending), budget, self._room(job.context_id))
+            n = self._align(self.kv.get(job.context_id).num_tokens, min(len(job.pending), budget,
+                                                                         self._room(job.context_id)))
             if plan.prefill:
                 count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
                 if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:
@@ -121,6 +122,17 @@ class Scheduler:
             budget -= n
             longest = max(longest, n)
         return plan
+
+    def _align(self, start: int, n: int) -> int:
+        """Cut a prefill chunk starting at `start` at the end of the attention-length bucket `start` lies
+        in, when that keeps at least half of it: the chunk then attends over the shorter padded length
+        (a 512-token chunk after a 31-token cached prefix would otherwise pay for 1024 keys)."""
+        for bucket in self.cfg.kv_buckets:
+            if bucket > start:
+                if start + n > bucket and 2 * (bucket - start) >= n:
+                    return bucket - start
+                break
+        return n
 
     def _slot(self, job: Job, tokens: list[int]) -> Slot:
         start = self.kv.get(job.context_id).num_tokens

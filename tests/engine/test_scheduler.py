@@ -51,3 +51,16 @@ def test_waited_work_never_overtakes_work_on_its_contexts() -> None:
     s.add(refill)  # more tokens for "p": must stay behind the fork of "p" queued before it
     assert [j.context_id for j in s.waiting] == ["p", "child", "p", "other"]
     assert list(s.waiting)[:3] == [first, gen, refill]
+
+
+def test_prefill_chunks_end_at_attention_buckets() -> None:
+    """A chunk is cut where the context reaches an attention-length bucket, so that it attends over the
+    shorter padded length (e.g. 481 tokens after a 31-token prefix, not 512 that would need 1024 keys)."""
+    s = _scheduler()  # kv buckets 64 128 256 512, token budget 64
+    s.tokens["p"] = [5] * 100
+    s.kv.create("p")
+    s.kv.extend("p", 100)  # 100 tokens already in the KV
+    s.add(_fill("p", 50))
+    plan = s.schedule()
+    assert len(plan.prefill[0].tokens) == 28  # 100 + 28 = 128, the next bucket; the rest in the next step
+    assert s._align(0, 64) == 64 and s._align(60, 64) == 64  # whole chunk within a bucket / less than half fits
