@@ -149,6 +149,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    """`parrot bench ...`: the application benchmarks of the source checkout this package is installed from."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "apps" / "run.py").is_file():
+        raise ParrotError("parrot bench runs the benchmarks of a source checkout (benchmarks/ beside parrot/); "
+                          "install with `pip install -e .` from a clone of the repository")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.apps.run import main as bench_main
+
+    return bench_main(argv)
+
+
 def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per log line (structured logs)")
@@ -206,10 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-app-awareness", action="store_true",
                    help="baseline: first come first served, placement by load only (no criteria, groups, prefixes)")
     v.set_defaults(func=cmd_serve)
+    sub.add_parser("bench", add_help=False,
+                   help="application benchmarks: Parrot vs the plain-API baseline and llama.cpp "
+                        "(`parrot bench --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own argument parser (benchmarks/apps/run.py)
+        try:
+            return cmd_bench(argv[1:])
+        except ParrotError as exc:
+            print(f"parrot: error: {exc}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     configure_logs(getattr(args, "log_format", "text"), logging.WARNING,
                    logging.INFO if args.command in ("serve", "engine") else None)

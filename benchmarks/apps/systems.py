@@ -1,0 +1,141 @@
+"""The systems compared, each a server process started by the benchmark and stopped after its workloads:
+
+- `parrot`: `parrot serve` (semantic variables; prefix sharing and app-aware scheduling on);
+- `baseline`: the same `parrot serve` with `--no-prefix-sharing --no-app-awareness`, used only through
+  its OpenAI-compatible API (every request prefills its whole prompt; first come, first served);
+- `llamacpp`: llama.cpp's Python server (llama-cpp-python; one request at a time, reuses the previous
+  request's prompt prefix), from benchmarks/peers/install_llamacpp.sh;
+- `llama-server`: llama.cpp's C++ server (continuous batching over --parallel slots, per-slot prompt
+  cache), from benchmarks/peers/install_llama_server.sh.
+
+Every system serves the same GGUF file. The Parrot engine dequantizes it to float32 (bf16 weight copies
+for prefill on AMX CPUs); llama.cpp computes on the Q4_1 blocks directly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from parrot.engine.model_files import default_model_path
+
+MAX_MODEL_LEN = 2048  # the longest prompt + output of any workload (shared prompt: ~1,650 tokens)
+PEERS_DIR = Path(os.environ.get("PARROT_PEERS_DIR", Path.home() / ".cache" / "parrot" / "peers"))
+LLAMA_SERVER_SLOTS = 16
+
+
+@dataclass
+class System:
+    name: str
+    description: str
+    command: list[str]
+    health_path: str
+    model: str  # the model name its OpenAI API expects
+    extra_body: dict = field(default_factory=dict)  # what makes it generate exactly max_tokens
+    missing: str | None = None  # why it cannot run here (not installed), None if it can
+    port: int = 0
+    startup_s: float | None = None
+    _proc: subprocess.Popen | None = None
+    _log: IO | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_path: Path, timeout: float = 1200.0) -> None:
+        """Start the server and wait until it answers its health check (a clear error if it exits or
+        does not come up in `timeout` seconds; its output is in `log_path`)."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w")
+        t0 = time.perf_counter()
+        self._proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        while time.perf_counter() - t0 < timeout:
+            if self._proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with code {self._proc.returncode} while starting; "
+                                   f"see {log_path}")
+            try:
+                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become healthy within {timeout:.0f} s; see {log_path}")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def describe(self) -> dict:
+        return {"description": self.description, "command": self.command, "startup_s": self.startup_s,
+                "missing": self.missing}
+
+
+def _parrot(name: str, port: int, flags: list[str], description: str) -> System:
+    cmd = [sys.executable, "-m", "parrot.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), *flags]
+    return System(name, description, cmd, "/health", "smollm2", {"ignore_eos": True}, port=port)
+
+
+def _llama_server_binary() -> Path | None:
+    found = PEERS_DIR / "llama-server"
+    if found.is_file() and os.access(found, os.X_OK):
+        return found
+    on_path = shutil.which("llama-server")
+    return Path(on_path) if on_path else None
+
+
+def build(names: list[str], base_port: int) -> list[System]:
+    """The named systems, each on its own loopback port; `missing` set for those not installed."""
+    gguf = str(default_model_path())
+    out: list[System] = []
+    for i, name in enumerate(names):
+        port = base_port + i
+        if name == "parrot":
+            out.append(_parrot(name, port, [], "Parrot: the app as semantic variables (SDK); prefix sharing, "
+                                                "app-aware scheduling"))
+        elif name == "baseline":
+            out.append(_parrot(name, port, ["--no-prefix-sharing", "--no-app-awareness"],
+                               "the same engine behind the OpenAI API only; no prefix sharing, FCFS; app "
+                               "control flow in the client"))
+        elif name == "llamacpp":
+            cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
+                   "--port", str(port), "--n_ctx", str(MAX_MODEL_LEN), "--n_threads", "2",
+                   "--n_batch", "512"]
+            missing = (None if importlib.util.find_spec("llama_cpp") is not None
+                       else "not installed: run benchmarks/peers/install_llamacpp.sh")
+            # llama-cpp-python ignores ignore_eos; a -100 bias on <|im_end|> (id 2) does the same
+            out.append(System(name, "llama.cpp's Python server (llama-cpp-python 0.3.36): one request at a "
+                                    "time, reuses the previous prompt's prefix", cmd, "/v1/models", "smollm2",
+                              {"logit_bias": {"2": -100}}, missing, port))
+        elif name == "llama-server":
+            binary = _llama_server_binary()
+            cmd = [str(binary or "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+                   "-t", "2", "--parallel", str(LLAMA_SERVER_SLOTS), "-c", str(MAX_MODEL_LEN * LLAMA_SERVER_SLOTS),
+                   "--cont-batching"]
+            out.append(System(name, f"llama.cpp's C++ server: continuous batching over {LLAMA_SERVER_SLOTS} "
+                                    "slots, per-slot prompt cache", cmd, "/health", "smollm2",
+                              {"ignore_eos": True}, None if binary else
+                              "not installed: run benchmarks/peers/install_llama_server.sh", port))
+        else:
+            raise ValueError(f"unknown system {name!r}: choose from parrot, baseline, llamacpp, llama-server")
+    return out
