@@ -31,6 +31,9 @@ class SamplingParams(BaseModel):
 WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "
           "engine queues it as if it had arrived that long ago, so a task's later primitives keep its place")
 
+PRIORITY = ("0 (default) runs before 1, 1 before 2...: waiting work is admitted and prefilled by (priority, "
+            "arrival); the serve core sends 0 for latency-critical tasks and 1 for throughput tasks")
+
 
 class FillRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -39,6 +42,7 @@ class FillRequest(BaseModel):
     parent_context_id: str | None = Field(None, description="fork this context first if context_id is new")
     token_ids: list[int] = Field(min_length=1)
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
+    priority: int = Field(0, ge=0, le=9, description=PRIORITY)
 
 
 class FillResponse(BaseModel):
@@ -53,6 +57,7 @@ class GenerateRequest(BaseModel):
     parent_context_id: str | None = None
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
+    priority: int = Field(0, ge=0, le=9, description=PRIORITY)
 
 
 class GenerateResponse(BaseModel):

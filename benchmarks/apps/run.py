@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)} or all")
     try:
-        systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port)
+        systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port, args.quick)
     except ValueError as exc:
         ap.error(str(exc))
     mode = "quick" if args.quick else "full"

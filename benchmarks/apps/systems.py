@@ -90,9 +90,11 @@ class System:
                 "missing": self.missing}
 
 
-def _parrot(name: str, port: int, flags: list[str], description: str) -> System:
+def _parrot(name: str, port: int, flags: list[str], description: str, quick: bool) -> System:
     cmd = [sys.executable, "-m", "parrot.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), *flags]
+    if quick:  # at most 16 requests at once in the quick workloads: fewer batch shapes to compile at startup
+        cmd += ["--precompile-bs-paddings", "1", "2", "4", "8", "16"]
     return System(name, description, cmd, "/health", "smollm2", {"ignore_eos": True}, port=port)
 
 
@@ -104,7 +106,7 @@ def _llama_server_binary() -> Path | None:
     return Path(on_path) if on_path else None
 
 
-def build(names: list[str], base_port: int) -> list[System]:
+def build(names: list[str], base_port: int, quick: bool = False) -> list[System]:
     """The named systems, each on its own loopback port; `missing` set for those not installed."""
     gguf = str(default_model_path())
     out: list[System] = []
@@ -112,11 +114,11 @@ def build(names: list[str], base_port: int) -> list[System]:
         port = base_port + i
         if name == "parrot":
             out.append(_parrot(name, port, [], "Parrot: the app as semantic variables (SDK); prefix sharing, "
-                                                "app-aware scheduling"))
+                                                "app-aware scheduling", quick))
         elif name == "baseline":
             out.append(_parrot(name, port, ["--no-prefix-sharing", "--no-app-awareness"],
                                "the same engine behind the OpenAI API only; no prefix sharing, FCFS; app "
-                               "control flow in the client"))
+                               "control flow in the client", quick))
         elif name == "llamacpp":
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1",
                    "--port", str(port), "--n_ctx", str(MAX_MODEL_LEN), "--n_threads", "2",

@@ -65,7 +65,7 @@ LICENSE_BOT = ("You answer questions about the license below. Answer in one or t
                + corpus.head(corpus.text("apache-2.0.txt"), 1600))  # ~1,500 tokens
 
 
-@P.semantic_function(template=chatml(LICENSE_BOT, "What does this part of the license mean?\n\"{{passage}}\"",
+@P.semantic_function(template=chatml(LICENSE_BOT, "What does this part of the license mean?\n{{passage}}",
                                      "answer"))
 def ask_license(passage: P.Input, answer: out(32)): ...
 
@@ -112,7 +112,7 @@ async def team(app: App, goal: str, engineers: int) -> str:
 
 # ---- latency-critical chats (the mixed workload) -------------------------------------------------------
 @P.semantic_function(template=chatml("You are a helpful assistant.",
-                                     "Explain this sentence in simple words:\n\"{{sentence}}\"", "reply"))
+                                     "Explain this sentence in simple words:\n{{sentence}}", "reply"))
 def explain(sentence: P.Input, reply: out(32)): ...
 
 
@@ -210,7 +210,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              "concurrently", "jct_mean_s",
              {"quick": {"teams": 1, "engineers": 3}, "full": {"teams": 2, "engineers": 6}}, _multi_agent),
     Workload("mixed", "mixed: latency-critical chats (32 tokens, Poisson arrivals) while throughput-oriented "
-             "map-reduce apps (LGPL-2.1, GPL-2) run", "jct_mean_s",
+             "map-reduce apps (LGPL-2.1, GPL-2) run", "map_reduce_jct_mean_s",
              {"quick": {"map_reduce_apps": 1, "chunks": 8, "chats": 8, "chat_rate": 0.5, "chat_delay": 1.0},
               "full": {"map_reduce_apps": 2, "chunks": 10, "chats": 16, "chat_rate": 0.5, "chat_delay": 1.0}},
              _mixed),

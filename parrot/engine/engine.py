@@ -109,7 +109,7 @@ class LLMEngine:
     def fill_future(self, req: FillRequest) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.FILL, req.context_id, req.parent_context_id, fill_tokens=list(req.token_ids),
-                  on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s)
+                  on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s, priority=req.priority)
         self.submit(job)
         return fut
 
@@ -117,7 +117,8 @@ class LLMEngine:
                         on_chunk: Callable[[StreamChunk], None] | None = None) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.GENERATE, req.context_id, req.parent_context_id, sampling=req.sampling,
-                  on_chunk=on_chunk, on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s)
+                  on_chunk=on_chunk, on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s,
+                  priority=req.priority)
         self.submit(job)
         return fut
 

@@ -60,15 +60,17 @@ class Scheduler:
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
-        """Queue a job in arrival order. A job may arrive 'earlier' than queued ones (`waited_s`), but never
-        ahead of a queued job touching the same contexts, so primitives on one context keep their order."""
+        """Queue a job by (priority, arrival). A job may also arrive 'earlier' than queued ones (`waited_s`),
+        but never goes ahead of a queued job touching the same contexts: primitives on one context keep
+        their order."""
         related = {job.context_id, job.parent_context_id} - {None}
         for other in self.waiting:
             if other.context_id in related or other.parent_context_id == job.context_id:
                 job.arrival = max(job.arrival, other.arrival)
+                job.priority = max(job.priority, other.priority)
         self.waiting.append(job)
-        if len(self.waiting) > 1 and job.arrival < self.waiting[-2].arrival:
-            self.waiting = deque(sorted(self.waiting, key=lambda j: j.arrival))
+        if len(self.waiting) > 1 and job.order < self.waiting[-2].order:
+            self.waiting = deque(sorted(self.waiting, key=lambda j: j.order))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,7 +92,7 @@ class Scheduler:
         self._admit(plan)
         scheduled: set[int] = set()
         # decodes first (running work keeps its pace); preempt the newest job when pages run out
-        for job in sorted(self.running, key=lambda j: j.arrival):
+        for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) != 1 or job.status is not JobStatus.RUNNING:
                 continue
             if len(plan.decode) >= self.cfg.max_batch_size:
@@ -103,7 +105,7 @@ class Scheduler:
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
         longest = 0
-        for job in sorted(self.running, key=lambda j: j.arrival):
+        for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
                 continue
             if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
@@ -154,7 +156,7 @@ class Scheduler:
                 continue
             candidates = [j for j in self.running if j.job_id not in scheduled]
             if len(candidates) > 1:
-                victim = max(candidates, key=lambda j: j.arrival)
+                victim = max(candidates, key=lambda j: j.order)
                 self._preempt(victim)
                 if victim is job:
                     return False
@@ -192,7 +194,7 @@ class Scheduler:
         self.running.remove(job)
         del self.busy[job.context_id]
         self.waiting.append(job)
-        self.waiting = deque(sorted(self.waiting, key=lambda j: j.arrival))
+        self.waiting = deque(sorted(self.waiting, key=lambda j: j.order))
 
     # ---- admission ----------------------------------------------------------------------------
     def _admit(self, plan: StepPlan) -> None:

@@ -37,6 +37,7 @@ class Job:
     on_done: Callable[[object | None, BaseException | None], None] | None = None
     job_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first (latency-critical work before throughput work)
     status: JobStatus = JobStatus.WAITING
     base_len: int = -1  # context length before this fill was applied (-1: not yet); failures roll back
     pending: list[int] = field(default_factory=list)  # tokens to feed before this job can finish/decode
@@ -46,3 +47,8 @@ class Job:
     finish_reason: str | None = None
     first_token_time: float | None = None
     preemptions: int = 0
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Queue position: by priority, then arrival."""
+        return (self.priority, self.arrival)

@@ -56,6 +56,7 @@ class _TaskRecord:
     owner: str  # owner of the generated context
     streamed: str = ""  # text already delivered (kept across retries on another engine)
     created: float = field(default_factory=time.perf_counter)
+    priority: int = 0  # engine queue priority: 0 latency-critical, 1 throughput
 
     def waited(self) -> float:
         """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
@@ -363,10 +364,15 @@ class ParrotServeCore:
             all_global = all_global and var.session_id is None
             if piece:
                 owners.append(None if all_global else session.session_id)
-        rec = _ChainRecord(sampling, owners, session.session_id, session=session, chain=chain)
+        rec = _ChainRecord(sampling, owners, session.session_id, session=session, chain=chain,
+                           priority=self._priority(criterion))
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
                               session.executor.group(chain), payload=rec)
         self.scheduler.submit(task)
+
+    def _priority(self, criterion: Criterion) -> int:
+        """Latency-critical work goes first in the engines' queues too (app-aware mode only)."""
+        return 1 if self.scheduler.app_aware and criterion == "throughput" else 0
 
     def _dispatch(self) -> None:
         for task in self.scheduler.schedule():
@@ -382,7 +388,7 @@ class ParrotServeCore:
             gen_owner = rec.owner if self.prefix_sharing else task.task_id
             gen_id = self.contexts.new_id(gen_owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling,
-                                  waited_s=rec.waited())
+                                  waited_s=rec.waited(), priority=rec.priority)
             text, ids, finish = "", [], "stop"
             timer = (self.request_timer("semantic_call", rec.created)
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
@@ -447,7 +453,8 @@ class ParrotServeCore:
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
-            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited()))
+            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(),
+                                          priority=rec.priority))
             return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
         if parent is not None:
@@ -484,7 +491,7 @@ class ParrotServeCore:
             ctx_id = self.contexts.new_id(owner)
             start = parent.num_tokens if parent is not None else 0
             await client.fill(FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
-                                          token_ids=tokens[start:], waited_s=rec.waited()))
+                                          token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority))
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
             fut.set_result(ctx)
             return ctx, len(tokens) - start
@@ -516,7 +523,7 @@ class ParrotServeCore:
                 boundaries.append(n)
                 owners.append(None if i < shared else owner)
         queue: asyncio.Queue = asyncio.Queue()
-        rec = _PlainRecord(sampling, owners, owner, queue=queue)
+        rec = _PlainRecord(sampling, owners, owner, queue=queue, priority=self._priority(criterion))
         self.scheduler.submit(CompletionTask(owner, tokens, boundaries, criterion, payload=rec))
         self._dispatch()
         return queue

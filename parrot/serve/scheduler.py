@@ -5,8 +5,10 @@ i.e. activated by earlier work, first), then arrival. A task group (chains feedi
 dispatched together. Placement, per task: the live engine holding the longest cached prefix of the
 task's tokens (ContextManager), counting prefixes that tasks placed earlier in the same round will
 create, so tasks sharing a prefix land together and fill it once; among equals, the least loaded.
-An engine's capacity depends on what it runs: while it has latency-critical work its load is capped
-low (fast steps), otherwise throughput work fills it to its batch size.
+An engine's capacity depends on what it runs: latency-critical tasks are admitted while fewer than
+`latency_cap` of them run there, whatever throughput work it holds (a chat never waits for a batch
+job to finish); throughput tasks fill it to its batch size, but only up to `latency_cap` tasks in all
+while it has latency-critical work (short steps for that work).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class EngineView:
 
 class GlobalScheduler:
     def __init__(self, contexts: ContextManager, engines: Callable[[], Sequence[EngineView]],
-                 latency_cap: int = 8, app_aware: bool = True) -> None:
+                 latency_cap: int = 16, app_aware: bool = True) -> None:
         """`app_aware=False` is the plain-serving baseline: first come first served, no task groups, no
         latency caps, placement by load only (what a server that sees requests one by one can do)."""
         self.app_aware = app_aware
@@ -71,10 +73,13 @@ class GlobalScheduler:
     def _capacity(self, view: EngineView, adding: CompletionTask) -> int:
         if not self.app_aware:
             return view.max_batch - self.load(view.name) - view.queued
-        latency = adding.criterion == "latency" or any(
-            t.engine == view.name and t.criterion == "latency" for t in self.running.values())
-        cap = min(self.latency_cap, view.max_batch) if latency else view.max_batch
-        return cap - self.load(view.name) - view.queued
+        room = view.max_batch - self.load(view.name) - view.queued
+        latency_running = sum(1 for t in self.running.values() if t.engine == view.name and t.criterion == "latency")
+        if adding.criterion == "latency":
+            return min(room, self.latency_cap - latency_running)
+        if latency_running:
+            return min(room, self.latency_cap - self.load(view.name) - view.queued)
+        return room
 
     def schedule(self) -> list[CompletionTask]:
         """Place as many queued tasks as capacity allows; returns them with `engine` set."""

@@ -64,3 +64,14 @@ def test_prefill_chunks_end_at_attention_buckets() -> None:
     plan = s.schedule()
     assert len(plan.prefill[0].tokens) == 28  # 100 + 28 = 128, the next bucket; the rest in the next step
     assert s._align(0, 64) == 64 and s._align(60, 64) == 64  # whole chunk within a bucket / less than half fits
+
+
+def test_priority_goes_before_arrival() -> None:
+    """Latency-critical work (priority 0) is prefilled before throughput work (1) that arrived earlier."""
+    s = _scheduler()
+    batch = _fill("batch", 100, waited=10.0)
+    batch.priority = 1
+    s.add(batch)
+    s.add(_fill("chat", 30))
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.prefill][0] == "chat"

@@ -56,6 +56,15 @@ def test_capacity_and_latency_cap() -> None:
     for t in lat:
         s.submit(t)
     assert len(s.schedule()) == 2  # latency work keeps the engine's batch small
+    # a latency task is admitted next to throughput work; throughput work is held to the cap meanwhile
+    mixed = make([EngineView("e", 16)], cap=3)
+    for i in range(3):
+        mixed.submit(task([i]))
+    assert len(mixed.schedule()) == 3
+    chat = task([9], criterion="latency")
+    mixed.submit(chat)
+    mixed.submit(more := task([10]))
+    assert mixed.schedule() == [chat] and mixed.queue == [more]
     thr = make([EngineView("e", 3)])
     for i in range(5):
         thr.submit(task([i]))
