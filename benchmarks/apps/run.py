@@ -34,10 +34,20 @@ def _runtime(system: System) -> Runtime:
 
 
 def warm_up(system: System) -> None:
-    """One short completion, so that nothing measured pays for first-request setup."""
+    """A short completion (and on Parrot a short app of two dependent semantic calls on a shared prefix),
+    so that nothing measured pays for first-request setup."""
     body = {"model": system.model, "prompt": "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
             "max_tokens": 8, "temperature": 0.0}
     httpx.post(system.url + "/v1/completions", json=body, timeout=600).raise_for_status()
+    if system.name == "parrot":
+        import parrot as P
+
+        template = "<|im_start|>user\nSay something about {{x}}.<|im_end|>\n<|im_start|>assistant\n{{y}}"
+        out = {"name": "y", "is_output": True, "sampling_config": {"max_tokens": 8, "ignore_eos": True}}
+        with P.VirtualMachine(system.url, timeout=600) as vm:
+            first = vm.semantic_call(template, [{"name": "x", "value": "birds"}, out])["y"]
+            second = vm.semantic_call(template, [{"name": "x", "var_id": first.id}, out])["y"]
+            second.get()
 
 
 async def _run(system: System, workload: Workload, mode: str, rec: Recorder, timeout: float) -> None:
