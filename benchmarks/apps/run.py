@@ -30,7 +30,7 @@ SYSTEMS = ["parrot", "baseline", "llamacpp", "llama-server"]
 def _runtime(system: System) -> Runtime:
     if system.name == "parrot":
         return ParrotRuntime(system.url)
-    return OpenAIRuntime(system.name, system.url, system.model, system.extra_body)
+    return OpenAIRuntime(system.name, system.url, system.model, system.extra_body, system.stream)
 
 
 def warm_up(system: System) -> None:

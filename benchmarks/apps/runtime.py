@@ -37,7 +37,7 @@ class RequestRecord:
     prompt_tokens: int | None
     cached_tokens: int | None
     output_tokens: int
-    ttft_s: float
+    ttft_s: float | None  # None: not measurable (a server used without streaming)
     tpot_s: float | None
     latency_s: float
 
@@ -182,6 +182,15 @@ class OpenAIApp(App):
         cfg = out.sampling_config() or {}
         max_tokens = cfg.get("max_tokens", 64)
         t0 = time.perf_counter()
+        if not self.rt.stream:
+            done = await self.rt.client.completions.create(
+                model=self.rt.model, prompt=render_prompt(fn, values), max_tokens=max_tokens, temperature=0.0,
+                extra_body=self.rt.extra_body)
+            usage = done.usage
+            self.recorder.requests.append(RequestRecord(
+                self.kind, usage.prompt_tokens if usage else None, None,
+                usage.completion_tokens if usage else max_tokens, None, None, time.perf_counter() - t0))
+            return done.choices[0].text
         stream = await self.rt.client.completions.create(
             model=self.rt.model, prompt=render_prompt(fn, values), max_tokens=max_tokens, temperature=0.0,
             stream=True, stream_options={"include_usage": True}, extra_body=self.rt.extra_body)
@@ -196,7 +205,8 @@ class OpenAIApp(App):
                 first = first or time.perf_counter()
                 parts.append(text)
         end = time.perf_counter()
-        n_out = usage.completion_tokens if usage is not None and usage.completion_tokens else max_tokens
+        # servers that report no usage when streaming (llama-cpp-python) send one text chunk per token
+        n_out = usage.completion_tokens if usage is not None and usage.completion_tokens else len(parts)
         details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
         cached = getattr(details, "cached_tokens", None) if details is not None else None
         first = first or end
@@ -211,18 +221,22 @@ async def _value(v: str | Handle) -> str:
 
 
 class OpenAIRuntime(Runtime):
-    """`extra_body`: what the server needs to generate exactly max_tokens (e.g. {"ignore_eos": True})."""
+    """`extra_body`: what the server needs to generate exactly max_tokens (e.g. {"ignore_eos": True}).
+    `stream=False` for a server that cannot stream concurrent requests (no TTFT / TPOT then)."""
 
-    def __init__(self, name: str, url: str, model: str, extra_body: dict[str, Any]) -> None:
+    def __init__(self, name: str, url: str, model: str, extra_body: dict[str, Any], stream: bool = True) -> None:
         import httpx
         import openai
 
         self.name = name
         self.model = model
         self.extra_body = extra_body
+        self.stream = stream
         self.client = openai.AsyncOpenAI(
             base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=1800,
-            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            # a fresh connection per request: llama-server closes idle keep-alive connections, and a request
+            # on one it has just closed fails (the cost on loopback is well under a millisecond)
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=512, max_keepalive_connections=0),
                                           timeout=1800))
 
     async def open_app(self, kind: str, recorder: Recorder) -> App:

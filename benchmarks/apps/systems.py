@@ -40,6 +40,7 @@ class System:
     health_path: str
     model: str  # the model name its OpenAI API expects
     extra_body: dict = field(default_factory=dict)  # what makes it generate exactly max_tokens
+    stream: bool = True  # False: it cannot stream concurrent requests (measured without TTFT / TPOT)
     missing: str | None = None  # why it cannot run here (not installed), None if it can
     port: int = 0
     startup_s: float | None = None
@@ -125,10 +126,14 @@ def build(names: list[str], base_port: int, quick: bool = False) -> list[System]
                    "--n_batch", "512"]
             missing = (None if importlib.util.find_spec("llama_cpp") is not None
                        else "not installed: run benchmarks/peers/install_llamacpp.sh")
-            # llama-cpp-python ignores ignore_eos; a -100 bias on <|im_end|> (id 2) does the same
+            # llama-cpp-python ignores ignore_eos; a -100 bias on the end-of-generation tokens does the same
+            # (<|endoftext|> id 0 and <|im_end|> id 2: llama.cpp stops on either)
+            # its streaming breaks under concurrent requests (one-token answers, "ASGI callable returned
+            # without completing response"), so it is used without streaming: job times only, no TTFT / TPOT
             out.append(System(name, "llama.cpp's Python server (llama-cpp-python 0.3.36): one request at a "
-                                    "time, reuses the previous prompt's prefix", cmd, "/v1/models", "smollm2",
-                              {"logit_bias": {"2": -100}}, missing, port))
+                                    "time, reuses the previous prompt's prefix; not streamed", cmd, "/v1/models",
+                              "smollm2",
+                              {"logit_bias": {"0": -100, "2": -100}}, missing, port, stream=False))
         elif name == "llama-server":
             binary = _llama_server_binary()
             cmd = [str(binary or "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
