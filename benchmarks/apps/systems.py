@@ -40,10 +40,10 @@ class System:
     health_path: str
     model: str  # the model name its OpenAI API expects
     extra_body: dict = field(default_factory=dict)  # what makes it generate exactly max_tokens
-    stream: bool = True  # False: it cannot stream concurrent requests (measured without TTFT / TPOT)
     missing: str | None = None  # why it cannot run here (not installed), None if it can
     port: int = 0
     startup_s: float | None = None
+    stream: bool = True  # False: it cannot stream concurrent requests (measured without TTFT / TPOT)
     _proc: subprocess.Popen | None = None
     _log: IO | None = None
 
