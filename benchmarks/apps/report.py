@@ -53,29 +53,28 @@ def _fixed(v: Any, digits: int) -> str:
     return DASH if x is None else f"{x:.{digits}f}"
 
 
-def _secs(v: Any) -> str:
-    """Seconds with 2 decimals, or 3 significant digits below 0.1 s."""
+def _short(v: Any, digits: int, small: float, scale: float = 1.0) -> str:
+    """`v * scale` with `digits` decimals, or 3 significant digits when it is below `small`."""
     x = _num(v)
     if x is None:
         return DASH
-    return f"{x:.3g}" if 0 < abs(x) < 0.1 else f"{x:.2f}"
+    x *= scale
+    return f"{x:.3g}" if 0 < abs(x) < small else f"{x:.{digits}f}"
+
+
+def _secs(v: Any) -> str:
+    """Seconds with 2 decimals, or 3 significant digits below 0.1 s."""
+    return _short(v, 2, 0.1)
 
 
 def _ms(v: Any) -> str:
     """Seconds shown as milliseconds with 1 decimal (3 significant digits below 1 ms)."""
-    x = _num(v)
-    if x is None:
-        return DASH
-    x *= 1000
-    return f"{x:.3g}" if 0 < abs(x) < 1 else f"{x:.1f}"
+    return _short(v, 1, 1.0, 1000.0)
 
 
 def _rate(v: Any) -> str:
     """Throughput with 1 decimal, or 3 significant digits below 1."""
-    x = _num(v)
-    if x is None:
-        return DASH
-    return f"{x:.3g}" if 0 < abs(x) < 1 else f"{x:.1f}"
+    return _short(v, 1, 1.0)
 
 
 def _ratio(v: Any) -> str:

