@@ -444,8 +444,9 @@ class ParrotServeCore:
             self._dispatch()
 
     async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
-        """Fork the longest cached prefix on this engine and fill the rest boundary by boundary, each
-        boundary cached; concurrent tasks needing the same prefix wait for one fill instead of repeating it.
+        """Fork the longest cached prefix on this engine and fill the rest, stopping (and caching a context)
+        only at global text and at prefixes another live task shares; concurrent tasks needing the same
+        prefix wait for one fill instead of repeating it.
         Returns the context holding the whole prompt and how many prompt tokens this task did not compute
         itself (found cached, or filled once for several tasks by another of them)."""
         engine = client.name
