@@ -19,3 +19,7 @@ class NotFoundError(ParrotError):
 
 class ConflictError(ParrotError):
     """The request conflicts with current state (e.g. freeing a context that is running)."""
+
+
+class AbortedError(ParrotError):
+    """The primitive was aborted (its client went away or asked to cancel) before it finished."""
