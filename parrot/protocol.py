@@ -105,6 +105,7 @@ class RuntimeInfo(BaseModel):
     preemptions: int
     evictions: int
     cascade_steps: int
+    aborts: int = 0  # primitives aborted before they finished
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----
