@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.frontend.openai_api import frontend_routes
+from parrot.frontend.ui import ui_routes
 from parrot.protocol import (
     CallCreated,
     NativeCallRequest,
@@ -66,6 +67,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app = FastAPI(title="Parrot", lifespan=lifespan)
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
+    app.include_router(ui_routes(core))  # the live web view /ui and its JSON (/v1/session/{id}/graph, /v1/sessions)
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next):  # noqa: ANN001, ANN202

@@ -172,6 +172,14 @@ class VirtualMachine:
     def is_open(self) -> bool:
         return self.session_id is not None
 
+    @property
+    def ui_url(self) -> str | None:
+        """The address of the server's live web view of this session (None until it is open). The
+        credentials are in the URL fragment, which browsers never send to the server."""
+        if self.session_id is None:
+            return None
+        return f"{self.url}/ui#session={self.session_id}&token={self._token}"
+
     def open(self) -> VirtualMachine:
         """Create the session on the server (idempotent)."""
         if self.is_open:

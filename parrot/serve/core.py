@@ -68,6 +68,9 @@ class _TaskRecord:
             self.on_text(text[len(self.streamed):])
             self.streamed = text
 
+    def note(self, **info: Any) -> None:
+        """Record how the task ran (engine, times, tokens), for inspection."""
+
     def on_text(self, delta: str) -> None: ...
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
     def failed(self, reason: str) -> None: ...
@@ -77,6 +80,9 @@ class _TaskRecord:
 class _ChainRecord(_TaskRecord):
     session: Session | None = None
     chain: object = None  # CompletionChain
+
+    def note(self, **info: Any) -> None:
+        self.chain.run.update(info)
 
     def on_text(self, delta: str) -> None:
         self.chain.output_var.append_stream(delta)
@@ -382,6 +388,7 @@ class ParrotServeCore:
         rec: _TaskRecord = task.payload
         engine = task.engine
         assert engine is not None
+        rec.note(engine=engine, created=rec.created, dispatched=time.perf_counter())
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
@@ -412,7 +419,9 @@ class ParrotServeCore:
                 parent.in_use -= 1
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
             if isinstance(rec, _ChainRecord):
-                rec.session.generations.append(_generation_stats(rec, len(task.tokens), cached, len(ids), t_first))
+                stats = _generation_stats(rec, len(task.tokens), cached, len(ids), t_first)
+                rec.session.generations.append(stats)
+                rec.note(**stats)
             rec.done(text, ids, len(task.tokens), cached, finish)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
@@ -460,6 +469,8 @@ class ParrotServeCore:
         parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
         if parent is not None:
             self.contexts.touch(parent)
+        rec.note(boundaries=task.boundaries, forked_from=parent.context_id if parent else None,
+                 forked_tokens=parent.num_tokens if parent else 0)
         # one Fill up to each prefix worth a context of its own: global text (a system prompt, kept across
         # sessions) or a prefix another live task shares; the rest of the prompt is filled in one piece
         keep = self.scheduler.shared_boundaries(task)
@@ -471,6 +482,8 @@ class ParrotServeCore:
                 continue
             parent, filled = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i], rec)
             computed += filled
+            if not filled:  # filled by a concurrent task: this one forks it
+                rec.note(forked_from=parent.context_id, forked_tokens=parent.num_tokens)
         assert parent is not None
         self.contexts.record_lookup(len(task.tokens), len(task.tokens) - computed)
         return parent, len(task.tokens) - computed

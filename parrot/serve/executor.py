@@ -38,9 +38,11 @@ class GraphExecutor:
     criteria: dict[str, Criterion] = field(default_factory=dict)  # needed chains by id
     natives: list[NativeNode] = field(default_factory=list)
     _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node
+    history: list[CompletionChain] = field(default_factory=list)  # every chain inserted, finished ones too
 
     def add_request(self, chain: RequestChain, output_criteria: Criterion | None) -> None:
         self.graph.insert(chain)
+        self.history.extend(chain.chains)
         if output_criteria is not None:
             for var in chain.output_vars:
                 self.need(var, output_criteria)

@@ -65,6 +65,7 @@ class CompletionChain:
     prev: CompletionChain | None = None
     started: bool = False
     id: str = field(default="")
+    run: dict[str, Any] = field(default_factory=dict)  # how the serve core ran it (engine, times, tokens)
 
     def __post_init__(self) -> None:
         if not self.id:

@@ -1,0 +1,178 @@
+"""The live web view's JSON (`/v1/session/{id}/graph`, `/v1/sessions`) and the shipped page, on a real
+uvicorn server with an embedded engine running a tiny random model."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.frontend.ui import API_KEY_ENV
+from tests.conftest import tiny_engine_config, tiny_model
+from tests.servers import serving_core
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "You summarize text in one line. " * 2
+SAMPLING = {"max_tokens": 4, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    with serving_core(engine, "tiny", model.tokenizer, default_max_tokens=8) as (url, core):
+        yield url, core
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server[0], timeout=60) as c:
+        yield c
+
+
+def new_session(client: httpx.Client) -> tuple[str, dict]:
+    body = client.post("/v1/session", json={}).json()
+    return body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+
+
+def call(client: httpx.Client, sid: str, auth: dict, template: str, params: list[dict]) -> dict:
+    r = client.post("/v1/semantic_call", headers=auth,
+                    json={"session_id": sid, "template": template, "parameters": params})
+    assert r.status_code == 201, r.text
+    return {p["name"]: p["var_id"] for p in r.json()["param_info"]}
+
+
+def map_reduce(client: httpx.Client, sid: str, auth: dict, n: int = 3) -> str:
+    """n map calls, a native join, one reduce call (nothing runs until the result is read); the result id."""
+    maps = [call(client, sid, auth, SYSTEM + "Chunk: {{chunk}}\nSummary: {{s}}",
+                 [{"name": "chunk", "is_output": False, "value": f"part {i}: " + "abc " * (i + 1)},
+                  {"name": "s", "is_output": True, "sampling_config": SAMPLING}]) for i in range(n)]
+    r = client.post("/v1/native_call", headers=auth, json={
+        "session_id": sid, "transform": "join", "params": {"sep": "\n"},
+        "inputs": {f"part{i}": {"var_id": m["s"]} for i, m in enumerate(maps)}, "outputs": ["output"]})
+    assert r.status_code == 201, r.text
+    joined = {p["name"]: p["var_id"] for p in r.json()["param_info"]}["output"]
+    red = call(client, sid, auth, SYSTEM + "Summaries: {{joined}}\nOverall: {{overall}}",
+               [{"name": "joined", "is_output": False, "var_id": joined},
+                {"name": "overall", "is_output": True, "sampling_config": SAMPLING}])
+    return red["overall"]
+
+
+def graph(client: httpx.Client, sid: str, auth: dict) -> dict:
+    r = client.get(f"/v1/session/{sid}/graph", headers=auth)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_map_reduce_graph_nodes_edges_states_and_timings(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    overall = map_reduce(client, sid, auth)
+    g = graph(client, sid, auth)
+    calls = [n for n in g["nodes"] if n["kind"] == "call"]
+    app_vars = [n for n in g["nodes"] if n["kind"] == "variable" and not n["constant"]]
+    # 3 maps + join + reduce; 3 chunks, 3 summaries, the joined text, the overall summary
+    assert len(calls) == 5 and len(app_vars) == 8
+    assert all(n["state"] == "waiting" for n in calls)  # lazy: nothing runs before the result is read
+    assert [n["detail"] for n in calls if n["label"] == "s"] == ["not requested yet"] * 3
+    assert {n["detail"] for n in calls if n["label"] != "s"} == {"waiting for inputs"}
+    assert {n["layer"] for n in calls if n["label"] == "s"} == {1}
+    assert [n["layer"] for n in calls if n["call_type"] == "native"] == [3]
+    assert [n["layer"] for n in calls if n["label"] == "overall"] == [5]
+    ids = {n["id"] for n in g["nodes"]}
+    assert all(e["from"] in ids and e["to"] in ids for e in g["edges"])
+    assert any(e["to"] == f"var:{overall}" for e in g["edges"])
+
+    r = client.get(f"/v1/semantic_var/{overall}", params={"session_id": sid, "criteria": "throughput",
+                                                          "timeout": 60}, headers=auth)
+    assert r.status_code == 200, r.text
+    g = graph(client, sid, auth)
+    calls = [n for n in g["nodes"] if n["kind"] == "call"]
+    assert g["counts"] == {"calls": 5, "variables": len(g["nodes"]) - 5, "waiting": 0, "running": 0, "done": 5,
+                           "failed": 0}
+    for n in calls:
+        if n["call_type"] == "native":
+            continue
+        assert n["engine"] == "local"
+        t, k = n["timings"], n["tokens"]
+        assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["total_s"] and t["tpot_s"] > 0
+        assert k["prompt"] == k["cached"] + k["computed"] and k["output"] == 4
+    # the system prompt is shared: some map forked its context instead of filling it again
+    forked = [n for n in calls if n["tokens"] and n["tokens"]["forked_from"]]
+    assert forked and all(n["tokens"]["cached_prefix"] for n in forked)
+    assert all(v["state"] == "done" for v in g["nodes"] if v["kind"] == "variable")
+    assert g["engines"][0]["name"] == "local" and g["engines"][0]["live"]
+
+
+def test_failed_call_carries_its_error(client: httpx.Client) -> None:
+    sid, auth = new_session(client)
+    ids = call(client, sid, auth, "x" * 50 + " {{y}}",
+               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])  # beyond the context
+    dep = call(client, sid, auth, "Then {{y}} and {{z}}", [{"name": "y", "is_output": False, "var_id": ids["y"]},
+                                                          {"name": "z", "is_output": True}])
+    r = client.get(f"/v1/semantic_var/{dep['z']}", params={"session_id": sid, "timeout": 60}, headers=auth)
+    assert r.status_code == 424
+    calls = {n["label"]: n for n in graph(client, sid, auth)["nodes"] if n["kind"] == "call"}
+    assert calls["y"]["state"] == "failed" and "maximum length" in calls["y"]["error"]
+    assert calls["z"]["state"] == "failed" and "input 'y'" in calls["z"]["error"]
+
+
+def test_graph_is_guarded_like_the_session(client: httpx.Client, server, monkeypatch) -> None:
+    _, core = server
+    sid, auth = new_session(client)
+    other, other_auth = new_session(client)
+    assert client.get(f"/v1/session/{sid}/graph").status_code == 401
+    assert client.get(f"/v1/session/{sid}/graph", headers=other_auth).status_code == 403
+    assert client.get("/v1/session/nope/graph", headers=auth).status_code == 404
+    # watching does not keep a session alive
+    core.sessions[sid].last_access -= 100
+    graph(client, sid, auth)
+    assert core.sessions[sid].idle_seconds() >= 100
+    # every session only with the API key
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert client.get("/v1/sessions", headers=auth).status_code == 404
+    monkeypatch.setenv(API_KEY_ENV, "k-admin")
+    assert client.get("/v1/sessions").status_code == 401
+    assert client.get("/v1/sessions", headers=auth).status_code == 403
+    admin = {"Authorization": "Bearer k-admin"}
+    listed = {s["session_id"] for s in client.get("/v1/sessions", headers=admin).json()["sessions"]}
+    assert {sid, other} <= listed
+    assert graph(client, other, admin)["session_id"] == other
+
+
+def test_page_and_assets_are_served_without_any_cdn(client: httpx.Client) -> None:
+    r = client.get("/ui")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for ref in re.findall(r'(?:src|href)="([^"]+)"', r.text):
+        assert ref.startswith("/ui/"), ref
+        asset = client.get(ref)
+        assert asset.status_code == 200 and asset.text
+        text = asset.text.replace("http://www.w3.org/2000/svg", "")  # the SVG namespace is a name, not a fetch
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text
+    assert client.get("/ui/../pyproject.toml").status_code == 404
+    assert client.get("/ui/nothing.js").status_code == 404
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git to list the package files")
+def test_a_built_wheel_ships_the_page(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools")
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "parrot"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    files += [str(p.relative_to(ROOT)) for p in (ROOT / "parrot/frontend/static").iterdir()]  # new, maybe untracked
+    src = tmp_path / "src"
+    for f in set(files):
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / f, src / f)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"parrot/frontend/static/ui.html", "parrot/frontend/static/ui.js",
+            "parrot/frontend/static/ui.css"} <= names
