@@ -87,6 +87,19 @@ class FreeContextResponse(BaseModel):
     freed_pages: int
 
 
+class AbortRequest(BaseModel):
+    """Abort the queued or running primitive on a context (its client went away)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_id: str = Field(min_length=1, max_length=256)
+
+
+class AbortResponse(BaseModel):
+    context_id: str
+    aborted: bool  # False: nothing was queued or running on that context
+
+
 class RuntimeInfo(BaseModel):
     """What Ping returns: the engine's load and cache state."""
 
@@ -105,6 +118,7 @@ class RuntimeInfo(BaseModel):
     preemptions: int
     evictions: int
     cascade_steps: int
+    max_batch_size: int | None = None  # sequences per step; None when the engine does not say
     aborts: int = 0  # primitives aborted before they finished
 
 
@@ -116,6 +130,7 @@ class EngineRegistration(BaseModel):
     url: str = Field(description="base URL the serve core reaches the engine's /fill, /generate, ... at")
     model: str
     max_context_len: int = Field(ge=1)
+    max_batch_size: int | None = Field(None, ge=1, description="sequences per step: the serve core's capacity model")
 
 
 class EngineHeartbeat(BaseModel):

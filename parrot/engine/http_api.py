@@ -1,12 +1,15 @@
-"""The engine's HTTP face: /fill /generate /generate_stream /free_context /ping /health over one LLMEngine.
+"""The engine's HTTP face: /fill /generate /generate_stream /abort /free_context /ping /health over one LLMEngine.
 
-Bodies are the pydantic schemas of `parrot.protocol`. Every error answers `{"detail": "<message>"}`:
-  InvalidRequestError 400, NotFoundError 404, ConflictError 409, request validation 422,
-  OutOfPages 507 (the KV pool is full; free contexts or retry), EngineDeadError 503.
+Bodies are the pydantic schemas of `parrot.protocol`. Every error answers `{"detail": "<message>", "code":
+"<code>"}` with the stable codes of `parrot.errors`:
+  InvalidRequestError 400 invalid_request, NotFoundError 404 not_found, ConflictError 409 conflict,
+  request validation 422 invalid_request, AbortedError 499 aborted, OutOfPages 507 kv_cache_full (the KV
+  pool is full; free contexts or retry), EngineDeadError 503 engine_unavailable.
 `/generate_stream` is Server-Sent Events: `data: <StreamChunk json>` per chunk, the last chunk carries
 `finish_reason`, then `data: [DONE]`. Errors known before the first chunk (unknown context, bad tokens,
 ...) are plain HTTP errors; an error after the stream started is sent as `event: error` with
-`data: {"detail": ...}` and the stream ends without `[DONE]`.
+`data: {"detail": ..., "code": ...}` and the stream ends without `[DONE]`. A client that disconnects from
+`/generate_stream` aborts its generation (when the engine has `abort`), freeing the engine for others.
 
 `run_engine_server` loads a model, starts the engine and serves it with uvicorn; given a serve core URL it
 registers there and sends a heartbeat about every second (`serve_core_link`), retrying forever when the
@@ -35,8 +38,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from parrot.config import EngineConfig
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.kv_cache import OutOfPages
-from parrot.errors import ConflictError, InvalidRequestError, ModelLoadError, NotFoundError, ParrotError
+from parrot.errors import (
+    AbortedError,
+    ConflictError,
+    InvalidRequestError,
+    ModelLoadError,
+    NotFoundError,
+    ParrotError,
+    code_of,
+)
 from parrot.protocol import (
+    AbortRequest,
+    AbortResponse,
     EngineHeartbeat,
     EngineRegistration,
     FillRequest,
@@ -55,6 +68,7 @@ log = logging.getLogger(__name__)
 _ERROR_STATUS: list[tuple[type[ParrotError], int]] = [
     (EngineDeadError, 503),
     (OutOfPages, 507),
+    (AbortedError, 499),
     (NotFoundError, 404),
     (ConflictError, 409),
     (InvalidRequestError, 400),
@@ -71,6 +85,23 @@ def error_status(exc: ParrotError) -> int:
 
 def _detail(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
+
+
+def _code(exc: BaseException) -> str:
+    """The error's stable code; the engine's own classes map onto the shared ones."""
+    if isinstance(exc, EngineDeadError):
+        return "engine_unavailable"
+    if isinstance(exc, OutOfPages):
+        return "kv_cache_full"
+    return code_of(exc)
+
+
+_STATUS_CODES = {400: "invalid_request", 404: "not_found", 405: "invalid_request", 409: "conflict",
+                 413: "invalid_request", 422: "invalid_request", 503: "engine_unavailable"}
+
+
+def _error_body(detail: str, code: str) -> dict[str, str]:
+    return {"detail": detail, "code": code}
 
 
 def _loc_part(x: object) -> str:
@@ -114,20 +145,22 @@ def create_app(engine: LLMEngine) -> FastAPI:
         status = error_status(exc)
         if status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.url.path, status, exc)
-        return JSONResponse({"detail": _detail(exc)}, status_code=status)
+        return JSONResponse(_error_body(_detail(exc), _code(exc)), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
+        return JSONResponse(_error_body(_validation_message(exc), "invalid_request"), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+        code = _STATUS_CODES.get(exc.status_code, "error")
+        return JSONResponse(_error_body(str(exc.detail), code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises after this response, so uvicorn logs the traceback
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+        return JSONResponse(_error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
+                            status_code=500)
 
     # ---- primitives -----------------------------------------------------------------------------
     @app.post("/fill", response_model=FillResponse)
@@ -149,20 +182,53 @@ def create_app(engine: LLMEngine) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             item: object = first
-            while True:
-                if item is _END:
-                    yield _sse("[DONE]")
-                    return
-                if isinstance(item, BaseException):
-                    log.warning("generate_stream %s failed mid-stream: %s", req.context_id, item)
-                    yield _sse(json.dumps({"detail": _detail(item)}), event="error")
-                    return
-                assert isinstance(item, StreamChunk)
-                yield _sse(item.model_dump_json())
-                item = await items.__anext__()
+            ended = False
+            try:
+                while True:
+                    if item is _END:
+                        ended = True
+                        yield _sse("[DONE]")
+                        return
+                    if isinstance(item, BaseException):
+                        ended = True
+                        if not isinstance(item, AbortedError):
+                            log.warning("generate_stream %s failed mid-stream: %s", req.context_id, item)
+                        yield _sse(json.dumps(_error_body(_detail(item), _code(item))), event="error")
+                        return
+                    assert isinstance(item, StreamChunk)
+                    if item.finish_reason is not None:
+                        ended = True
+                    yield _sse(item.model_dump_json())
+                    item = await items.__anext__()
+            finally:
+                if not ended:  # the client went away mid-stream: stop generating for nobody
+                    _abort_later(req.context_id)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    aborts: set[asyncio.Task[None]] = set()
+
+    async def _abort(context_id: str) -> None:
+        try:
+            await engine.abort(context_id)  # type: ignore[attr-defined]
+        except ParrotError as exc:
+            log.debug("abort of %s after a disconnect: %s", context_id, exc)
+
+    def _abort_later(context_id: str) -> None:
+        if getattr(engine, "abort", None) is None:
+            return
+        task = asyncio.get_running_loop().create_task(_abort(context_id))
+        aborts.add(task)
+        task.add_done_callback(aborts.discard)
+
+    @app.post("/abort", response_model=AbortResponse)
+    async def abort(req: AbortRequest) -> AbortResponse | JSONResponse:
+        """Abort the queued or running primitive on a context; it fails with AbortedError (code aborted)."""
+        fn = getattr(engine, "abort", None)
+        if fn is None:
+            return JSONResponse(_error_body("this engine cannot abort primitives", "not_found"), status_code=404)
+        return AbortResponse(context_id=req.context_id, aborted=bool(await fn(req.context_id)))
 
     @app.post("/free_context", response_model=FreeContextResponse)
     async def free_context(req: FreeContextRequest) -> FreeContextResponse:
@@ -177,7 +243,8 @@ def create_app(engine: LLMEngine) -> FastAPI:
     async def health() -> JSONResponse:
         if not engine.alive:
             reason = engine.death_reason
-            return JSONResponse({"detail": f"the engine is not running ({reason})"}, status_code=503)
+            return JSONResponse(_error_body(f"the engine is not running ({reason})", "engine_unavailable"),
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     return app
@@ -292,7 +359,8 @@ class EngineServer:
     def registration(self) -> EngineRegistration:
         info = self.engine.ping()
         return EngineRegistration(name=self.name, url=self.url, model=info.model,
-                                  max_context_len=info.max_context_len)
+                                  max_context_len=info.max_context_len,
+                                  max_batch_size=self.engine.cfg.max_batch_size)
 
     async def serve(self) -> None:
         link: asyncio.Task[None] | None = None

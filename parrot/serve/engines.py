@@ -2,13 +2,19 @@
 
 `EngineClient` has two implementations: `HttpEngineClient` (a remote `parrot engine` process, the routes
 of docs/engine-api.md) and `LocalEngineClient` (an engine object in this process, no HTTP hop). Both raise
-the same errors, so a caller can tell "the request is bad" from "the engine is gone, run it elsewhere":
+the same errors (`parrot.errors`), recognised by their stable `code` (the engine's HTTP error bodies and
+SSE error events carry it), so a caller can tell "the request is bad" from "the engine is gone, run it
+elsewhere":
 
-  NotFoundError          unknown context or parent (404)
-  InvalidRequestError    bad tokens, too long, bad sampling, malformed request (400, 422, other 4xx)
-  ConflictError          freeing a context a running primitive uses (409)
-  EngineOverloadedError  the engine is alive but its KV cache cannot hold the work (507): retry later or elsewhere
-  EngineUnavailableError the engine is unreachable, timed out, answered 5xx or nonsense, or its loop is dead
+  NotFoundError          not_found: unknown context or parent (404)
+  InvalidRequestError    invalid_request: bad tokens, too long, bad sampling, malformed request (400, 422, 4xx)
+  ConflictError          conflict: freeing a context a running primitive uses (409)
+  AbortedError           aborted: the primitive was aborted before it finished (499)
+  KVCacheFullError       kv_cache_full (an EngineOverloadedError): the engine is alive but its KV cache cannot
+                         hold the work (507): retry later or elsewhere
+  EngineUnavailableError engine_unavailable: the engine is unreachable, timed out, answered 5xx or nonsense, or
+                         its loop is dead
+  GenerationFailedError  generation_failed: the engine failed this one generation mid-stream (it serves on)
 
 `EngineManager` holds the engines by name: remote engines register and heartbeat (through
 `engine_routes(manager)`, mounted by the frontend); engines added with `register(client)` are pinged.
@@ -26,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -36,8 +41,23 @@ import httpx
 from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import (
+    AbortedError,
+    ConflictError,
+    EngineError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    GenerationFailedError,
+    InvalidRequestError,
+    KVCacheFullError,
+    NotFoundError,
+    ParrotError,
+    code_of,
+    error_for_code,
+)
 from parrot.protocol import (
+    AbortRequest,
+    AbortResponse,
     EngineHeartbeat,
     EngineRegistration,
     FillRequest,
@@ -55,21 +75,8 @@ log = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
 
 
-class EngineUnavailableError(ParrotError):
-    """The engine cannot serve anything right now (unreachable, timed out, 5xx, dead loop): re-dispatch the
-    work to another engine. `engine` names the engine the error came from."""
-
-    def __init__(self, message: str, engine: str | None = None) -> None:
-        super().__init__(message)
-        self.engine = engine
-
-
-class EngineOverloadedError(ParrotError):
-    """The engine is alive but its KV cache cannot hold the work (HTTP 507): retry later or elsewhere."""
-
-    def __init__(self, message: str, engine: str | None = None) -> None:
-        super().__init__(message)
-        self.engine = engine
+__all__ = ["EngineClient", "EngineManager", "EngineOverloadedError", "EngineUnavailableError", "HttpEngineClient",
+           "KVCacheFullError", "LocalEngineClient", "engine_routes"]
 
 
 # ---- the interface ------------------------------------------------------------------------------------
@@ -80,6 +87,7 @@ class EngineClient(abc.ABC):
     url: str | None  # None: in this process
     model: str
     max_context_len: int
+    max_batch_size: int | None = None  # sequences per step, when the engine says (its capacity)
 
     @abc.abstractmethod
     async def fill(self, req: FillRequest) -> FillResponse: ...
@@ -97,6 +105,11 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def ping(self) -> RuntimeInfo:
         """The engine's runtime info; raises EngineUnavailableError when it cannot serve."""
+
+    async def abort(self, context_id: str) -> bool:
+        """Abort the queued or running primitive on `context_id` (its client went away): True when one was
+        aborted (it then fails with AbortedError). Engines without abort answer False."""
+        return False
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the client's resources (not the engine's)."""
@@ -128,19 +141,12 @@ class LocalEngine(Protocol):
     def death_reason(self) -> str | None: ...
 
 
-def _engine_class(module: str, name: str) -> type | None:
-    """A class of the engine package if it is loaded (it is, when an LLMEngine exists), without importing it."""
-    mod = sys.modules.get(module)
-    cls = getattr(mod, name, None) if mod is not None else None
-    return cls if isinstance(cls, type) else None
-
-
-_PASS_THROUGH = (NotFoundError, InvalidRequestError, ConflictError, EngineUnavailableError, EngineOverloadedError)
+_PASS_THROUGH = (NotFoundError, InvalidRequestError, ConflictError, AbortedError, EngineError)
 
 
 class LocalEngineClient(EngineClient):
-    """An engine embedded in the serve process: its asyncio methods, errors mapped like the HTTP client's.
-    `close()` leaves the engine running unless `owns_engine`."""
+    """An engine embedded in the serve process: its asyncio methods, errors mapped like the HTTP client's
+    (by their `code`). `close()` leaves the engine running unless `owns_engine`."""
 
     def __init__(self, engine: LocalEngine, name: str = "local", *, owns_engine: bool = False) -> None:
         self.engine = engine
@@ -149,18 +155,20 @@ class LocalEngineClient(EngineClient):
         info = engine.ping()
         self.model = info.model
         self.max_context_len = info.max_context_len
+        self.max_batch_size = info.max_batch_size or getattr(getattr(engine, "cfg", None), "max_batch_size", None)
         self.owns_engine = owns_engine
 
     def _map(self, exc: BaseException) -> BaseException:
         if isinstance(exc, _PASS_THROUGH):
             return exc
-        dead = _engine_class("parrot.engine.engine", "EngineDeadError")
-        full = _engine_class("parrot.engine.kv_cache", "OutOfPages")
-        if (dead is not None and isinstance(exc, dead)) or not self.engine.alive:
+        code = code_of(exc)
+        if code == EngineUnavailableError.code or not self.engine.alive:
             reason = self.engine.death_reason or str(exc) or type(exc).__name__
             return EngineUnavailableError(f"engine {self.name!r} is not running ({reason})", self.name)
-        if full is not None and isinstance(exc, full):
-            return EngineOverloadedError(f"engine {self.name!r}: {exc}", self.name)
+        if code in (KVCacheFullError.code, EngineOverloadedError.code):
+            return error_for_code(code, f"engine {self.name!r}: {exc}", self.name)
+        if code == AbortedError.code:
+            return AbortedError(str(exc))
         return exc
 
     @contextlib.contextmanager
@@ -191,6 +199,13 @@ class LocalEngineClient(EngineClient):
         with self._mapped():
             return await self.engine.free_context(context_id)
 
+    async def abort(self, context_id: str) -> bool:
+        abort = getattr(self.engine, "abort", None)
+        if abort is None:  # an engine without the primitive
+            return False
+        with self._mapped():
+            return bool(await abort(context_id))
+
     async def ping(self) -> RuntimeInfo:
         if not self.engine.alive:
             raise EngineUnavailableError(f"engine {self.name!r} is not running ({self.engine.death_reason})",
@@ -217,18 +232,20 @@ class HttpEngineClient(EngineClient):
     connecting; `ping_timeout` a ping. A timed-out primitive may still run on the engine."""
 
     def __init__(self, name: str, url: str, model: str, max_context_len: int, *, timeout: float = 600.0,
-                 connect_timeout: float = 5.0, ping_timeout: float = 5.0,
+                 connect_timeout: float = 5.0, ping_timeout: float = 5.0, max_batch_size: int | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.name = name
         self.url = url.rstrip("/")
         self.model = model
         self.max_context_len = max_context_len
+        self.max_batch_size = max_batch_size
         self.ping_timeout = ping_timeout
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=connect_timeout),
                                        transport=transport, trust_env=False)
 
     @classmethod
     def from_registration(cls, reg: EngineRegistration, **kw: object) -> HttpEngineClient:
+        kw.setdefault("max_batch_size", reg.max_batch_size)
         return cls(reg.name, reg.url, reg.model, reg.max_context_len, **kw)  # type: ignore[arg-type]
 
     # ---- errors -----------------------------------------------------------------------------------
@@ -242,19 +259,29 @@ class HttpEngineClient(EngineClient):
         return self._unavailable(f"cannot reach it ({type(exc).__name__}: {detail})")
 
     def _status_error(self, status: int, body: bytes) -> ParrotError:
+        """The error of a non-200 answer: by its `code` (engines send one), else by status (older engines)."""
+        code: str | None = None
         try:
-            detail = json.loads(body)["detail"]
+            answer = json.loads(body)
+            detail = answer["detail"]
             detail = detail if isinstance(detail, str) else json.dumps(detail)
-        except (ValueError, KeyError, TypeError):
+            code = answer.get("code") if isinstance(answer.get("code"), str) else None
+        except (ValueError, KeyError, TypeError, AttributeError):
             detail = body.decode("utf-8", "replace")[:500] or f"HTTP {status}"
-        if status == 404:
-            return NotFoundError(detail)
-        if status == 409:
-            return ConflictError(detail)
-        if status == 507:
-            return EngineOverloadedError(f"engine {self.name!r}: {detail}", self.name)
-        if status >= 500:
-            return self._unavailable(f"HTTP {status}: {detail}")
+        if code is None:
+            code = {404: NotFoundError.code, 409: ConflictError.code, 499: AbortedError.code,
+                    507: KVCacheFullError.code}.get(status)
+        return self._coded_error(code, detail, status)
+
+    def _coded_error(self, code: str | None, detail: str, status: int | None = None) -> ParrotError:
+        if code in (KVCacheFullError.code, EngineOverloadedError.code):
+            return error_for_code(code, f"engine {self.name!r}: {detail}", self.name)
+        if code == EngineUnavailableError.code or (status is not None and status >= 500):
+            return self._unavailable(f"HTTP {status}: {detail}" if status is not None else detail)
+        if code in (NotFoundError.code, ConflictError.code, AbortedError.code, InvalidRequestError.code):
+            return error_for_code(code, detail)
+        if status is None:  # an error event mid-stream: this generation failed, the engine serves on
+            return GenerationFailedError(f"engine {self.name!r}: generation failed: {detail}")
         return InvalidRequestError(detail)  # 400, 422 and any other 4xx
 
     def _is_transport(self, exc: Exception) -> bool:
@@ -322,23 +349,29 @@ class HttpEngineClient(EngineClient):
         raise self._unavailable("the stream ended without [DONE]")
 
     def _stream_error(self, payload: str) -> ParrotError:
-        """An error after the stream started (`event: error`). It carries only a message; a dead engine loop
-        says so ("the engine stopped ..." / "... not running ..."), anything else is reported as a ParrotError
-        with the engine's message (the generation failed; the engine itself serves on)."""
+        """An error after the stream started (`event: error`, `{"detail", "code"}`), by its code: a dead engine
+        loop is EngineUnavailableError, a full KV cache KVCacheFullError, an abort AbortedError; anything
+        else fails only this generation (GenerationFailedError; the engine serves on)."""
+        code: str | None = None
         try:
-            detail = str(json.loads(payload)["detail"])
-        except (ValueError, KeyError, TypeError):
+            answer = json.loads(payload)
+            detail = str(answer["detail"])
+            code = answer.get("code") if isinstance(answer.get("code"), str) else None
+        except (ValueError, KeyError, TypeError, AttributeError):
             detail = payload
-        low = detail.lower()
-        if low.startswith("the engine stopped") or "not running" in low:
-            return self._unavailable(detail)
-        if low.startswith("kv cache is full"):  # OutOfPages
-            return EngineOverloadedError(f"engine {self.name!r}: {detail}", self.name)
-        return ParrotError(f"engine {self.name!r}: generation failed: {detail}")
+        return self._coded_error(code, detail)
 
     async def free_context(self, context_id: str) -> FreeContextResponse:
         return await self._request("POST", "/free_context", FreeContextResponse,
                                    FreeContextRequest(context_id=context_id))
+
+    async def abort(self, context_id: str) -> bool:
+        try:
+            answer = await self._request("POST", "/abort", AbortResponse, AbortRequest(context_id=context_id),
+                                         timeout=self.ping_timeout)
+        except NotFoundError:  # an engine without the /abort route
+            return False
+        return answer.aborted
 
     async def ping(self) -> RuntimeInfo:
         """GET /health (503 when the engine loop is dead), then GET /ping."""

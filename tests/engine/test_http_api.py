@@ -87,10 +87,15 @@ def ping(client: httpx.Client) -> RuntimeInfo:
     return RuntimeInfo.model_validate(r.json())
 
 
+_CODES = {400: "invalid_request", 404: "not_found", 409: "conflict", 422: "invalid_request", 499: "aborted",
+          503: "engine_unavailable", 507: "kv_cache_full"}
+
+
 def expect_error(r: httpx.Response, status: int, *phrases: str) -> str:
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
-    assert set(body) == {"detail"} and isinstance(body["detail"], str) and body["detail"], body
+    assert set(body) == {"detail", "code"} and isinstance(body["detail"], str) and body["detail"], body
+    assert body["code"] == _CODES.get(status, body["code"]) and body["code"].isidentifier(), body
     for p in phrases:
         assert p in body["detail"], (p, body["detail"])
     return body["detail"]
@@ -381,19 +386,27 @@ def test_serves_normally_after_errors(client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
 
 
-def test_client_disconnect_mid_stream(server: EngineServer, client: httpx.Client) -> None:
+def test_client_disconnect_mid_stream_aborts(server: EngineServer, client: httpx.Client) -> None:
     fill(client, "gone", [1, 2, 3])
-    steps = ping(client).steps
+    before = ping(client)
     with httpx.Client(base_url=server.url, timeout=60) as other, \
             other.stream("POST", "/generate_stream",
-                         json={"context_id": "gone", "sampling": sampling(max_tokens=200)}) as r:
+                         json={"context_id": "gone", "sampling": sampling(max_tokens=400, ignore_eos=True)}) as r:
         assert next(r.iter_lines()).startswith("data: ")
-    # the generation runs to its end in the engine; the server keeps serving
-    wait_until(lambda: ping(client).running == 0, 30, "the abandoned generation to finish")
-    assert ping(client).steps >= steps + 200
+    # the disconnect aborts the generation within a step or so; the server keeps serving
+    wait_until(lambda: ping(client).running == 0, 30, "the abandoned generation to stop")
+    after = ping(client)
+    assert after.aborts == before.aborts + 1
+    assert after.steps < before.steps + 200, "the abandoned generation ran on"
     r = client.post("/generate", json={"context_id": "gone", "sampling": sampling(max_tokens=2)})
-    assert r.status_code == 200 and r.json()["num_tokens"] == 3 + 200 + 2
+    assert r.status_code == 200 and 3 + 2 < r.json()["num_tokens"] < 3 + 200 + 2
     free(client, "gone")
+
+
+def test_abort_route(server: EngineServer, client: httpx.Client) -> None:
+    r = client.post("/abort", json={"context_id": "nothing-runs-here"})
+    assert r.status_code == 200 and r.json() == {"context_id": "nothing-runs-here", "aborted": False}
+    expect_error(client.post("/abort", json={"context_id": ""}), 422)
 
 
 _ctx_ids = st.one_of(st.sampled_from(["fz0", "fz1", "fz2"]), st.sampled_from(["fz0", "fz1", "fz2", "", "x" * 300]))
@@ -503,7 +516,8 @@ def test_engine_server_registers_and_heartbeats(engine: LLMEngine) -> None:
             kinds = [k for k, _ in core.posts]
             assert kinds[0] == "register" and kinds.count("register") == 1
             assert core.posts[0][1] == {"name": "tiny-engine", "url": f"http://127.0.0.1:{port}",
-                                        "model": "tiny-random", "max_context_len": MAX_LEN}
+                                        "model": "tiny-random", "max_context_len": MAX_LEN,
+                                        "max_batch_size": 16}
             beat = core.posts[1][1]
             assert beat["name"] == "tiny-engine"
             assert RuntimeInfo.model_validate(beat["runtime"]).model == "tiny-random"

@@ -18,7 +18,15 @@ from fastapi import FastAPI
 
 from parrot.engine.engine import LLMEngine
 from parrot.engine.http_api import EngineServer
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import (
+    AbortedError,
+    ConflictError,
+    GenerationFailedError,
+    InvalidRequestError,
+    KVCacheFullError,
+    NotFoundError,
+    ParrotError,
+)
 from parrot.protocol import (
     EngineHeartbeat,
     EngineRegistration,
@@ -233,8 +241,12 @@ def test_status_and_stream_edge_cases() -> None:
             return httpx.Response(200, json={"nothing": "useful"})
         first = 'data: {"token_id": 5, "text": "a"}\n\n'
         sse = {
-            "midway": first + 'event: error\ndata: {"detail": "the engine stopped (x)"}\n\n',
-            "full": first + 'event: error\ndata: {"detail": "KV cache is full: 2 page(s) needed, 0 free"}\n\n',
+            "midway": first + 'event: error\ndata: {"detail": "the engine stopped (x)", '
+                                '"code": "engine_unavailable"}\n\n',
+            "full": first + 'event: error\ndata: {"detail": "2 page(s) needed, 0 free", "code": "kv_cache_full"}\n\n',
+            # recognised by code, not by message text
+            "textonly": first + 'event: error\ndata: {"detail": "KV cache is full: no code"}\n\n',
+            "aborted": first + 'event: error\ndata: {"detail": "aborted", "code": "aborted"}\n\n',
             "cut": first,
             "ok": ': comment\n\n' + first + 'data: {"text": "b", "finish_reason": "length"}\n\ndata: [DONE]\n\n',
         }[ctx]
@@ -259,8 +271,13 @@ def test_status_and_stream_edge_cases() -> None:
                                               StreamChunk(text="b", finish_reason="length")]
         with pytest.raises(EngineUnavailableError, match="the engine stopped"):
             await stream(client, "midway")
-        with pytest.raises(EngineOverloadedError):
+        with pytest.raises(KVCacheFullError) as full:
             await stream(client, "full")
+        assert full.value.code == "kv_cache_full" and full.value.engine == "mock"
+        with pytest.raises(GenerationFailedError, match="no code"):
+            await stream(client, "textonly")
+        with pytest.raises(AbortedError):
+            await stream(client, "aborted")
         with pytest.raises(EngineUnavailableError, match="without \\[DONE\\]"):
             await stream(client, "cut")
         await client.close()
