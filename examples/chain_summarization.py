@@ -77,7 +77,8 @@ def main() -> None:
 
     parts = chunks(args.file.read_text(encoding="utf-8"), args.chunk_chars)
     print(f"{args.file.name}: {sum(map(len, parts))} characters in {len(parts)} chunks")
-    with P.VirtualMachine(args.url):
+    with P.VirtualMachine(args.url) as vm:
+        print(f"live view of this session: {vm.ui_url}", flush=True)
         t0 = time.perf_counter()
         steps = [first_summary(parts[0])]
         for part in parts[1:]:

@@ -56,7 +56,8 @@ async def main() -> None:
     args = parser.parse_args()
 
     tasks = TASKS[: max(1, min(args.tasks, len(TASKS)))]
-    async with P.VirtualMachine(args.url):
+    async with P.VirtualMachine(args.url) as vm:
+        print(f"live view of this session: {vm.ui_url}", flush=True)
         t0 = time.perf_counter()
         runs = []
         for task in tasks:

@@ -57,6 +57,7 @@ async def main() -> None:
     vms = [P.VirtualMachine(args.url) for _ in questions]
     for vm in vms:
         vm.open()
+    print(f"live view of the first user's session: {vms[0].ui_url}", flush=True)
     try:
         t0 = time.perf_counter()
         answers = [ask(q, vm=vm) for q, vm in zip(questions, vms, strict=True)]

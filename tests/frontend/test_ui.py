@@ -3,10 +3,12 @@ uvicorn server with an embedded engine running a tiny random model."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -176,3 +178,84 @@ def test_a_built_wheel_ships_the_page(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"parrot/frontend/static/ui.html", "parrot/frontend/static/ui.js",
             "parrot/frontend/static/ui.css"} <= names
+
+
+# ---- the page in a real headless browser -----------------------------------------------------------
+def _chromium() -> str | None:
+    return os.environ.get("PARROT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("browser test: playwright is not installed (pip install playwright)")
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("browser test: no chromium found (apt-get install chromium, or set PARROT_CHROMIUM)")
+    with sync_playwright() as p:  # the system's chromium: playwright never downloads a browser here
+        try:
+            b = p.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
+        except Exception as exc:  # e.g. a chromium too new or too old for this playwright
+            pytest.skip(f"browser test: playwright cannot start {exe}: {str(exc).splitlines()[0]}")
+        yield b
+        b.close()
+
+
+def test_the_page_draws_the_app_and_follows_it_live(browser, client: httpx.Client, server) -> None:
+    url, _ = server
+    body = client.post("/v1/session", json={}).json()
+    sid, token = body["session_id"], body["session_token"]
+    auth = {"Authorization": f"Bearer {token}"}
+    overall = map_reduce(client, sid, auth, n=3)
+    page = browser.new_page(viewport={"width": 1400, "height": 800})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{url}/ui#session={sid}&token={token}")
+        # 5 calls (3 maps, the join, the reduce) and 8 variables (3 chunks, 3 summaries, joined, overall)
+        page.wait_for_function("document.querySelectorAll('#graph g.node').length === 13", timeout=15000)
+        assert page.locator("#graph g.node.call").count() == 5
+        assert page.locator("#graph g.node.variable").count() == 8
+        assert page.locator("#graph path.edge").count() == 12
+        states = page.locator("#graph g.node.call").evaluate_all("ns => ns.map(n => n.dataset.state)")
+        assert states == ["waiting"] * 5  # lazy: nothing was read yet
+        # reading the result runs the DAG; the page sees every call reach done
+        reader = threading.Thread(target=lambda: client.get(
+            f"/v1/semantic_var/{overall}", params={"session_id": sid, "criteria": "throughput", "timeout": 60},
+            headers=auth))
+        reader.start()
+        page.wait_for_function(
+            "[...document.querySelectorAll('#graph g.node.call')].every(n => n.dataset.state === 'done')",
+            timeout=60000)
+        reader.join(60)
+        assert "5 done" in page.locator("#counts").inner_text()
+        assert "local" in page.locator("#engines").inner_text()
+        # constant text (the shared system prompt) is drawn on request
+        page.locator("#show-constants").check()
+        assert page.locator("#graph g.node.variable.constant").count() > 0
+        page.locator("#show-constants").uncheck()
+        # a failing call shows its error, on the node and in the details
+        ids = call(client, sid, auth, "x" * 50 + " {{y}}",
+                   [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])
+        r = client.get(f"/v1/semantic_var/{ids['y']}", params={"session_id": sid, "timeout": 60}, headers=auth)
+        assert r.status_code == 424
+        failed = page.locator("#graph g.node.call[data-state='failed']")
+        failed.wait_for(timeout=15000)
+        title = failed.locator("title").text_content()
+        assert "maximum length" in title
+        shown = failed.locator("text.err").first.text_content().rstrip("…")  # the error's start, on the node
+        assert len(shown) > 10 and shown in title
+        failed.click()
+        assert "maximum length" in page.locator("#details").inner_text()
+        if os.environ.get("PARROT_UI_SCREENSHOT"):
+            page.screenshot(path=os.environ["PARROT_UI_SCREENSHOT"], full_page=True)
+        # the session ends: the page says so and keeps the last picture
+        assert client.delete(f"/v1/session/{sid}", headers=auth).status_code == 204
+        page.wait_for_function("document.getElementById('status').textContent === 'session ended'",
+                               timeout=15000)
+        assert page.locator("#graph g.node").count() == 15
+    finally:
+        page.close()
+    assert not errors, errors

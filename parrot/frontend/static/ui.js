@@ -4,7 +4,8 @@
 
 const SVG = "http://www.w3.org/2000/svg";
 const POLL_MS = 500, IDLE_POLL_MS = 2000;
-const CALL_W = 210, CALL_H = 78, VAR_W = 150, VAR_H = 30, COL_GAP = 56, ROW_GAP = 14, PAD = 20;
+const LINE_CHARS = 34;  // characters of 11px text that fit in a call box
+const CALL_W = 220, CALL_H = 78, VAR_W = 150, VAR_H = 30, COL_GAP = 56, ROW_GAP = 14, PAD = 20;
 
 const $ = (id) => document.getElementById(id);
 const state = { session: null, auth: null, key: null, lastText: null, graph: null, selected: null, timer: null };
@@ -35,6 +36,20 @@ function secs(x) {
 }
 
 function clip(s, n) { return s && s.length > n ? s.slice(0, n - 1) + "…" : (s || ""); }
+
+function wrap(s, n, lines) {
+  // at most `lines` lines of at most `n` characters, broken at spaces; the last one clipped
+  const out = [];
+  let rest = (s || "").trim();
+  while (rest && out.length < lines - 1) {
+    let cut = rest.length <= n ? rest.length : rest.lastIndexOf(" ", n);
+    if (cut <= 0) cut = n;
+    out.push(rest.slice(0, cut));
+    rest = rest.slice(cut).trim();
+  }
+  if (rest) out.push(clip(rest, n));
+  return out;
+}
 
 function showError(msg) {
   const e = $("error");
@@ -149,8 +164,7 @@ function callLines(n) {
   lines.push([`${n.state}${n.detail && n.detail !== n.state ? " · " + n.detail : ""}`
     + (n.engine ? ` · ${n.engine}` : ""), "muted"]);
   if (n.state === "failed") {
-    lines.push([clip(n.error, 34), "err"]);
-    lines.push([clip(n.error && n.error.slice(33), 34), "err"]);
+    for (const l of wrap(n.error, LINE_CHARS, 3)) lines.push([l, "err"]);
   } else if (n.call_type === "native") {
     lines.push(["native transform, on the server", "muted"]);
   } else {
@@ -172,8 +186,10 @@ function render() {
   const { pos, width, height } = layout(nodes, edges);
   const svg = $("graph");
   svg.replaceChildren();
-  svg.setAttribute("width", width);
-  svg.setAttribute("height", height);
+  // fit the width of the view when that keeps text readable; scroll beyond
+  const scale = Math.max(0.6, Math.min(1, ($("graph-wrap").clientWidth - 4) / width));
+  svg.setAttribute("width", Math.round(width * scale));
+  svg.setAttribute("height", Math.round(height * scale));
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   const byId = new Map(nodes.map((n) => [n.id, n]));
   const gEdges = el("g", { class: "edges" });
@@ -195,10 +211,10 @@ function render() {
     grp.append(el("rect", { width: p.w, height: p.h, rx: n.kind === "call" ? 6 : p.h / 2 }));
     grp.append(el("title", {}, n.error ? `${n.label}: ${n.error}` : n.label));
     if (n.kind === "call") {
-      const kind = n.call_type === "native" ? "native" : "call";
-      grp.append(el("text", { x: 8, y: 15, class: "title" }, clip(`${n.label} (${kind})`, 30)));
-      callLines(n).forEach(([text, c2], i) => {
-        grp.append(el("text", { x: 8, y: 30 + 14 * i, class: c2 || "" }, clip(text, 36)));
+      const title = n.call_type === "native" ? `native: ${n.label}` : `call → ${n.label}`;
+      grp.append(el("text", { x: 8, y: 15, class: "title" }, clip(title, 30)));
+      callLines(n).slice(0, 4).forEach(([text, c2], i) => {
+        grp.append(el("text", { x: 8, y: 30 + 14 * i, class: c2 || "" }, clip(text, LINE_CHARS)));
       });
     } else {
       const tag = n.constant ? (n.global ? "shared text" : "text") : n.label;
@@ -219,8 +235,8 @@ function renderEngines(engines) {
     const d = html("div", null, "engine" + (e.live ? "" : " dead"));
     d.dataset.engine = e.name;
     d.append(html("div", `${e.name} ${e.live ? "" : "(dead: " + (e.reason || "?") + ")"}`, "name"));
-    d.append(html("div", `${e.tasks} task(s) from the serve core; engine: ${e.running ?? "–"} running, `
-      + `${e.waiting ?? "–"} waiting`));
+    d.append(html("div", `${e.tasks} task(s) placed here; the engine runs ${e.running ?? "–"}, `
+      + `queues ${e.waiting ?? "–"}`));
     if (e.kv_usage !== null) {
       const bar = html("div", null, "bar");
       const fill = html("div");
@@ -335,5 +351,6 @@ $("key-form").addEventListener("submit", (ev) => {
   location.hash = `key=${encodeURIComponent(new FormData(ev.target).get("key"))}`;
 });
 $("show-constants").addEventListener("change", render);
+window.addEventListener("resize", render);
 window.addEventListener("hashchange", start);
 start();
