@@ -35,9 +35,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from parrot.engine.engine import LLMEngine
     from parrot.engine.loader import load_model
-    from parrot.engine.offline import generate
-    from parrot.engine.runner import ModelRunner
     from parrot.engine.sampling import SamplingParams
 
     prompt = args.prompt
@@ -48,17 +47,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = model.tokenizer
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
                        compilation_cache_dir=args.compilation_cache_dir or None)
-    runner = ModelRunner(model.config, model.weights, cfg)
+    engine = LLMEngine(model, cfg).start(precompile=False)  # compiles only the shapes this prompt needs
     t_load = time.perf_counter() - t0
     text = prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    out = generate(runner, tok, tok.encode(text), params)
-    print(out.text)
-    n = len(out.token_ids)
+    try:
+        out = engine.complete(tok.encode(text), params)
+    finally:
+        engine.shutdown()
+    r = out.response
+    print(r.text)
     print(f"[{model.source}] load {t_load:.1f}s, prompt {out.prompt_tokens} tokens, first token "
-          f"{out.timings['ttft_s']:.2f}s (includes compiling), {n} tokens in {out.timings['decode_s']:.2f}s, "
-          f"finish: {out.finish_reason}", file=sys.stderr)
+          f"{out.ttft_s:.2f}s (includes compiling), {len(r.token_ids)} tokens in {out.total_s - out.ttft_s:.2f}s, "
+          f"finish: {r.finish_reason}", file=sys.stderr)
     return 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from parrot.config import EngineConfig
+from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
 from parrot.engine.runner import ModelRunner
@@ -50,23 +53,22 @@ def smollm() -> LoadedModel:
         pytest.skip(f"default model not installed: {exc}")
 
 
+def _engine(model: LoadedModel, cfg: EngineConfig) -> Iterator[LLMEngine]:
+    engine = LLMEngine(model, runner=ModelRunner(model.config, model.weights, cfg)).start(precompile=False)
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture(scope="session")
-def smollm_runner(smollm: LoadedModel) -> ModelRunner:
+def smollm_engine(smollm: LoadedModel) -> Iterator[LLMEngine]:
     """float32 throughout: the exact mode the reference comparison holds to 1e-3."""
-    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, dtype="float32")
-    return ModelRunner(smollm.config, smollm.weights, cfg)
+    yield from _engine(smollm, EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, dtype="float32"))
 
 
 @pytest.fixture(scope="session")
-def smollm_default_runner(smollm: LoadedModel) -> ModelRunner:
+def smollm_default_engine(smollm: LoadedModel) -> Iterator[LLMEngine]:
     """The serving default (on CPUs with bf16 matrix units: bf16 weights in prefill steps)."""
-    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256)
-    return ModelRunner(smollm.config, smollm.weights, cfg)
-
-
-@pytest.fixture(scope="session")
-def tiny_runner() -> ModelRunner:
-    return ModelRunner(TINY, random_weights(TINY, seed=0), tiny_engine_config())
+    yield from _engine(smollm, EngineConfig(compilation_cache_dir=None, kv_memory_mb=256))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

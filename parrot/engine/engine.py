@@ -14,18 +14,19 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from parrot.config import EngineConfig
-from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import ModelRunner
-from parrot.engine.sampling import SamplingBatch, check_sampling
-from parrot.engine.scheduler import Scheduler, Slot, StepPlan
-from parrot.engine.sequence import Job, JobKind
+from parrot.engine.sampling import SamplingParams, check_sampling
+from parrot.engine.scheduler import Scheduler
+from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.tokenizer import IncrementalDetokenizer
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import (
@@ -45,13 +46,24 @@ class EngineDeadError(ParrotError):
     """The engine loop stopped (shut down or crashed); nothing more will run."""
 
 
+@dataclass
+class Completion:
+    """A whole prompt run through `LLMEngine.complete`, with its timings."""
+
+    response: GenerateResponse
+    prompt_tokens: int
+    ttft_s: float  # submit to first sampled token
+    total_s: float
+
+
 class LLMEngine:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, name: str | None = None) -> None:
-        self.cfg = cfg or EngineConfig()
+    def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, name: str | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        self.cfg = runner.ecfg if runner is not None else cfg or EngineConfig()
         self.model = model
         self.name = name or model.source
         self.tokenizer = model.tokenizer
-        self.runner = ModelRunner(model.config, model.weights, self.cfg)
+        self.runner = runner or ModelRunner(model.config, model.weights, self.cfg)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len)
         self.vocab_size = model.config.vocab_size
@@ -62,7 +74,6 @@ class LLMEngine:
         self._dead: BaseException | None = None
         self._rng = np.random.default_rng()
         self.steps = 0
-        self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
         self._step_ms: collections.deque[float] = collections.deque(maxlen=32)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -141,6 +152,40 @@ class LLMEngine:
         self._call(do)
         return fut
 
+    def abort_future(self, context_id: str) -> concurrent.futures.Future:
+        """Abort the queued and running primitives on `context_id` before their next step; they fail
+        with AbortedError. The future's result: whether any primitive was aborted."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def do() -> None:
+            outputs = self.scheduler.abort(context_id)
+            self._deliver(outputs)
+            fut.set_result(bool(outputs))
+
+        if self._thread is None or self._dead is not None or self._stop:
+            raise EngineDeadError("the engine is not running")
+        self._call(do)
+        return fut
+
+    def complete(self, prompt_ids: list[int], sampling: SamplingParams, timeout: float | None = None) -> Completion:
+        """Run one prompt to completion on a fresh context (freed afterwards), blocking: the one-shot path
+        of `parrot generate`, the reference tests and the benchmarks, on the same loop as serving."""
+        ctx = f"complete-{uuid.uuid4().hex}"
+        first: list[float] = []
+        t0 = time.perf_counter()
+        fill = self.fill_future(FillRequest(context_id=ctx, token_ids=prompt_ids))
+        gen = self.generate_future(GenerateRequest(context_id=ctx, sampling=sampling),
+                                   on_chunk=lambda c: first or first.append(time.perf_counter()))
+        try:
+            fill.result(timeout)
+            response = gen.result(timeout)
+        finally:
+            if fill.done() and fill.exception() is None:
+                gen.exception(timeout)  # the context is referenced until the generate is done
+                self.free_future(ctx).result(timeout)
+        t1 = time.perf_counter()
+        return Completion(response, len(prompt_ids), (first[0] if first else t1) - t0, t1 - t0)
+
     # ---- asyncio front -------------------------------------------------------------------------
     async def fill(self, req: FillRequest) -> FillResponse:
         return await asyncio.wrap_future(self.fill_future(req))
@@ -165,6 +210,9 @@ class LLMEngine:
     async def free_context(self, context_id: str) -> FreeContextResponse:
         return await asyncio.wrap_future(self.free_future(context_id))
 
+    async def abort(self, context_id: str) -> bool:
+        return await asyncio.wrap_future(self.abort_future(context_id))
+
     def ping(self) -> RuntimeInfo:
         s = self.scheduler
         return RuntimeInfo(
@@ -173,7 +221,7 @@ class LLMEngine:
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
-            cascade_steps=self.cascade_steps,
+            cascade_steps=self.runner.cascade_steps, aborts=s.aborts,
         )
 
     @property
@@ -215,110 +263,28 @@ class LLMEngine:
             fn()
 
     def step(self) -> None:
-        """One iteration: schedule, copy pages, run the decode and prefill batches, emit results."""
+        """One iteration: the scheduler plans, the runner executes, the scheduler applies the sampled
+        tokens; then the outputs go to their listeners."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        for job, err in plan.failed:
-            self._fail(job, err)
-        if plan.copies:
-            self.runner.copy_pages(plan.copies)
-        if plan.empty:
-            return
         try:
-            if plan.decode:
-                self._run(plan.decode, decode=True)
-            if plan.prefill:
-                self._run(plan.prefill, decode=False)
+            sampled = self.runner.execute(plan)
         except ParrotError as err:
-            self._abort(plan, err)
-        self.steps += 1
-        self._step_ms.append((time.perf_counter() - t0) * 1e3)
+            outputs = self.scheduler.fail_step(plan, err)
+        else:
+            outputs = self.scheduler.update(plan, sampled)
+        self._deliver(outputs)
+        if not plan.empty:
+            self.steps += 1
+            self._step_ms.append((time.perf_counter() - t0) * 1e3)
 
-    def _run(self, slots: list[Slot], decode: bool) -> None:
-        r = self.runner
-        kv_len = max(s.start + len(s.tokens) for s in slots)
-        seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]
-        shape = None
-        if decode and self.cfg.shared_prefix_attention and len(slots) > 1:
-            members, shared = find_shared_prefix([s.pages for s in slots])
-            if shared:
-                for i in members:
-                    seqs[i].shared_pages = shared
-                own = max(s.start + len(s.tokens) - (s.shared_pages * r.page_size) for s in seqs)
-                shape = r.cascade_shape(len(slots), own, shared * r.page_size)
-                if shape is not None:
-                    self.cascade_steps += 1
-                else:
-                    for i in members:
-                        seqs[i].shared_pages = 0
-        if shape is None:
-            shape = (r.decode_shape(len(slots), kv_len) if decode
-                     else r.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len))
-        batch = build_batch(seqs, r.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
-                            shape.prefix_pages)
-        logits = r.forward(batch)
-        # which rows produce a token: generate jobs whose pending tokens are all fed by this step
-        sampling_rows = [i for i, s in enumerate(slots)
-                         if s.job.kind is JobKind.GENERATE and len(s.tokens) == len(s.job.pending)]
-        tokens = None
-        if sampling_rows:
-            params = [slots[i].job.sampling for i in range(len(slots))]
-            if all(p is None or p.greedy for p in params):
-                tokens = r.sample(logits, None)
-            else:
-                filled = [p if p is not None else params[sampling_rows[0]] for p in params]
-                steps = [len(s.job.output_ids) for s in slots]
-                sb = SamplingBatch.build(filled, steps, shape.batch, [p.seed or 0 for p in filled])
-                tokens = r.sample(logits, sb)
-        for i, s in enumerate(slots):
-            job = s.job
-            del job.pending[: len(s.tokens)]
-            if job.pending:
-                continue
-            if job.kind is JobKind.FILL:
-                self.scheduler.finish(job)
-                _finish(job, FillResponse(context_id=job.context_id, num_tokens=self.kv.get(job.context_id).num_tokens))
-            else:
-                assert tokens is not None
-                self._on_token(job, int(tokens[i]))
-
-    def _on_token(self, job: Job, token: int) -> None:
-        sp = job.sampling
-        assert sp is not None and job.detok is not None
-        if job.first_token_time is None:
-            job.first_token_time = time.monotonic()
-        ctx_tokens = self.scheduler.tokens[job.context_id]
-        if token in job.stop_ids:
-            return self._complete(job, "stop")
-        job.output_ids.append(token)
-        ctx_tokens.append(token)  # in the context; its KV is written when it is fed (next step or job)
-        delta, hit_stop = job.detok.add(token)
-        _emit(job, StreamChunk(token_id=token, text=delta))
-        if hit_stop:
-            return self._complete(job, "stop")
-        if len(job.output_ids) >= sp.max_tokens or len(ctx_tokens) >= self.runner.max_len:
-            return self._complete(job, "length")
-        job.pending = [token]
-
-    def _complete(self, job: Job, reason: str) -> None:
-        job.finish_reason = reason
-        self.scheduler.finish(job)
-        assert job.detok is not None
-        _emit(job, StreamChunk(text=job.detok.flush(), finish_reason=reason))
-        _finish(job, GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids), text=job.detok.text,
-                                      finish_reason=reason, num_tokens=len(self.scheduler.tokens[job.context_id])))
-
-    def _fail(self, job: Job, err: BaseException) -> None:
-        copy = self.scheduler.roll_back(job)
-        if copy is not None:
-            self.runner.copy_pages([copy])
-        _finish(job, None, err)
-
-    def _abort(self, plan: StepPlan, err: ParrotError) -> None:
-        for s in [*plan.decode, *plan.prefill]:
-            if s.job in self.scheduler.running:
-                self.scheduler.finish(s.job)
-            self._fail(s.job, err)
+    @staticmethod
+    def _deliver(outputs: list[JobOutput]) -> None:
+        for out in outputs:
+            for chunk in out.chunks:
+                _emit(out.job, chunk)
+            if out.finished:
+                _finish(out.job, out.result, out.error)
 
 
 def _emit(job: Job, chunk: StreamChunk) -> None:

@@ -19,10 +19,11 @@ from flax import nnx
 from tqdm import tqdm
 
 from parrot.config import EngineConfig
-from parrot.engine.batch import ForwardBatch, build_batch, pick_bucket
+from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.models.llama import KVCache, Llama, LlamaConfig
 from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
+from parrot.engine.scheduler import Slot, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class ModelRunner:
         self._greedy = jax.jit(greedy_sample)
         self._sample = jax.jit(sample)
         self._executables: dict[Shape, Callable] = {}
+        self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
         self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
@@ -165,6 +167,72 @@ class ModelRunner:
         return shapes
 
     # ---- running ----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> np.ndarray | None:
+        """Run a scheduler plan: its page copies, then the decode batch and the prefill batch. Returns
+        the token sampled for each of `plan.slots` (meaningful where `slot.sample`), or None if no slot
+        samples."""
+        if plan.copies:
+            self.copy_pages(plan.copies)
+        parts = [self._run_slots(slots, decode) for slots, decode in ((plan.decode, True), (plan.prefill, False))
+                 if slots]
+        if all(p is None for p in parts):
+            return None
+        return np.concatenate([p if p is not None else np.zeros(len(s), np.int32)
+                               for p, s in zip(parts, (plan.decode, plan.prefill), strict=False)])
+
+    def _run_slots(self, slots: list[Slot], decode: bool) -> np.ndarray | None:
+        seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]
+        shape = self._cascade(seqs) if decode and self.ecfg.shared_prefix_attention and len(slots) > 1 else None
+        if shape is None:
+            kv_len = max(s.start + len(s.tokens) for s in slots)
+            shape = (self.decode_shape(len(slots), kv_len) if decode
+                     else self.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len))
+        batch = build_batch(seqs, self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
+                            shape.prefix_pages)
+        logits = self.forward(batch)
+        sampling = [s.job.sampling for s in slots if s.sample]
+        if not sampling:
+            return None
+        if all(p is None or p.greedy for p in sampling):
+            return self.sample(logits, None)[: len(slots)]
+        params = [s.job.sampling if s.sample else sampling[0] for s in slots]
+        steps = [len(s.job.output_ids) for s in slots]
+        sb = SamplingBatch.build(params, steps, shape.batch, [p.seed or 0 for p in params])
+        return self.sample(logits, sb)[: len(slots)]
+
+    def _cascade(self, seqs: list[SequenceSlice]) -> Shape | None:
+        """Mark the largest group of decode sequences sharing prefix pages (forks of one context) and
+        return the cascade shape for the batch, or None (no group, or no cascade bucket fits)."""
+        members, shared = find_shared_prefix([s.pages for s in seqs])
+        if not shared:
+            return None
+        for i in members:
+            seqs[i].shared_pages = shared
+        own = max(s.start + len(s.tokens) - s.shared_pages * self.page_size for s in seqs)
+        shape = self.cascade_shape(len(seqs), own, shared * self.page_size)
+        if shape is None:
+            for i in members:
+                seqs[i].shared_pages = 0
+        else:
+            self.cascade_steps += 1
+        return shape
+
+    def prefill_logits(self, tokens: list[int], start: int, pages: list[int]) -> jax.Array:
+        """Feed `tokens` at positions `start..` into the KV `pages` (chunks of at most
+        max_num_batched_tokens) and return the last token's logits ([1, vocab]). A direct model call
+        for logits checks: the pages must belong to no live context."""
+        chunk = self.ecfg.max_num_batched_tokens
+        logits = None
+        for off in range(0, len(tokens), chunk):
+            part = tokens[off : off + chunk]
+            pos = start + off
+            shape = self.prefill_shape(1, len(part), pos + len(part))
+            logits = self.forward(build_batch([SequenceSlice(part, pos, pages)], self.page_size, shape.tokens,
+                                              shape.batch, shape.q_len, shape.pages))
+        if logits is None:
+            raise ValueError("no tokens to feed")
+        return logits
+
     def forward(self, batch: ForwardBatch) -> jax.Array:
         """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),

@@ -1,5 +1,9 @@
 """Iteration-level scheduler (Orca): every step picks the batch anew from the running jobs.
 
+One step is `plan = schedule()`, the runner executing the plan (`ModelRunner.execute`), then
+`update(plan, sampled)`, which applies the sampled tokens and returns the jobs' outputs. The scheduler
+owns every job and context token list; nothing else edits them, so it can be driven without a model.
+
 A step is one decode batch (jobs with exactly one token to feed: their last sampled token) plus one
 prefill batch (chunks of jobs with more tokens to feed, within `max_num_batched_tokens`). Jobs join
 and leave at any step. KV pages are allocated on demand; when they run out, the newest running job is
@@ -13,23 +17,27 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
-from parrot.engine.sequence import Job, JobKind, JobStatus
-from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
+from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
+from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.protocol import FillResponse, GenerateResponse, StreamChunk
 
 
 @dataclass
 class Slot:
-    """One job's share of a step: `tokens` fed at positions `start..`, KV in `pages`."""
+    """One job's share of a step: `tokens` fed at positions `start..`, KV in `pages`; `sample`: the
+    logits of its last token are sampled (a generate feeding all its pending tokens)."""
 
     job: Job
     tokens: list[int]
     start: int
     pages: list[int]
+    sample: bool = False
 
 
 @dataclass
@@ -37,7 +45,12 @@ class StepPlan:
     decode: list[Slot] = field(default_factory=list)
     prefill: list[Slot] = field(default_factory=list)
     copies: list[PageCopy] = field(default_factory=list)  # page copies to run before the forward
-    failed: list[tuple[Job, ParrotError]] = field(default_factory=list)
+    outputs: list[JobOutput] = field(default_factory=list)  # jobs that failed while scheduling
+
+    @property
+    def slots(self) -> list[Slot]:
+        """Decode slots then prefill slots: the order of `sampled` in `Scheduler.update`."""
+        return [*self.decode, *self.prefill]
 
     @property
     def empty(self) -> bool:
@@ -57,6 +70,8 @@ class Scheduler:
         self.last_used: dict[str, float] = {}
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
+        self.aborts = 0  # jobs aborted before they finished
+        self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -88,7 +103,8 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(copies=self._copies)
+        self._copies = []
         self._admit(plan)
         scheduled: set[int] = set()
         # decodes first (running work keeps its pace); preempt the newest job when pages run out
@@ -99,7 +115,7 @@ class Scheduler:
                 break
             if not self._make_room(job, 1, scheduled, plan):
                 continue
-            plan.decode.append(self._slot(job, job.pending[:1]))
+            plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
             scheduled.add(job.job_id)
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
@@ -119,7 +135,8 @@ class Scheduler:
                 count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
                 if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:
                     break
-            plan.prefill.append(self._slot(job, job.pending[:n]))
+            last = n == len(job.pending)
+            plan.prefill.append(self._slot(job, job.pending[:n], job.kind is JobKind.GENERATE and last))
             scheduled.add(job.job_id)
             budget -= n
             longest = max(longest, n)
@@ -136,10 +153,96 @@ class Scheduler:
                 break
         return n
 
-    def _slot(self, job: Job, tokens: list[int]) -> Slot:
+    def _slot(self, job: Job, tokens: list[int], sample: bool) -> Slot:
         start = self.kv.get(job.context_id).num_tokens
         pages = self.kv.extend(job.context_id, len(tokens))
-        return Slot(job, tokens, start, pages)
+        return Slot(job, tokens, start, pages, sample)
+
+    # ---- applying a step's results ------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: Sequence[int] | None) -> list[JobOutput]:
+        """Apply an executed plan: the fed tokens leave each job's pending list; `sampled[i]` is the
+        token sampled for `plan.slots[i]` (read only where `slot.sample`). Returns the outputs: the
+        plan's scheduling failures, streamed tokens, and the jobs that finished."""
+        outputs = list(plan.outputs)
+        for i, slot in enumerate(plan.slots):
+            job = slot.job
+            del job.pending[: len(slot.tokens)]
+            if job.pending:
+                continue
+            if job.kind is JobKind.FILL:
+                self.finish(job)
+                outputs.append(JobOutput(job, result=FillResponse(
+                    context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]))))
+            else:
+                assert slot.sample and sampled is not None
+                outputs.append(self._on_token(job, int(sampled[i])))
+        return outputs
+
+    def _on_token(self, job: Job, token: int) -> JobOutput:
+        sp = job.sampling
+        assert sp is not None
+        if job.first_token_time is None:
+            job.first_token_time = time.monotonic()
+        ctx_tokens = self.tokens[job.context_id]
+        out = JobOutput(job)
+        if token in job.stop_ids:
+            return self._complete(out, "stop")
+        job.output_ids.append(token)
+        ctx_tokens.append(token)  # in the context; its KV is written when it is fed (next step or job)
+        delta, hit_stop = job.detok.add(token) if job.detok is not None else ("", False)
+        out.chunks.append(StreamChunk(token_id=token, text=delta))
+        if hit_stop:
+            return self._complete(out, "stop")
+        if len(job.output_ids) >= sp.max_tokens or len(ctx_tokens) >= self.max_len:
+            return self._complete(out, "length")
+        job.pending = [token]
+        return out
+
+    def _complete(self, out: JobOutput, reason: str) -> JobOutput:
+        """Finish a generate: a last chunk with the detokenizer's held-back text and the reason."""
+        job = out.job
+        job.finish_reason = reason
+        self.finish(job)
+        tail = job.detok.flush() if job.detok is not None else ""
+        out.chunks.append(StreamChunk(text=tail, finish_reason=reason))
+        out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids),
+                                      text=job.detok.text if job.detok is not None else "",
+                                      finish_reason=reason, num_tokens=len(self.tokens[job.context_id]))
+        return out
+
+    def fail_step(self, plan: StepPlan, err: BaseException) -> list[JobOutput]:
+        """The runner could not execute `plan`: every job in it fails with `err`, its KV rolled back to
+        before the step (a failed fill's tokens leave the context)."""
+        outputs = list(plan.outputs)
+        for slot in plan.slots:
+            job = slot.job
+            if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > slot.start:
+                self._truncate(job.context_id, slot.start)
+            outputs.append(self._fail(job, err))
+        return outputs
+
+    def abort(self, context_id: str) -> list[JobOutput]:
+        """Abort the queued and running jobs on `context_id` (not jobs that only fork from it). A fill's
+        tokens leave the context; a generate's tokens so far stay in it. Returns their outputs."""
+        victims = [j for j in self.waiting if j.context_id == context_id]
+        if context_id in self.busy:
+            victims.insert(0, self.busy[context_id])
+        self.waiting = deque(j for j in self.waiting if j.context_id != context_id)
+        self.aborts += len(victims)
+        err = AbortedError(f"the primitive on context {context_id!r} was aborted")
+        return [self._fail(job, err) for job in victims]
+
+    def _fail(self, job: Job, err: BaseException) -> JobOutput:
+        if job.status is JobStatus.RUNNING:
+            self.finish(job)
+        job.status = JobStatus.FINISHED
+        self.roll_back(job)
+        return JobOutput(job, error=err)
+
+    def _truncate(self, context_id: str, n: int) -> None:
+        copy = self.kv.truncate(context_id, n)
+        if copy is not None:
+            self._copies.append(copy)
 
     def _room(self, context_id: str) -> int:
         """Tokens the context can grow by with the free pages."""
@@ -167,15 +270,16 @@ class Scheduler:
             err = OutOfPages(self.kv.pages_needed(job.context_id, n), self.kv.num_free_pages,
                              f"continue context {job.context_id!r}: the rest of the pool is held by "
                              f"{len(self.kv) - 1} other context(s); free contexts or raise kv_memory_mb")
-            self.finish(job)
-            plan.failed.append((job, err))
+            plan.outputs.append(self._fail(job, err))
             return False
         return True
 
-    def _evict_idle(self) -> bool:
-        """Drop the KV of the least recently used idle context that owns a page alone (its tokens
-        stay; the next primitive on it, or on a fork of it, recomputes them). False if none."""
-        for ctx_id in sorted((c for c in self.kv if c not in self.busy), key=lambda c: self.last_used.get(c, 0.0)):
+    def _evict_idle(self, keep: str | None = None) -> bool:
+        """Drop the KV of the least recently used idle context (other than `keep`) that owns a page
+        alone (its tokens stay; the next primitive on it, or on a fork of it, recomputes them). False
+        if none."""
+        idle = (c for c in self.kv if c not in self.busy and c != keep)
+        for ctx_id in sorted(idle, key=lambda c: self.last_used.get(c, 0.0)):
             ctx = self.kv.get(ctx_id)
             if ctx.num_tokens and any(self.kv.refcount(p) == 1 for p in ctx.pages):
                 self.kv.truncate(ctx_id, 0)
@@ -212,8 +316,15 @@ class Scheduler:
                 continue
             try:
                 self._setup(job, plan)
+            except OutOfPages as err:
+                if self.running:  # a fork needs a page for its parent's partial tail: wait for one
+                    blocked.add(ctx_id)
+                    kept.append(job)
+                else:
+                    plan.outputs.append(self._fail(job, err))
+                continue
             except ParrotError as err:
-                plan.failed.append((job, err))
+                plan.outputs.append(self._fail(job, err))
                 continue
             job.status = JobStatus.RUNNING
             self.running.append(job)
@@ -228,6 +339,8 @@ class Scheduler:
             if job.parent_context_id is not None:
                 if job.parent_context_id not in self.kv:
                     raise NotFoundError(f"parent context {job.parent_context_id!r} does not exist")
+                while not self.kv.num_free_pages and self._evict_idle(keep=job.parent_context_id):
+                    pass  # the fork copies the parent's partial last page into a free page
                 copy = self.kv.fork(ctx_id, job.parent_context_id)
                 if copy is not None:
                     plan.copies.append(copy)
@@ -268,15 +381,13 @@ class Scheduler:
                 plan.copies.append(copy)
             job.pending = tokens[-1:]
 
-    def roll_back(self, job: Job) -> PageCopy | None:
+    def roll_back(self, job: Job) -> None:
         """Undo a failed fill: its tokens leave the context (KV and token list)."""
         if job.kind is not JobKind.FILL or job.base_len < 0 or job.context_id not in self.kv:
-            return None
-        copy = None
+            return
         if self.kv.get(job.context_id).num_tokens > job.base_len:
-            copy = self.kv.truncate(job.context_id, job.base_len)
+            self._truncate(job.context_id, job.base_len)
         del self.tokens[job.context_id][job.base_len :]
-        return copy
 
     def free_context(self, context_id: str) -> int:
         freed = self.kv.free(context_id)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from parrot.engine.tokenizer import IncrementalDetokenizer
-from parrot.protocol import SamplingParams, StreamChunk
+from parrot.protocol import FillResponse, GenerateResponse, SamplingParams, StreamChunk
 
 _ids = itertools.count()
 
@@ -52,3 +52,18 @@ class Job:
     def order(self) -> tuple[int, float]:
         """Queue position: by priority, then arrival."""
         return (self.priority, self.arrival)
+
+
+@dataclass
+class JobOutput:
+    """What one step produced for one job: chunks to stream (a token's, then the final one carrying the
+    finish reason), and/or its end (a result or an error)."""
+
+    job: Job
+    chunks: list[StreamChunk] = field(default_factory=list)
+    result: FillResponse | GenerateResponse | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from parrot.engine.loader import LoadedModel, _unpermute, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
-from parrot.engine.offline import prefill
 from parrot.engine.runner import ModelRunner
 from parrot.errors import ModelLoadError
 from tests.conftest import TINY, tiny_engine_config
@@ -184,7 +183,7 @@ def prefix_logits(cfg: LlamaConfig, weights: dict[str, np.ndarray], ids: list[in
     """[len(ids), vocab]: row i is the last-token logits of ids[: i + 1] (one compiled shape)."""
     runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32"))
     pages = list(range(1, 1 + (len(ids) + runner.page_size - 1) // runner.page_size))
-    return np.stack([np.asarray(prefill(runner, ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
+    return np.stack([np.asarray(runner.prefill_logits(ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
 
 
 def assert_same_weights(loaded: LoadedModel, w: dict[str, np.ndarray]) -> None:

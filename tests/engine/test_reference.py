@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
-from parrot.engine.offline import generate, prefill
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampling import SamplingParams
 
@@ -67,16 +67,20 @@ def _pages(runner: ModelRunner, n_tokens: int) -> list[int]:
     return list(range(1, 1 + (n_tokens + runner.page_size - 1) // runner.page_size))
 
 
+def _logits(engine: LLMEngine, ids: list[int]) -> np.ndarray:
+    return np.asarray(engine.runner.prefill_logits(ids, 0, _pages(engine.runner, len(ids))))[0]
+
+
 def _hf_last_logits(hf_model: Any, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0, -1].numpy()
 
 
 @pytest.mark.parametrize("name", ["chat", "plain", "code"])
-def test_last_token_logits_match_transformers(smollm: LoadedModel, smollm_runner: ModelRunner, hf_model: Any,
+def test_last_token_logits_match_transformers(smollm: LoadedModel, smollm_engine: LLMEngine, hf_model: Any,
                                               name: str) -> None:
     ids = _prompt(smollm, name)
-    ours = np.asarray(prefill(smollm_runner, ids, 0, _pages(smollm_runner, len(ids))))[0]
+    ours = _logits(smollm_engine, ids)
     ref = _hf_last_logits(hf_model, ids)
     diff = float(np.abs(ours - ref).max())
     print(f"{name}: {len(ids)} tokens, max |logit diff| = {diff:.2e}")
@@ -84,24 +88,25 @@ def test_last_token_logits_match_transformers(smollm: LoadedModel, smollm_runner
     assert int(ours.argmax()) == int(ref.argmax())
 
 
-def test_split_prefill_logits_match_transformers(smollm: LoadedModel, smollm_runner: ModelRunner,
+def test_split_prefill_logits_match_transformers(smollm: LoadedModel, smollm_engine: LLMEngine,
                                                  hf_model: Any) -> None:
     """A prompt fed in two parts (the second attending to the first's paged KV) gives the same logits."""
     ids = _prompt(smollm, "plain")
-    pages = _pages(smollm_runner, len(ids))
+    runner = smollm_engine.runner
+    pages = _pages(runner, len(ids))
     split = 20  # not a page boundary
-    prefill(smollm_runner, ids[:split], 0, pages)
-    ours = np.asarray(prefill(smollm_runner, ids[split:], split, pages))[0]
+    runner.prefill_logits(ids[:split], 0, pages)
+    ours = np.asarray(runner.prefill_logits(ids[split:], split, pages))[0]
     diff = float(np.abs(ours - _hf_last_logits(hf_model, ids)).max())
     print(f"split prefill: max |logit diff| = {diff:.2e}")
     assert diff < LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize("name", ["chat", "code"])
-def test_greedy_continuation_matches_transformers(smollm: LoadedModel, smollm_runner: ModelRunner, hf_model: Any,
+def test_greedy_continuation_matches_transformers(smollm: LoadedModel, smollm_engine: LLMEngine, hf_model: Any,
                                                   name: str) -> None:
     ids = _prompt(smollm, name)
-    ours = generate(smollm_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32, ignore_eos=True))
+    ours = smollm_engine.complete(ids, SamplingParams(max_tokens=32, ignore_eos=True)).response
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=32, do_sample=False)
@@ -142,9 +147,9 @@ def test_chat_template_matches_transformers(smollm: LoadedModel, hf_tokenizer: A
     assert smollm.tokenizer.encode(ours) == hf_tokenizer.encode(ref, add_special_tokens=False)
 
 
-def test_capital_of_france_is_paris(smollm: LoadedModel, smollm_runner: ModelRunner) -> None:
+def test_capital_of_france_is_paris(smollm: LoadedModel, smollm_engine: LLMEngine) -> None:
     ids = _prompt(smollm, "chat")
-    out = generate(smollm_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32))
+    out = smollm_engine.complete(ids, SamplingParams(max_tokens=32)).response
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ends with <|im_end|>, not by running out of tokens
 
@@ -153,17 +158,17 @@ MIXED_TOLERANCE = 1.0  # bf16 weights in prefill steps; measured ~0.23
 
 
 @pytest.mark.parametrize("name", ["chat", "plain"])
-def test_default_precision_stays_close_to_transformers(smollm: LoadedModel, smollm_default_runner: ModelRunner,
+def test_default_precision_stays_close_to_transformers(smollm: LoadedModel, smollm_default_engine: LLMEngine,
                                                        hf_model: Any, name: str) -> None:
     """The serving default's mixed precision (if the CPU has bf16 matrix units) keeps the same top
     token and logits within a bf16-sized tolerance of the float32 reference."""
     ids = _prompt(smollm, name)
-    ours = np.asarray(prefill(smollm_default_runner, ids, 0, _pages(smollm_default_runner, len(ids))))[0]
+    ours = _logits(smollm_default_engine, ids)
     ref = _hf_last_logits(hf_model, ids)
     assert np.abs(ours - ref).max() < MIXED_TOLERANCE
     assert ours.argmax() == ref.argmax()
 
 
-def test_default_precision_answers_paris(smollm: LoadedModel, smollm_default_runner: ModelRunner) -> None:
+def test_default_precision_answers_paris(smollm: LoadedModel, smollm_default_engine: LLMEngine) -> None:
     ids = smollm.tokenizer.encode(smollm.tokenizer.apply_chat_template(CAPITAL))
-    assert "Paris" in generate(smollm_default_runner, smollm.tokenizer, ids, SamplingParams(max_tokens=32)).text
+    assert "Paris" in smollm_default_engine.complete(ids, SamplingParams(max_tokens=32)).response.text

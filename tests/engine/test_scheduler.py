@@ -1,4 +1,5 @@
-"""Scheduler: the order of queued primitives (arrival, `waited_s`), without running a model."""
+"""Scheduler without a model: the order of queued primitives (arrival, `waited_s`), and whole steps
+(schedule -> fake sampled tokens -> update) through preemption, eviction, forks under pressure and aborts."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import time
 
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.scheduler import Scheduler
-from parrot.engine.sequence import Job, JobKind
+from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.errors import AbortedError, InvalidRequestError
 from parrot.protocol import SamplingParams
 from tests.conftest import tiny_engine_config
 
@@ -75,3 +77,146 @@ def test_priority_goes_before_arrival() -> None:
     s.add(_fill("chat", 30))
     plan = s.schedule()
     assert [slot.job.context_id for slot in plan.prefill][0] == "chat"
+
+
+# ---- the step structure driven without a model: schedule -> (fake) execute -> update --------------
+TOKEN = 7  # what the fake runner "samples" for every slot
+
+
+def _small(pages: int) -> Scheduler:
+    """A scheduler over a pool of `pages` allocatable pages of 16 tokens (page 0 is the scratch page)."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64])
+    return Scheduler(KVCacheManager(1 + pages, cfg.page_size), cfg, max_len=512)
+
+
+def _gen(ctx: str, max_tokens: int, parent: str | None = None, stop: frozenset[int] = frozenset()) -> Job:
+    job = Job(JobKind.GENERATE, ctx, parent, sampling=SamplingParams(max_tokens=max_tokens))
+    job.stop_ids = stop
+    return job
+
+
+def _drive(s: Scheduler, max_steps: int = 500) -> list[JobOutput]:
+    """Run steps until no work is left, sampling TOKEN for every slot; returns every output."""
+    outputs: list[JobOutput] = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            return outputs
+        plan = s.schedule()
+        for slot in plan.slots:  # what the runner relies on: the KV pages cover the fed positions
+            assert len(slot.pages) * s.kv.page_size >= slot.start + len(slot.tokens)
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    raise AssertionError("the scheduler did not finish its work")
+
+
+def _results(outputs: list[JobOutput]) -> dict[str, object]:
+    return {o.job.context_id: o.result if o.error is None else o.error for o in outputs if o.finished}
+
+
+def test_update_applies_tokens_and_finishes_jobs() -> None:
+    s = _small(32)
+    s.add(_fill("a", 40))
+    s.add(_gen("a", 3))
+    outputs = _drive(s)
+    fill_out, *gen_outs = outputs
+    assert fill_out.result.num_tokens == 40
+    tokens = [c.token_id for o in gen_outs for c in o.chunks if c.token_id is not None]
+    assert tokens == [TOKEN] * 3
+    final = gen_outs[-1]
+    assert final.result.token_ids == [TOKEN] * 3 and final.result.finish_reason == "length"
+    assert final.chunks[-1].finish_reason == "length" and final.chunks[-1].token_id is None
+    assert final.result.num_tokens == 43 and s.tokens["a"] == [5] * 40 + [TOKEN] * 3
+    assert s.kv.get("a").num_tokens == 42  # the last sampled token is fed by the next primitive
+    assert not s.running and not s.busy
+
+
+def test_stop_token_ends_a_generate() -> None:
+    s = _small(32)
+    s.add(_fill("a", 10))
+    s.add(_gen("a", 50, stop=frozenset({TOKEN})))
+    result = _results(_drive(s))["a"]
+    assert result.finish_reason == "stop" and result.token_ids == []
+
+
+def test_preemption_when_pages_run_out_finishes_every_job() -> None:
+    """Two generates that cannot both fit: the newer one is preempted (its KV dropped), recomputed
+    later, and both finish with their full output; no page leaks."""
+    s = _small(6)  # 96 token slots
+    for name in ("old", "new"):
+        s.add(_fill(name, 30))
+        s.add(_gen(name, 30))  # 60 tokens each: 120 > 96
+    results = _results(_drive(s))
+    assert s.preemptions > 0
+    assert all(len(results[n].token_ids) == 30 for n in ("old", "new"))
+    for name in ("old", "new"):
+        s.free_context(name)
+    assert s.kv.num_free_pages == 6
+
+
+def test_idle_contexts_are_evicted_and_recomputed() -> None:
+    s = _small(6)
+    s.add(_fill("idle", 60))  # 4 pages, then idle
+    _drive(s)
+    s.add(_fill("busy", 60))  # needs 4 of the 6 pages: "idle" loses its KV, keeps its tokens
+    _drive(s)
+    assert s.evictions >= 1 and s.kv.get("idle").num_tokens < 60 and len(s.tokens["idle"]) == 60
+    s.free_context("busy")
+    s.add(_gen("idle", 2))  # recomputes the evicted prompt, then decodes
+    result = _results(_drive(s))["idle"]
+    assert result.num_tokens == 62 and s.kv.get("idle").num_tokens == 61
+
+
+def test_fork_waits_for_a_page_instead_of_failing() -> None:
+    """A fork of a parent with a partial last page needs one free page; while a running job holds the
+    rest of the pool it waits (then evicts the finished job's KV and runs) rather than failing."""
+    s = _small(4)
+    s.add(_fill("parent", 20))  # 2 pages, the last one partial
+    s.add(_fill("hog", 30))  # the other 2 pages
+    _drive(s)
+    s.add(_gen("hog", 2))  # runs, holding its pages
+    s.add(_gen("child", 2, parent="parent"))
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.slots] == ["hog"] and not plan.outputs
+    s.update(plan, [TOKEN] * len(plan.slots))
+    results = _results(_drive(s))
+    assert not isinstance(results["child"], Exception), results["child"]
+    assert results["child"].num_tokens == 22 and results["hog"].num_tokens == 32
+
+
+def test_fork_evicts_idle_contexts_for_its_page() -> None:
+    s = _small(3)
+    s.add(_fill("parent", 20))
+    s.add(_fill("idle", 16))
+    _drive(s)
+    assert s.kv.num_free_pages == 0
+    s.add(_fill("child", 4, parent="parent"))
+    results = _results(_drive(s))
+    assert results["child"].num_tokens == 24 and s.evictions == 1
+    assert s.kv.get("parent").num_tokens == 20  # the parent itself keeps its KV
+
+
+def test_abort_running_and_queued_jobs() -> None:
+    s = _small(32)
+    s.add(_fill("a", 20))
+    s.add(_gen("a", 100))
+    s.add(_fill("a", 5))  # queued behind the generate
+    plan = s.schedule()
+    s.update(plan, [TOKEN] * len(plan.slots))  # the fill ran; the generate is now running
+    plan = s.schedule()
+    s.update(plan, [TOKEN] * len(plan.slots))
+    outputs = s.abort("a")
+    assert [type(o.error) for o in outputs] == [AbortedError, AbortedError]
+    assert not s.has_work() and s.aborts == 2 and not s.referenced("a")
+    assert len(s.tokens["a"]) == 21  # the prompt and the one generated token stay; the queued fill never ran
+    assert s.abort("a") == []
+
+
+def test_a_failed_step_rolls_back_its_fills() -> None:
+    s = _small(32)
+    s.add(_fill("a", 20))
+    _drive(s)
+    s.add(_fill("a", 10))
+    plan = s.schedule()
+    outputs = s.fail_step(plan, InvalidRequestError("boom"))
+    assert [str(o.error) for o in outputs] == ["boom"]
+    assert len(s.tokens["a"]) == 20 and s.kv.get("a").num_tokens == 20
+    assert not s.running and not s.busy
