@@ -45,3 +45,55 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must not exceed the largest token bucket")
         if any(b % self.page_size for b in self.kv_buckets + self.cascade_suffix_buckets):
             raise ValueError(f"kv_buckets must be multiples of page_size {self.page_size}")
+
+
+@dataclass
+class ServeConfig:
+    """Every knob of the serve layer (`parrot serve`), with its default. Limits answer 429 with `Retry-After`."""
+
+    model: str = "smollm2"
+    # sessions
+    session_ttl_s: float = 3600.0  # a session idle this long is deleted
+    max_sessions: int = 1024  # open sessions at once
+    max_vars_per_session: int = 4096  # semantic variables a session may hold
+    max_pending_calls_per_session: int = 256  # semantic / native calls not finished yet, per session
+    max_generations_kept: int = 256  # per session: timings of the latest finished generations (inspection)
+    max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
+    max_queued_completions: int = 4096  # plain (OpenAI API) completions waiting for an engine, all clients
+    retry_after_s: int = 1  # the Retry-After of a 429
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /health, /metrics
+    # generation
+    default_max_tokens: int = 128
+    prefix_sharing: bool = True  # False: the baseline (every task prefills its whole prompt, freed after)
+    app_aware: bool = True  # False: the baseline (first come first served, placement by load only)
+    # scheduling and contexts
+    latency_cap: int = 16  # latency-critical tasks per engine (and all tasks while latency work runs there)
+    default_max_batch: int = 64  # an engine's capacity when it does not report its max_batch_size
+    pin_hits: int = 2  # a global prefix context forked this often is kept longest
+    max_global_contexts: int = 256  # global prefix contexts kept beyond those in use
+    global_idle_s: float = 30.0  # a global context used this recently is never dropped
+    dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)
+    evict_every_s: float = 5.0  # how often cold global contexts are dropped
+    # engines
+    dead_after_s: float = 5.0  # an engine silent this long is dead; its tasks run elsewhere
+    monitor_interval_s: float = 1.0  # how often engines are pinged / their heartbeats checked
+    overload_retries: int = 20  # a task refused for KV space (kv_cache_full) is retried this often ...
+    overload_backoff_s: float = 0.5  # ... this long apart, on the least loaded engine
+    free_context_retries: int = 120  # freeing a context still in use is retried this often ...
+    free_context_retry_s: float = 0.5  # ... this long apart
+    # native functions
+    transform_timeout_s: float = 1.0  # a regular expression running longer fails its call
+    native_workers: int = 4  # threads running native functions (never the event loop)
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_vars_per_session", "max_pending_calls_per_session", "max_generations_kept",
+                     "max_requests_kept", "max_queued_completions", "latency_cap", "default_max_batch",
+                     "native_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("session_ttl_s", "dispatch_tick_s", "evict_every_s", "dead_after_s", "monitor_interval_s",
+                     "transform_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.api_key is not None and not self.api_key.strip():
+            self.api_key = None

@@ -1,11 +1,21 @@
 """The Parrot REST API (sessions, semantic variables, semantic and native calls) over the serve core.
 
-Session-scoped calls carry `Authorization: Bearer <session_token>`: none -> 401, another session's
-token -> 403, unknown session or variable -> 404. Every error is `{"detail": "<message>"}`.
+Session-scoped calls carry the session's token: `Authorization: Bearer <session_token>`, or
+`X-Session-Token: <session_token>` (required when the server has an API key, since `Authorization` then
+carries the key). None -> 401, another session's token -> 403, unknown session or variable -> 404.
+
+API key (`ServeConfig.api_key`: `parrot serve --api-key` or `PARROT_API_KEY`): every route except
+`/health`, `/metrics` and the static web page (`/ui`) needs `Authorization: Bearer <api_key>`, as vLLM's
+`--api-key` (so the `openai` client's `api_key=` works); a missing or wrong key is 401.
+
+Every error is `{"detail": "<message>", "code": "<code>"}` (stable codes from `parrot.errors`; the
+OpenAI routes use the OpenAI error shape). A limit reached (sessions, variables or pending calls per
+session, queued completions) is 429 with `Retry-After`.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,7 +27,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import (
+    AbortedError,
+    ConflictError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    ParrotError,
+    RateLimitError,
+    code_of,
+)
 from parrot.frontend.openai_api import frontend_routes
 from parrot.frontend.ui import ui_routes
 from parrot.protocol import (
@@ -31,7 +50,7 @@ from parrot.protocol import (
     SessionCreated,
 )
 from parrot.serve.core import ParrotServeCore
-from parrot.serve.engines import EngineUnavailableError, engine_routes
+from parrot.serve.engines import engine_routes
 from parrot.serve.perf import Criterion
 from parrot.serve.session import AuthError, ForbiddenError, Session
 from parrot.serve.transforms import TransformError
@@ -40,12 +59,34 @@ from parrot.serve.variables import VariableFailedError
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 2**20
-Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>"
+Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>" (or the API key)
+SessionToken = Annotated[str | None, Header(alias="X-Session-Token")]
 _STATUS: list[tuple[type[Exception], int]] = [
     (AuthError, 401), (ForbiddenError, 403), (NotFoundError, 404), (ConflictError, 409),
     (VariableFailedError, 424), (TransformError, 424), (InvalidRequestError, 400), (EngineUnavailableError, 503),
-    (ParrotError, 400),
+    (RateLimitError, 429), (AbortedError, 409), (ParrotError, 400),
 ]
+_STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 408: "timeout", 409: "conflict", 413: "body_too_large",
+                 422: "invalid_request", 429: "rate_limited"}
+UNGUARDED = ("/health", "/metrics", "/ui")  # open without the API key (/ui: the static page and its assets)
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+def error_body(detail: str, code: str) -> dict[str, str]:
+    return {"detail": detail, "code": code}
+
+
+def _open_path(path: str) -> bool:
+    return any(path == p or (p == "/ui" and path.startswith("/ui/")) for p in UNGUARDED)
+
+
+def _unauthorized(path: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"}
+    if any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS):  # what the openai client expects
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": "invalid_api_key"}}, status_code=401, headers=headers)
+    return JSONResponse(error_body(message, "unauthorized"), status_code=401, headers=headers)
 
 
 def _token(authorization: str | None) -> str | None:
@@ -53,6 +94,10 @@ def _token(authorization: str | None) -> str | None:
         return None
     scheme, _, value = authorization.partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def _same(a: str | None, b: str) -> bool:
+    return a is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
@@ -65,25 +110,37 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
             await core.stop()
 
     app = FastAPI(title="Parrot", lifespan=lifespan)
+    api_key = core.config.api_key
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
-    app.include_router(ui_routes(core))  # the live web view /ui and its JSON (/v1/session/{id}/graph, /v1/sessions)
+    app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
 
     @app.middleware("http")
-    async def limit_body(request: Request, call_next):  # noqa: ANN001, ANN202
+    async def guard(request: Request, call_next):  # noqa: ANN001, ANN202
+        if api_key is not None and not _open_path(request.url.path):
+            given = _token(request.headers.get("authorization"))
+            if given is None:
+                return _unauthorized(request.url.path, "missing API key: send 'Authorization: Bearer <api key>'")
+            if not _same(given, api_key):
+                return _unauthorized(request.url.path, "invalid API key")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+            return JSONResponse(error_body(f"request body over {MAX_BODY_BYTES} bytes", "body_too_large"),
+                                status_code=413)
         return await call_next(request)
 
     async def errors(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, TimeoutError):
-            return JSONResponse({"detail": "timed out waiting for the variable"}, status_code=408)
+            return JSONResponse(error_body("timed out waiting for the variable", "timeout"), status_code=408)
         for cls, status in _STATUS:
             if isinstance(exc, cls):
-                return JSONResponse({"detail": str(exc)}, status_code=status)
+                headers = None
+                if isinstance(exc, RateLimitError):
+                    headers = {"Retry-After": str(max(1, round(exc.retry_after)))}
+                return JSONResponse(error_body(str(exc), code_of(exc)), status_code=status, headers=headers)
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse({"detail": f"internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"),
+                            status_code=500)
 
     for cls in (ParrotError, TimeoutError, Exception):
         app.add_exception_handler(cls, errors)
@@ -94,14 +151,21 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         for e in exc.errors():
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return JSONResponse({"detail": "; ".join(parts) or "invalid request"}, status_code=422)
+        return JSONResponse(error_body("; ".join(parts) or "invalid request", "invalid_request"), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), _STATUS_CODES.get(exc.status_code, "error")),
+                            status_code=exc.status_code, headers=exc.headers)
 
-    def session_of(session_id: str, authorization: str | None) -> Session:
-        return core.get_session(session_id, _token(authorization))
+    def session_of(session_id: str, authorization: str | None, session_token: str | None = None) -> Session:
+        """The session, if the request carries its token: X-Session-Token, else the Authorization bearer token
+        (unless that is the API key)."""
+        token = session_token
+        if token is None:
+            bearer = _token(authorization)
+            token = None if api_key is not None and _same(bearer, api_key) else bearer
+        return core.get_session(session_id, token)
 
     # ---- sessions -----------------------------------------------------------------------------
     @app.post("/v1/session", status_code=201, response_model=SessionCreated)
@@ -110,36 +174,37 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         return SessionCreated(session_id=s.session_id, session_token=s.token)
 
     @app.get("/v1/session/{session_id}")
-    async def get_session(session_id: str, authorization: Auth = None) -> dict:
-        return core.inspect(session_of(session_id, authorization))
+    async def get_session(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> dict:
+        return core.inspect(session_of(session_id, authorization, xst))
 
     @app.delete("/v1/session/{session_id}", status_code=204)
-    async def delete_session(session_id: str, authorization: Auth = None) -> Response:
-        await core.delete_session(session_of(session_id, authorization))
+    async def delete_session(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> Response:
+        await core.delete_session(session_of(session_id, authorization, xst))
         return Response(status_code=204)
 
     # ---- semantic variables -------------------------------------------------------------------
     @app.post("/v1/semantic_var", status_code=201, response_model=SemanticVarCreated)
-    async def create_var(body: SemanticVarCreate, authorization: Auth = None) -> SemanticVarCreated:
-        var = core.create_var(session_of(body.session_id, authorization), body.name, body.content)
+    async def create_var(body: SemanticVarCreate, authorization: Auth = None,
+                         xst: SessionToken = None) -> SemanticVarCreated:
+        var = core.create_var(session_of(body.session_id, authorization, xst), body.name, body.content)
         return SemanticVarCreated(var_id=var.id)
 
     @app.post("/v1/semantic_var/{var_id}")
-    async def set_var(var_id: str, body: SemanticVarSet, authorization: Auth = None) -> dict:
-        core.set_var(session_of(body.session_id, authorization), var_id, body.content)
+    async def set_var(var_id: str, body: SemanticVarSet, authorization: Auth = None, xst: SessionToken = None) -> dict:
+        core.set_var(session_of(body.session_id, authorization, xst), var_id, body.content)
         return {"var_id": var_id}
 
     @app.get("/v1/semantic_var/{var_id}", response_model=SemanticVarContent)
-    async def get_var(var_id: str, session_id: str, authorization: Auth = None,
+    async def get_var(var_id: str, session_id: str, authorization: Auth = None, xst: SessionToken = None,
                       criteria: Criterion = "latency",
                       timeout: Annotated[float | None, Query(gt=0, le=3600)] = None) -> SemanticVarContent:
-        content = await core.get_var(session_of(session_id, authorization), var_id, criteria, timeout)
+        content = await core.get_var(session_of(session_id, authorization, xst), var_id, criteria, timeout)
         return SemanticVarContent(var_id=var_id, content=content)
 
     @app.get("/v1/semantic_var/{var_id}/stream")
-    async def stream_var(var_id: str, session_id: str, authorization: Auth = None,
+    async def stream_var(var_id: str, session_id: str, authorization: Auth = None, xst: SessionToken = None,
                          criteria: Criterion = "latency") -> StreamingResponse:
-        stream = core.stream_var(session_of(session_id, authorization), var_id, criteria)
+        stream = core.stream_var(session_of(session_id, authorization, xst), var_id, criteria)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -147,18 +212,19 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
                     yield f"data: {json.dumps({'text': delta})}\n\n"
                 yield "data: [DONE]\n\n"
             except ParrotError as exc:
-                yield f"event: error\ndata: {json.dumps({'detail': str(exc)})}\n\n"
+                yield f"event: error\ndata: {json.dumps(error_body(str(exc), code_of(exc)))}\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ---- calls --------------------------------------------------------------------------------
     @app.post("/v1/semantic_call", status_code=201, response_model=CallCreated)
-    async def semantic_call(body: SemanticCallRequest, authorization: Auth = None) -> CallCreated:
-        return core.semantic_call(session_of(body.session_id, authorization), body)
+    async def semantic_call(body: SemanticCallRequest, authorization: Auth = None,
+                            xst: SessionToken = None) -> CallCreated:
+        return core.semantic_call(session_of(body.session_id, authorization, xst), body)
 
     @app.post("/v1/native_call", status_code=201, response_model=CallCreated)
-    async def native_call(body: NativeCallRequest, authorization: Auth = None) -> CallCreated:
-        return core.native_call(session_of(body.session_id, authorization), body)
+    async def native_call(body: NativeCallRequest, authorization: Auth = None, xst: SessionToken = None) -> CallCreated:
+        return core.native_call(session_of(body.session_id, authorization, xst), body)
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/health")

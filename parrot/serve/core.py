@@ -13,14 +13,26 @@ output variable, streaming. An engine that dies has its unfinished tasks re-disp
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from parrot.errors import InvalidRequestError, NotFoundError, ParrotError
+from parrot.config import ServeConfig
+from parrot.errors import (
+    AbortedError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotFoundError,
+    ParrotError,
+    RateLimitError,
+)
 from parrot.protocol import (
     CallCreated,
     FillRequest,
@@ -31,7 +43,7 @@ from parrot.protocol import (
     SemanticCallRequest,
 )
 from parrot.serve.contexts import CachedContext, ContextManager
-from parrot.serve.engines import EngineClient, EngineManager, EngineUnavailableError
+from parrot.serve.engines import EngineClient, EngineManager
 from parrot.serve.executor import NativeNode
 from parrot.serve.graph import ConstantFill, Node, PlaceholderFill, PlaceholderGen, RequestChain
 from parrot.serve.perf import Criterion
@@ -57,6 +69,10 @@ class _TaskRecord:
     streamed: str = ""  # text already delivered (kept across retries on another engine)
     created: float = field(default_factory=time.perf_counter)
     priority: int = 0  # engine queue priority: 0 latency-critical, 1 throughput
+    overloads: int = 0  # times an engine refused it for KV space (it is retried later or elsewhere)
+    cancelled: str | None = None  # why it was cancelled (its readers went away); None while wanted
+    running_on: tuple[EngineClient, str] | None = None  # (engine, context id) of the generate in flight
+    ended: bool = False  # finished, failed or cancelled for good
 
     def waited(self) -> float:
         """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
@@ -128,27 +144,36 @@ class _PlainRecord(_TaskRecord):
         self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens))
 
     def failed(self, reason: str) -> None:
-        self.queue.put_nowait(ParrotError(reason))
+        self.queue.put_nowait(AbortedError(reason) if self.cancelled else ParrotError(reason))
 
 
 class ParrotServeCore:
-    def __init__(self, model: str = "smollm2", session_ttl: float = 3600.0, dead_after: float = 5.0,
-                 tokenizers: TokenizerManager | None = None, default_max_tokens: int = 128,
-                 max_global_contexts: int = 256, prefix_sharing: bool = True, app_aware: bool = True) -> None:
-        """`prefix_sharing=False` and `app_aware=False` give the baseline of the benchmarks: every task
+    def __init__(self, model: str | None = None, session_ttl: float | None = None, dead_after: float | None = None,
+                 tokenizers: TokenizerManager | None = None, default_max_tokens: int | None = None,
+                 max_global_contexts: int | None = None, prefix_sharing: bool | None = None,
+                 app_aware: bool | None = None, *, config: ServeConfig | None = None) -> None:
+        """Every knob is in `config` (ServeConfig); the keyword arguments override its fields.
+        `prefix_sharing=False` and `app_aware=False` give the baseline of the benchmarks: every task
         prefills its whole prompt in a fresh context freed afterwards, and the scheduler serves first come
         first served by load only."""
-        self.model = model
-        self.session_ttl = session_ttl
-        self.dead_after = dead_after
-        self.default_max_tokens = default_max_tokens
-        self.max_global_contexts = max_global_contexts
+        overrides = {k: v for k, v in (("model", model), ("session_ttl_s", session_ttl), ("dead_after_s", dead_after),
+                                       ("default_max_tokens", default_max_tokens),
+                                       ("max_global_contexts", max_global_contexts),
+                                       ("prefix_sharing", prefix_sharing), ("app_aware", app_aware)) if v is not None}
+        cfg = dataclasses.replace(config or ServeConfig(), **overrides)
+        self.config = cfg
+        self.model = cfg.model
+        self.session_ttl = cfg.session_ttl_s
+        self.dead_after = cfg.dead_after_s
+        self.default_max_tokens = cfg.default_max_tokens
+        self.max_global_contexts = cfg.max_global_contexts
         self.vars = SemanticVariableManager()
         self.tokenizers = tokenizers or TokenizerManager()
         self.engines = EngineManager()
-        self.contexts = ContextManager()
-        self.prefix_sharing = prefix_sharing
-        self.scheduler = GlobalScheduler(self.contexts, self._engine_views, app_aware=app_aware)
+        self.contexts = ContextManager(pin_hits=cfg.pin_hits)
+        self.prefix_sharing = cfg.prefix_sharing
+        self.scheduler = GlobalScheduler(self.contexts, self._engine_views, latency_cap=cfg.latency_cap,
+                                         app_aware=cfg.app_aware)
         self.prefix_matcher = PrefixMatcher()
         self.sessions: dict[str, Session] = {}
         self._inflight_prefix: dict[tuple[str, tuple[int, ...]], asyncio.Future[CachedContext]] = {}
@@ -156,13 +181,20 @@ class ParrotServeCore:
         self.engines.on_engine_dead(self._on_engine_dead)
         self._expiry: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # native functions run here, never on the event loop (a slow transform must not stall the server)
+        self._natives = concurrent.futures.ThreadPoolExecutor(cfg.native_workers, thread_name_prefix="parrot-native")
+        self._completions: weakref.WeakKeyDictionary[asyncio.Queue, CompletionTask] = weakref.WeakKeyDictionary()
+        self._chain_tasks: dict[str, CompletionTask] = {}  # chain id -> its task, while queued or running
+        self._readers: dict[str, int] = {}  # var id -> clients reading it now (get / stream)
+        self.aborts = 0  # generations cancelled because their clients went away
+        self.overload_retries = 0  # tasks re-queued after an engine refused them for KV space
         # set by the frontend's metrics: (endpoint, start) -> a timer with delta() / finish(...) / fail()
         self.request_timer: Callable[[str, float], Any] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()  # the loop every coroutine of the core runs on
-        self.engines.start_monitor(interval=1.0, dead_after=self.dead_after)
+        self.engines.start_monitor(interval=self.config.monitor_interval_s, dead_after=self.dead_after)
         self._expiry = asyncio.create_task(self._expire_sessions())
         self._spawn(self._tick())
 
@@ -173,6 +205,7 @@ class ParrotServeCore:
             t.cancel()
         await self.engines.stop_monitor()
         await self.engines.close()
+        self._natives.shutdown(wait=False, cancel_futures=True)
 
     def _spawn(self, coro) -> asyncio.Task:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)
@@ -184,14 +217,34 @@ class ParrotServeCore:
         views = []
         for client in self.engines.live_engines():
             info = self.engines.runtime(client.name)
-            views.append(EngineView(client.name, max_batch=64, queued=info.waiting if info else 0))
+            capacity = (client.max_batch_size or (info.max_batch_size if info else None)
+                        or self.config.default_max_batch)
+            views.append(EngineView(client.name, max_batch=capacity, queued=info.waiting if info else 0))
         return views
 
     # ---- sessions -----------------------------------------------------------------------------
     def create_session(self) -> Session:
-        session = Session()
+        if len(self.sessions) >= self.config.max_sessions:
+            raise RateLimitError(f"too many open sessions (limit {self.config.max_sessions}): delete finished "
+                                 "sessions or retry later", self.config.retry_after_s)
+        session = Session(max_generations=self.config.max_generations_kept,
+                          max_requests=self.config.max_requests_kept)
         self.sessions[session.session_id] = session
         return session
+
+    def _check_vars(self, session: Session, adding: int) -> None:
+        have = self.vars.count(session.session_id)
+        if have + adding > self.config.max_vars_per_session:
+            raise RateLimitError(f"session {session.session_id} would hold {have + adding} variables (limit "
+                                 f"{self.config.max_vars_per_session}): delete the session and start a new one",
+                                 self.config.retry_after_s)
+
+    def _check_pending(self, session: Session) -> None:
+        pending = session.pending_calls()
+        if pending >= self.config.max_pending_calls_per_session:
+            raise RateLimitError(f"session {session.session_id} has {pending} calls not finished yet (limit "
+                                 f"{self.config.max_pending_calls_per_session}): read their outputs first or retry "
+                                 "later", self.config.retry_after_s)
 
     def get_session(self, session_id: str, token: str | None) -> Session:
         session = self.sessions.get(session_id)
@@ -207,32 +260,37 @@ class ParrotServeCore:
             self._spawn(self._free_context(ctx))
 
     async def _free_context(self, ctx: CachedContext) -> None:
-        client = self.engines.get(ctx.engine) if self.engines.is_live(ctx.engine) else None
-        for _ in range(120):  # a context still generating is freed once its primitive ends
+        await self._free_context_id(ctx.engine, ctx.context_id)
+
+    async def _free_context_id(self, engine: str, context_id: str) -> None:
+        client = self.engines.get(engine) if self.engines.is_live(engine) else None
+        for _ in range(self.config.free_context_retries):  # a context still generating is freed once it ends
             if client is None:
                 return
             try:
-                await client.free_context(ctx.context_id)
+                await client.free_context(context_id)
                 return
             except NotFoundError:
                 return
             except EngineUnavailableError:
                 return
             except ParrotError:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(self.config.free_context_retry_s)
 
     async def _tick(self) -> None:
         """Queued tasks wait for engine capacity or a newly registered engine: retry placing them. Every
         few seconds, global prefix contexts beyond `max_global_contexts` are dropped, coldest first (hot
         ones, forked `pin_hits` times or more, are pinned and go last)."""
-        n = 0
+        cfg = self.config
+        last_evict = time.monotonic()
         while True:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(cfg.dispatch_tick_s)
             if self.scheduler.queue:
                 self._dispatch()
-            n += 1
-            if n % 25 == 0:
-                for ctx in self.contexts.evict_cold_globals(keep=self.max_global_contexts):
+            if time.monotonic() - last_evict >= cfg.evict_every_s:
+                last_evict = time.monotonic()
+                for ctx in self.contexts.evict_cold_globals(keep=self.max_global_contexts,
+                                                            idle_seconds=cfg.global_idle_s):
                     self._spawn(self._free_context(ctx))
 
     async def _expire_sessions(self) -> None:
@@ -244,6 +302,7 @@ class ParrotServeCore:
 
     # ---- variables ----------------------------------------------------------------------------
     def create_var(self, session: Session, name: str, content: str | None) -> SemanticVariable:
+        self._check_vars(session, 1)
         return self.vars.create(session.session_id, name, content)
 
     def set_var(self, session: Session, var_id: str, content: str) -> None:
@@ -255,14 +314,85 @@ class ParrotServeCore:
         if var.is_pending:
             session.executor.need(var, criterion)
             self._progress(session)
-        return await var.wait(timeout)
+        self._readers[var.id] = self._readers.get(var.id, 0) + 1
+        try:
+            return await var.wait(timeout)
+        finally:
+            self._unread(var)
 
     def stream_var(self, session: Session, var_id: str, criterion: Criterion) -> AsyncIterator[str]:
+        """Text deltas of the variable as it is generated. A reader that stops before the end (a client that
+        disconnected) cancels the generation, unless something else still needs the variable."""
         var = self.vars.get(var_id, session.session_id)
         if var.is_pending:
             session.executor.need(var, criterion)
             self._progress(session)
-        return var.stream()
+        self._readers[var.id] = self._readers.get(var.id, 0) + 1
+        return self._reading(session, var)
+
+    async def _reading(self, session: Session, var: SemanticVariable) -> AsyncIterator[str]:
+        try:
+            async for delta in var.stream():
+                yield delta
+        finally:
+            self._unread(var)
+            if var.is_pending:  # the reader left before the end
+                self.cancel_var(session, var, "its reader disconnected")
+
+    def _unread(self, var: SemanticVariable) -> None:
+        n = self._readers.get(var.id, 0) - 1
+        if n > 0:
+            self._readers[var.id] = n
+        else:
+            self._readers.pop(var.id, None)
+
+    def still_needed(self, session: Session, var: SemanticVariable) -> bool:
+        """Whether anything besides a departed reader needs `var`: another client reading it, a call submitted
+        with `output_criteria`, or a needed call (semantic or native) that has not started and consumes it."""
+        if self._readers.get(var.id, 0) > 0 or var.id in session.pinned:
+            return True
+        ex = session.executor
+        for chain in ex.graph.chains:
+            if not chain.started and chain.id in ex.criteria and any(v is var for v in chain.dependency_vars):
+                return True
+        return any(n.needed and not n.done and any(v is var for v in n.inputs.values()) for n in ex.natives)
+
+    def cancel_var(self, session: Session, var: SemanticVariable, why: str) -> bool:
+        """Cancel the generation producing `var` if nothing else needs it: a queued task leaves the queue, a
+        running one is aborted on its engine (its KV is freed); `var` fails with an `aborted` reason. True
+        when a generation was cancelled."""
+        if not var.is_pending or self.still_needed(session, var):
+            return False
+        chain = next((c for c in session.executor.graph.chains if c.output_var is var), None)
+        task = self._chain_tasks.get(chain.id) if chain is not None else None
+        if task is None:
+            if chain is not None and not chain.started:  # not runnable yet: just no longer needed
+                session.executor.criteria.pop(chain.id, None)
+            return False
+        return self._cancel_task(task, f"aborted: {why}")
+
+    def _cancel_task(self, task: CompletionTask, reason: str) -> bool:
+        rec: _TaskRecord = task.payload
+        if rec.cancelled is not None or rec.ended:
+            return False
+        rec.cancelled = reason
+        self.aborts += 1
+        if task in self.scheduler.queue:  # not started anywhere: drop it
+            self.scheduler.queue.remove(task)
+            self._task_ended(task, rec)
+            rec.failed(reason)
+            self._after_task(task, rec)
+            return True
+        if rec.running_on is not None:  # generating: abort it on its engine (the stream then ends)
+            client, ctx_id = rec.running_on
+            self._spawn(self._abort(client, ctx_id))
+        return True  # still filling its prompt: it stops before generating
+
+    async def _abort(self, client: EngineClient, context_id: str) -> None:
+        try:
+            await client.abort(context_id)
+        except ParrotError as exc:
+            log.debug("abort of %s on %s: %s", context_id, client.name, exc)
 
     # ---- calls --------------------------------------------------------------------------------
     def semantic_call(self, session: Session, req: SemanticCallRequest) -> CallCreated:
@@ -272,6 +402,8 @@ class ParrotServeCore:
         parsed = parse_request(req.template, params)
         if not parsed.outputs:
             raise InvalidRequestError("the template has no output placeholder: nothing to generate")
+        self._check_pending(session)
+        self._check_vars(session, len(parsed.chunks))
         request_id = f"r-{uuid.uuid4().hex[:12]}"
         bound: dict[str, SemanticVariable] = {}
         for p in parsed.params.values():
@@ -299,13 +431,18 @@ class ParrotServeCore:
                                                            is_constant=True)))
         chain = RequestChain.build(request_id, session.session_id, nodes)
         session.executor.add_request(chain, req.output_criteria)
-        session.requests[request_id] = {"template": req.template, "outputs": [v.id for v in chain.output_vars]}
+        session.add_request(request_id, {"template": req.template, "outputs": [v.id for v in chain.output_vars]},
+                            chain.output_vars)
+        if req.output_criteria is not None:
+            session.pinned.update(v.id for v in chain.output_vars)
         self._progress(session)
         return CallCreated(request_id=request_id, param_info=[
             ParamInfo(name=n, is_output=parsed.params[n].is_output, var_id=v.id) for n, v in bound.items()])
 
     def native_call(self, session: Session, req: NativeCallRequest) -> CallCreated:
         call = validate_call(req.transform, req.params, list(req.inputs), list(req.outputs))
+        self._check_pending(session)
+        self._check_vars(session, len(req.inputs) + len(req.outputs))
         request_id = f"n-{uuid.uuid4().hex[:12]}"
         inputs: dict[str, SemanticVariable] = {}
         for name, src in req.inputs.items():
@@ -315,7 +452,8 @@ class ParrotServeCore:
                             else self.create_var(session, name, src.value))
         outputs = {name: self.vars.create(session.session_id, name, producer=request_id) for name in req.outputs}
         session.executor.add_native(NativeNode(call, inputs, outputs, request_id))
-        session.requests[request_id] = {"transform": req.transform, "outputs": [v.id for v in outputs.values()]}
+        session.add_request(request_id, {"transform": req.transform, "outputs": [v.id for v in outputs.values()]},
+                            list(outputs.values()))
         params = [ParamInfo(name=n, is_output=False, var_id=v.id) for n, v in inputs.items()]
         params += [ParamInfo(name=n, is_output=True, var_id=v.id) for n, v in outputs.items()]
         self._progress(session)
@@ -323,30 +461,39 @@ class ParrotServeCore:
 
     # ---- execution ----------------------------------------------------------------------------
     def _progress(self, session: Session) -> None:
-        """Run what became runnable: natives inline (cheap string work), chains via the scheduler."""
-        while True:
-            session.executor.fail_downstream(lambda v, r: v.fail_if_pending(r))
-            chains, natives = session.executor.ready()
-            for node in natives:
-                self._run_native(session, node)
-            for chain, criterion in chains:
-                self._submit_chain(session, chain, criterion)
-            if not natives:
-                break
+        """Run what became runnable: natives on worker threads (their results call this again), chains via
+        the scheduler."""
+        session.executor.fail_downstream(lambda v, r: v.fail_if_pending(r))
+        chains, natives = session.executor.ready()
+        for node in natives:
+            self._run_native(session, node)
+        for chain, criterion in chains:
+            self._submit_chain(session, chain, criterion)
         self._dispatch()
 
     def _run_native(self, session: Session, node: NativeNode) -> None:
         tok = self.tokenizers.get(self.model)
-        ctx = TransformContext.from_tokenizer(tok)
+        ctx = TransformContext.from_tokenizer(tok, regex_timeout_s=self.config.transform_timeout_s)
+        inputs = {k: v.content or "" for k, v in node.inputs.items()}
+        self._spawn(self._native(session, node, inputs, ctx))
+
+    async def _native(self, session: Session, node: NativeNode, inputs: dict[str, str],
+                      ctx: TransformContext) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            out = run_transform(node.call, {k: v.content or "" for k, v in node.inputs.items()}, ctx)
+            out = await loop.run_in_executor(self._natives, run_transform, node.call, inputs, ctx)
         except TransformError as exc:
             for var in node.outputs.values():
                 var.fail_if_pending(str(exc))
-            return
-        for name, var in node.outputs.items():
-            if var.is_pending:
-                var.set(out[name])
+        except RuntimeError as exc:  # the pool shut down (the server is stopping)
+            for var in node.outputs.values():
+                var.fail_if_pending(f"{node.call.name}: not run ({exc})")
+        else:
+            for name, var in node.outputs.items():
+                if var.is_pending:
+                    var.set(out[name])
+        if session.session_id in self.sessions:
+            self._progress(session)
 
     def _submit_chain(self, session: Session, chain, criterion: Criterion) -> None:  # noqa: ANN001
         pieces = [v.content or "" for v in chain.prefix_vars]
@@ -374,6 +521,7 @@ class ParrotServeCore:
                            priority=self._priority(criterion))
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
                               session.executor.group(chain), payload=rec)
+        self._chain_tasks[chain.id] = task
         self.scheduler.submit(task)
 
     def _priority(self, criterion: Criterion) -> int:
@@ -389,9 +537,13 @@ class ParrotServeCore:
         engine = task.engine
         assert engine is not None
         rec.note(engine=engine, created=rec.created, dispatched=time.perf_counter())
+        gen_id: str | None = None  # the generate's context, once asked for (freed here unless it succeeded)
+        generated = False
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
+            if rec.cancelled is not None:
+                raise AbortedError(rec.cancelled)
             gen_owner = rec.owner if self.prefix_sharing else task.task_id
             gen_id = self.contexts.new_id(gen_owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling,
@@ -401,8 +553,13 @@ class ParrotServeCore:
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
             t_first: float | None = None
             parent.in_use += 1
+            rec.running_on = (client, gen_id)
+            aborted_again = False
             try:
                 async for chunk in client.generate_stream(req):
+                    if rec.cancelled is not None and not aborted_again:  # an abort that beat the generate there
+                        aborted_again = True
+                        self._spawn(self._abort(client, gen_id))
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
                         t_first = t_first or time.perf_counter()
@@ -417,19 +574,31 @@ class ParrotServeCore:
                 raise
             finally:
                 parent.in_use -= 1
+                rec.running_on = None
+            generated = True
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
             if isinstance(rec, _ChainRecord):
                 stats = _generation_stats(rec, len(task.tokens), cached, len(ids), t_first)
-                rec.session.generations.append(stats)
+                rec.session.add_generation(stats)
                 rec.note(**stats)
             rec.done(text, ids, len(task.tokens), cached, finish)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
         except EngineUnavailableError as exc:
+            gen_id = None  # the engine is gone, and its contexts with it
             log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
             self.engines.mark_dead(engine, str(exc))
             self._engine_gone(engine)
             return
+        except EngineOverloadedError as exc:
+            if rec.cancelled is None and rec.overloads < self.config.overload_retries:
+                rec.overloads += 1
+                self.overload_retries += 1
+                log.info("engine %s has no KV space for task %s (%s): retrying (%d)", engine, task.task_id, exc,
+                         rec.overloads)
+                self._spawn(self._retry_later(task))
+                return
+            rec.failed(str(exc))
         except (ParrotError, asyncio.CancelledError) as exc:
             rec.failed(str(exc) or type(exc).__name__)
             if isinstance(exc, asyncio.CancelledError):
@@ -437,6 +606,31 @@ class ParrotServeCore:
         finally:
             if task.engine == engine:
                 self.scheduler.finished(task)
+            if gen_id is not None and not generated:  # a failed or aborted generate: free what it made
+                self._spawn(self._free_context_id(engine, gen_id))
+        self._task_ended(task, rec)
+        self._after_task(task, rec)
+
+    async def _retry_later(self, task: CompletionTask) -> None:
+        """A task an engine refused for KV space: queue it again after a pause (any engine may take it)."""
+        rec: _TaskRecord = task.payload
+        await asyncio.sleep(self.config.overload_backoff_s * min(rec.overloads, 4))
+        if rec.cancelled is not None:
+            self._task_ended(task, rec)
+            rec.failed(rec.cancelled)
+            self._after_task(task, rec)
+            return
+        task.engine = None
+        self.scheduler.submit(task)
+        self._dispatch()
+
+    def _task_ended(self, task: CompletionTask, rec: _TaskRecord) -> None:
+        rec.ended = True
+        if isinstance(rec, _ChainRecord):
+            self._chain_tasks.pop(rec.chain.id, None)
+
+    def _after_task(self, task: CompletionTask, rec: _TaskRecord) -> None:
+        """A task is over (done, failed or cancelled): free what is no longer needed, run what it unblocked."""
         if not self.prefix_sharing:
             for ctx in self.contexts.release_session(task.task_id):
                 self._spawn(self._free_context(ctx))
@@ -527,6 +721,10 @@ class ParrotServeCore:
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
             raise EngineUnavailableError("no engine is live: start one (parrot engine --serve-core URL) or wait")
+        pending = len(self.scheduler.queue)
+        if pending >= self.config.max_queued_completions:
+            raise RateLimitError(f"{pending} completions are waiting for an engine (limit "
+                                 f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
         token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
         tokens = [t for piece in token_pieces for t in piece]
         owner = f"completion-{uuid.uuid4().hex[:12]}"
@@ -538,21 +736,37 @@ class ParrotServeCore:
                 owners.append(None if i < shared else owner)
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(sampling, owners, owner, queue=queue, priority=self._priority(criterion))
-        self.scheduler.submit(CompletionTask(owner, tokens, boundaries, criterion, payload=rec))
+        task = CompletionTask(owner, tokens, boundaries, criterion, payload=rec)
+        self._completions[queue] = task
+        self.scheduler.submit(task)
         self._dispatch()
         return queue
+
+    def cancel_completion(self, queue: asyncio.Queue, why: str = "the client disconnected") -> bool:
+        """Cancel the plain completion feeding `queue` (from `complete`) unless it is over: it leaves the
+        queue, or is aborted on its engine. True when it was cancelled."""
+        task = self._completions.get(queue)
+        return task is not None and self._cancel_task(task, f"aborted: {why}")
 
     async def run_completion(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
                              shared: int = 1) -> AsyncIterator[str | CompletionResult]:
         """Yield text deltas, then the CompletionResult; raises the ParrotError of a failure."""
         queue = self.complete(pieces, sampling, criterion, shared)
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, CompletionResult):
-                return
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if isinstance(item, CompletionResult):
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:  # the consumer stopped early
+                self.cancel_completion(queue)
 
     # ---- engine failure -----------------------------------------------------------------------
     async def _on_engine_dead(self, name: str) -> None:
@@ -571,7 +785,7 @@ class ParrotServeCore:
             "session_id": session.session_id,
             "variables": [v.to_json(with_content=True) for v in self.vars.session_variables(session.session_id)],
             "requests": session.requests,
-            "generations": session.generations,
+            "generations": list(session.generations),
             "graph": session.executor.graph.to_json(),
             "idle_seconds": session.idle_seconds(),
             "now": time.time(),

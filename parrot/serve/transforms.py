@@ -4,6 +4,10 @@ No user code ever runs on the server. A native call names one transform from `TR
 parameters (checked against the transform's pydantic schema, unknown keys rejected) and binds named
 string inputs and outputs. `validate_call` checks all of that up front (when the call is submitted) and
 returns a `TransformCall`; `run_transform` runs it once its inputs are ready. See docs/native-functions.md.
+
+User patterns (`regex_extract`) run on the `regex` package with a time limit (`TransformContext.
+regex_timeout_s`) and without holding the GIL, so a catastrophic pattern fails its call with a clear error
+instead of freezing the server; the serve core runs transforms on worker threads, never on its event loop.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import regex
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from parrot.errors import InvalidRequestError, ParrotError
 
 MAX_OUTPUT_CHARS = 1_000_000  # per output; ~1 MB of ASCII text
 MAX_PATTERN_CHARS = 500
+REGEX_TIMEOUT_S = 1.0  # default time limit of one regular-expression search
 MAX_INPUTS = 64  # as `NativeCallRequest.inputs` in protocol.py
 MAX_OUTPUTS = 16  # as `NativeCallRequest.outputs`
 MAX_NAME_CHARS = 256
@@ -40,15 +46,18 @@ class TransformContext:
     tokenize: Callable[[str], list[int]] | None = None
     detokenize: Callable[[list[int]], str] | None = None
     max_output_chars: int = MAX_OUTPUT_CHARS
+    regex_timeout_s: float = REGEX_TIMEOUT_S  # a user pattern searching longer than this fails its call
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, max_output_chars: int = MAX_OUTPUT_CHARS) -> TransformContext:
+    def from_tokenizer(cls, tokenizer: Any, max_output_chars: int = MAX_OUTPUT_CHARS,
+                       regex_timeout_s: float = REGEX_TIMEOUT_S) -> TransformContext:
         """For a `parrot.engine.tokenizer.Tokenizer`: encode without BOS and decode keeping special tokens,
         so `truncate_tokens` counts only the text's own tokens and keeps the text as it was."""
         return cls(
             tokenize=lambda text: tokenizer.encode(text, add_bos=False),
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
             max_output_chars=max_output_chars,
+            regex_timeout_s=regex_timeout_s,
         )
 
 
@@ -76,19 +85,19 @@ class RegexExtractParams(Params):
     pattern: str = Field(min_length=1, max_length=MAX_PATTERN_CHARS)
     group: int | str = Field(0, description="group number or name; 0 is the whole match")
     default: str | None = Field(None, description="output when nothing matches (default: fail)")
-    _regex: re.Pattern[str] = PrivateAttr()
+    _regex: regex.Pattern[str] = PrivateAttr()
 
     @model_validator(mode="after")
     def _compile(self) -> RegexExtractParams:
         try:
-            regex = re.compile(self.pattern)
-        except (re.error, RecursionError, OverflowError) as exc:
+            pattern = regex.compile(self.pattern)
+        except (regex.error, RecursionError, OverflowError, ValueError, TypeError) as exc:
             raise ValueError(f"pattern is not a valid regular expression: {exc}") from None
-        if isinstance(self.group, int) and not 0 <= self.group <= regex.groups:
-            raise ValueError(f"group {self.group} does not exist (the pattern has {regex.groups} groups)")
-        if isinstance(self.group, str) and self.group not in regex.groupindex:
-            raise ValueError(f"group {self.group!r} does not exist (named groups: {sorted(regex.groupindex)})")
-        self._regex = regex
+        if isinstance(self.group, int) and not 0 <= self.group <= pattern.groups:
+            raise ValueError(f"group {self.group} does not exist (the pattern has {pattern.groups} groups)")
+        if isinstance(self.group, str) and self.group not in pattern.groupindex:
+            raise ValueError(f"group {self.group!r} does not exist (named groups: {sorted(pattern.groupindex)})")
+        self._regex = pattern
         return self
 
 
@@ -243,7 +252,13 @@ def _replace(p: ReplaceParams, x: Mapping[str, str], call: TransformCall, ctx: T
 def _regex_extract(
     p: RegexExtractParams, x: Mapping[str, str], call: TransformCall, ctx: TransformContext
 ) -> list[str]:
-    match = p._regex.search(x[TEXT])
+    try:  # concurrent: the search releases the GIL, so the server's other threads run meanwhile
+        match = p._regex.search(x[TEXT], timeout=ctx.regex_timeout_s, concurrent=True)
+    except TimeoutError:
+        raise TransformError(
+            f"regex_extract: pattern {p.pattern!r} ran longer than the limit of {ctx.regex_timeout_s:g} s on this "
+            f"input ({len(x[TEXT])} characters): it backtracks catastrophically; make it less ambiguous "
+            "(e.g. no nested quantifiers like (a+)+)") from None
     value = match.group(p.group) if match else None
     if value is None:  # no match, or the group did not take part in it
         if p.default is None:

@@ -259,6 +259,11 @@ class SemanticVariableManager:
             raise NotFoundError(f"semantic variable {var_id!r} not found")
         return var
 
+    def count(self, session_id: str) -> int:
+        """Variables the session holds: its own and the distinct global constants it references."""
+        with self._lock:
+            return len(self._by_session.get(session_id, ())) + len(self._session_const_refs.get(session_id, ()))
+
     def session_variables(self, session_id: str) -> list[SemanticVariable]:
         with self._lock:
             return list(self._by_session.get(session_id, {}).values())

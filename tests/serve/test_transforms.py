@@ -444,3 +444,19 @@ def test_validation_raises_only_invalid_request(name: str, params: dict[str, Any
         assert "unexpected internal error" not in str(exc)
         return
     assert list(result) == list(call.outputs)
+
+
+def test_catastrophic_regex_fails_within_the_time_limit() -> None:
+    """A pattern that backtracks exponentially fails its call with a clear error after the time limit."""
+    import time as _time
+
+    call = validate_call("regex_extract", {"pattern": r"(a|aa)+$"}, ["text"], ["output"])
+    ctx = TransformContext(regex_timeout_s=0.2)
+    t0 = _time.perf_counter()
+    with pytest.raises(TransformError, match=r"ran longer than the limit of 0.2 s .* backtracks catastrophically"):
+        run_transform(call, {"text": "a" * 60 + "!"}, ctx)
+    assert _time.perf_counter() - t0 < 2.0
+    # the classic nested quantifier is handled without backtracking at all: a plain "no match"
+    nested = validate_call("regex_extract", {"pattern": r"^(a+)+$"}, ["text"], ["output"])
+    with pytest.raises(TransformError, match="does not match"):
+        run_transform(nested, {"text": "a" * 40 + "!"}, ctx)
