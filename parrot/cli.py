@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from pydantic import ValidationError
 
-from parrot.config import EngineConfig
+from parrot.config import EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.logs import configure as configure_logs
 
@@ -95,8 +96,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     cfg = engine_config_from_args(args)
     run_engine_server(args.model, args.host, args.port, cfg, args.serve_core, name=args.name,
-                      advertise_url=args.advertise_url)
+                      advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key)
     return 0
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """ServeConfig for `parrot serve`: the API key from --api-key, else PARROT_API_KEY."""
+    try:
+        return ServeConfig(model=args.model, prefix_sharing=not args.no_prefix_sharing,
+                           app_aware=not args.no_app_awareness,
+                           api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
+                           max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
+                           max_pending_calls_per_session=args.max_pending_calls,
+                           transform_timeout_s=args.transform_timeout, session_ttl_s=args.session_ttl)
+    except ValueError as exc:
+        raise ParrotError(f"invalid serve settings: {exc}") from exc
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -110,8 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from parrot.serve.core import ParrotServeCore
     from parrot.serve.engines import LocalEngineClient
 
-    core = ParrotServeCore(model=args.model, prefix_sharing=not args.no_prefix_sharing,
-                           app_aware=not args.no_app_awareness)
+    core = ParrotServeCore(config=serve_config_from_args(args))
     core.tokenizers.get(args.model)  # fail fast on a bad model path
     procs: list[subprocess.Popen] = []
     engine = None
@@ -127,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for i in range(args.engines):
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
-                   "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb)]
+                   "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb),
+                   "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
             for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens)):
                 if value is not None:
@@ -138,7 +152,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     cmd += [flag, *map(str, values)]
             if not cfg.precompile:
                 cmd.append("--disable-precompile")
-            procs.append(subprocess.Popen(cmd))
+            env = dict(os.environ)
+            if core.config.api_key is not None:  # the engines register with this core: they need its key
+                env["PARROT_API_KEY"] = core.config.api_key
+            procs.append(subprocess.Popen(cmd, env=env))
     try:
         uvicorn.run(create_app(core), host=args.host, port=args.port, log_level="warning")
     finally:
@@ -207,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--name", default=None, help="engine name at the serve core (default: HOSTNAME-PORT)")
     e.add_argument("--advertise-url", default=None,
                    help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
+    e.add_argument("--serve-core-api-key", default=os.environ.get("PARROT_API_KEY"),
+                   help="the serve core's API key, sent when registering (default: $PARROT_API_KEY)")
     e.set_defaults(func=cmd_engine)
 
     v = sub.add_parser("serve", help="the Parrot serve core (REST API) with its engines")
@@ -222,6 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="baseline: every request prefills its whole prompt; no KV reuse across requests")
     v.add_argument("--no-app-awareness", action="store_true",
                    help="baseline: first come first served, placement by load only (no criteria, groups, prefixes)")
+    d = ServeConfig()
+    v.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /ui (default: "
+                        "$PARROT_API_KEY; session tokens then go in X-Session-Token)")
+    v.add_argument("--max-sessions", type=int, default=d.max_sessions, help="open sessions at once (429 beyond)")
+    v.add_argument("--max-vars-per-session", type=int, default=d.max_vars_per_session,
+                   help="semantic variables per session (429 beyond)")
+    v.add_argument("--max-pending-calls", type=int, default=d.max_pending_calls_per_session,
+                   help="unfinished calls per session (429 beyond)")
+    v.add_argument("--transform-timeout", type=float, default=d.transform_timeout_s, metavar="SECONDS",
+                   help="time limit of a native function's regular expression")
+    v.add_argument("--session-ttl", type=float, default=d.session_ttl_s, metavar="SECONDS",
+                   help="an idle session is deleted after this long")
     v.set_defaults(func=cmd_serve)
     sub.add_parser("bench", add_help=False,
                    help="application benchmarks: Parrot vs the plain-API baseline and llama.cpp "

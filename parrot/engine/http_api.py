@@ -277,14 +277,15 @@ def _start_stream(engine: LLMEngine, req: GenerateRequest) -> AsyncIterator[obje
 
 # ---- serve-core link ------------------------------------------------------------------------------
 async def serve_core_link(serve_core_url: str, registration: EngineRegistration, runtime: Callable[[], RuntimeInfo],
-                          interval: float = 1.0, timeout: float = 5.0) -> None:
+                          interval: float = 1.0, timeout: float = 5.0, api_key: str | None = None) -> None:
     """Register with the serve core, then send a heartbeat every `interval` seconds, forever (cancel the task
     to stop). Any failure (unreachable, timeout, non-2xx) is logged and retried after `interval`; a
     heartbeat answered 404 (the serve core forgot us, e.g. it restarted) registers again."""
     base = serve_core_url.rstrip("/")
     registered = False
     failing = False  # log the first failure of a streak as a warning, the rest at debug level
-    async with httpx.AsyncClient(timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a serve core with an API key
+    async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         while True:
             try:
                 if not registered:
@@ -331,10 +332,12 @@ class EngineServer:
 
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 9100, *,
                  serve_core_url: str | None = None, name: str | None = None, advertise_url: str | None = None,
-                 heartbeat_interval: float = 1.0, log_level: str = "info") -> None:
+                 heartbeat_interval: float = 1.0, log_level: str = "info",
+                 serve_core_api_key: str | None = None) -> None:
         self.engine = engine
         self.host, self.port = host, port
         self.serve_core_url = serve_core_url
+        self.serve_core_api_key = serve_core_api_key
         self.name = name or f"{socket.gethostname()}-{port}"
         self.heartbeat_interval = heartbeat_interval
         self.app = create_app(engine)
@@ -371,7 +374,8 @@ class EngineServer:
                     await asyncio.sleep(0.02)
                 if self.server.started:
                     link = asyncio.create_task(serve_core_link(self.serve_core_url, self.registration(),
-                                                               self.engine.ping, self.heartbeat_interval))
+                                                               self.engine.ping, self.heartbeat_interval,
+                                                               api_key=self.serve_core_api_key))
             await serving
         finally:
             if link is not None:
@@ -399,7 +403,7 @@ class EngineServer:
 
 def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 9100, cfg: EngineConfig | None = None,
                       serve_core_url: str | None = None, *, name: str | None = None,
-                      advertise_url: str | None = None) -> None:
+                      advertise_url: str | None = None, serve_core_api_key: str | None = None) -> None:
     """Load `model` (a name/path for `load_model`, or an already LoadedModel), start an LLMEngine (precompiling
     per `cfg.precompile`) and serve it until interrupted."""
     from parrot.engine.loader import LoadedModel, load_model
@@ -408,7 +412,8 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None)
     engine.start()
-    server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url)
+    server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
+                          serve_core_api_key=serve_core_api_key)
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
     try:
         asyncio.run(server.serve())

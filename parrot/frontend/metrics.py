@@ -21,6 +21,10 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
   parrot:engines_live, parrot:num_sessions, parrot:num_cached_contexts
+  parrot:aborted_requests_total          generations cancelled because their clients went away (a
+                                         disconnected OpenAI stream or variable stream), queued or running
+  parrot:engine_aborts_total{engine}     primitives each engine aborted (its RuntimeInfo)
+  parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
 
 Who observes what: the OpenAI-compatible routes (parrot/frontend/openai_api.py) time every choice with
 `start_request()` -> `RequestTimer.delta()` / `.finish()` / `.fail()`. Queue time is observed for every
@@ -100,6 +104,17 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("parrot:num_cached_contexts", "KV contexts the core keeps track of.",
                                 value=len(contexts.contexts()))
         yield GaugeMetricFamily("parrot:num_sessions", "Open Parrot sessions.", value=len(core.sessions))
+        yield CounterMetricFamily("parrot:aborted_requests", "Generations cancelled because their clients went "
+                                  "away.", value=core.aborts)
+        yield CounterMetricFamily("parrot:overload_retries", "Tasks re-queued after an engine had no KV space.",
+                                  value=core.overload_retries)
+        engine_aborts = CounterMetricFamily("parrot:engine_aborts", "Primitives the engine aborted.",
+                                            labels=["engine"])
+        for client in live:
+            info = core.engines.runtime(client.name)
+            if info is not None:
+                engine_aborts.add_metric([client.name], info.aborts)
+        yield engine_aborts
 
 
 class RequestTimer:

@@ -54,7 +54,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from parrot.errors import NotFoundError, ParrotError
+from parrot.errors import NotFoundError, ParrotError, RateLimitError, code_of
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
 from parrot.protocol import SamplingParams
 from parrot.serve.core import CompletionResult, ParrotServeCore
@@ -78,7 +78,8 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": "1"} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def _unsupported(param: str, what: str) -> OpenAIError:
@@ -92,8 +93,10 @@ def _from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(404, str(exc), code="not_found")
     if isinstance(exc, EngineUnavailableError):
         return OpenAIError(503, str(exc), type_="server_error", code="engine_unavailable")
+    if isinstance(exc, RateLimitError):
+        return OpenAIError(429, str(exc), type_="rate_limit_error", code=exc.code)
     if isinstance(exc, ParrotError):  # InvalidRequestError and failures reported by the engine
-        return OpenAIError(400, str(exc) or type(exc).__name__)
+        return OpenAIError(400, str(exc) or type(exc).__name__, code=code_of(exc))
     if isinstance(exc, StarletteHTTPException):
         return OpenAIError(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500
                            else "server_error")
@@ -325,9 +328,11 @@ class _Choice:
         self.result: CompletionResult | None = None
 
 
-async def _events(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str | CompletionResult]]:
+async def _events(choices: list[_Choice], core: ParrotServeCore | None = None
+                  ) -> AsyncIterator[tuple[_Choice, str | CompletionResult]]:
     """Merge the choices' core queues: (choice, text delta | result) in arrival order. Raises the first
-    failure. Timers see every delta and the end of each choice."""
+    failure. Timers see every delta and the end of each choice. Choices still running when this ends early
+    (a failure, or the client disconnected) are cancelled in the core: their generations are aborted."""
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: _Choice) -> None:
@@ -365,6 +370,8 @@ async def _events(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, str | 
         for c in choices:  # choices still running when the request ended (error, disconnect)
             if c.result is None and c.timer is not None:
                 c.timer.fail()
+            if c.result is None and core is not None:
+                core.cancel_completion(c.queue)
 
 
 def _usage(choices: list[_Choice], n: int) -> dict:
@@ -443,14 +450,14 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
 
         if not body.stream:
-            async for _ in _events(choices):
+            async for _ in _events(choices, core):
                 pass
             return {**base, "choices": [{"index": c.index, "text": c.result.text, "logprobs": None,
                                          "finish_reason": c.result.finish_reason} for c in choices],
                     "usage": _usage(choices, body.n)}
 
         async def gen() -> AsyncIterator[str]:
-            async for c, item in _events(choices):
+            async for c, item in _events(choices, core):
                 if isinstance(item, str):
                     text, finish = item, None
                 else:
@@ -488,7 +495,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
                 "system_fingerprint": None}
 
         if not body.stream:
-            async for _ in _events(choices):
+            async for _ in _events(choices, core):
                 pass
             return {**base, "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
                                          "logprobs": None, "finish_reason": c.result.finish_reason}
@@ -504,7 +511,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
         async def gen() -> AsyncIterator[str]:
             for c in choices:
                 yield event(c, {"role": "assistant", "content": ""}, None)
-            async for c, item in _events(choices):
+            async for c, item in _events(choices, core):
                 if isinstance(item, str):
                     yield event(c, {"content": item}, None)
                     continue

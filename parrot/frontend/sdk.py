@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import os
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -152,11 +153,13 @@ class VirtualMachine:
     call `open()` / `close()` (then pass `vm=` to functions, or use `vm.activate()`).
 
     `timeout` (seconds) bounds each HTTP request and is the default wait of `SemanticVariable.get`;
-    None waits without limit."""
+    None waits without limit. `api_key` (default: $PARROT_API_KEY): the server's API key, sent as
+    `Authorization: Bearer`; the session token then travels in `X-Session-Token`."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = 600.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = 600.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.api_key = api_key if api_key is not None else (os.environ.get("PARROT_API_KEY") or None)
         self.session_id: str | None = None
         self._token: str | None = None
         self._client: httpx.Client | None = None
@@ -184,7 +187,7 @@ class VirtualMachine:
         """Create the session on the server (idempotent)."""
         if self.is_open:
             return self
-        client = httpx.Client(base_url=self.url, timeout=self.timeout)
+        client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=self._auth_headers())
         try:
             body = _check(client.post("/v1/session", json={})).json()
         except httpx.TransportError as exc:
@@ -194,9 +197,17 @@ class VirtualMachine:
             client.close()
             raise
         self.session_id, self._token = body["session_id"], body["session_token"]
-        client.headers["Authorization"] = f"Bearer {self._token}"
+        client.headers.update(self._auth_headers())
         self._client = client
         return self
+
+    def _auth_headers(self) -> dict[str, str]:
+        """The API key (if any) in Authorization and the session token beside it; without an API key the
+        session token is the bearer token."""
+        if self.api_key is not None:
+            return {"Authorization": f"Bearer {self.api_key}",
+                    **({"X-Session-Token": self._token} if self._token else {})}
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
 
     def close(self) -> None:
         """Delete the session on the server (its variables and contexts are freed) and close the
@@ -260,7 +271,7 @@ class VirtualMachine:
         client = self._aclients.get(loop)
         if client is None:
             client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout,
-                                       headers={"Authorization": f"Bearer {self._token}"},
+                                       headers=self._auth_headers(),
                                        limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
             self._aclients[loop] = client
         return client

@@ -37,6 +37,8 @@ OUTPUT = "output"  # the output of every single-output transform
 class TransformError(ParrotError):
     """A native function failed at run time (no regex match, input not JSON, output too large, ...)."""
 
+    code = "transform_failed"
+
 
 @dataclass(frozen=True)
 class TransformContext:

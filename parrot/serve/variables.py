@@ -33,6 +33,8 @@ class VariableState(enum.Enum):
 class VariableFailedError(ParrotError):
     """A variable that was waited for (or streamed) failed; the message names it and says why."""
 
+    code = "variable_failed"
+
     def __init__(self, var_id: str, name: str, reason: str) -> None:
         super().__init__(f"semantic variable {name!r} ({var_id}) failed: {reason}")
         self.var_id = var_id

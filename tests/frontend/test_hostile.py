@@ -1,0 +1,220 @@
+"""Hostile and unlucky clients against a real server: catastrophic regular expressions, limits (429 with
+Retry-After), the API key, disconnects that cancel generations (OpenAI streams, variable streams) while
+a variable another reader needs keeps running, bounded session state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+import parrot as P
+from parrot.config import ServeConfig
+from parrot.engine.engine import LLMEngine
+from parrot.serve.session import Session
+from tests.conftest import tiny_engine_config, tiny_model
+from tests.servers import serving_core
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LLMEngine]:
+    model = tiny_model()
+    eng = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    yield eng
+    eng.shutdown()
+
+
+def serve(engine: LLMEngine, **cfg: object):  # noqa: ANN201
+    config = ServeConfig(model="tiny", default_max_tokens=8, **cfg)  # type: ignore[arg-type]
+    return serving_core(engine, "tiny", engine.tokenizer, config=config)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def new_session(c: httpx.Client, headers: dict | None = None) -> tuple[str, dict]:
+    r = c.post("/v1/session", json={}, headers=headers)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    return body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+
+
+def native(c: httpx.Client, sid: str, auth: dict, pattern: str, text: str) -> str:
+    r = c.post("/v1/native_call", headers=auth, json={
+        "session_id": sid, "transform": "regex_extract", "params": {"pattern": pattern},
+        "inputs": {"text": {"value": text}}, "outputs": ["output"]})
+    assert r.status_code == 201, r.text
+    return next(p["var_id"] for p in r.json()["param_info"] if p["is_output"])
+
+
+# ---- no user input can freeze the server ------------------------------------------------------------
+def test_catastrophic_regex_does_not_freeze_the_server(engine: LLMEngine) -> None:
+    with serve(engine, transform_timeout_s=0.5) as (url, _core), httpx.Client(base_url=url, timeout=60) as c:
+        sid, auth = new_session(c)
+        cases = [(r"^(a+)+$", "a" * 26 + "!", "does not match"),  # froze Python's re for seconds
+                 (r"(a|aa)+$", "a" * 80 + "!", "ran longer than the limit of 0.5 s")]  # backtracks for ages
+        for pattern, text, why in cases:
+            var = native(c, sid, auth, pattern, text)
+            result: dict[str, httpx.Response] = {}
+
+            def read(var: str = var, result: dict[str, httpx.Response] = result) -> None:
+                with httpx.Client(base_url=url, timeout=60) as other:
+                    result["r"] = other.get(f"/v1/semantic_var/{var}", params={"session_id": sid}, headers=auth)
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            worst = 0.0
+            while reader.is_alive():  # the server answers other clients meanwhile
+                t0 = time.perf_counter()
+                assert c.get("/health", timeout=5).status_code == 200
+                worst = max(worst, time.perf_counter() - t0)
+                time.sleep(0.05)
+            reader.join()
+            assert worst < 0.5, f"/health took {worst:.2f}s while {pattern!r} ran"
+            r = result["r"]
+            assert r.status_code == 424 and why in r.json()["detail"], r.text
+            assert r.json()["code"] == "variable_failed"
+
+
+# ---- limits and bounded state -------------------------------------------------------------------------
+def test_limits_answer_429_with_retry_after(engine: LLMEngine) -> None:
+    with serve(engine, max_sessions=2, max_vars_per_session=5, max_pending_calls_per_session=2) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        sid, auth = new_session(c)
+        new_session(c)
+        r = c.post("/v1/session", json={})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+        assert r.json()["code"] == "rate_limited" and "too many open sessions" in r.json()["detail"]
+        for i in range(5):
+            r = c.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": f"v{i}"})
+            assert r.status_code == 201
+        r = c.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "one too many"})
+        assert r.status_code == 429 and r.json()["code"] == "rate_limited" and "Retry-After" in r.headers
+
+        sid2, auth2 = c.delete(f"/v1/session/{sid}", headers=auth) and new_session(c)
+        call = {"session_id": sid2, "template": "Go {{a}}", "parameters": [{"name": "a", "is_output": True}]}
+        for _ in range(2):  # lazy calls nobody reads stay pending
+            assert c.post("/v1/semantic_call", headers=auth2, json=call).status_code == 201
+        r = c.post("/v1/semantic_call", headers=auth2, json=call)
+        assert r.status_code == 429 and "calls not finished" in r.json()["detail"], r.text
+
+
+def test_session_keeps_bounded_history() -> None:
+    s = Session(max_generations=3, max_requests=2)
+    for i in range(10):
+        s.add_generation({"i": i})
+        s.add_request(f"r{i}", {"i": i}, [])
+    assert [g["i"] for g in s.generations] == [7, 8, 9]
+    assert list(s.requests) == ["r8", "r9"]
+    assert s.pending_calls() == 0
+
+
+# ---- API key ------------------------------------------------------------------------------------------
+def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) -> None:
+    key = "sekret-key"
+    with serve(engine, api_key=key) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics").status_code == 200
+        for method, path in [("POST", "/v1/session"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
+                             ("POST", "/v1/engine/register"), ("GET", "/v1/semantic_var/x")]:
+            r = c.request(method, path, json={})
+            assert r.status_code == 401, (path, r.text)
+            r = c.request(method, path, json={}, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, (path, r.text)
+        admin = {"Authorization": f"Bearer {key}"}
+        r = c.post("/v1/session", json={}, headers=admin)
+        assert r.status_code == 201
+        sid, token = r.json()["session_id"], r.json()["session_token"]
+        # the key alone does not open a session: its token goes in X-Session-Token
+        assert c.get(f"/v1/session/{sid}", headers=admin).status_code == 401
+        assert c.get(f"/v1/session/{sid}", headers={**admin, "X-Session-Token": "nope"}).status_code == 403
+        assert c.get(f"/v1/session/{sid}", headers={**admin, "X-Session-Token": token}).status_code == 200
+        # the real openai client with api_key=
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+        assert [m.id for m in oai.models.list().data] == ["tiny"]
+        out = oai.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        # the SDK sends the key and the session token
+        @P.semantic_function
+        def echo(x: P.Input, y: P.Output(max_tokens=3, ignore_eos=True)):  # noqa: ANN202
+            """Say {{x}} {{y}}"""
+
+        with P.VirtualMachine(url, api_key=key):
+            assert isinstance(echo("hi").get(), str)
+
+
+# ---- cancellation -------------------------------------------------------------------------------------
+def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine) -> None:
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        before = engine.ping()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                got += line.startswith("data: ")
+                if got >= 5:
+                    break
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 10,
+                   "the abandoned generation to stop")
+        after = engine.ping()
+        assert after.steps - before.steps < 300, "the abandoned generation ran on"
+        assert core.aborts == 1 and after.aborts == before.aborts + 1
+        assert "parrot:aborted_requests_total 1.0" in c.get("/metrics").text
+        wait_until(lambda: engine.ping().num_contexts <= before.num_contexts + 1, 10, "its contexts to be freed")
+
+
+def _call(c: httpx.Client, sid: str, auth: dict, template: str, params: list[dict]) -> dict[str, str]:
+    r = c.post("/v1/semantic_call", headers=auth, json={"session_id": sid, "template": template, "parameters": params})
+    assert r.status_code == 201, r.text
+    return {p["name"]: p["var_id"] for p in r.json()["param_info"]}
+
+
+def _stream_a_little(url: str, sid: str, auth: dict, var: str) -> None:
+    with httpx.Client(base_url=url, timeout=60) as c, \
+            c.stream("GET", f"/v1/semantic_var/{var}/stream", params={"session_id": sid}, headers=auth) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+
+
+def test_variable_stream_disconnect_cancels_unless_another_reader_needs_it(engine: LLMEngine) -> None:
+    long = {"max_tokens": 300, "ignore_eos": True}
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=120) as c:
+        sid, auth = new_session(c)
+        # alone: the disconnect aborts the generation and fails the variable as aborted
+        ids = _call(c, sid, auth, "Write: {{a}}", [{"name": "a", "is_output": True, "sampling_config": long}])
+        _stream_a_little(url, sid, auth, ids["a"])
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 10, "the generation to stop")
+        r = c.get(f"/v1/semantic_var/{ids['a']}", params={"session_id": sid, "timeout": 5}, headers=auth)
+        assert r.status_code == 424 and "aborted" in r.json()["detail"], r.text
+        assert core.aborts == 1
+
+        # in a DAG: b needs a, and a client waits for b; a's streaming reader leaving does not cancel a
+        ids = _call(c, sid, auth, "Write: {{a}}", [{"name": "a", "is_output": True,
+                                                    "sampling_config": {"max_tokens": 60, "ignore_eos": True}}])
+        b = _call(c, sid, auth, "Then {{a}} and {{b}}", [{"name": "a", "var_id": ids["a"]},
+                                                          {"name": "b", "is_output": True,
+                                                           "sampling_config": {"max_tokens": 4}}])["b"]
+        got: dict[str, httpx.Response] = {}
+        waiter = threading.Thread(target=lambda: got.setdefault("b", httpx.get(
+            f"{url}/v1/semantic_var/{b}", params={"session_id": sid, "timeout": 60}, headers=auth, timeout=90)))
+        waiter.start()
+        wait_until(lambda: core.scheduler.running, 10, "a to start")
+        _stream_a_little(url, sid, auth, ids["a"])
+        waiter.join(90)
+        assert got["b"].status_code == 200, got["b"].text
+        assert core.aborts == 1
