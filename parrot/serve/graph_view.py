@@ -5,9 +5,10 @@ semantic variables they read and write. Each call has a state (`waiting`, `runni
 a `detail` saying why it waits, its timings (queue, time to first token, time per output token, total;
 seconds from when it became runnable: inputs set and output needed), the engine it ran on, its prompt
 tokens split into cached and computed (and the prefix context it forked from), and the error of a
-failure. `layer` is the node's topological depth (variables nobody in the session produced: 0), which
-the /ui page uses as its column. Everything here only reads the serve core's state; call it on the
-core's event loop.
+failure. The engine contexts the session made or forked are listed with the calls that forked them.
+`layer` is the node's topological depth (variables nobody in the session produced: 0), which the /ui
+page uses as its column. Everything here only reads the serve core's state; call it on the core's
+event loop.
 """
 
 from __future__ import annotations
@@ -184,7 +185,30 @@ def session_graph(core: ParrotServeCore, session: Session) -> dict[str, Any]:
         "counts": {"calls": len(calls), "variables": len(var_nodes),
                    **{s: sum(1 for n in calls if n["state"] == s) for s in ("waiting", "running", "done", "failed")}},
         "engines": engines_view(core),
+        "contexts": _contexts_view(core, sid, calls),
+        "prefix_hit_rate": round(core.contexts.hit_rate, 4),
     }
+
+
+def _contexts_view(core: ParrotServeCore, sid: str, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engine contexts the session made, and the global ones it forked (a shared system prompt), with
+    the calls that forked each."""
+    forks: dict[str, list[str]] = {}
+    for n in calls:
+        ctx_id = (n.get("tokens") or {}).get("forked_from")
+        if ctx_id:
+            forks.setdefault(ctx_id, []).append(n["id"])
+    mine = [c for c in core.contexts.contexts() if c.session_id == sid]
+    chosen = {id(c): c for c in mine}
+    for c in [*mine, *(c for c in core.contexts.contexts() if c.context_id in forks)]:
+        while c is not None:  # the prefixes it was forked from
+            chosen.setdefault(id(c), c)
+            c = c.parent
+    return [{"context_id": c.context_id, "engine": c.engine, "tokens": c.num_tokens,
+             "parent": c.parent.context_id if c.parent is not None else None,
+             "owner": "global" if c.session_id is None else ("session" if c.session_id == sid else "other"),
+             "children": c.children, "in_use": c.in_use, "hits": c.hits, "forked_by": forks.get(c.context_id, [])}
+            for c in sorted(chosen.values(), key=lambda c: (c.engine, c.num_tokens))]
 
 
 def _layers(nodes: list[dict[str, Any]], calls_in: dict[str, list[str]], producer: dict[str, str]) -> None:

@@ -109,6 +109,10 @@ def test_map_reduce_graph_nodes_edges_states_and_timings(client: httpx.Client) -
     # the system prompt is shared: some map forked its context instead of filling it again
     forked = [n for n in calls if n["tokens"] and n["tokens"]["forked_from"]]
     assert forked and all(n["tokens"]["cached_prefix"] for n in forked)
+    shared = [c for c in g["contexts"] if c["forked_by"]]
+    assert shared and all(c["owner"] == "global" for c in shared)  # the system prompt's context
+    assert {f for c in shared for f in c["forked_by"]} == {n["id"] for n in forked}
+    assert any(c["owner"] == "session" for c in g["contexts"]) and 0 < g["prefix_hit_rate"] <= 1
     assert all(v["state"] == "done" for v in g["nodes"] if v["kind"] == "variable")
     assert g["engines"][0]["name"] == "local" and g["engines"][0]["live"]
 

@@ -8,7 +8,8 @@ const LINE_CHARS = 34;  // characters of 11px text that fit in a call box
 const CALL_W = 220, CALL_H = 78, VAR_W = 150, VAR_H = 30, COL_GAP = 56, ROW_GAP = 14, PAD = 20;
 
 const $ = (id) => document.getElementById(id);
-const state = { session: null, auth: null, key: null, lastText: null, graph: null, selected: null, timer: null };
+const state = { session: null, auth: null, key: null, lastText: null, graph: null, selected: null, timer: null,
+  run: 0 };  // run: bumped when the fragment changes, so answers for an older view are dropped
 
 function params() {
   const p = new URLSearchParams(location.hash.replace(/^#/, ""));
@@ -73,14 +74,17 @@ async function getJSON(path, bearer) {
 
 // ---- one session ---------------------------------------------------------------------------------
 async function poll() {
+  const run = state.run;
   let res;
   try {
     res = await getJSON(`/v1/session/${encodeURIComponent(state.session)}/graph`, state.auth);
   } catch (e) {
+    if (run !== state.run) return;
     setStatus("server unreachable", "ended");
     schedule(IDLE_POLL_MS);
     return;
   }
+  if (run !== state.run) return;
   if (res.status === 404) {
     setStatus("session ended", "ended");
     showError(state.graph ? "" : (res.body && res.body.detail) || "no such session");
@@ -224,6 +228,7 @@ function render() {
     svg.append(grp);
   }
   renderEngines(g.engines);
+  renderContexts(g.contexts || [], g.prefix_hit_rate);
   renderDetails(g.nodes.find((n) => n.id === state.selected));
 }
 
@@ -248,6 +253,23 @@ function renderEngines(engines) {
     }
     box.append(d);
   }
+}
+
+function renderContexts(contexts, hitRate) {
+  const box = $("contexts");
+  box.replaceChildren();
+  box.append(html("p", `${contexts.length} KV context(s) of this session and the shared prefixes it forked; `
+    + `server-wide, ${(100 * (hitRate || 0)).toFixed(1)}% of prompt tokens were cached`, "hint"));
+  const MAX = 40;
+  for (const c of contexts.slice(0, MAX)) {
+    const d = html("div", null, "ctx");
+    const forks = c.forked_by.length ? ` · forked by ${c.forked_by.length} call(s)` : "";
+    d.append(html("span", c.context_id, "mono"));
+    d.append(html("span", ` ${c.tokens} tok · ${c.owner} · ${c.engine}${c.in_use ? " · in use" : ""}${forks}`));
+    d.title = c.parent ? `forked from ${c.parent}` : "a root context";
+    box.append(d);
+  }
+  if (contexts.length > MAX) box.append(html("p", `… and ${contexts.length - MAX} more`, "hint"));
 }
 
 function renderDetails(n) {
@@ -290,8 +312,10 @@ function renderDetails(n) {
 
 // ---- every session (API key) ---------------------------------------------------------------------
 async function listSessions() {
+  const run = state.run;
   let res;
   try { res = await getJSON("/v1/sessions", state.key); } catch (e) { res = { status: 0, body: null }; }
+  if (run !== state.run) return;
   if (res.status !== 200) {
     showError((res.body && res.body.detail) || "cannot list sessions");
     return;
@@ -317,7 +341,8 @@ async function listSessions() {
 // ---- start ---------------------------------------------------------------------------------------
 function start() {
   clearTimeout(state.timer);
-  Object.assign(state, { lastText: null, graph: null, selected: null });
+  Object.assign(state, { lastText: null, graph: null, selected: null, run: state.run + 1 });
+  $("graph").replaceChildren();
   const p = params();
   for (const id of ["login", "sessions", "graph-view"]) $(id).hidden = true;
   $("constants-toggle").hidden = true;
