@@ -315,9 +315,12 @@ class ParrotServeCore:
             session.executor.need(var, criterion)
             self._progress(session)
         self._readers[var.id] = self._readers.get(var.id, 0) + 1
+        session.readers += 1
         try:
             return await var.wait(timeout)
         finally:
+            session.readers -= 1
+            session.last_access = time.monotonic()
             self._unread(var)
 
     def stream_var(self, session: Session, var_id: str, criterion: Criterion) -> AsyncIterator[str]:
@@ -327,14 +330,17 @@ class ParrotServeCore:
         if var.is_pending:
             session.executor.need(var, criterion)
             self._progress(session)
-        self._readers[var.id] = self._readers.get(var.id, 0) + 1
         return self._reading(session, var)
 
     async def _reading(self, session: Session, var: SemanticVariable) -> AsyncIterator[str]:
+        self._readers[var.id] = self._readers.get(var.id, 0) + 1  # counted once the stream is consumed
+        session.readers += 1
         try:
             async for delta in var.stream():
                 yield delta
         finally:
+            session.readers -= 1
+            session.last_access = time.monotonic()
             self._unread(var)
             if var.is_pending:  # the reader left before the end
                 self.cancel_var(session, var, "its reader disconnected")

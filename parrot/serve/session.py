@@ -45,6 +45,7 @@ class Session:
     # timings of the latest `max_generations` finished generations, for inspection
     generations: deque[dict] = field(default_factory=deque)
     pinned: set[str] = field(default_factory=set)  # output var ids of calls submitted with output_criteria
+    readers: int = 0  # clients waiting on or streaming one of its variables now (it does not expire meanwhile)
     _pending: dict[str, list[SemanticVariable]] = field(default_factory=dict)  # request id -> its outputs
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class Session:
         self.last_access = time.monotonic()
 
     def idle_seconds(self) -> float:
-        return time.monotonic() - self.last_access
+        return 0.0 if self.readers > 0 else time.monotonic() - self.last_access
 
     def add_request(self, request_id: str, summary: dict, outputs: Iterable[SemanticVariable]) -> None:
         self.requests[request_id] = summary
