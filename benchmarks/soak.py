@@ -5,6 +5,9 @@ and unlucky clients, then a report of what happened to every request.
 
 Without --url it starts `parrot serve` on a free loopback port (the default model, small buckets and a
 small KV pool so that KV exhaustion happens) and stops it at the end. Traffic goes only to 127.0.0.1.
+With `--engines N` the engines are separate processes, and `--kill-engine-every S` kills one of them
+(SIGKILL) every S seconds and starts it again with the same command line: its work must be re-run
+elsewhere, never lost.
 Each client loops over random operations until the time is up:
 
   chain        two dependent semantic calls, read the second (latency)
@@ -59,9 +62,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of the process and its children (engine processes), MiB."""
-    total, pids = 0, [pid]
+def rss_mb(pid: int, extra: list[int] | None = None) -> float | None:
+    """Resident memory of the process, its children (engine processes) and `extra` processes, MiB."""
+    total, pids = 0, [pid, *(extra or [])]
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
         pids += [int(p) for p in out.split()]
@@ -269,19 +272,50 @@ class Soak:
         if kind == "failed_with_error" and len(self.failed[op]) < 3 and detail[:80] not in str(self.failed[op]):
             self.failed[op].append(detail[:300])
 
-    async def run(self, pid: int | None) -> dict:
+    async def chaos(self, pid: int, every: float, restarts: list[subprocess.Popen], log: list[dict]) -> None:
+        """Every `every` seconds: SIGKILL one engine process of the server, then start it again."""
+        while time.monotonic() + every < self.deadline:
+            await asyncio.sleep(every)
+            out = subprocess.run(["pgrep", "-f", "parrot.cli engine"], capture_output=True, text=True).stdout
+            engines = [int(p) for p in out.split()
+                       if Path(f"/proc/{p}/cmdline").exists()
+                       and f"127.0.0.1:{httpx.URL(self.url).port}" in Path(f"/proc/{p}/cmdline").read_text()]
+            if not engines:
+                continue
+            victim = self.rng.choice(engines)
+            cmd = Path(f"/proc/{victim}/cmdline").read_text().split("\0")[:-1]
+            os.kill(victim, signal.SIGKILL)
+            t = round(time.monotonic() - self.t_start, 1)
+            await asyncio.sleep(2)
+            restarts.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True))
+            log.append({"t_s": t, "killed_pid": victim, "restarted_pid": restarts[-1].pid})
+
+    async def run(self, pid: int | None, kill_every: float | None = None) -> dict:
         rss: list[tuple[float, float]] = []
-        t_start = time.monotonic()
+        t_start = self.t_start = time.monotonic()
+        restarts: list[subprocess.Popen] = []
+        kills: list[dict] = []
 
         async def sample() -> None:
             while True:
-                if pid is not None and (m := rss_mb(pid)) is not None:
+                extra = [p.pid for p in restarts if p.poll() is None]
+                if pid is not None and (m := rss_mb(pid, extra)) is not None:
                     rss.append((round(time.monotonic() - t_start, 1), round(m, 1)))
                 await asyncio.sleep(5)
 
         sampler = asyncio.create_task(sample())
-        await asyncio.gather(*(self.client(i) for i in range(self.clients)))
-        sampler.cancel()
+        chaos = (asyncio.create_task(self.chaos(pid, kill_every, restarts, kills))
+                 if pid is not None and kill_every else None)
+        try:
+            await asyncio.gather(*(self.client(i) for i in range(self.clients)))
+        finally:
+            sampler.cancel()
+            if chaos is not None:
+                chaos.cancel()
+            for p in restarts:  # engines started here stop with the run
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
         async with httpx.AsyncClient(base_url=self.url, timeout=10, trust_env=False) as c:
             metrics = (await c.get("/metrics")).text
         aborted = next((float(line.split()[-1]) for line in metrics.splitlines()
@@ -304,7 +338,7 @@ class Soak:
             "latency_s": {op: {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
                           for op, xs in sorted(self.latency.items())},
             "latency_all_p99_s": pct(all_lat, 0.99), "aborted_requests_total": aborted,
-            "rss_mb": rss,
+            "rss_mb": rss, "engine_kills": kills,
         }
 
 
@@ -313,7 +347,7 @@ def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
            "--model", args.model, "--kv-memory-mb", str(args.kv_memory_mb), "--max-model-len", "1024",
            "--precompile-bs-paddings", "1", "2", "4", "8", "16", "--max-batch-size", "16",
            "--precompile-token-paddings", "16", "32", "64", "128", "256", "--session-ttl", "60",
-           "--transform-timeout", "0.5"]
+           "--transform-timeout", "0.5", "--engines", str(args.engines)]
     log = open(args.server_log, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + args.start_timeout
@@ -340,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before an unanswered operation is lost")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engines", type=int, default=0, help="0: the engine inside the server; N: N engine processes")
+    p.add_argument("--kill-engine-every", type=float, default=None, metavar="SECONDS",
+                   help="with --engines: SIGKILL an engine process this often and start it again")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     p.add_argument("--server-log", default=str(ROOT / "benchmarks" / "results" / "logs" / "soak-server.log"))
     args = p.parse_args(argv)
@@ -355,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the soak run only sends traffic to 127.0.0.1")
     try:
         soak = Soak(url, args.minutes * 60, args.sessions, args.timeout, args.seed)
-        result = asyncio.run(soak.run(proc.pid if proc else None))
+        result = asyncio.run(soak.run(proc.pid if proc else None, args.kill_engine_every))
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
-from parrot.errors import NotFoundError
-from parrot.protocol import SemanticCallParameter, SemanticCallRequest
+from parrot.config import ServeConfig
+from parrot.errors import GenerationFailedError, KVCacheFullError, NotFoundError, ParrotError
+from parrot.protocol import (
+    FillRequest,
+    FillResponse,
+    FreeContextResponse,
+    GenerateRequest,
+    GenerateResponse,
+    RuntimeInfo,
+    SemanticCallParameter,
+    SemanticCallRequest,
+    StreamChunk,
+)
 from parrot.serve.core import ParrotServeCore
+from parrot.serve.engines import EngineClient
 from parrot.serve.session import AuthError, ForbiddenError
 from parrot.serve.tokenizers import TokenizerManager
 from tests.conftest import tiny_tokenizer
@@ -65,3 +78,86 @@ def test_output_criteria_runs_without_a_get() -> None:
                                               parameters=[SemanticCallParameter(name="a", is_output=True)]))
     assert len(core.scheduler.queue) == 1  # no engine yet: queued, with its criterion
     assert core.scheduler.queue[0].criterion == "latency"
+
+
+# ---- engine errors by code: overload retried, failed generates freed, capacity from the engine ----------
+class ScriptedEngine(EngineClient):
+    """An in-memory engine whose generates fail as scripted (a list of exceptions, then success)."""
+
+    def __init__(self, failures: list[Exception], max_batch_size: int | None = None) -> None:
+        self.name, self.url, self.model, self.max_context_len = "fake", None, "tiny", 4096
+        self.max_batch_size = max_batch_size
+        self.failures = failures
+        self.freed: list[str] = []
+        self.generated: list[str] = []
+
+    async def fill(self, req: FillRequest) -> FillResponse:
+        return FillResponse(context_id=req.context_id, num_tokens=len(req.token_ids))
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        raise NotImplementedError
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self.generated.append(req.context_id)
+        yield StreamChunk(token_id=65, text="A")
+        if self.failures:
+            raise self.failures.pop(0)
+        yield StreamChunk(token_id=66, text="B", finish_reason="length")
+
+    async def free_context(self, context_id: str) -> FreeContextResponse:
+        self.freed.append(context_id)
+        return FreeContextResponse(context_id=context_id, freed_pages=1)
+
+    async def ping(self) -> RuntimeInfo:
+        return RuntimeInfo(model="tiny", max_context_len=4096, page_size=16, total_pages=8, free_pages=8,
+                           num_contexts=0, num_cached_tokens=0, running=0, waiting=0, recent_step_ms=0.0, steps=0,
+                           shape_misses=0, preemptions=0, evictions=0, cascade_steps=0)
+
+
+def _run_one(engine: ScriptedEngine, **cfg: object) -> tuple[ParrotServeCore, str | None, str | None]:
+    async def run() -> tuple[ParrotServeCore, str | None, str | None]:
+        core = make_core(config=ServeConfig(model="tiny", overload_backoff_s=0.01, **cfg))  # type: ignore[arg-type]
+        core.engines.register(engine)
+        await core.start()
+        try:
+            s = core.create_session()
+            out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}",
+                                                            parameters=[SemanticCallParameter(name="a",
+                                                                                              is_output=True)]))
+            var = core.vars.get(out.param_info[0].var_id, s.session_id)
+            try:
+                return core, await core.get_var(s, var.id, "latency", 5), None
+            except ParrotError as exc:
+                return core, None, str(exc)
+            finally:
+                await asyncio.sleep(0.05)  # background frees
+        finally:
+            await core.stop()
+
+    return asyncio.run(run())
+
+
+def test_overloaded_engine_is_retried_and_failed_generates_are_freed() -> None:
+    engine = ScriptedEngine([KVCacheFullError("no page", "fake"), KVCacheFullError("no page", "fake")])
+    core, text, err = _run_one(engine)
+    assert err is None and text == "AB"
+    assert core.overload_retries == 2 and len(engine.generated) == 3
+    assert engine.freed[:2] == engine.generated[:2]  # each refused generate's context was freed
+    # a generation that fails for good fails its variable, and its context is freed too
+    engine = ScriptedEngine([GenerationFailedError("boom")])
+    core, text, err = _run_one(engine)
+    assert text is None and "boom" in (err or "")
+    assert engine.freed == engine.generated
+    # out of retries: the overload is the variable's error
+    engine = ScriptedEngine([KVCacheFullError("no page", "fake")] * 3)
+    core, text, err = _run_one(engine, overload_retries=2)
+    assert text is None and "no page" in (err or "")
+
+
+def test_scheduler_capacity_is_the_engines_own() -> None:
+    core = make_core()
+    core.engines.register(ScriptedEngine([], max_batch_size=3))
+    assert [v.max_batch for v in core._engine_views()] == [3]
+    core = make_core(config=ServeConfig(model="tiny", default_max_batch=7))
+    core.engines.register(ScriptedEngine([]))
+    assert [v.max_batch for v in core._engine_views()] == [7]
