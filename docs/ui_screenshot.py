@@ -47,7 +47,7 @@ def main() -> None:
             sys.exit("the example printed no /ui link")
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=args.chromium, headless=True, args=["--no-sandbox"])
-            page = browser.new_page(viewport={"width": 1500, "height": 620}, device_scale_factor=1)
+            page = browser.new_page(viewport={"width": 1680, "height": 660}, device_scale_factor=1)
             page.goto(link)
             page.wait_for_selector("#graph g.node.call[data-state='running']", timeout=600_000)
             time.sleep(0.3)

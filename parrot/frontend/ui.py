@@ -1,19 +1,20 @@
 """The live web view: `/ui` (a page shipped in the package, no CDN) and the JSON behind it.
 
-- `GET /v1/session/{session_id}/graph`: the session's DAG, states, timings, engines and errors
-  (parrot/serve/graph_view.py). Guarded like the rest of the session: `Authorization: Bearer
-  <session_token>`; the server's API key, when one is configured, opens every session. Reading the
-  graph does not count as using the session (it does not hold off its idle expiry).
+- `GET /v1/session/{session_id}/graph`: the session's DAG, states, timings, contexts, engines and errors
+  (parrot/serve/graph_view.py). Guarded like the rest of the session: its token as
+  `Authorization: Bearer <session_token>` or `X-Session-Token`; the server's API key (when it has one)
+  as `Authorization: Bearer <api key>` opens every session. Reading the graph does not count as using
+  the session (it does not hold off its idle expiry).
 - `GET /v1/sessions`: one summary line per live session; only with the API key (404 when the server
-  has none: without a key there is no one who may see every session).
-- `GET /ui`: the page. It reads its credentials from the URL fragment (never sent to the server):
-  `/ui#session=<id>&token=<session_token>` for one session, `/ui#key=<api key>` for all of them.
+  has none: then no one may see every session).
+- `GET /ui` and its assets: the page, open without credentials (it holds no data). It reads them from
+  the URL fragment, which browsers never send: `/ui#session=<id>&token=<session_token>` for one
+  session, `&key=<api key>` added on a server with an API key, `/ui#key=<api key>` for all sessions.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 from importlib import resources
 from typing import Annotated
 
@@ -25,15 +26,10 @@ from parrot.serve.core import ParrotServeCore
 from parrot.serve.graph_view import session_graph, sessions_view
 from parrot.serve.session import AuthError, ForbiddenError, Session
 
-API_KEY_ENV = "PARROT_API_KEY"
 STATIC = resources.files("parrot.frontend").joinpath("static")
 _TYPES = {"ui.js": "text/javascript; charset=utf-8", "ui.css": "text/css; charset=utf-8"}
 Auth = Annotated[str | None, Header()]
-
-
-def configured_api_key() -> str | None:
-    """The server's admin/API key (environment variable PARROT_API_KEY), or None when there is none."""
-    return os.environ.get(API_KEY_ENV) or None
+SessionToken = Annotated[str | None, Header(alias="X-Session-Token")]
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -48,37 +44,35 @@ def _is_admin(token: str | None, api_key: str | None) -> bool:
 
 
 def ui_routes(core: ParrotServeCore, api_key: str | None = None) -> APIRouter:
-    """Routes of the web view. `api_key`: the admin key (default: `configured_api_key()` at each request)."""
+    """Routes of the web view. `api_key`: the server's API key (`ServeConfig.api_key`), which opens every
+    session; None: each session only with its own token, and no list of sessions."""
     router = APIRouter()
 
-    def key() -> str | None:
-        return api_key if api_key is not None else configured_api_key()
-
-    def viewed_session(session_id: str, authorization: str | None) -> Session:
-        token = _bearer(authorization)
+    def viewed_session(session_id: str, authorization: str | None, session_token: str | None) -> Session:
+        bearer = _bearer(authorization)
         session = core.sessions.get(session_id)
         if session is None:
             raise NotFoundError(f"session {session_id!r} does not exist")
-        if _is_admin(token, key()):
+        if _is_admin(bearer, api_key):
             return session
         last = session.last_access
-        session.check_token(token)  # 401 / 403
+        session.check_token(session_token or bearer)  # 401 / 403
         session.last_access = last  # watching a session does not keep it alive
         return session
 
     @router.get("/v1/session/{session_id}/graph")
-    async def graph(session_id: str, authorization: Auth = None) -> dict:
-        return session_graph(core, viewed_session(session_id, authorization))
+    async def graph(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> dict:
+        return session_graph(core, viewed_session(session_id, authorization, xst))
 
     @router.get("/v1/sessions")
     async def sessions(authorization: Auth = None) -> dict:
-        admin_key = key()
-        if admin_key is None:
-            raise NotFoundError(f"listing every session needs an API key on the server ({API_KEY_ENV})")
+        if api_key is None:
+            raise NotFoundError("listing every session needs the server to have an API key "
+                                "(parrot serve --api-key, or PARROT_API_KEY)")
         token = _bearer(authorization)
         if token is None:
             raise AuthError("missing API key: send 'Authorization: Bearer <api key>'")
-        if not _is_admin(token, admin_key):
+        if not _is_admin(token, api_key):
             raise ForbiddenError("wrong API key")
         return {"sessions": sessions_view(core)}
 

@@ -58,7 +58,7 @@ def _tasks_of(core: ParrotServeCore, session_id: str) -> dict[str, tuple[str, An
 
 
 def _cached_prefix(chain: CompletionChain) -> list[str]:
-    """Names of the prompt's variables wholly inside the prefix context the chain forked from."""
+    """Labels of the prompt's variables wholly inside the prefix context the chain forked from."""
     run = chain.run
     forked, bounds = run.get("forked_tokens") or 0, run.get("boundaries")
     if not forked or not bounds:
@@ -66,7 +66,15 @@ def _cached_prefix(chain: CompletionChain) -> list[str]:
     nonempty = [v for v in chain.prefix_vars if v.content]  # each non-empty piece ends at one boundary
     if len(nonempty) != len(bounds):
         return []
-    return [v.name for v, b in zip(nonempty, bounds, strict=True) if b <= forked]
+    return [_var_label(v) for v, b in zip(nonempty, bounds, strict=True) if b <= forked]
+
+
+def _var_label(var: SemanticVariable) -> str:
+    """A variable's name; constant text is named by its start."""
+    if not var.is_constant:
+        return var.name
+    text = " ".join((var.content or "").split())
+    return "“" + (text if len(text) <= 24 else text[:23] + "…") + "”"
 
 
 def _chain_node(chain: CompletionChain, session: Session, task: tuple[str, Any] | None,

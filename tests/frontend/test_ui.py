@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
-from parrot.frontend.ui import API_KEY_ENV
 from tests.conftest import tiny_engine_config, tiny_model
 from tests.servers import serving_core
 
@@ -25,13 +25,28 @@ SYSTEM = "You summarize text in one line. " * 2
 SAMPLING = {"max_tokens": 4, "ignore_eos": True}
 
 
+API_KEY = "k-admin"
+
+
 @pytest.fixture(scope="module")
-def server():
-    model = tiny_model()
-    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
-    with serving_core(engine, "tiny", model.tokenizer, default_max_tokens=8) as (url, core):
-        yield url, core
+def engine():
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serving_core(engine, "tiny", engine.tokenizer, default_max_tokens=8) as (url, core):
+        yield url, core
+
+
+@pytest.fixture(scope="module")
+def keyed_server(engine):
+    """The same engine behind a server with an API key."""
+    config = ServeConfig(model="tiny", default_max_tokens=8, api_key=API_KEY)
+    with serving_core(engine, "tiny", engine.tokenizer, config=config) as (url, core):
+        yield url, core
 
 
 @pytest.fixture
@@ -130,7 +145,7 @@ def test_failed_call_carries_its_error(client: httpx.Client) -> None:
     assert calls["z"]["state"] == "failed" and "input 'y'" in calls["z"]["error"]
 
 
-def test_graph_is_guarded_like_the_session(client: httpx.Client, server, monkeypatch) -> None:
+def test_graph_is_guarded_like_the_session(client: httpx.Client, server) -> None:
     _, core = server
     sid, auth = new_session(client)
     other, other_auth = new_session(client)
@@ -141,16 +156,23 @@ def test_graph_is_guarded_like_the_session(client: httpx.Client, server, monkeyp
     core.sessions[sid].last_access -= 100
     graph(client, sid, auth)
     assert core.sessions[sid].idle_seconds() >= 100
-    # every session only with the API key
-    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    # no API key on this server: no one sees every session
     assert client.get("/v1/sessions", headers=auth).status_code == 404
-    monkeypatch.setenv(API_KEY_ENV, "k-admin")
-    assert client.get("/v1/sessions").status_code == 401
-    assert client.get("/v1/sessions", headers=auth).status_code == 403
-    admin = {"Authorization": "Bearer k-admin"}
-    listed = {s["session_id"] for s in client.get("/v1/sessions", headers=admin).json()["sessions"]}
-    assert {sid, other} <= listed
-    assert graph(client, other, admin)["session_id"] == other
+
+
+def test_the_api_key_opens_every_session(keyed_server) -> None:
+    url, _ = keyed_server
+    admin = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        sid, token = (c.post("/v1/session", json={}, headers=admin).json()[k] for k in ("session_id", "session_token"))
+        other = c.post("/v1/session", json={}, headers=admin).json()["session_id"]
+        assert c.get(f"/v1/session/{sid}/graph", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+        assert c.get("/v1/sessions").status_code == 401
+        listed = {s["session_id"] for s in c.get("/v1/sessions", headers=admin).json()["sessions"]}
+        assert {sid, other} <= listed
+        assert graph(c, other, admin)["session_id"] == other  # the key alone opens any session
+        assert graph(c, sid, {**admin, "X-Session-Token": token})["session_id"] == sid
+        assert c.get("/ui").status_code == 200 and c.get("/ui/ui.js").status_code == 200  # the page is open
 
 
 def test_page_and_assets_are_served_without_any_cdn(client: httpx.Client) -> None:
@@ -263,3 +285,26 @@ def test_the_page_draws_the_app_and_follows_it_live(browser, client: httpx.Clien
     finally:
         page.close()
     assert not errors, errors
+
+
+def test_the_page_asks_for_the_api_key_of_a_keyed_server(browser, keyed_server) -> None:
+    url, _ = keyed_server
+    admin = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        body = c.post("/v1/session", json={}, headers=admin).json()
+        sid, token = body["session_id"], body["session_token"]
+        call(c, sid, {**admin, "X-Session-Token": token}, "Say: {{x}}", [{"name": "x", "is_output": True}])
+    page = browser.new_page()
+    try:
+        page.goto(f"{url}/ui#session={sid}&token={token}")  # the link the SDK prints
+        page.locator("#key-form").wait_for(timeout=15000)
+        assert "API key" in page.locator("#error").inner_text()
+        page.locator("#key-form input[name=key]").fill(API_KEY)
+        page.locator("#key-form button").click()
+        page.wait_for_function("document.querySelectorAll('#graph g.node').length === 2", timeout=15000)
+        assert page.locator("#graph g.node.call").get_attribute("data-state") == "waiting"
+        page.goto(f"{url}/ui#key={API_KEY}")  # every session
+        page.get_by_role("link", name=sid).click()
+        page.wait_for_function("document.querySelectorAll('#graph g.node').length === 2", timeout=15000)
+    finally:
+        page.close()

@@ -8,7 +8,7 @@ const LINE_CHARS = 34;  // characters of 11px text that fit in a call box
 const CALL_W = 220, CALL_H = 78, VAR_W = 150, VAR_H = 30, COL_GAP = 56, ROW_GAP = 14, PAD = 20;
 
 const $ = (id) => document.getElementById(id);
-const state = { session: null, auth: null, key: null, lastText: null, graph: null, selected: null, timer: null,
+const state = { session: null, token: null, key: null, lastText: null, graph: null, selected: null, timer: null,
   run: 0 };  // run: bumped when the fragment changes, so answers for an older view are dropped
 
 function params() {
@@ -64,8 +64,16 @@ function setStatus(text, cls) {
   s.className = "status " + (cls || "");
 }
 
-async function getJSON(path, bearer) {
-  const r = await fetch(path, { headers: { Authorization: `Bearer ${bearer}` }, cache: "no-store" });
+function authHeaders() {
+  // with the server's API key: the key as bearer (it opens every session), the session token beside it
+  if (state.key) {
+    return { Authorization: `Bearer ${state.key}`, ...(state.token ? { "X-Session-Token": state.token } : {}) };
+  }
+  return { Authorization: `Bearer ${state.token}` };
+}
+
+async function getJSON(path) {
+  const r = await fetch(path, { headers: authHeaders(), cache: "no-store" });
   const text = await r.text();
   let body = null;
   try { body = JSON.parse(text); } catch (_) { /* not JSON */ }
@@ -77,7 +85,7 @@ async function poll() {
   const run = state.run;
   let res;
   try {
-    res = await getJSON(`/v1/session/${encodeURIComponent(state.session)}/graph`, state.auth);
+    res = await getJSON(`/v1/session/${encodeURIComponent(state.session)}/graph`);
   } catch (e) {
     if (run !== state.run) return;
     setStatus("server unreachable", "ended");
@@ -93,6 +101,10 @@ async function poll() {
   if (res.status !== 200) {
     setStatus("no access", "ended");
     showError((res.body && res.body.detail) || `HTTP ${res.status}`);
+    if (res.status === 401 && !state.key) {  // a server with an API key: ask for it, keep the session
+      $("login").hidden = false;
+      $("session-form").hidden = true;
+    }
     return;
   }
   showError("");
@@ -314,7 +326,7 @@ function renderDetails(n) {
 async function listSessions() {
   const run = state.run;
   let res;
-  try { res = await getJSON("/v1/sessions", state.key); } catch (e) { res = { status: 0, body: null }; }
+  try { res = await getJSON("/v1/sessions"); } catch (e) { res = { status: 0, body: null }; }
   if (run !== state.run) return;
   if (res.status !== 200) {
     showError((res.body && res.body.detail) || "cannot list sessions");
@@ -346,11 +358,10 @@ function start() {
   const p = params();
   for (const id of ["login", "sessions", "graph-view"]) $(id).hidden = true;
   $("constants-toggle").hidden = true;
+  $("session-form").hidden = false;
   showError("");
-  state.session = p.session;
-  state.key = p.key;
-  state.auth = p.token || p.key;
-  if (p.session && state.auth) {
+  Object.assign(state, { session: p.session, token: p.token, key: p.key });
+  if (p.session && (p.token || p.key)) {
     $("graph-view").hidden = false;
     $("constants-toggle").hidden = false;
     setStatus("connecting");
@@ -373,7 +384,9 @@ $("session-form").addEventListener("submit", (ev) => {
 });
 $("key-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
-  location.hash = `key=${encodeURIComponent(new FormData(ev.target).get("key"))}`;
+  const p = params(), key = `key=${encodeURIComponent(new FormData(ev.target).get("key"))}`;
+  location.hash = p.session && p.token
+    ? `session=${encodeURIComponent(p.session)}&token=${encodeURIComponent(p.token)}&${key}` : key;
 });
 $("show-constants").addEventListener("change", render);
 window.addEventListener("resize", render);
