@@ -85,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
                             max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
                             kv_buckets=kv_buckets,
-                            precompile=not args.disable_precompile,
+                            precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                             compilation_cache_dir=args.compilation_cache_dir or None)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
@@ -133,7 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from parrot.engine.engine import LLMEngine
         from parrot.engine.loader import load_model
 
-        engine = LLMEngine(load_model(args.model), cfg, name=args.model).start()
+        engine = LLMEngine(load_model(args.model), cfg, name=args.model).start(wait=False)
         core.engines.register(LocalEngineClient(engine, name="local"))
     else:
         core_url = f"http://{args.host}:{args.port}"
@@ -143,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb),
                    "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
             for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
-                                ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+                                ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                                ("--layers-per-call", args.layers_per_call)):
                 if value is not None:
                     cmd += [flag, str(value)]
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),
@@ -201,6 +202,9 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "(default: the model's context, at most 8192)")
     e.add_argument("--disable-precompile", action="store_true",
                    help="compile shapes lazily at serve time instead of before listening")
+    e.add_argument("--layers-per-call", type=int, default=EngineConfig.layers_per_call, metavar="N",
+                   help="decoder layers per compiled call (default %(default)s: each shape compiles one layer; "
+                        "0: the whole model in one call, slower to compile)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,6 +30,9 @@ class EngineConfig:
     shared_prefix_attention: bool = True
     cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256])  # own-KV lengths of forks
     precompile: bool = True
+    # decoder layers per compiled call: every call of a step runs the same compiled block, so a shape
+    # compiles one block instead of the whole model (None: all layers in one call)
+    layers_per_call: int | None = 1
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
 
@@ -39,6 +42,8 @@ class EngineConfig:
             if not values or values[0] <= 0:
                 raise ValueError(f"{name} must be positive integers")
             setattr(self, name, values)
+        if self.layers_per_call is not None and self.layers_per_call <= 0:
+            raise ValueError("layers_per_call must be positive")
         if self.max_batch_size > self.bs_buckets[-1]:
             raise ValueError("max_batch_size must not exceed the largest batch-size bucket")
         if self.max_num_batched_tokens > self.token_buckets[-1]:

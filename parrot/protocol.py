@@ -120,6 +120,11 @@ class RuntimeInfo(BaseModel):
     cascade_steps: int
     max_batch_size: int | None = None  # sequences per step; None when the engine does not say
     aborts: int = 0  # primitives aborted before they finished
+    compiled_shapes: int = 0  # step shapes compiled so far (warm-up progress)
+    total_shapes: int = 0  # step shapes to compile; warm-up is over when all are compiled
+    warmup_s: float | None = None  # engine start to every shape compiled (None while warming up)
+    process_uptime_s: float | None = None  # at warm-up end: process start to every shape compiled
+    rss_bytes: int | None = None  # the engine process's resident memory
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
@@ -60,7 +62,7 @@ class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, name: str | None = None,
                  runner: ModelRunner | None = None) -> None:
         self.cfg = runner.ecfg if runner is not None else cfg or EngineConfig()
-        self.model = model
+        self.model = dataclasses.replace(model, weights={})  # the runner holds the weights: not twice
         self.name = name or model.source
         self.tokenizer = model.tokenizer
         self.runner = runner or ModelRunner(model.config, model.weights, self.cfg)
@@ -74,15 +76,36 @@ class LLMEngine:
         self._dead: BaseException | None = None
         self._rng = np.random.default_rng()
         self.steps = 0
+        self.warmup_s: float | None = None  # start() to every shape compiled
+        self.warm_process_uptime_s: float | None = None
         self._step_ms: collections.deque[float] = collections.deque(maxlen=32)
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def start(self, precompile: bool | None = None) -> LLMEngine:
+    def start(self, precompile: bool | None = None, wait: bool = True) -> LLMEngine:
+        """Start the step loop. With precompile (default: `cfg.precompile`) every serving shape is
+        compiled first; `wait=False` serves at once while shapes compile in the background, smallest
+        first (a step waits for its shape; `ping()` reports the progress)."""
+        t0 = time.monotonic()
         if precompile if precompile is not None else self.cfg.precompile:
-            self.runner.precompile()
+            self.runner.precompile(wait=wait, progress=wait)
+            threading.Thread(target=self._log_warm, args=(t0,), name="parrot-warmup", daemon=True).start()
+        else:
+            self.warmup_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="parrot-engine", daemon=True)
         self._thread.start()
         return self
+
+    def _log_warm(self, t0: float) -> None:
+        try:
+            self.runner.compiler.wait()
+        except Exception:
+            return  # logged by the compiler; the step that needs the shape reports it
+        self.warmup_s = time.monotonic() - t0
+        self.warm_process_uptime_s = procinfo.uptime_s()
+        rss = procinfo.rss_bytes()
+        log.info("engine %s warm: %d shapes compiled in %.1f s (process up %.1f s), resident memory %.2f GB",
+                 self.name, self.runner.compile_status()[1], self.warmup_s, self.warm_process_uptime_s or -1,
+                 (rss or 0) / 1e9)
 
     def shutdown(self) -> None:
         self._stop = True
@@ -215,6 +238,7 @@ class LLMEngine:
 
     def ping(self) -> RuntimeInfo:
         s = self.scheduler
+        compiled, total = self.runner.compile_status()
         return RuntimeInfo(
             model=self.name, max_context_len=self.runner.max_len, page_size=self.kv.page_size,
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
@@ -222,6 +246,8 @@ class LLMEngine:
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, aborts=s.aborts,
+            compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
+            process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
         )
 
     @property

@@ -245,6 +245,9 @@ def create_app(engine: LLMEngine) -> FastAPI:
             reason = engine.death_reason
             return JSONResponse(_error_body(f"the engine is not running ({reason})", "engine_unavailable"),
                                 status_code=503)
+        compiled, total = engine.runner.compile_status()
+        if compiled < total:  # serving already; steps whose shape is not compiled yet wait for it
+            return JSONResponse({"status": "warming_up", "compiled_shapes": compiled, "total_shapes": total})
         return JSONResponse({"status": "ok"})
 
     return app
@@ -411,7 +414,7 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
     cfg = cfg or EngineConfig()
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
     engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None)
-    engine.start()
+    engine.start(wait=False)  # answers at once; shapes compile in the background, most needed first
     server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
                           serve_core_api_key=serve_core_api_key)
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)

@@ -139,7 +139,8 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Minimal safetensors reader (header + raw little-endian buffers); bf16 via ml_dtypes."""
+    """Minimal safetensors reader (header + raw little-endian buffers, memory-mapped, in the file's dtype;
+    bf16 via ml_dtypes)."""
     import ml_dtypes  # ships with jax
 
     dtypes = dict(_ST_DTYPES, BF16=ml_dtypes.bfloat16)
@@ -155,8 +156,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             if info["dtype"] not in dtypes:
                 raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
             start, end = info["data_offsets"]
-            arr = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
-            out[name] = arr.astype(np.float32)
+            # the file's own dtype, memory-mapped: the model converts each tensor once, to its dtype
+            out[name] = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
         return out
     except ModelLoadError:
         raise

@@ -4,9 +4,8 @@ the jitted samplers, bucket shapes, precompilation and the persistent compilatio
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
-import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,8 +19,10 @@ from tqdm import tqdm
 
 from parrot.config import EngineConfig
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
+from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
+from parrot.engine.compiler import ShapeCompiler
 from parrot.engine.kv_cache import PageCopy
-from parrot.engine.models.llama import KVCache, Llama, LlamaConfig
+from parrot.engine.models.llama import HeadWeights, KVCache, Llama, LlamaConfig, embed_tokens, lm_logits
 from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
 from parrot.engine.scheduler import Slot, StepPlan
 
@@ -62,18 +63,28 @@ def default_dtypes() -> tuple[jnp.dtype, jnp.dtype, jnp.dtype]:
     return f32, f32, f32
 
 
-def enable_compilation_cache(directory: str | None) -> None:
-    if not directory:
-        return
-    path = Path(directory).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return jax.tree.map(lambda c: c.at[:, dst].set(c[:, src]), kv)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Weights:
+    """The model's arrays as the step functions take them: each decoder layer's state as a plain dict
+    (one compiled layer function serves every layer), the embedding and the head."""
+
+    embed: jax.Array
+    layers: list[dict]
+    head: HeadWeights
+
+
+@dataclass
+class StepExecutables:
+    """One shape's compiled step: embedding, a block of `n` layers for each block size, the head."""
+
+    embed: Callable
+    blocks: dict[int, Callable]
+    head: Callable
 
 
 class ModelRunner:
@@ -98,24 +109,45 @@ class ModelRunner:
         # page 0 is a scratch page: padding tokens write there, never handed to a context
         self.num_pages = ecfg.kv_pages or max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
         model = Llama(cfg, weights, self.dtype, self.act_dtype)
-        self.graphdef, self.state = nnx.split(model)
+        self._layer_graphdef, layer_template = nnx.split(model.layers[0])
+        self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
+        self.weights = Weights(model.embed[...], [nnx.to_pure_dict(nnx.state(layer)) for layer in model.layers],
+                               model.head_weights())
         del model
         # prefill steps use the same model with its matrices (embedding, projections) in prefill_dtype
-        self.prefill_state = self.state
+        self.prefill_weights = self.weights
         if prefill_dtype != self.dtype:
-            self.prefill_state = jax.tree.map(lambda a: a.astype(prefill_dtype) if a.ndim == 2 else a, self.state)
+            self.prefill_weights = jax.tree.map(lambda a: a.astype(prefill_dtype) if a.ndim == 2 else a, self.weights)
         self.kv: KVCache = self._alloc_kv()
-        graphdef = self.graphdef
+        # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
+        # block, so compiling costs one block's trace instead of the whole model's
+        per_call = min(ecfg.layers_per_call or cfg.num_layers, cfg.num_layers)
+        self.blocks = [(i, min(i + per_call, cfg.num_layers)) for i in range(0, cfg.num_layers, per_call)]
+        graphdef, template = self._layer_graphdef, self._layer_template
+        act_dtype = self.act_dtype
 
-        def forward(state: nnx.State, kv: KVCache, batch: ForwardBatch) -> tuple[jax.Array, KVCache]:
-            return nnx.merge(graphdef, state)(batch, kv)
+        def embed(w: jax.Array, input_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+            return embed_tokens(cfg, w, input_ids, positions, act_dtype)
 
-        self._forward = jax.jit(forward, donate_argnums=(1,))
+        def block(layers: list[dict], x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch,
+                  ks: list[jax.Array], vs: list[jax.Array]) -> tuple[jax.Array, list, list]:
+            ks, vs = list(ks), list(vs)
+            for i, pure in enumerate(layers):
+                state = jax.tree.map(lambda a: a, template)  # a fresh State to fill with this layer's arrays
+                nnx.replace_by_pure_dict(state, pure)
+                x, ks[i], vs[i] = nnx.merge(graphdef, state)(x, cos, sin, batch, ks[i], vs[i])
+            return x, ks, vs
+
+        self._embed = jax.jit(embed)
+        self._block = jax.jit(block, donate_argnums=(5, 6))
+        self._head = jax.jit(lm_logits)
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
         self._sample = jax.jit(sample)
-        self._executables: dict[Shape, Callable] = {}
+        self._parts: dict[tuple, concurrent.futures.Future] = {}  # embed / head executables, shared by shapes
+        self._parts_lock = threading.Lock()
+        self.compiler: ShapeCompiler[Shape, StepExecutables] = ShapeCompiler(self._compile)
         self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
         self.precompiled = False
@@ -210,6 +242,8 @@ class ModelRunner:
             seqs[i].shared_pages = shared
         own = max(s.start + len(s.tokens) - s.shared_pages * self.page_size for s in seqs)
         shape = self.cascade_shape(len(seqs), own, shared * self.page_size)
+        if shape is not None and self.precompiled and not self.compiler.ready(shape):
+            shape = None  # still compiling (cascade shapes come last): the plain decode shape is ready sooner
         if shape is None:
             for i in members:
                 seqs[i].shared_pages = 0
@@ -237,34 +271,79 @@ class ModelRunner:
         """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
-        exe = self._executables.get(shape)
-        if exe is None:
-            if self.precompiled:
-                self.shape_misses += 1
-                log.warning("compiling shape %s at serve time (not precompiled)", shape)
-            exe = self._compile(shape)
-        state = self.prefill_state if shape.q_len > 1 else self.state
-        logits, self.kv = exe(state, self.kv, batch)
-        return logits
+        exe, compiled_now = self.compiler.get(shape)
+        if compiled_now and self.precompiled:
+            self.shape_misses += 1
+            log.warning("compiled shape %s at serve time (not precompiled)", shape)
+        w = self.prefill_weights if shape.q_len > 1 else self.weights
+        batch = jax.device_put(batch)
+        x, cos, sin = exe.embed(w.embed, batch.input_ids, batch.positions)
+        ks, vs = list(self.kv[0]), list(self.kv[1])
+        for a, b in self.blocks:
+            x, ks[a:b], vs[a:b] = exe.blocks[b - a](w.layers[a:b], x, cos, sin, batch, ks[a:b], vs[a:b])
+        self.kv = (tuple(ks), tuple(vs))
+        return exe.head(w.head, x, batch.logits_index)
 
     @property
     def compiled(self) -> set[Shape]:
-        return set(self._executables)
+        return set(self.compile_seconds)
 
-    def _compile(self, shape: Shape) -> Callable:
-        """Ahead-of-time compile the forward for one shape (from abstract values only, so several
-        shapes can compile in parallel threads while nothing runs)."""
-        state = self.prefill_state if shape.q_len > 1 else self.state
-        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+    def _compile(self, shape: Shape) -> StepExecutables:
+        """Ahead-of-time compile one shape's step (from abstract values only, so several shapes can
+        compile in parallel threads while the engine runs): the block function for each block size,
+        plus the embedding, head and samplers of its token and batch counts if no shape had them."""
+        return compile_with_fallback(lambda: self._compile_shape(shape), shape)
+
+    def _compile_shape(self, shape: Shape) -> StepExecutables:
         t0 = time.perf_counter()
-        exe = self._forward.lower(abstract(state), abstract(self.kv), self.dummy_batch(shape)).compile()
+        w = _abstract(self.prefill_weights if shape.q_len > 1 else self.weights)
+        tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
+        embed = self._part(("embed", shape.tokens, w.embed.dtype),
+                           lambda: self._embed.lower(w.embed, tokens, tokens).compile())
+        x, cos, sin = jax.eval_shape(self._embed, w.embed, tokens, tokens)
+        batch = _abstract(self.dummy_batch(shape))
+        kv = _abstract(self.kv)
+        blocks = {n: self._block.lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]), list(kv[1][:n])).compile()
+                  for n in sorted({b - a for a, b in self.blocks})}
+        rows = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
+        head = self._part(("head", shape.tokens, shape.batch, w.head.proj.dtype),
+                          lambda: self._head.lower(w.head, x, rows).compile())
+        logits = jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.float32)
+        self._part(("greedy", shape.batch), lambda: self._greedy.lower(logits).compile())
+        params = _abstract(SamplingBatch.build([], [], shape.batch, []))
+        self._part(("sample", shape.batch), lambda: self._sample.lower(logits, params).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
-        self._executables[shape] = exe
-        return exe
+        return StepExecutables(embed, blocks, head)
+
+    def _part(self, key: tuple, build: Callable[[], Callable]) -> Callable:
+        """An executable shared by several shapes, built once (other threads wait for it). If the thread
+        building it fails, a waiting thread builds it itself (e.g. with the cache bypassed)."""
+        while True:
+            with self._parts_lock:
+                fut = self._parts.get(key)
+                mine = fut is None
+                if mine:
+                    fut = self._parts[key] = concurrent.futures.Future()
+            if not mine:
+                try:
+                    return fut.result()
+                except Exception:
+                    continue  # its builder failed and dropped it: try building it here
+            try:
+                fut.set_result(build())
+            except BaseException as exc:
+                with self._parts_lock:
+                    del self._parts[key]
+                fut.set_exception(exc)
+                raise
+            return fut.result()
 
     def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> np.ndarray:
         """None samples greedily (the compiled argmax-only path)."""
-        out = self._greedy(logits) if sampling is None else self._sample(logits, sampling)
+        key = ("greedy" if sampling is None else "sample", int(logits.shape[0]))
+        fut = self._parts.get(key)
+        fn = fut.result() if fut is not None and fut.done() else (self._greedy if sampling is None else self._sample)
+        out = fn(logits) if sampling is None else fn(logits, sampling)
         return np.asarray(out)
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
@@ -283,20 +362,24 @@ class ModelRunner:
         return build_batch([], self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
                            shape.prefix_pages)
 
-    def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True) -> None:
-        """Compile every shape (one thread per core: XLA compiles one shape on one core), then the
-        samplers and the page copy for every batch size, so serving never compiles."""
-        todo = [s for s in dict.fromkeys(self.all_shapes() if shapes is None else shapes)
-                if s not in self._executables]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = [pool.submit(self._compile, s) for s in todo]
-            for f in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="precompiling",
-                          unit="shape", disable=not progress):
-                f.result()
+    def precompile(self, shapes: Iterable[Shape] | None = None, progress: bool = True, wait: bool = True) -> None:
+        """Compile every serving shape (default: `all_shapes()`, smallest first), so serving never
+        compiles. With `wait=False` compiling goes on in the background: a step whose shape is not ready
+        yet waits for it (moved to the front of the queue); `compile_status()` tells the progress."""
+        todo = list(dict.fromkeys(self.all_shapes() if shapes is None else shapes))
+        todo.sort(key=lambda s: (s.prefix_pages > 0, s.pages, s.batch, s.tokens))  # the shapes needed first
         zeros = np.zeros(self._copy_width, np.int32)
         self.kv = self._copy(self.kv, zeros, zeros)
-        for b in sorted({s.batch for s in self._executables}):
-            logits = jnp.zeros((b, self.cfg.vocab_size), jnp.float32)
-            self.sample(logits, None)
-            self.sample(logits, SamplingBatch.build([], [], b, []))
+        self.compiler.submit(todo)
         self.precompiled = True
+        if wait:
+            with tqdm(total=len(todo), desc="precompiling", unit="shape", disable=not progress) as bar:
+                self.compiler.wait(todo, on_done=lambda: bar.update(1))
+
+    def compile_status(self) -> tuple[int, int]:
+        """(shapes compiled, shapes to compile)."""
+        return self.compiler.status()
+
+
+def _abstract(tree: object) -> object:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

@@ -229,6 +229,14 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     # ---- service ------------------------------------------------------------------------------
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "engines": [e.name for e in core.engines.live_engines()]}
+        engines = [e.name for e in core.engines.live_engines()]
+        warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs
+        for name in engines:
+            info = core.engines.runtime(name)
+            if info is not None and info.compiled_shapes < info.total_shapes:
+                warming[name] = f"{info.compiled_shapes} of {info.total_shapes} shapes compiled"
+        if warming:
+            return {"status": "warming_up", "engines": engines, "warming_up": warming}
+        return {"status": "ok", "engines": engines}
 
     return app

@@ -24,6 +24,10 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:aborted_requests_total          generations cancelled because their clients went away (a
                                          disconnected OpenAI stream or variable stream), queued or running
   parrot:engine_aborts_total{engine}     primitives each engine aborted (its RuntimeInfo)
+  parrot:engine_compiled_shapes{engine} / parrot:engine_total_shapes{engine}   warm-up progress
+  parrot:engine_warmup_seconds{engine} / parrot:engine_startup_seconds{engine}   engine start / process
+                                         start to every shape compiled
+  parrot:engine_resident_memory_bytes{engine}   the engine process's resident memory
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
 
 Who observes what: the OpenAI-compatible routes (parrot/frontend/openai_api.py) time every choice with
@@ -115,6 +119,31 @@ class _CoreCollector(Collector):
             if info is not None:
                 engine_aborts.add_metric([client.name], info.aborts)
         yield engine_aborts
+        yield from _warmup_metrics(core)
+
+
+def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:
+    """Each engine's start-up: shapes compiled of all, seconds to warm, process age then, memory."""
+    compiled = GaugeMetricFamily("parrot:engine_compiled_shapes", "Step shapes the engine has compiled.",
+                                 labels=["engine"])
+    total = GaugeMetricFamily("parrot:engine_total_shapes", "Step shapes the engine compiles while warming up.",
+                              labels=["engine"])
+    warm = GaugeMetricFamily("parrot:engine_warmup_seconds", "Engine start to every shape compiled (set once "
+                             "warm).", labels=["engine"])
+    uptime = GaugeMetricFamily("parrot:engine_startup_seconds", "Engine process start to every shape compiled "
+                               "(set once warm).", labels=["engine"])
+    rss = GaugeMetricFamily("parrot:engine_resident_memory_bytes", "Resident memory of the engine's process.",
+                            labels=["engine"])
+    for client in core.engines.live_engines():
+        info = core.engines.runtime(client.name)
+        if info is None:
+            continue
+        compiled.add_metric([client.name], info.compiled_shapes)
+        total.add_metric([client.name], info.total_shapes)
+        for family, value in ((warm, info.warmup_s), (uptime, info.process_uptime_s), (rss, info.rss_bytes)):
+            if value is not None:
+                family.add_metric([client.name], value)
+    yield from (compiled, total, warm, uptime, rss)
 
 
 class RequestTimer:

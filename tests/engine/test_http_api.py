@@ -364,7 +364,7 @@ def test_engine_errors_map_to_status(client: httpx.Client, engine: LLMEngine, mo
 
 
 def test_dead_engine(server: EngineServer, engine: LLMEngine) -> None:
-    dead = LLMEngine(engine.model, tiny_engine_config(precompile=False, max_batch_size=16)).start()
+    dead = LLMEngine(tiny_model(), tiny_engine_config(precompile=False, max_batch_size=16)).start()
     dead.shutdown()
     srv = EngineServer(dead, "127.0.0.1", free_port(), log_level="warning").start_in_thread()
     try:

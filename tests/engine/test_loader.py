@@ -186,11 +186,12 @@ def prefix_logits(cfg: LlamaConfig, weights: dict[str, np.ndarray], ids: list[in
     return np.stack([np.asarray(runner.prefill_logits(ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
 
 
-def assert_same_weights(loaded: LoadedModel, w: dict[str, np.ndarray]) -> None:
+def assert_same_weights(loaded: LoadedModel, w: dict[str, np.ndarray], dtype: np.dtype = np.float32) -> None:
+    """Same values; `dtype`: the file's own dtype, which loading keeps (the model converts once)."""
     assert set(loaded.weights) == set(w)
     for name, arr in w.items():
-        assert loaded.weights[name].dtype == np.float32, name
-        np.testing.assert_array_equal(loaded.weights[name], arr, err_msg=name)
+        assert loaded.weights[name].dtype == dtype, name
+        np.testing.assert_array_equal(loaded.weights[name].astype(np.float32), arr, err_msg=name)
 
 
 def assert_gguf_config(got: LlamaConfig, want: LlamaConfig) -> None:
@@ -254,7 +255,7 @@ def test_hf_dir_bf16_and_sharded(tmp_path: Path) -> None:
     names = sorted(tensors)
     save_file({k: tensors[k] for k in names[::2]}, str(path / "model-00001-of-00002.safetensors"))
     save_file({k: tensors[k] for k in names[1::2]}, str(path / "model-00002-of-00002.safetensors"))
-    assert_same_weights(load_model(path, progress=False), w)
+    assert_same_weights(load_model(path, progress=False), w, ml_dtypes.bfloat16)
 
 
 @pytest.mark.reference

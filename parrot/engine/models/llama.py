@@ -7,7 +7,7 @@ paged KV cache: one `[pages, page_size, kv_heads, head_dim]` array per layer for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +62,12 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(var + self.eps) * self.weight[...]
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * weight
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -157,19 +161,43 @@ class Llama(nnx.Module):
             self.lm_head = _param(weights["lm_head"], dtype)
 
     def __call__(self, batch: ForwardBatch, kv: KVCache) -> tuple[jax.Array, KVCache]:
-        """Returns the logits ([B, vocab], float32) of each sequence's `logits_index` token and the KV."""
-        cfg = self.cfg
-        x = self.embed[...][batch.input_ids].astype(self.act_dtype)
-        cos, sin = rope_cos_sin(batch.positions, cfg.head_dim, cfg.rope_theta)
+        """Returns the logits ([B, vocab], float32) of each sequence's `logits_index` token and the KV.
+        (The runner calls the same pieces separately: `embed_tokens`, the layers, `lm_logits`.)"""
+        x, cos, sin = embed_tokens(self.cfg, self.embed[...], batch.input_ids, batch.positions, self.act_dtype)
         ks, vs = list(kv[0]), list(kv[1])
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, cos, sin, batch, ks[i], vs[i])
-        h = self.norm(x[batch.logits_index])
-        if cfg.tie_word_embeddings:
-            logits = matmul(h, self.embed[...].T)
-        else:
-            logits = matmul(h, self.lm_head[...])
-        return logits.astype(jnp.float32), (tuple(ks), tuple(vs))
+        return lm_logits(self.head_weights(), x, batch.logits_index), (tuple(ks), tuple(vs))
+
+    def head_weights(self) -> HeadWeights:
+        tied = self.cfg.tie_word_embeddings
+        proj = self.embed[...] if tied else self.lm_head[...]
+        return HeadWeights(self.norm.weight[...], proj, self.cfg.rms_eps, tied)
+
+
+def embed_tokens(cfg: LlamaConfig, embed: jax.Array, input_ids: jax.Array, positions: jax.Array,
+                 act_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Token embeddings ([T, hidden]) and the RoPE tables of their positions."""
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    return embed[input_ids].astype(act_dtype), cos, sin
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class HeadWeights:
+    """The final norm and the output projection: `proj` is [hidden, vocab], or the [vocab, hidden]
+    embedding itself when `tied` (transposed inside the jitted function, never copied)."""
+
+    norm: jax.Array
+    proj: jax.Array
+    eps: float = field(metadata={"static": True})
+    tied: bool = field(metadata={"static": True})
+
+
+def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array) -> jax.Array:
+    """Final norm and projection of the tokens at `logits_index`: float32 logits [B, vocab]."""
+    h = rms_norm(x[logits_index], w.norm, w.eps)
+    return matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
 
 
 def weight_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,108 @@
+"""ShapeCompiler: compiles step shapes on worker threads, the most needed first, while the engine
+already serves. A step whose shape is still queued moves it to the front and waits for it; a shape is
+never compiled twice. XLA compiles one shape on one core, so one worker per core."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+log = logging.getLogger(__name__)
+
+
+class ShapeCompiler(Generic[K, V]):
+    def __init__(self, compile_fn: Callable[[K], V], workers: int | None = None) -> None:
+        self._compile = compile_fn
+        self._workers = max(1, workers or os.cpu_count() or 1)
+        self._lock = threading.Condition()
+        self._heap: list[tuple[int, K]] = []
+        self._order = itertools.count()
+        self._front = itertools.count(-1, -1)  # promoted shapes go before every queued one
+        self._futures: dict[K, concurrent.futures.Future[V]] = {}
+        self._started: set[K] = set()
+        self._running_workers = 0
+
+    # ---- queueing -------------------------------------------------------------------------------
+    def submit(self, keys: Iterable[K]) -> None:
+        """Queue shapes to compile in the given order (first = most needed); known ones are skipped."""
+        with self._lock:
+            for key in keys:
+                if key not in self._futures:
+                    self._futures[key] = concurrent.futures.Future()
+                    heapq.heappush(self._heap, (next(self._order), key))
+            self._spawn()
+
+    def get(self, key: K) -> tuple[V, bool]:
+        """The compiled value for `key`: (value, compiled_now). A queued shape is moved to the front and
+        waited for; an unknown one is compiled on this thread (compiled_now: True)."""
+        with self._lock:
+            fut = self._futures.get(key)
+            if fut is None:
+                fut = self._futures[key] = concurrent.futures.Future()
+                self._started.add(key)
+                inline = True
+            else:
+                inline = False
+                if key not in self._started:
+                    heapq.heappush(self._heap, (next(self._front), key))
+                    self._spawn()
+        if inline:
+            self._run(key, fut)
+        return fut.result(), inline
+
+    def ready(self, key: K) -> bool:
+        fut = self._futures.get(key)
+        return fut is not None and fut.done() and fut.exception() is None
+
+    def status(self) -> tuple[int, int]:
+        """(shapes compiled, shapes known)."""
+        with self._lock:
+            return sum(f.done() for f in self._futures.values()), len(self._futures)
+
+    def wait(self, keys: Iterable[K] | None = None,
+             on_done: Callable[[], None] | None = None) -> None:
+        """Block until the given shapes (default: all known) are compiled; re-raises the first error."""
+        with self._lock:
+            futures = list(self._futures.values()) if keys is None else [self._futures[k] for k in keys]
+        for fut in concurrent.futures.as_completed(futures):
+            fut.result()
+            if on_done is not None:
+                on_done()
+
+    # ---- workers --------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        while self._running_workers < min(self._workers, len(self._heap)):
+            self._running_workers += 1
+            threading.Thread(target=self._work, name="parrot-compile", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                key = None
+                while self._heap:
+                    _, candidate = heapq.heappop(self._heap)
+                    if candidate not in self._started:
+                        key = candidate
+                        self._started.add(key)
+                        break
+                if key is None:
+                    self._running_workers -= 1
+                    return
+                fut = self._futures[key]
+            self._run(key, fut)
+
+    def _run(self, key: K, fut: concurrent.futures.Future[V]) -> None:
+        try:
+            fut.set_result(self._compile(key))
+        except BaseException as exc:  # the waiting step reports it; the worker goes on
+            log.exception("compiling %s failed", key)
+            fut.set_exception(exc)

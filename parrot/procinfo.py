@@ -1,0 +1,27 @@
+"""This process's resident memory and age, read from /proc (Linux); None where unavailable."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def rss_bytes() -> int | None:
+    """Resident set size now."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def uptime_s() -> float | None:
+    """Seconds since this process started."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot_uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return boot_uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
