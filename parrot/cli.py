@@ -125,7 +125,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from parrot.serve.engines import LocalEngineClient
 
     core = ParrotServeCore(config=serve_config_from_args(args))
-    core.tokenizers.get(args.model)  # fail fast on a bad model path
     procs: list[subprocess.Popen] = []
     engine = None
     cfg = engine_config_from_args(args)
@@ -133,9 +132,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from parrot.engine.engine import LLMEngine
         from parrot.engine.loader import load_model
 
-        engine = LLMEngine(load_model(args.model), cfg, name=args.model).start(wait=False)
+        loaded = load_model(args.model)
+        core.tokenizers.register(args.model, loaded.tokenizer)  # the file is read once
+        engine = LLMEngine(loaded, cfg, name=args.model).start(wait=False)
+        del loaded  # the runner holds the weights
         core.engines.register(LocalEngineClient(engine, name="local"))
     else:
+        core.tokenizers.get(args.model)  # fail fast on a bad model path
         core_url = f"http://{args.host}:{args.port}"
         for i in range(args.engines):
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",

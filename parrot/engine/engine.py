@@ -66,6 +66,7 @@ class LLMEngine:
         self.name = name or model.source
         self.tokenizer = model.tokenizer
         self.runner = runner or ModelRunner(model.config, model.weights, self.cfg)
+        procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len)
         self.vocab_size = model.config.vocab_size
@@ -102,6 +103,7 @@ class LLMEngine:
             return  # logged by the compiler; the step that needs the shape reports it
         self.warmup_s = time.monotonic() - t0
         self.warm_process_uptime_s = procinfo.uptime_s()
+        procinfo.release_free_memory()
         rss = procinfo.rss_bytes()
         log.info("engine %s warm: %d shapes compiled in %.1f s (process up %.1f s), resident memory %.2f GB",
                  self.name, self.runner.compile_status()[1], self.warmup_s, self.warm_process_uptime_s or -1,

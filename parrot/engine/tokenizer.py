@@ -142,7 +142,7 @@ def load_tokenizer(model: str | Path | None = None) -> Tokenizer:
 
 
 def gguf_tokenizer(reader: Any, path: Path) -> Tokenizer:
-    """The tokenizer described by the `tokenizer.*` metadata of an open `gguf.GGUFReader`."""
+    """The tokenizer described by the `tokenizer.*` metadata of an open GGUF file."""
     tokens = gguf_field(reader, "tokenizer.ggml.tokens")
     if tokens is None:
         raise ModelLoadError(f"{path}: GGUF file has no tokenizer (tokenizer.ggml.tokens)")
