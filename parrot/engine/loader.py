@@ -5,7 +5,9 @@ layout of `models/llama.py` (HF rotate-half order, projections `[in, out]`) and 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,9 +102,9 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     }
     permuted = arch in _GGUF_PERMUTED
-    weights: dict[str, np.ndarray] = {}
     expected = weight_names(cfg)
-    for name in tqdm(expected, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+
+    def convert(name: str) -> np.ndarray:
         if name.startswith("layers."):
             _, layer, short = name.split(".", 2)
             gname = f"blk.{layer}.{gguf_names[short]}"
@@ -120,7 +122,13 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         w = np.asarray(w, dtype=np.float32)
         if permuted and short in ("wq", "wk", "bq", "bk"):
             w = _unpermute(w, n_heads if short in ("wq", "bq") else n_kv)
-        weights[name] = _to_model_layout(name, short, w, expected[name], path)
+        return _to_model_layout(name, short, w, expected[name], path)
+
+    # numpy's dequantizing kernels release the GIL: one thread per core
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        done = tqdm(pool.map(convert, expected), total=len(expected), desc=f"loading {path.name}", unit="tensor",
+                    disable=not progress)
+        weights = dict(zip(expected, done, strict=True))
     tokenizer = gguf_tokenizer(reader, path)
     return LoadedModel(cfg, weights, tokenizer, str(path))
 
