@@ -26,6 +26,7 @@ from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from parrot.errors import (
     AbortedError,
@@ -100,6 +101,37 @@ def _same(a: str | None, b: str) -> bool:
     return a is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
+class _Guard:
+    """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): the API
+    key on every route but the open ones, and the body size limit."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refusal: JSONResponse | None = None
+        if self.api_key is not None and not _open_path(path):
+            given = _token(headers.get("authorization"))
+            if given is None:
+                refusal = _unauthorized(path, "missing API key: send 'Authorization: Bearer <api key>'")
+            elif not _same(given, self.api_key):
+                refusal = _unauthorized(path, "invalid API key")
+        length = headers.get("content-length")
+        if refusal is None and length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            refusal = JSONResponse(error_body(f"request body over {MAX_BODY_BYTES} bytes", "body_too_large"),
+                                   status_code=413)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -115,19 +147,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
     app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):  # noqa: ANN001, ANN202
-        if api_key is not None and not _open_path(request.url.path):
-            given = _token(request.headers.get("authorization"))
-            if given is None:
-                return _unauthorized(request.url.path, "missing API key: send 'Authorization: Bearer <api key>'")
-            if not _same(given, api_key):
-                return _unauthorized(request.url.path, "invalid API key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(error_body(f"request body over {MAX_BODY_BYTES} bytes", "body_too_large"),
-                                status_code=413)
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     async def errors(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, TimeoutError):

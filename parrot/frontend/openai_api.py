@@ -39,6 +39,7 @@ raises as `APIError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -374,6 +375,30 @@ async def _events(choices: list[_Choice], core: ParrotServeCore | None = None
                 core.cancel_completion(c.queue)
 
 
+async def _collect(choices: list[_Choice], core: ParrotServeCore, request: Request | None,
+                   poll: float = 0.5) -> None:
+    """Run the choices to their end for a non-streamed answer; a client that disconnects meanwhile cancels
+    them (their generations are aborted) instead of leaving them to run for nobody."""
+
+    async def drain() -> None:
+        async for _ in _events(choices, core):
+            pass
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll)
+            if not task.done() and request is not None and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise OpenAIError(499, "the client disconnected", code="aborted")  # nobody reads this answer
+    finally:
+        if not task.done():
+            task.cancel()
+    await task  # its error, if it failed
+
+
 def _usage(choices: list[_Choice], n: int) -> dict:
     """prompt tokens count once per prompt (the first choice of each), completion tokens for every choice."""
     results = [c.result for c in choices if c.result is not None]
@@ -442,7 +467,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
 
     # ---- /v1/completions ----------------------------------------------------------------------
     @router.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> dict | StreamingResponse:
+    async def completions(body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
         prompts = body.check()
         choices = submit([([p], 0) for p in prompts], body, 16, "completions", start)
@@ -450,8 +475,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
 
         if not body.stream:
-            async for _ in _events(choices, core):
-                pass
+            await _collect(choices, core, request)
             return {**base, "choices": [{"index": c.index, "text": c.result.text, "logprobs": None,
                                          "finish_reason": c.result.finish_reason} for c in choices],
                     "usage": _usage(choices, body.n)}
@@ -473,7 +497,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     @router.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> dict | StreamingResponse:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
         messages = body.check()
         tok = core.tokenizers.get(core.model)
@@ -495,8 +519,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
                 "system_fingerprint": None}
 
         if not body.stream:
-            async for _ in _events(choices, core):
-                pass
+            await _collect(choices, core, request)
             return {**base, "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
                                          "logprobs": None, "finish_reason": c.result.finish_reason}
                                         for c in choices],

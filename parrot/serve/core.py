@@ -596,19 +596,24 @@ class ParrotServeCore:
             self.engines.mark_dead(engine, str(exc))
             self._engine_gone(engine)
             return
-        except EngineOverloadedError as exc:
-            if rec.cancelled is None and rec.overloads < self.config.overload_retries:
+        except ParrotError as exc:
+            if task.engine != engine:
+                # the engine died or restarted meanwhile and the task is queued again: that run takes over (this
+                # error is an effect of the restart, e.g. a parent context the restarted engine never had)
+                log.info("task %s on %s failed after it was re-dispatched (%s)", task.task_id, engine, exc)
+                return
+            if (isinstance(exc, EngineOverloadedError) and rec.cancelled is None
+                    and rec.overloads < self.config.overload_retries):
                 rec.overloads += 1
                 self.overload_retries += 1
                 log.info("engine %s has no KV space for task %s (%s): retrying (%d)", engine, task.task_id, exc,
                          rec.overloads)
                 self._spawn(self._retry_later(task))
                 return
-            rec.failed(str(exc))
-        except (ParrotError, asyncio.CancelledError) as exc:
             rec.failed(str(exc) or type(exc).__name__)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except asyncio.CancelledError as exc:
+            rec.failed(str(exc) or type(exc).__name__)
+            raise
         finally:
             if task.engine == engine:
                 self.scheduler.finished(task)

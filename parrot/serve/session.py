@@ -50,6 +50,8 @@ class Session:
 
     def __post_init__(self) -> None:
         self.generations = deque(self.generations, maxlen=self.max_generations)
+        # the calls kept for the live view: the latest `max_requests` chains (running ones are in the graph)
+        self.executor.history = deque(self.executor.history, maxlen=self.max_requests)  # type: ignore[assignment]
 
     def check_token(self, token: str | None) -> None:
         if not token:

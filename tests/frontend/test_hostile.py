@@ -114,6 +114,9 @@ def test_session_keeps_bounded_history() -> None:
         s.add_generation({"i": i})
         s.add_request(f"r{i}", {"i": i}, [])
     assert [g["i"] for g in s.generations] == [7, 8, 9]
+    for i in range(5):
+        s.executor.history.extend([f"chain-{i}"])  # type: ignore[list-item]
+    assert list(s.executor.history) == ["chain-3", "chain-4"]
     assert list(s.requests) == ["r8", "r9"]
     assert s.pending_calls() == 0
 
@@ -174,6 +177,21 @@ def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine) -> No
         assert core.aborts == 1 and after.aborts == before.aborts + 1
         assert "parrot:aborted_requests_total 1.0" in c.get("/metrics").text
         wait_until(lambda: engine.ping().num_contexts <= before.num_contexts + 1, 10, "its contexts to be freed")
+
+
+def test_openai_request_disconnect_aborts_the_generation(engine: LLMEngine) -> None:
+    """A non-streamed completion whose client gives up is cancelled too."""
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        before = engine.ping()
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.0)
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 10,
+                   "the abandoned generation to stop")
+        assert engine.ping().steps - before.steps < 300 and core.aborts == 1
+        # a client that stays gets its answer
+        r = c.post("/v1/completions", json={**body, "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def _call(c: httpx.Client, sid: str, auth: dict, template: str, params: list[dict]) -> dict[str, str]:
