@@ -64,7 +64,7 @@ class ServeConfig:
     max_pending_calls_per_session: int = 256  # semantic / native calls not finished yet, per session
     max_generations_kept: int = 256  # per session: timings of the latest finished generations (inspection)
     max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
-    max_queued_completions: int = 4096  # plain (OpenAI API) completions waiting for an engine, all clients
+    max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
     retry_after_s: int = 1  # the Retry-After of a 429
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /health, /metrics
     # generation
