@@ -98,19 +98,12 @@ for _cls in (ParrotError, ModelLoadError, InvalidRequestError, NotFoundError, Co
              RateLimitError):
     _BY_CODE[_cls.code] = _cls
 
-# engine classes that predate codes, by class name (their own module is not imported here); a class that
-# declares `code` itself always wins over this table
-_LEGACY_CODES = {"OutOfPages": KVCacheFullError.code, "EngineDeadError": EngineUnavailableError.code}
-
 
 def code_of(exc: BaseException) -> str:
     """The stable code of an exception: its class's `code`, else "internal_error" for non-Parrot errors."""
     for cls in type(exc).__mro__:
         if "code" in cls.__dict__ and cls is not ParrotError:
             return str(cls.__dict__["code"])
-        legacy = _LEGACY_CODES.get(cls.__name__)
-        if legacy is not None:
-            return legacy
     return ParrotError.code if isinstance(exc, ParrotError) else "internal_error"
 
 

@@ -30,7 +30,7 @@ from parrot.engine.sampling import SamplingParams, check_sampling
 from parrot.engine.scheduler import Scheduler
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.tokenizer import IncrementalDetokenizer
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import ConflictError, EngineUnavailableError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import (
     FillRequest,
     FillResponse,
@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(ParrotError):
     """The engine loop stopped (shut down or crashed); nothing more will run."""
+
+    code = EngineUnavailableError.code
 
 
 @dataclass
@@ -247,7 +249,7 @@ class LLMEngine:
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
-            cascade_steps=self.runner.cascade_steps, aborts=s.aborts,
+            cascade_steps=self.runner.cascade_steps, aborts=s.aborts, max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
         )

@@ -64,7 +64,7 @@ from parrot.protocol import (
 
 log = logging.getLogger(__name__)
 
-# most specific first: OutOfPages and EngineDeadError are plain ParrotErrors
+# most specific first
 _ERROR_STATUS: list[tuple[type[ParrotError], int]] = [
     (EngineDeadError, 503),
     (OutOfPages, 507),

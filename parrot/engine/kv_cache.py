@@ -45,13 +45,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from parrot.errors import NotFoundError, ParrotError
+from parrot.errors import KVCacheFullError, NotFoundError, ParrotError
 
 SCRATCH_PAGE = 0
 
 
 class OutOfPages(ParrotError):
     """The KV pool has too few free pages for the request; nothing was changed."""
+
+    code = KVCacheFullError.code
 
     def __init__(self, needed: int, available: int, what: str = "") -> None:
         self.needed, self.available = needed, available
