@@ -245,9 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "register with this serve core and send heartbeats")
     v.add_argument("--engine-base-port", type=int, default=9100, help="engine process i listens on this + i")
     v.add_argument("--no-prefix-sharing", action="store_true",
-                   help="baseline: every request prefills its whole prompt; no KV reuse across requests")
+                   help="baseline: every request prefills its whole prompt; no KV reuse across requests "
+                        "(no automatic prefix caching)")
     v.add_argument("--no-app-awareness", action="store_true",
-                   help="baseline: first come first served, placement by load only (no criteria, groups, prefixes)")
+                   help="baseline: first come first served (no criteria, groups or latency caps); placement "
+                        "still follows cached prefixes unless --no-prefix-sharing")
     d = ServeConfig()
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /ui (default: "

@@ -76,6 +76,10 @@ class ServeConfig:
     default_max_batch: int = 64  # an engine's capacity when it does not report its max_batch_size
     pin_hits: int = 2  # a global prefix context forked this often is kept longest
     max_global_contexts: int = 256  # global prefix contexts kept beyond those in use
+    max_cached_contexts: int = 1024  # global prefix contexts at most: beyond, the least recently used go now
+    # automatic prefix caching (prefix_sharing): every prompt is cached, matched block by block
+    prefix_block_tokens: int = 16  # block of the prefix index (the engines' page size)
+    prefix_checkpoint_tokens: int = 256  # a prompt also keeps a context every this many tokens (0: none)
     global_idle_s: float = 30.0  # a global context used this recently is never dropped
     dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)
     evict_every_s: float = 5.0  # how often cold global contexts are dropped
@@ -93,12 +97,14 @@ class ServeConfig:
     def __post_init__(self) -> None:
         for name in ("max_sessions", "max_vars_per_session", "max_pending_calls_per_session", "max_generations_kept",
                      "max_requests_kept", "max_queued_completions", "latency_cap", "default_max_batch",
-                     "native_workers"):
+                     "native_workers", "max_cached_contexts", "prefix_block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("session_ttl_s", "dispatch_tick_s", "evict_every_s", "dead_after_s", "monitor_interval_s",
                      "transform_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.prefix_checkpoint_tokens < 0 or self.prefix_checkpoint_tokens % self.prefix_block_tokens:
+            raise ValueError("prefix_checkpoint_tokens must be a multiple of prefix_block_tokens (or 0)")
         if self.api_key is not None and not self.api_key.strip():
             self.api_key = None

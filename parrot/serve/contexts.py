@@ -1,10 +1,17 @@
 """ContextManager: which engine contexts hold which token prefixes, so new work forks the longest one.
 
-A context is keyed by (engine, token prefix). Prefixes are registered at semantic-variable boundaries
-(the places requests can share: a system prompt, a document, a previous output), so a new completion
-forks the longest cached prefix on its engine and fills only the rest. Keys are token sequences, not
-texts: the tokens of a rendered prompt are those a plain completion of the same text gets, so KV is
-shared exactly when the tokens agree.
+A context is keyed by (engine, token prefix). Keys are token sequences, not texts: the tokens of a
+rendered prompt are those a plain completion of the same text gets, so KV is shared exactly when the
+tokens agree. Every context is also indexed by blocks (`block` tokens, the engines' page size): a hash
+chained over the full blocks of its tokens, as vLLM's automatic prefix caching does. That gives two
+views of any request's tokens, both in O(tokens / block) dictionary look-ups:
+* `longest_cached`: the longest cached context whose tokens are a prefix of the request (any length:
+  a semantic-variable boundary, a block checkpoint, a whole earlier prompt or prompt + output). A new
+  task forks it and fills only the rest.
+* `matched_blocks`: how many leading full blocks of the request some cached context holds, even one
+  longer than the match (the radix view). The engine forks a whole context, never a prefix of one, so
+  such a match cannot be forked; the task then keeps a context at that block boundary, so later
+  requests sharing the prefix fork it.
 
 Ownership: a context made only of global constant text (e.g. a system prompt shared by many users)
 belongs to no session and is pinned while hot; any other context belongs to the session that made it
@@ -17,10 +24,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
+
+
+def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
+    """h[k]: a hash of tokens[:k * block] chained block by block (h[0] = 0), for every full block."""
+    out = [0]
+    for k in range(len(tokens) // block):
+        out.append(hash((out[-1], tuple(tokens[k * block:(k + 1) * block]))))
+    return out
 
 
 @dataclass(eq=False)
@@ -41,9 +56,14 @@ class CachedContext:
 
 
 class ContextManager:
-    def __init__(self, pin_hits: int = 2) -> None:
+    def __init__(self, pin_hits: int = 2, block: int = 16) -> None:
+        self.block = block
         self._by_key: dict[tuple[str, tuple[int, ...]], CachedContext] = {}
         self._by_id: dict[tuple[str, str], CachedContext] = {}
+        # (engine, k, h[k]) -> contexts whose length is in [k * block, (k + 1) * block) with those k blocks
+        self._ending: dict[tuple[str, int, int], list[CachedContext]] = {}
+        # (engine, k, h[k]) -> how many contexts hold those k full blocks (k >= 1): the radix view
+        self._blocks: dict[tuple[str, int, int], int] = {}
         self.pin_hits = pin_hits  # a global context used this often is kept when its sessions end
         self.lookups = 0
         self.hit_tokens = 0
@@ -62,6 +82,40 @@ class ContextManager:
     def cached_length(self, engine: str, tokens: Sequence[int], boundaries: Sequence[int]) -> int:
         ctx = self.longest_prefix(engine, tokens, boundaries)
         return ctx.num_tokens if ctx is not None else 0
+
+    def longest_cached(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None,
+                       ) -> CachedContext | None:
+        """The cached context on `engine` with the most tokens that are all a prefix of `tokens`, whatever
+        its length. `hashes`: block_hashes(tokens, self.block), when the caller has them already."""
+        if hashes is None:
+            hashes = block_hashes(tokens, self.block)
+        n = len(tokens)
+        for k in range(len(hashes) - 1, -1, -1):
+            found = self._ending.get((engine, k, hashes[k]))
+            if not found:
+                continue
+            start = k * self.block
+            best = None
+            for ctx in found:
+                if (ctx.num_tokens <= n and (best is None or ctx.num_tokens > best.num_tokens)
+                        and ctx.tokens[start:] == tuple(tokens[start:ctx.num_tokens])
+                        and ctx.tokens[:start] == tuple(tokens[:start])):  # (a hash collision is not a match)
+                    best = ctx
+            if best is not None:
+                return self._by_key.get((engine, best.tokens), best)
+        return None
+
+    def matched_blocks(self, engine: str, hashes: Sequence[int]) -> int:
+        """How many leading full blocks of the tokens behind `hashes` a cached context on `engine` holds
+        (possibly a longer context, which cannot be forked at that length)."""
+        lo, hi = 0, len(hashes) - 1  # block k matched implies every block before it matched
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if (engine, mid, hashes[mid]) in self._blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def record_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.lookups += 1
@@ -87,6 +141,10 @@ class ContextManager:
         ctx = CachedContext(engine, context_id, tuple(tokens), parent, session_id)
         self._by_id[(engine, context_id)] = ctx
         self._by_key.setdefault((engine, ctx.tokens), ctx)
+        hashes = block_hashes(ctx.tokens, self.block)
+        self._ending.setdefault((engine, len(hashes) - 1, hashes[-1]), []).append(ctx)
+        for key in self._block_keys(engine, hashes):
+            self._blocks[key] = self._blocks.get(key, 0) + 1
         if parent is not None:
             parent.children += 1
         return ctx
@@ -110,20 +168,54 @@ class ContextManager:
             self._forget(ctx)
         return out
 
-    def evict_cold_globals(self, keep: int, idle_seconds: float = 30.0) -> list[CachedContext]:
+    def num_globals(self) -> int:
+        return sum(1 for c in self._by_id.values() if c.session_id is None)
+
+    def evict_cold_globals(self, keep: int, idle_seconds: float = 30.0, limit: int | None = None,
+                           ) -> list[CachedContext]:
         """Global contexts nobody forks from beyond the `keep` most used: forget and return them. A context
-        used in the last `idle_seconds` is never taken (a task may be about to fork from it)."""
+        used in the last `idle_seconds` is not taken (a task may be about to fork from it) unless more
+        than `limit` global contexts exist: then the least recently used leaves go (never one a task is
+        using or one with cached children) until `limit` remain."""
         now = time.monotonic()
+        order = (lambda c: (c.hits >= self.pin_hits, c.last_used))  # noqa: E731
         globals_ = sorted((c for c in self._by_id.values() if c.session_id is None and not c.in_use
-                           and not c.children and now - c.last_used > idle_seconds),
-                          key=lambda c: (c.hits >= self.pin_hits, c.last_used))
+                           and not c.children and now - c.last_used > idle_seconds), key=order)
         out = globals_[: max(0, len(globals_) - keep)]
         for ctx in out:
             self._forget(ctx)
+        if limit is not None:
+            over = self.num_globals() - limit
+            while over > 0:  # leaves first; their parents may become leaves
+                leaves = sorted((c for c in self._by_id.values() if c.session_id is None and not c.in_use
+                                 and not c.children), key=lambda c: c.last_used)[:over]
+                if not leaves:
+                    break
+                for ctx in leaves:
+                    self._forget(ctx)
+                out += leaves
+                over -= len(leaves)
         return out
 
+    def _block_keys(self, engine: str, hashes: Sequence[int]) -> Iterable[tuple[str, int, int]]:
+        return ((engine, k, hashes[k]) for k in range(1, len(hashes)))
+
     def _forget(self, ctx: CachedContext) -> None:
-        self._by_id.pop((ctx.engine, ctx.context_id), None)
+        if self._by_id.pop((ctx.engine, ctx.context_id), None) is None:
+            return
+        hashes = block_hashes(ctx.tokens, self.block)
+        ending = (ctx.engine, len(hashes) - 1, hashes[-1])
+        found = self._ending.get(ending, [])
+        if ctx in found:
+            found.remove(ctx)
+            if not found:
+                del self._ending[ending]
+        for key in self._block_keys(ctx.engine, hashes):
+            n = self._blocks.get(key, 0) - 1
+            if n > 0:
+                self._blocks[key] = n
+            else:
+                self._blocks.pop(key, None)
         key = (ctx.engine, ctx.tokens)
         if self._by_key.get(key) is ctx:
             del self._by_key[key]

@@ -5,9 +5,11 @@ text is a global, content-addressed variable split by the prefix matcher; other 
 inserted into the session's graph as completion chains. Reading a variable marks what it depends on as
 needed (performance deduction); ready and needed chains become tasks for the GlobalScheduler, which
 places them on engines by cached prefix and load. A task tokenizes its whole prompt at once (the same
-tokens a plain completion of that text gets), forks the longest cached prefix context on its engine,
-fills the rest variable by variable (each boundary cached for later forks) and generates into its
-output variable, streaming. An engine that dies has its unfinished tasks re-dispatched elsewhere.
+tokens a plain completion of that text gets), forks the longest cached context whose tokens begin its
+prompt (automatic prefix caching: any earlier prompt, checkpoint or output on that engine, matched
+block by block), fills the rest, keeping contexts at the boundaries later work can share, and
+generates into its output variable, streaming. An engine that dies has its unfinished tasks
+re-dispatched elsewhere.
 """
 
 from __future__ import annotations
@@ -170,10 +172,10 @@ class ParrotServeCore:
         self.vars = SemanticVariableManager()
         self.tokenizers = tokenizers or TokenizerManager()
         self.engines = EngineManager()
-        self.contexts = ContextManager(pin_hits=cfg.pin_hits)
+        self.contexts = ContextManager(pin_hits=cfg.pin_hits, block=cfg.prefix_block_tokens)
         self.prefix_sharing = cfg.prefix_sharing
         self.scheduler = GlobalScheduler(self.contexts, self._engine_views, latency_cap=cfg.latency_cap,
-                                         app_aware=cfg.app_aware)
+                                         app_aware=cfg.app_aware, cache_aware=cfg.prefix_sharing)
         self.prefix_matcher = PrefixMatcher()
         self.sessions: dict[str, Session] = {}
         self._inflight_prefix: dict[tuple[str, tuple[int, ...]], asyncio.Future[CachedContext]] = {}
@@ -289,9 +291,12 @@ class ParrotServeCore:
                 self._dispatch()
             if time.monotonic() - last_evict >= cfg.evict_every_s:
                 last_evict = time.monotonic()
-                for ctx in self.contexts.evict_cold_globals(keep=self.max_global_contexts,
-                                                            idle_seconds=cfg.global_idle_s):
-                    self._spawn(self._free_context(ctx))
+                self._evict(cfg.global_idle_s)
+
+    def _evict(self, idle_seconds: float) -> None:
+        for ctx in self.contexts.evict_cold_globals(keep=self.max_global_contexts, idle_seconds=idle_seconds,
+                                                    limit=self.config.max_cached_contexts):
+            self._spawn(self._free_context(ctx))
 
     async def _expire_sessions(self) -> None:
         while True:
@@ -645,6 +650,8 @@ class ParrotServeCore:
         if not self.prefix_sharing:
             for ctx in self.contexts.release_session(task.task_id):
                 self._spawn(self._free_context(ctx))
+        elif self.contexts.num_globals() > self.config.max_cached_contexts:  # a burst of prompts: bound the cache
+            self._evict(self.config.global_idle_s)
         if isinstance(rec, _ChainRecord):
             if rec.session.session_id not in self.sessions:  # deleted while this task ran: free what it made
                 for ctx in self.contexts.release_session(rec.session.session_id):
@@ -658,9 +665,11 @@ class ParrotServeCore:
             self._dispatch()
 
     async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
-        """Fork the longest cached prefix on this engine and fill the rest, stopping (and caching a context)
-        only at global text and at prefixes another live task shares; concurrent tasks needing the same
-        prefix wait for one fill instead of repeating it.
+        """Fork the longest cached context whose tokens begin the prompt on this engine and fill the rest,
+        stopping (and caching a context) where later work can share a prefix: global text, prefixes
+        another live task shares (semantic boundaries or full blocks), the full blocks a cached longer
+        context shares with this prompt, every `prefix_checkpoint_tokens`, and the whole prompt.
+        Concurrent tasks needing the same prefix wait for one fill instead of repeating it.
         Returns the context holding the whole prompt and how many prompt tokens this task did not compute
         itself (found cached, or filled once for several tasks by another of them)."""
         engine = client.name
@@ -671,27 +680,57 @@ class ParrotServeCore:
             await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(),
                                           priority=rec.priority))
             return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
-        parent = self.contexts.longest_prefix(engine, task.tokens, task.boundaries)
+        block = self.contexts.block
+        hashes = task.hashes(block)
+        parent = self.contexts.longest_cached(engine, task.tokens, hashes)
         if parent is not None:
             self.contexts.touch(parent)
         rec.note(boundaries=task.boundaries, forked_from=parent.context_id if parent else None,
                  forked_tokens=parent.num_tokens if parent else 0)
-        # one Fill up to each prefix worth a context of its own: global text (a system prompt, kept across
-        # sessions) or a prefix another live task shares; the rest of the prompt is filled in one piece
+        n = len(task.tokens)
         keep = self.scheduler.shared_boundaries(task)
         last = len(task.boundaries) - 1
-        computed = 0
+        cuts: dict[int, str | None] = {}  # prompt length -> owner of the context kept there
         for i, b in enumerate(task.boundaries):
-            if (parent is not None and b <= parent.num_tokens) or (
-                    i < last and rec.owners[i] is not None and b not in keep):
-                continue
-            parent, filled = await self._fill_prefix(client, task.tokens[:b], parent, rec.owners[i], rec)
-            computed += filled
-            if not filled:  # filled by a concurrent task: this one forks it
-                rec.note(forked_from=parent.context_id, forked_tokens=parent.num_tokens)
+            if i == last or rec.owners[i] is None or b in keep:
+                cuts[b] = rec.owners[i]
+
+        def owner_at(c: int) -> str | None:  # the owner of the variable a block boundary lies in
+            return rec.owners[next(i for i, b in enumerate(task.boundaries) if b >= c)]
+
+        blocks = {self.contexts.matched_blocks(engine, hashes) * block}
+        if self.config.prefix_checkpoint_tokens:
+            blocks.update(range(self.config.prefix_checkpoint_tokens, n, self.config.prefix_checkpoint_tokens))
+        for c in blocks:
+            if 0 < c < n and c not in cuts:
+                cuts[c] = owner_at(c)
+        computed = 0
+        held = parent  # a context this task forks next is in use: it is not evicted meanwhile
+        if held is not None:
+            held.in_use += 1
+        try:
+            while True:
+                start = parent.num_tokens if parent is not None else 0
+                shared = self.scheduler.shared_blocks(task) * block  # a task that arrived since shares more
+                if start < shared < n and shared not in cuts:
+                    cuts[shared] = owner_at(shared)
+                c = min((c for c in cuts if c > start), default=None)
+                if c is None:
+                    break
+                parent, filled = await self._fill_prefix(client, task.tokens[:c], parent, cuts[c], rec)
+                parent.in_use += 1
+                if held is not None:
+                    held.in_use -= 1
+                held = parent
+                computed += filled
+                if not filled:  # filled by a concurrent task: this one forks it
+                    rec.note(forked_from=parent.context_id, forked_tokens=parent.num_tokens)
+        finally:
+            if held is not None:
+                held.in_use -= 1
         assert parent is not None
-        self.contexts.record_lookup(len(task.tokens), len(task.tokens) - computed)
-        return parent, len(task.tokens) - computed
+        self.contexts.record_lookup(n, n - computed)
+        return parent, n - computed
 
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
                            owner: str | None, rec: _TaskRecord) -> tuple[CachedContext, int]:
@@ -726,8 +765,10 @@ class ParrotServeCore:
                  shared: int = 1) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
-        pieces are kept as global contexts for later requests (a system prompt), the rest are freed when
-        the completion ends. Returns a queue receiving text deltas, then a CompletionResult or an error."""
+        pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
+        the whole prompt (and its block checkpoints) stays cached too, evicted least recently used;
+        without, the rest is freed when the completion ends.
+        Returns a queue receiving text deltas, then a CompletionResult or an error."""
         if not "".join(pieces):
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
@@ -744,7 +785,9 @@ class ParrotServeCore:
             n += len(piece)
             if piece:
                 boundaries.append(n)
-                owners.append(None if i < shared else owner)
+                # automatic prefix caching: the whole prompt stays cached (a global context, evicted least
+                # recently used); only the generated context is the completion's own
+                owners.append(None if i < shared or self.prefix_sharing else owner)
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(sampling, owners, owner, queue=queue, priority=self._priority(criterion))
         task = CompletionTask(owner, tokens, boundaries, criterion, payload=rec)

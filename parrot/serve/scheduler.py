@@ -3,8 +3,9 @@
 Order: latency-critical tasks before throughput tasks, then app-FIFO (requests deeper in an app's DAG,
 i.e. activated by earlier work, first), then arrival. A task group (chains feeding one consumer) is
 dispatched together. Placement, per task: the live engine holding the longest cached prefix of the
-task's tokens (ContextManager), counting prefixes that tasks placed earlier in the same round will
-create, so tasks sharing a prefix land together and fill it once; among equals, the least loaded.
+task's tokens (ContextManager: any cached context, at any length, whose tokens begin the prompt),
+counting prefixes (semantic boundaries and full blocks) that tasks placed earlier in the same round
+will create, so tasks sharing a prefix land together and fill it once; among equals, the least loaded.
 An engine's capacity depends on what it runs: latency-critical tasks are admitted while fewer than
 `latency_cap` of them run there, whatever throughput work it holds (a chat never waits for a batch
 job to finish); throughput tasks fill it to its batch size, but only up to `latency_cap` tasks in all
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from parrot.serve.contexts import ContextManager
+from parrot.serve.contexts import ContextManager, block_hashes
 
 Criterion = Literal["latency", "throughput"]
 _ids = itertools.count()
@@ -37,6 +38,13 @@ class CompletionTask:
     task_id: str = field(default_factory=lambda: f"task-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     engine: str | None = None
+    _hashes: tuple[int, list[int]] | None = field(default=None, repr=False)
+
+    def hashes(self, block: int) -> list[int]:
+        """block_hashes(tokens, block), computed once."""
+        if self._hashes is None or self._hashes[0] != block:
+            self._hashes = (block, block_hashes(self.tokens, block))
+        return self._hashes[1]
 
     def sort_key(self) -> tuple:
         return (self.criterion != "latency", -self.depth, self.arrival)
@@ -53,10 +61,12 @@ class EngineView:
 
 class GlobalScheduler:
     def __init__(self, contexts: ContextManager, engines: Callable[[], Sequence[EngineView]],
-                 latency_cap: int = 16, app_aware: bool = True) -> None:
+                 latency_cap: int = 16, app_aware: bool = True, cache_aware: bool | None = None) -> None:
         """`app_aware=False` is the plain-serving baseline: first come first served, no task groups, no
-        latency caps, placement by load only (what a server that sees requests one by one can do)."""
+        latency caps. `cache_aware` (default: `app_aware`): place a task where its longest prefix is
+        cached; otherwise by load only."""
         self.app_aware = app_aware
+        self.cache_aware = app_aware if cache_aware is None else cache_aware
         self.contexts = contexts
         self.engines = engines
         self.latency_cap = latency_cap
@@ -89,16 +99,27 @@ class GlobalScheduler:
         ordered = self._ordered()
         placed: list[CompletionTask] = []
         planned: dict[tuple[str, tuple[int, ...]], int] = {}  # prefixes this round will create
+        planned_blocks: set[tuple[str, int, int]] = set()  # (engine, k, hash of k full blocks) this round fills
+        block = self.contexts.block
         for task in ordered:
             best, best_key = None, None
+            hashes = task.hashes(block) if self.cache_aware else []
             for view in views.values():
                 if self._capacity(view, task) <= 0:
                     continue
-                cached = (self.contexts.cached_length(view.name, task.tokens, task.boundaries)
-                          if self.app_aware else 0)
-                for b in task.boundaries:
-                    if b > cached and planned.get((view.name, tuple(task.tokens[:b]))):
-                        cached = b
+                cached = 0
+                if self.cache_aware:
+                    ctx = self.contexts.longest_cached(view.name, task.tokens, hashes)
+                    cached = ctx.num_tokens if ctx is not None else 0
+                    for b in task.boundaries:
+                        if b > cached and planned.get((view.name, tuple(task.tokens[:b]))):
+                            cached = b
+                    for k in range(len(hashes) - 1, 0, -1):
+                        if k * block <= cached:
+                            break
+                        if (view.name, k, hashes[k]) in planned_blocks:
+                            cached = k * block
+                            break
                 key = (cached, -self.load(view.name) - view.queued)
                 if best_key is None or key > best_key:
                     best, best_key = view, key
@@ -107,8 +128,10 @@ class GlobalScheduler:
             task.engine = best.name
             self.running[task.task_id] = task
             placed.append(task)
-            for b in task.boundaries:
-                planned[(best.name, tuple(task.tokens[:b]))] = 1
+            if self.cache_aware:
+                for b in task.boundaries:
+                    planned[(best.name, tuple(task.tokens[:b]))] = 1
+                planned_blocks.update((best.name, k, hashes[k]) for k in range(1, len(hashes)))
         placed_ids = {t.task_id for t in placed}
         self.queue = [t for t in self.queue if t.task_id not in placed_ids]
         return placed
@@ -136,6 +159,29 @@ class GlobalScheduler:
                 shared.update(x for x in task.boundaries if x <= b)  # a shared prefix's prefixes are shared
                 break
         return shared
+
+    def shared_blocks(self, task: CompletionTask) -> int:
+        """How many leading full blocks of `task`'s tokens another queued or running task has too (the
+        longest block-aligned prefix worth filling once and keeping as a context of its own)."""
+        block = self.contexts.block
+        mine = task.hashes(block)
+        best = 0
+        for t in (*self.queue, *self.running.values()):
+            if t is task or len(t.tokens) < (best + 1) * block:
+                continue
+            theirs = t.hashes(block)
+            top = min(len(mine), len(theirs)) - 1
+            if top <= best or mine[best + 1] != theirs[best + 1]:
+                continue
+            lo, hi = best + 1, top  # chained hashes: equal at k means equal at every j < k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if mine[mid] == theirs[mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            best = lo
+        return best
 
     def finished(self, task: CompletionTask) -> None:
         self.running.pop(task.task_id, None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parrot.serve.contexts import ContextManager
+from parrot.serve.contexts import ContextManager, block_hashes
 
 
 def test_longest_prefix_at_boundaries() -> None:
@@ -60,3 +60,31 @@ def test_duplicate_prefix_takes_over_when_first_goes() -> None:
     assert cm.longest_prefix("e1", [7, 8, 9], [2]) is first
     cm.release_session("s1")
     assert cm.longest_prefix("e1", [7, 8, 9], [2]) is second
+
+
+def test_longest_cached_at_any_length_and_matched_blocks() -> None:
+    cm = ContextManager(block=4)
+    a = cm.register("e1", "a", list(range(10)), None, None)  # 2 full blocks + 2 tokens
+    b = cm.register("e1", "b", list(range(13)), a, None)
+    assert cm.longest_cached("e1", list(range(20))) is b
+    assert cm.longest_cached("e1", list(range(12))) is a  # b is longer than the prompt
+    assert cm.longest_cached("e1", [*range(10), 99]) is a
+    assert cm.longest_cached("e1", [*range(9), 99]) is None  # a diverges at its 10th token
+    assert cm.longest_cached("e2", list(range(20))) is None
+    # the radix view: 2 leading blocks are held (by a longer context that cannot be forked there)
+    assert cm.matched_blocks("e1", block_hashes([*range(9), 99], 4)) == 2
+    assert cm.matched_blocks("e1", block_hashes([*range(12), 99], 4)) == 3
+    assert cm.matched_blocks("e1", block_hashes([99] * 8, 4)) == 0
+    cm.release_session(None)
+    assert cm.longest_cached("e1", list(range(20))) is None and not cm._ending and not cm._blocks
+
+
+def test_cache_limit_evicts_least_recently_used_leaves_now() -> None:
+    cm = ContextManager(block=4)
+    root = cm.register("e1", "root", [1, 2, 3, 4], None, None)
+    leaves = [cm.register("e1", f"l{i}", [1, 2, 3, 4, i], root, None) for i in range(4)]
+    leaves[0].in_use = 1  # a task forks it now: kept
+    out = cm.evict_cold_globals(keep=10, limit=3)  # all used just now, but over the limit
+    assert out == leaves[1:3] and cm.num_globals() == 3  # root has children: kept while they are
+    out = cm.evict_cold_globals(keep=10, limit=1)
+    assert out == [leaves[3]] and {c.context_id for c in cm.contexts()} == {"root", "l0"}

@@ -131,3 +131,15 @@ def test_shared_boundaries_are_prefixes_another_live_task_has() -> None:
     assert s.shared_boundaries(engineer_b) == {2, 4}
     s.finished(engineer_a)
     assert s.shared_boundaries(engineer_b) == set()
+
+
+def test_shared_blocks_are_the_longest_block_prefix_another_live_task_has() -> None:
+    s = GlobalScheduler(ContextManager(block=4), lambda: [EngineView("e1", 8)])
+    a = task([*range(14), 1])
+    b = task([*range(11), 7, 7])  # shares 11 tokens with a: 2 full blocks
+    c = task([50] * 9)
+    for t in (a, b, c):
+        s.submit(t)
+    assert s.shared_blocks(a) == 2 and s.shared_blocks(b) == 2 and s.shared_blocks(c) == 0
+    s.queue.remove(b)
+    assert s.shared_blocks(a) == 0
