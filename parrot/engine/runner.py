@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
@@ -91,6 +92,7 @@ class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
         enable_compilation_cache(ecfg.compilation_cache_dir)
+        procinfo.keep_large_blocks()  # before the KV pool and any step's temporaries are allocated
         self.cfg, self.ecfg = cfg, ecfg
         prefill_dtype, decode_dtype, self.act_dtype = default_dtypes()
         if ecfg.dtype or dtype:  # one dtype for every step (e.g. float32 for exact reference runs)
