@@ -80,6 +80,9 @@ class ServeConfig:
     # automatic prefix caching (prefix_sharing): every prompt is cached, matched block by block
     prefix_block_tokens: int = 16  # block of the prefix index (the engines' page size)
     prefix_checkpoint_tokens: int = 256  # a prompt also keeps a context every this many tokens (0: none)
+    # ... and one at the last block boundary this many tokens before its end (prompts of 4x that or more; 0:
+    # none): a later prompt that shares all but a last question of up to this many tokens forks it
+    prefix_tail_checkpoint_tokens: int = 64
     global_idle_s: float = 30.0  # a global context used this recently is never dropped
     dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)
     evict_every_s: float = 5.0  # how often cold global contexts are dropped
@@ -106,5 +109,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive")
         if self.prefix_checkpoint_tokens < 0 or self.prefix_checkpoint_tokens % self.prefix_block_tokens:
             raise ValueError("prefix_checkpoint_tokens must be a multiple of prefix_block_tokens (or 0)")
+        if self.prefix_tail_checkpoint_tokens < 0:
+            raise ValueError("prefix_tail_checkpoint_tokens must not be negative")
         if self.api_key is not None and not self.api_key.strip():
             self.api_key = None

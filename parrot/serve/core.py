@@ -668,7 +668,8 @@ class ParrotServeCore:
         """Fork the longest cached context whose tokens begin the prompt on this engine and fill the rest,
         stopping (and caching a context) where later work can share a prefix: global text, prefixes
         another live task shares (semantic boundaries or full blocks), the full blocks a cached longer
-        context shares with this prompt, every `prefix_checkpoint_tokens`, and the whole prompt.
+        context shares with this prompt, every `prefix_checkpoint_tokens`, the last block boundary
+        `prefix_tail_checkpoint_tokens` before the end, and the whole prompt.
         Concurrent tasks needing the same prefix wait for one fill instead of repeating it.
         Returns the context holding the whole prompt and how many prompt tokens this task did not compute
         itself (found cached, or filled once for several tasks by another of them)."""
@@ -701,6 +702,9 @@ class ParrotServeCore:
         blocks = {self.contexts.matched_blocks(engine, hashes) * block}
         if self.config.prefix_checkpoint_tokens:
             blocks.update(range(self.config.prefix_checkpoint_tokens, n, self.config.prefix_checkpoint_tokens))
+        tail = self.config.prefix_tail_checkpoint_tokens
+        if tail and n >= 4 * tail:  # where a prompt sharing all but a last question diverges
+            blocks.add((n - tail) // block * block)
         for c in blocks:
             if 0 < c < n and c not in cuts:
                 cuts[c] = owner_at(c)

@@ -4,6 +4,7 @@ block, through real loopback servers (OpenAI client) and the serve core over a t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -12,9 +13,11 @@ import pytest
 
 from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
+from parrot.engine.loader import LoadedModel
+from parrot.engine.models.llama import random_weights
 from parrot.protocol import SamplingParams
 from parrot.serve.core import CompletionResult
-from tests.conftest import tiny_engine_config, tiny_model
+from tests.conftest import TINY, tiny_engine_config, tiny_model, tiny_tokenizer
 from tests.servers import make_core, serving_core
 
 _rng = random.Random(12)
@@ -56,12 +59,28 @@ def test_completions_share_prefixes_and_greedy_outputs_are_unchanged(engine: LLM
     (_, n0, c0), (_, n1, c1), (_, n2, c2), (_, n3, c3), (_, n4, c4) = cached
     assert c0 == 0
     assert c1 >= 0.9 * n1 and c1 == n0  # the whole first prompt was cached
-    assert c2 >= 256  # a block checkpoint (every 256 tokens) of the first prompt
+    assert c2 == 272  # the first prompt's tail checkpoint: its last block boundary 64 tokens before its end
     assert c3 >= 0.9 * n3 and c3 == len(PREFIX) // 16 * 16  # the prefix's last full block, kept by the 3rd
     assert c4 == n4
     hit = next(float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("parrot:prefix_cache_hit_rate"))
     assert hit == pytest.approx(core.contexts.hit_rate) and hit > 0.5
+
+
+def test_a_second_prompt_diverging_near_the_end_finds_most_of_it_cached() -> None:
+    """A long document and a question, then the same document and another question: the second finds the
+    first's tail checkpoint (its last block boundary 64 tokens before its end)."""
+    config = dataclasses.replace(TINY, max_position=2048)
+    model = LoadedModel(config, random_weights(config, seed=1), tiny_tokenizer(), "tiny-long")
+    engine = LLMEngine(model, tiny_engine_config(kv_buckets=[256, 512, 1024, 2048])).start(precompile=False)
+    doc = "".join(random.Random(5).choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(1000))
+    try:
+        with serving_core(engine, "tiny", model.tokenizer) as (url, _):
+            (_, _, c0), (_, n1, c1) = _run(url, [doc + "\nQuestion: what is it about?\nAnswer:",
+                                                 doc + "\nQuestion: who wrote it?\nAnswer:"])
+    finally:
+        engine.shutdown()
+    assert c0 == 0 and c1 >= 0.9 * n1
 
 
 def _complete_all(core, prompts: list[str]) -> list[CompletionResult]:  # noqa: ANN001
