@@ -1,0 +1,69 @@
+"""ShapeCompiler with a fake compile function: order, promotion of a shape a step waits for, never
+compiling a shape twice, unknown shapes compiled inline, errors reaching the waiting step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from parrot.engine.compiler import ShapeCompiler
+
+
+class FakeCompile:
+    def __init__(self, seconds: float = 0.0, fail: set[int] | None = None) -> None:
+        self.seconds, self.fail = seconds, fail or set()
+        self.calls: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, key: int) -> str:
+        with self.lock:
+            self.calls.append(key)
+        time.sleep(self.seconds)
+        if key in self.fail:
+            raise RuntimeError(f"cannot compile {key}")
+        return f"exe-{key}"
+
+
+def test_compiles_in_the_given_order_each_once() -> None:
+    fake = FakeCompile()
+    c = ShapeCompiler(fake, workers=1)
+    c.submit([3, 1, 2])
+    c.submit([1, 4])  # known shapes are not queued again
+    c.wait()
+    assert fake.calls == [3, 1, 2, 4]
+    assert c.status() == (4, 4) and c.ready(2)
+
+
+def test_a_waiting_step_moves_its_shape_to_the_front() -> None:
+    fake = FakeCompile(seconds=0.05)
+    c = ShapeCompiler(fake, workers=1)
+    c.submit(list(range(20)))
+    value, compiled_now = c.get(19)
+    assert value == "exe-19" and not compiled_now
+    assert fake.calls.index(19) <= 2  # compiled right after the shape(s) already being worked on
+    c.wait()
+    assert sorted(fake.calls) == list(range(20))  # nothing twice
+
+
+def test_unknown_shapes_compile_inline_once_for_concurrent_callers() -> None:
+    fake = FakeCompile(seconds=0.1)
+    c = ShapeCompiler(fake, workers=2)
+    results: list[tuple[str, bool]] = []
+    threads = [threading.Thread(target=lambda: results.append(c.get(7))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fake.calls == [7]
+    assert sorted(r[1] for r in results) == [False, False, True]  # one compiled it, two waited
+
+
+def test_a_failed_shape_fails_its_waiters_and_not_the_others() -> None:
+    fake = FakeCompile(fail={2})
+    c = ShapeCompiler(fake, workers=2)
+    c.submit([1, 2, 3])
+    with pytest.raises(RuntimeError, match="cannot compile 2"):
+        c.get(2)
+    assert c.get(3) == ("exe-3", False) and c.ready(1) and not c.ready(2)

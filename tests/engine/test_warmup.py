@@ -1,0 +1,39 @@
+"""An engine answers while its shapes still compile: same tokens as a warm engine, no shape misses, and
+the warm-up progress in ping()."""
+
+from __future__ import annotations
+
+import time
+
+from parrot.engine.engine import LLMEngine
+from parrot.protocol import SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+
+SMALL = dict(token_buckets=[16, 32, 64], bs_buckets=[1, 2, 4], max_batch_size=4, kv_buckets=[64, 128],
+             max_num_batched_tokens=64, prefill_bs_buckets=[1, 2], cascade_suffix_buckets=[64])
+
+
+def test_serves_while_warming_up_with_the_same_tokens() -> None:
+    prompt, params = list(range(3, 45)), SamplingParams(max_tokens=10, ignore_eos=True)
+    warm = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
+    try:
+        expected = warm.complete(prompt, params).response.token_ids
+        assert warm.ping().compiled_shapes == warm.ping().total_shapes > 0
+    finally:
+        warm.shutdown()
+    eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True, wait=False)
+    try:
+        info = eng.ping()
+        assert info.total_shapes > 0 and info.warmup_s is None
+        assert eng.complete(prompt, params, timeout=300).response.token_ids == expected
+        deadline = time.monotonic() + 300
+        while eng.ping().compiled_shapes < eng.ping().total_shapes and time.monotonic() < deadline:
+            time.sleep(0.2)
+        info = eng.ping()
+        assert info.compiled_shapes == info.total_shapes and info.shape_misses == 0
+        deadline = time.monotonic() + 30
+        while eng.ping().warmup_s is None and time.monotonic() < deadline:  # set just after the last shape
+            time.sleep(0.1)
+        assert eng.ping().warmup_s is not None and eng.ping().rss_bytes
+    finally:
+        eng.shutdown()
