@@ -143,3 +143,26 @@ def test_shared_blocks_are_the_longest_block_prefix_another_live_task_has() -> N
     assert s.shared_blocks(a) == 2 and s.shared_blocks(b) == 2 and s.shared_blocks(c) == 0
     s.queue.remove(b)
     assert s.shared_blocks(a) == 0
+
+
+def test_placement_sees_cached_prompts_and_planned_blocks_at_any_boundary() -> None:
+    """Automatic prefix caching: a cached earlier prompt counts wherever the new task's own boundaries are,
+    full blocks of tasks placed in the same round count too, and a full engine loses to one with room."""
+    cm = ContextManager(block=4)
+    cm.register("e2", "p", list(range(10)), None, None)  # an earlier prompt, cached on e2
+    engines = [EngineView("e1", 8), EngineView("e2", 8)]
+    s = make(engines, cm)
+    t = task([*range(10), 50, 51])  # one boundary only: the end of its prompt
+    s.submit(t)
+    assert s.schedule() == [t] and t.engine == "e2"
+    a, b = task([9] * 12 + [1]), task([9] * 12 + [2])  # nothing cached; they share 3 blocks
+    s.running.clear()
+    engines[1].queued = 1  # e2 is busier: a goes to e1, and b follows a there
+    s.submit(a)
+    s.submit(b)
+    assert s.schedule() == [a, b] and a.engine == b.engine == "e1"
+    s.running.clear()
+    engines[1].queued = 8  # e2 is full: its cache does not help
+    u = task([*range(10), 60])
+    s.submit(u)
+    assert s.schedule() == [u] and u.engine == "e1"
