@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 
+import parrot as P
 from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
@@ -144,3 +145,36 @@ def test_cached_contexts_are_bounded_and_freed(engine: LLMEngine) -> None:
     while engine.ping().num_contexts - before > 6 and time.time() < deadline:
         time.sleep(0.05)
     assert engine.ping().num_contexts - before <= 6
+
+
+@P.semantic_function(template="{{doc}} another one{{out}}")
+def ask(doc: P.Input, out: P.Output(max_tokens=4, ignore_eos=True, temperature=0.0)): ...
+
+
+@P.semantic_function(template="{{doc}} a third thing{{out}}")
+def ask_again(doc: P.Input, out: P.Output(max_tokens=4, ignore_eos=True, temperature=0.0)): ...
+
+
+def test_semantic_calls_share_prefixes_with_completions_and_other_sessions(engine: LLMEngine) -> None:
+    """One cache for every path: a session's call whose (session-local) input repeats an earlier completion's
+    document forks its checkpoint, and another session's call forks the block prefix the first call kept
+    (a context in session text lives as long as its session)."""
+    model = tiny_model()
+    with serving_core(engine, "tiny", model.tokenizer) as (url, _):
+        _run(url, [PREFIX + " first question?"])
+        cached = []
+        vms = [P.VirtualMachine(url, timeout=60), P.VirtualMachine(url, timeout=60)]
+        try:
+            for fn, vm in zip((ask, ask_again), vms, strict=True):
+                vm.open()
+                vm.activate()
+                try:
+                    fn(PREFIX).get(timeout=60)
+                finally:
+                    vm.deactivate()
+                [gen] = vm.inspect()["generations"]
+                cached.append(gen["cached_tokens"])
+        finally:
+            for vm in vms:
+                vm.close()
+    assert cached == [272, len(PREFIX) // 16 * 16]  # the completion's tail checkpoint; the shared blocks
