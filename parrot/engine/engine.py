@@ -170,9 +170,9 @@ class LLMEngine:
                 freed = self.scheduler.free_context(context_id) if context_id in self.kv else None
                 if freed is None:
                     raise NotFoundError(f"context {context_id!r} does not exist")
-                fut.set_result(FreeContextResponse(context_id=context_id, freed_pages=freed))
+                _settle(fut, FreeContextResponse(context_id=context_id, freed_pages=freed))
             except ParrotError as exc:
-                fut.set_exception(exc)
+                _settle(fut, None, exc)
 
         if self._thread is None or self._dead is not None or self._stop:
             raise EngineDeadError("the engine is not running")
@@ -187,7 +187,7 @@ class LLMEngine:
         def do() -> None:
             outputs = self.scheduler.abort(context_id)
             self._deliver(outputs)
-            fut.set_result(bool(outputs))
+            _settle(fut, bool(outputs))
 
         if self._thread is None or self._dead is not None or self._stop:
             raise EngineDeadError("the engine is not running")
@@ -339,12 +339,16 @@ def _finish(job: Job, result: object | None, err: BaseException | None = None) -
 
 
 def _resolver(fut: concurrent.futures.Future) -> Callable[[object | None, BaseException | None], None]:
-    def done(result: object | None, err: BaseException | None) -> None:
-        if fut.done():
-            return
+    return lambda result, err: _settle(fut, result, err)
+
+
+def _settle(fut: concurrent.futures.Future, result: object | None, err: BaseException | None = None) -> None:
+    """Resolve a caller's future from the engine thread; one the caller cancelled (or that is already
+    resolved) is left as it is: the loop thread must never die of it."""
+    try:
         if err is not None:
             fut.set_exception(err)
         else:
             fut.set_result(result)
-
-    return done
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ class Tokenizer:
 
     # ---- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode(encodable(text), add_special_tokens=False).ids
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
@@ -168,6 +169,15 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
         digits = pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated")
         return pre_tokenizers.Sequence([digits, byte_level])
     return byte_level
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """`text` with each lone UTF-16 surrogate (e.g. from a JSON "\\ud800" escape; a Python str holds no
+    pairs) replaced by U+FFFD, one character for one, so offsets stay valid; `tokenizers` refuses them."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 class IncrementalDetokenizer:

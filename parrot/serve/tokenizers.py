@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from parrot.engine.model_files import DEFAULT_MODEL
-from parrot.engine.tokenizer import Tokenizer, load_tokenizer
+from parrot.engine.tokenizer import Tokenizer, encodable, load_tokenizer
 
 Loader = Callable[[str | Path | None], Tokenizer]
 
@@ -92,7 +92,7 @@ def split_at_pieces(tok: Tokenizer, pieces: Sequence[str], add_bos: bool | None 
     for piece in pieces:
         total += len(piece)
         ends.append(total)
-    enc = tok.backend.encode("".join(pieces), add_special_tokens=False)
+    enc = tok.backend.encode(encodable("".join(pieces)), add_special_tokens=False)
     last = len(pieces) - 1
     current = 0
     for token_id, (start, end) in zip(enc.ids, enc.offsets, strict=True):

@@ -260,3 +260,17 @@ def test_shared_prefix_attention_keeps_results() -> None:
         finally:
             eng.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_a_cancelled_caller_future_does_not_stop_the_loop(engine: LLMEngine) -> None:
+    """A caller that gave up (its future cancelled before the engine resolved it) must not kill the loop."""
+    fill(engine, "cancelled-free", prompt(9))
+    fut = engine.free_future("cancelled-free")
+    fut.cancel()
+    gen_fut = engine.generate_future(GenerateRequest(context_id="cf-gen", parent_context_id=None,
+                                                     sampling=SamplingParams(max_tokens=2)))
+    gen_fut.cancel()
+    engine.abort_future("nothing-here").cancel()
+    fill(engine, "after-cancel", prompt(10))  # the loop still runs
+    assert engine.alive
+    engine.free_future("after-cancel").result(TIMEOUT)

@@ -291,3 +291,11 @@ def test_truncate_tokens_with_the_default_tokenizer(manager: TokenizerManager) -
     call = validate_call("truncate_tokens", {"n": 3}, ["text"], ["output"])
     text = "<|im_start|>user\nhello there"  # special tokens count and are kept as text
     assert run_transform(call, {"text": text}, ctx) == {"output": "<|im_start|>user\n"}
+
+
+def test_lone_surrogates_encode_as_the_replacement_character(manager: TokenizerManager) -> None:
+    """A JSON body may carry "\\ud800": it tokenizes like U+FFFD instead of raising, pieces included."""
+    text = "a\ud800b"
+    assert manager.encode(None, text) == manager.encode(None, "a\ufffdb")
+    split = manager.encode_pieces(None, ["a\ud800", "b"])
+    assert [i for ids in split for i in ids] == manager.encode(None, text)
