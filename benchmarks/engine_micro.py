@@ -15,7 +15,6 @@ import numpy as np
 
 from benchmarks import floors
 from benchmarks.report import write_json
-from benchmarks.startup import cpu_name
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.batch import SequenceSlice, build_batch
@@ -56,7 +55,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "model": loaded.source, "params": loaded.config.num_params, "decode_weight_dtype": str(runner.dtype),
         "prefill_weight_dtype": str(runner.prefill_dtype), "activation_dtype": str(runner.act_dtype),
         "load_s": t_load, "load_read_dequant_s": t_read, "compile_s": {}, "jax": jax.__version__,
-        "backend": jax.default_backend(), "machine": cpu_name(), "configs": list(runners),
+        "backend": jax.default_backend(), "machine": procinfo.cpu_name(), "configs": list(runners),
     }
 
     def steps(shape: Shape, seqs: list[SequenceSlice]) -> dict[str, object]:

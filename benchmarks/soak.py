@@ -46,6 +46,8 @@ from typing import Any
 
 import httpx
 
+from parrot import procinfo
+
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ["chain", "map_reduce", "chat", "chat_cut", "stream_cut", "malformed", "regex", "big"]
 WEIGHTS = [3, 2, 3, 2, 2, 3, 1, 1]
@@ -66,20 +68,14 @@ def free_port() -> int:
 
 def rss_mb(pid: int, extra: list[int] | None = None) -> float | None:
     """Resident memory of the process, its children (engine processes) and `extra` processes, MiB."""
-    total, pids = 0, [pid, *(extra or [])]
+    pids = [pid, *(extra or [])]
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
         pids += [int(p) for p in out.split()]
     except OSError:
         pass
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024 if total else None
+    total = sum(procinfo.rss_bytes(p) or 0 for p in pids)
+    return total / 2**20 if total else None
 
 
 class Soak:

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.report import write_json
+from parrot import procinfo
 
 CHAT = {"model": "smollm2", "max_tokens": 8, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]}
@@ -45,26 +46,6 @@ def _post(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def _rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def start_once(port: int, cache_dir: str, layers_per_call: int, timeout: float, log_path: Path) -> dict:
@@ -91,7 +72,7 @@ def start_once(port: int, cache_dir: str, layers_per_call: int, timeout: float, 
             time.sleep(0.5)
             health = _get(base + "/health")
         out["warm_s"] = time.monotonic() - t0
-        out["rss_gb"] = (_rss_bytes(proc.pid) or 0) / 1e9
+        out["rss_gb"] = (procinfo.rss_bytes(proc.pid) or 0) / 1e9
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -104,7 +85,8 @@ def start_once(port: int, cache_dir: str, layers_per_call: int, timeout: float, 
 
 def run(layers: list[int], port: int, timeout: float, log_dir: Path) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
-    result: dict = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(), "runs": []}
+    result: dict = {"cpu": procinfo.cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                    "runs": []}
     for lpc in layers:
         with tempfile.TemporaryDirectory(prefix="parrot-jax-cache-") as cache:
             for phase in ("cold", "warm"):

@@ -1,22 +1,34 @@
-"""This process's resident memory and age, read from /proc (Linux; None where unavailable), and giving
-freed heap memory back."""
+"""Process and machine facts read from /proc (Linux; None where unavailable): resident memory, age,
+the CPU's name; and giving freed heap memory back."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import platform
 from pathlib import Path
 
 
-def rss_bytes() -> int | None:
-    """Resident set size now."""
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident set size of a process (this one by default) now."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for benchmark reports (machines of one kind differ)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def uptime_s() -> float | None:
