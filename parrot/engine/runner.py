@@ -207,12 +207,12 @@ class ModelRunner:
         samples."""
         if plan.copies:
             self.copy_pages(plan.copies)
-        parts = [self._run_slots(slots, decode) for slots, decode in ((plan.decode, True), (plan.prefill, False))
-                 if slots]
-        if all(p is None for p in parts):
-            return None
-        return np.concatenate([p if p is not None else np.zeros(len(s), np.int32)
-                               for p, s in zip(parts, (plan.decode, plan.prefill), strict=False)])
+        parts = []
+        for slots, decode in ((plan.decode, True), (plan.prefill, False)):
+            if slots:
+                sampled = self._run_slots(slots, decode)
+                parts.append(sampled if sampled is not None else np.zeros(len(slots), np.int32))
+        return np.concatenate(parts) if any(s.sample for s in plan.slots) else None
 
     def _run_slots(self, slots: list[Slot], decode: bool) -> np.ndarray | None:
         seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]

@@ -181,8 +181,6 @@ class Scheduler:
     def _on_token(self, job: Job, token: int) -> JobOutput:
         sp = job.sampling
         assert sp is not None
-        if job.first_token_time is None:
-            job.first_token_time = time.monotonic()
         ctx_tokens = self.tokens[job.context_id]
         out = JobOutput(job)
         if token in job.stop_ids:

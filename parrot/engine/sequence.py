@@ -45,7 +45,6 @@ class Job:
     detok: IncrementalDetokenizer | None = None
     stop_ids: frozenset[int] = frozenset()
     finish_reason: str | None = None
-    first_token_time: float | None = None
     preemptions: int = 0
 
     @property
