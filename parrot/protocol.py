@@ -6,11 +6,18 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request
 
 
 class SamplingParams(BaseModel):
-    """How a Generate decodes. Ranges are checked here; vocabulary bounds by the engine."""
+    """How a Generate decodes. Ranges are checked here; vocabulary bounds and constraint syntax by the engine.
+
+    Constraints (at most one): `json_schema`, `regex`, `choice`, `grammar` (Lark, llguidance syntax). The
+    output then matches it; it ends with finish_reason "stop" when the grammar is complete, "length" (the
+    partial text) when max_tokens comes first."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -18,14 +25,92 @@ class SamplingParams(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 = whole vocabulary")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
     seed: int | None = Field(None, ge=0, lt=2**32, description="per-request seed; None = random")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output)")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are suppressed until this many tokens")
+    # penalties: presence / frequency over the generated tokens (OpenAI), repetition over prompt + generated
+    # tokens (vLLM / Hugging Face: positive logits divided by it, negative ones multiplied)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1 = off")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> bias added to its logit")
+    # log probabilities of the model's raw distribution (log_softmax of the logits, before temperature,
+    # penalties, bias and constraint masks)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="None: none; n: each token's logprob plus the n most likely")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="logprobs of the tokens this generate feeds before its first")
+    # constraints
+    json_schema: dict[str, Any] | None = Field(None, description="a JSON schema the output must match")
+    regex: str | None = Field(None, min_length=1, description="a regular expression the output must match")
+    choice: list[str] | None = Field(None, min_length=1, description="the output is exactly one of these")
+    grammar: str | None = Field(None, min_length=1, description="a Lark grammar (llguidance syntax)")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias(cls, bias: dict[int, float]) -> dict[int, float]:
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+        bad = [t for t, b in bias.items() if t < 0 or not -100.0 <= b <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100] (bad: {bad[:5]})")
+        return bias
+
+    @field_validator("choice")
+    @classmethod
+    def _check_choice(cls, choice: list[str] | None) -> list[str] | None:
+        if choice is not None and any(not c for c in choice):
+            raise ValueError("choice strings must not be empty")
+        return choice
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        given = [n for n in CONSTRAINTS if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one constraint per generate; got {', '.join(given)}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> str | None:
+        """The name of the constraint field set, or None."""
+        return next((n for n in CONSTRAINTS if getattr(self, n) is not None), None)
+
+    @property
+    def penalized(self) -> bool:
+        """Presence, frequency or repetition penalty in use (the sampler then needs token counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")
+
+
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    token: str  # its text; a token that is not whole UTF-8 reads "bytes:\\xNN..." (as OpenAI writes it)
+    bytes: list[int]  # its UTF-8 bytes
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A chosen token's log probability and, when asked, the `logprobs` most likely tokens at its position
+    (from the model's raw distribution: before temperature, penalties, bias and constraint masks)."""
+
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[TopLogprob] = Field(default_factory=list)
 
 
 WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "
@@ -66,6 +151,10 @@ class GenerateResponse(BaseModel):
     text: str
     finish_reason: str  # "stop" | "length"
     num_tokens: int  # tokens in the context after the generation
+    logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
+    # with sampling.prompt_logprobs: one per token this generate fed before its first (None for a token with
+    # no token before it in the context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class StreamChunk(BaseModel):
@@ -74,6 +163,7 @@ class StreamChunk(BaseModel):
     token_id: int | None = None
     text: str = ""
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None  # with sampling.logprobs: token_id's
 
 
 class FreeContextRequest(BaseModel):
@@ -125,6 +215,8 @@ class RuntimeInfo(BaseModel):
     warmup_s: float | None = None  # engine start to every shape compiled (None while warming up)
     process_uptime_s: float | None = None  # at warm-up end: process start to every shape compiled
     rss_bytes: int | None = None  # the engine process's resident memory
+    constrained_steps: int = 0  # sampler calls with a constraint mask
+    fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----
