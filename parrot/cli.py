@@ -173,16 +173,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    """`parrot bench ...`: the application benchmarks of the source checkout this package is installed from."""
-    from pathlib import Path
+    """`parrot bench ...`: the application benchmarks (parrot/bench), installed with the `bench` extra."""
+    import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "benchmarks" / "apps" / "run.py").is_file():
-        raise ParrotError("parrot bench runs the benchmarks of a source checkout (benchmarks/ beside parrot/); "
-                          "install with `pip install -e .` from a clone of the repository")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.apps.run import main as bench_main
+    missing = [m for m in ("openai", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ParrotError(f"parrot bench needs {' and '.join(missing)}: pip install 'parrot-serve[bench]'")
+    from parrot.bench.run import main as bench_main
 
     return bench_main(argv)
 
@@ -272,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own argument parser (benchmarks/apps/run.py)
+    if argv[:1] == ["bench"]:  # its own argument parser (parrot/bench/run.py)
         try:
             return cmd_bench(argv[1:])
         except ParrotError as exc:

@@ -118,6 +118,22 @@ def test_baseline_mode_is_fifo_by_load_only() -> None:
     assert first.engine == "e1"  # the cached prefix on e2 is not considered; the tie goes to the first engine
 
 
+def test_apc_baseline_mode_is_fifo_but_follows_cached_prefixes() -> None:
+    """`--no-app-awareness` alone (bench system baseline-apc): arrival order, no criteria, depths, groups or
+    latency caps, but placement still follows the automatic prefix cache."""
+    cm = ContextManager(block=2)
+    cm.register("e2", "sys", [1, 2, 3, 4], None, None)
+    s = GlobalScheduler(cm, lambda: [EngineView("e1", 4), EngineView("e2", 4)], latency_cap=1, app_aware=False,
+                        cache_aware=True)
+    first = task([1, 2, 3, 4, 5], criterion="throughput", group="g")
+    urgent = [task([9, i], criterion="latency", depth=5) for i in range(3)]
+    second = task([7, 7], criterion="throughput", group="g")
+    for t in (first, *urgent, second):
+        s.submit(t)
+    assert s.schedule() == [first, *urgent, second]  # arrival order; 3 latency tasks despite latency_cap=1
+    assert first.engine == "e2"  # where its 4-token prefix is cached
+
+
 def test_shared_boundaries_are_prefixes_another_live_task_has() -> None:
     s = make([EngineView("e", 8)])
     engineer_a = task([1, 2, 3, 4, 5, 6], [2, 4, 6])  # team prompt | design | module a

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.apps.report import markdown, primary_speedup, write_report
+from parrot.bench.report import markdown, primary_speedup, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-LLAMACPP_ERROR = "not installed: run benchmarks/peers/install_llamacpp.sh"
+LLAMACPP_ERROR = "not installed: run sh parrot/bench/peers/install_llamacpp.sh"
 
 
 def _kind(jct: float) -> dict:

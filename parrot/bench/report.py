@@ -176,6 +176,7 @@ def markdown(result: dict) -> str:
         f"- **Duration:** {DASH if duration is None else f'{duration:.1f} s ({duration / 60:.1f} min)'}",
         f"- **Model:** {result.get('model') or DASH}",
         f"- **Machine:** {machine or DASH}",
+        f"- **Runs:** {_runs(result.get('repeats'))}",
         "",
     ]
     lines += _systems_section(result) + _headline_section(result)
@@ -183,6 +184,14 @@ def markdown(result: dict) -> str:
         lines += _workload_section(name, wl)
     lines += _engine_section(result.get("engine_micro"))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _runs(repeats: Any) -> str:
+    n = _num(repeats)
+    if n is None or n <= 1:
+        return "one run of each workload per system; all systems up side by side, each measured alone"
+    return (f"{n:.0f} runs of each workload per system, interleaved (the systems take turns going first); "
+            "every figure is the median over the runs")
 
 
 def _systems_section(result: dict) -> list[str]:

@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
-from benchmarks.apps import corpus, workloads
-from benchmarks.apps.metrics import primary_speedup, speedups, summarize
-from benchmarks.apps.runtime import (
+from parrot.bench import corpus, workloads
+from parrot.bench.metrics import median_summary, primary_speedup, speedups, summarize
+from parrot.bench.run import combine_runs
+from parrot.bench.runtime import (
     AppRecord,
     OpenAIRuntime,
     ParrotRuntime,
@@ -18,7 +19,7 @@ from benchmarks.apps.runtime import (
     output_port,
     render_prompt,
 )
-from benchmarks.apps.systems import build
+from parrot.bench.systems import build
 
 
 def test_corpus_chunks_are_real_text_in_order() -> None:
@@ -72,13 +73,26 @@ def test_summary_and_speedups() -> None:
     assert summarize(mixed, 1.0)["chat_jct_mean_s"] == 0.25
 
 
+def test_repeated_runs_report_each_metrics_median() -> None:
+    runs = [{"wall_s": w, "summary": {"jct_mean_s": j, "ttft_p50_s": None, "by_kind": {"chat": {"jct_mean_s": j}}}}
+            for w, j in ((3.0, 1.0), (9.0, 5.0), (4.0, 2.0))]
+    entry = combine_runs([*runs, {"error": "timed out after 9 s"}])
+    assert entry["wall_s"] == 4.0 and entry["summary"]["jct_mean_s"] == 2.0
+    assert entry["summary"]["ttft_p50_s"] is None and entry["summary"]["by_kind"]["chat"]["jct_mean_s"] == 2.0
+    assert entry["errors"] == ["timed out after 9 s"] and len(entry["runs"]) == 4
+    assert combine_runs([{"error": "x"}])["error"] == "x"
+    assert median_summary([runs[0]["summary"]]) is runs[0]["summary"]
+
+
 def test_systems_report_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
-    import benchmarks.apps.systems as systems
+    import parrot.bench.systems as systems
 
     monkeypatch.setattr(systems, "PEERS_DIR", tmp_path)
-    made = {s.name: s for s in build(["parrot", "baseline", "llama-server"], 9900, quick=True)}
+    made = {s.name: s for s in build(["parrot", "baseline-apc", "baseline", "llama-server"], 9900, quick=True)}
     assert "--no-prefix-sharing" in made["baseline"].command and "--no-app-awareness" in made["baseline"].command
+    apc = made["baseline-apc"].command
+    assert "--no-app-awareness" in apc and "--no-prefix-sharing" not in apc and made["baseline-apc"].port == 9901
     assert made["parrot"].missing is None and made["parrot"].port == 9900
     assert "install_llama_server.sh" in (made["llama-server"].missing or "")
     with pytest.raises(ValueError, match="unknown system"):

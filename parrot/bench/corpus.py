@@ -1,4 +1,5 @@
-"""The real texts the application workloads read (benchmarks/data, see its README), cut into pieces."""
+"""The real texts the application workloads read (parrot/bench/data, package data; see its README), cut into
+pieces."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import re
 from functools import cache
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parent / "data"
 CHARS_PER_TOKEN = 4.8  # SmolLM2 tokens on these license texts: 4.6-5.1 characters each (measured)
 
 
 @cache
 def text(name: str) -> str:
-    """A document of benchmarks/data, with runs of blank lines and trailing spaces squeezed."""
+    """A document of parrot/bench/data, with runs of blank lines and trailing spaces squeezed."""
     raw = (DATA / name).read_text(encoding="utf-8")
     lines = [line.rstrip() for line in raw.splitlines()]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()

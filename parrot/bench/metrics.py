@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.apps.runtime import AppRecord, Recorder, RequestRecord
+from parrot.bench.runtime import AppRecord, Recorder, RequestRecord
 
 
 def pct(values: Sequence[float | None], q: float) -> float | None:
@@ -44,6 +44,22 @@ def summarize(rec: Recorder, wall_s: float) -> dict:
         for k in kinds:
             for key in ("jct_mean_s", "jct_p50_s", "jct_p99_s"):
                 out[f"{k}_{key}"] = out["by_kind"][k][key]
+    return out
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Each metric's median over several runs' summaries (nested dicts alike; a metric missing or None in
+    every run stays None). With one run, that run's summary."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out: dict = {}
+    for key in dict.fromkeys(k for s in summaries for k in s):
+        values = [s.get(key) for s in summaries]
+        if any(isinstance(v, dict) for v in values):
+            out[key] = median_summary([v for v in values if isinstance(v, dict)])
+            continue
+        nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        out[key] = float(np.median(nums)) if nums else None
     return out
 
 

