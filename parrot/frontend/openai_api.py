@@ -40,248 +40,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
 
-from parrot.errors import NotFoundError, ParrotError, RateLimitError, code_of
+from parrot.errors import ParrotError
+from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
+from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, from_exception, unsupported
+from parrot.frontend.openai_logprobs import chat_logprobs, completion_logprobs
+from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest, require
+from parrot.frontend.openai_tools import (
+    ToolAnswer,
+    ToolError,
+    constraint_schema,
+    forced_prefix,
+    parse_tool_choice,
+    parse_tools,
+)
 from parrot.protocol import SamplingParams
-from parrot.serve.core import CompletionResult, ParrotServeCore
-from parrot.serve.engines import EngineUnavailableError
+from parrot.serve.core import CompletionResult, ParrotServeCore, TokenLogprobs
+from parrot.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
 
 log = logging.getLogger(__name__)
 
-MAX_N = 16
-MAX_STOP = 16
 CREATED = int(time.time())
-
-
-# ---- errors -------------------------------------------------------------------------------------
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status == 429 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def _unsupported(param: str, what: str) -> OpenAIError:
-    return OpenAIError(400, f"{what} is not supported by this server", param=param, code="unsupported_parameter")
-
-
-def _from_exception(exc: BaseException) -> OpenAIError:
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, NotFoundError):
-        return OpenAIError(404, str(exc), code="not_found")
-    if isinstance(exc, EngineUnavailableError):
-        return OpenAIError(503, str(exc), type_="server_error", code="engine_unavailable")
-    if isinstance(exc, RateLimitError):
-        return OpenAIError(429, str(exc), type_="rate_limit_error", code=exc.code)
-    if isinstance(exc, ParrotError):  # InvalidRequestError and failures reported by the engine
-        return OpenAIError(400, str(exc) or type(exc).__name__, code=code_of(exc))
-    if isinstance(exc, StarletteHTTPException):
-        return OpenAIError(exc.status_code, str(exc.detail), type_="invalid_request_error" if exc.status_code < 500
-                           else "server_error")
-    log.exception("unhandled error in the OpenAI API", exc_info=exc)
-    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
-
-
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    parts, param = [], None
-    for e in exc.errors():
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # drop pydantic's union-member tags ("str", "list[str]") from the path shown to the user
-        where = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "list"))
-        param = param or where or None
-        msg = str(e.get("msg"))
-        if e.get("type") == "json_invalid":
-            msg = f"the body is not valid JSON: {e.get('ctx', {}).get('error', msg)}"
-        parts.append(f"{where}: {msg}" if where else msg)
-    return OpenAIError(400, "; ".join(dict.fromkeys(parts)) or "invalid request", param=param)
-
-
-class OpenAIRoute(APIRoute):
-    """Routes whose errors (validation included) come out in the OpenAI error shape."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                return _validation_error(exc).response()
-            except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error body
-                return _from_exception(exc).response()
-
-        return route
-
-
-# ---- request schemas ----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
-
-
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1: whole vocabulary")
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension (vLLM): generate max_tokens tokens regardless of EOS
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None  # ignored
-
-    def check_common(self) -> None:
-        if self.logit_bias:
-            raise _unsupported("logit_bias", "logit_bias")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise _unsupported(name, name)
-        if self.stream_options is not None and not self.stream:
-            raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP:
-            raise OpenAIError(400, f"at most {MAX_STOP} stop sequences", param="stop")
-        if any(not s for s in stops):
-            raise OpenAIError(400, "stop sequences must not be empty", param="stop")
-        return stops
-
-    def sampling(self, default_max_tokens: int, index: int, max_tokens: int | None = None) -> SamplingParams:
-        seed = None if self.seed is None else (self.seed + index) % 2**32
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens or self.max_tokens or default_max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(0, self.top_k or 0), seed=seed, stop=self.stops(), ignore_eos=self.ignore_eos)
-        except ValidationError as exc:
-            raise OpenAIError(400, f"invalid sampling parameters: {exc}") from exc
-
-
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] = Field(description="a string, or a list of strings (n choices each)")
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-    def check(self) -> list[str]:
-        self.check_common()
-        if self.echo:
-            raise _unsupported("echo", "echo")
-        if self.logprobs is not None:
-            raise _unsupported("logprobs", "logprobs")
-        if self.suffix:
-            raise _unsupported("suffix", "suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise _unsupported("best_of", "best_of other than n")
-        prompts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-        if not prompts:
-            raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
-        if len(prompts) * self.n > MAX_N * 4:
-            raise OpenAIError(400, f"at most {MAX_N * 4} choices (prompts x n) per request", param="n")
-        if any(not p for p in prompts):
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
-        return prompts
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None  # ignored
-    tool_calls: list[Any] | None = None
-
-    def text(self, i: int) -> str:
-        if self.role not in ("system", "developer", "user", "assistant"):
-            raise OpenAIError(400, f"messages[{i}].role {self.role!r} is not supported (system, developer, user, "
-                              "assistant)", param=f"messages.{i}.role")
-        if self.tool_calls:
-            raise _unsupported(f"messages.{i}.tool_calls", "tool calls")
-        if self.content is None:
-            if self.role == "assistant":
-                return ""
-            raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages.{i}.content")
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise _unsupported(f"messages.{i}.content", f"content part of type {part.type!r}")
-            texts.append(part.text)
-        return "".join(texts)
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str = "text"
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: ResponseFormat | None = None
-
-    def check(self) -> list[dict[str, str]]:
-        self.check_common()
-        if self.logprobs or self.top_logprobs is not None:
-            raise _unsupported("logprobs", "logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise _unsupported(name, name)
-        if self.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _unsupported("response_format", f"response_format {self.response_format.type!r}")
-        out = []
-        for i, m in enumerate(self.messages):
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text(i)})
-        return out
+__all__ = ["OpenAIError", "chat_pieces", "frontend_routes", "openai_routes", "unsupported"]
 
 
 # ---- chat prompt pieces -------------------------------------------------------------------------
@@ -319,6 +111,7 @@ def chat_pieces(render: Callable[[list[dict[str, str]], bool], str],
     return pieces, 0
 
 
+
 # ---- running choices ----------------------------------------------------------------------------
 class _Choice:
     def __init__(self, index: int, queue: asyncio.Queue, timer: RequestTimer | None) -> None:
@@ -327,36 +120,51 @@ class _Choice:
         self.timer = timer
         self.text = ""
         self.result: CompletionResult | None = None
+        self.pending_logprobs: list[Any] = []  # token logprobs not sent with a delta yet
+
+    def take_logprobs(self) -> list[Any]:
+        out, self.pending_logprobs = self.pending_logprobs, []
+        return out
 
 
-async def _events(choices: list[_Choice], core: ParrotServeCore | None = None
-                  ) -> AsyncIterator[tuple[_Choice, str | CompletionResult]]:
-    """Merge the choices' core queues: (choice, text delta | result) in arrival order. Raises the first
-    failure. Timers see every delta and the end of each choice. Choices still running when this ends early
-    (a failure, or the client disconnected) are cancelled in the core: their generations are aborted."""
-    merged: asyncio.Queue = asyncio.Queue()
+class _Events:
+    """Merges the choices' core queues: (choice, text delta | result) in arrival order; token logprobs
+    collect in `choice.pending_logprobs` before the text they belong to. Raises the first failure. Timers
+    see every delta and the end of each choice. Choices still running when this ends early (a failure, or
+    the client disconnected) are cancelled in the core: their generations are aborted. `first()` waits
+    for the first delta, result or failure, so a stream whose request the engine refuses is answered with
+    an error status rather than a stream that fails."""
 
-    async def pump(choice: _Choice) -> None:
+    def __init__(self, choices: list[_Choice], core: ParrotServeCore | None = None) -> None:
+        self.choices, self.core = choices, core
+        self.merged: asyncio.Queue = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._pump(c)) for c in choices]
+        self.remaining = len(choices)
+        self.held: tuple[_Choice, Any] | None = None
+        self.closed = False
+
+    async def _pump(self, choice: _Choice) -> None:
         while True:
             item = await choice.queue.get()
-            merged.put_nowait((choice, item))
-            if not isinstance(item, str):
+            self.merged.put_nowait((choice, item))
+            if not isinstance(item, str | TokenLogprobs):
                 return
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
-    remaining = len(choices)
-    try:
-        while remaining:
-            choice, item = await merged.get()
+    async def _next(self) -> tuple[_Choice, str | CompletionResult] | None:
+        while self.remaining:
+            choice, item = self.held if self.held is not None else await self.merged.get()
+            self.held = None
+            if isinstance(item, TokenLogprobs):
+                choice.pending_logprobs.extend(item.items)
+                continue
             if isinstance(item, str):
                 if not item:
                     continue
                 if choice.timer is not None:
                     choice.timer.delta()
                 choice.text += item
-                yield choice, item
-                continue
-            remaining -= 1
+                return choice, item
+            self.remaining -= 1
             if isinstance(item, BaseException):
                 if choice.timer is not None:
                     choice.timer.fail()
@@ -364,15 +172,41 @@ async def _events(choices: list[_Choice], core: ParrotServeCore | None = None
             choice.result = item
             if choice.timer is not None:
                 choice.timer.finish(item.prompt_tokens, len(item.token_ids), item.finish_reason)
-            yield choice, item
-    finally:
-        for t in tasks:
+            return choice, item
+        return None
+
+    async def first(self) -> None:
+        try:
+            while self.held is None:
+                choice, item = await self.merged.get()
+                if isinstance(item, TokenLogprobs):
+                    choice.pending_logprobs.extend(item.items)
+                elif not (isinstance(item, str) and not item):
+                    self.held = (choice, item)
+            if isinstance(self.held[1], BaseException):
+                await self._next()  # raises it
+        except BaseException:
+            self.close()
+            raise
+
+    async def __aiter__(self) -> AsyncIterator[tuple[_Choice, str | CompletionResult]]:
+        try:
+            while (event := await self._next()) is not None:
+                yield event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for t in self.tasks:
             t.cancel()
-        for c in choices:  # choices still running when the request ended (error, disconnect)
+        for c in self.choices:  # choices still running when the request ended (error, disconnect)
             if c.result is None and c.timer is not None:
                 c.timer.fail()
-            if c.result is None and core is not None:
-                core.cancel_completion(c.queue)
+            if c.result is None and self.core is not None:
+                self.core.cancel_completion(c.queue)
 
 
 async def _collect(choices: list[_Choice], core: ParrotServeCore, request: Request | None,
@@ -381,7 +215,7 @@ async def _collect(choices: list[_Choice], core: ParrotServeCore, request: Reque
     them (their generations are aborted) instead of leaving them to run for nobody."""
 
     async def drain() -> None:
-        async for _ in _events(choices, core):
+        async for _ in _Events(choices, core):
             pass
 
     task = asyncio.ensure_future(drain())
@@ -413,12 +247,31 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -> APIRouter:
-    """The OpenAI-compatible routes; request latencies go to `metrics` when given."""
+def _rest(c: _Choice, result: CompletionResult) -> str:
+    """Text of the result the deltas have not shown yet (normally none)."""
+    return result.text[len(c.text):] if result.text.startswith(c.text) else ""
+
+
+def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
+                  sampling_defaults: SamplingDefaults | None = None) -> APIRouter:
+    """The OpenAI-compatible routes; request latencies go to `metrics` when given. Sampling settings a
+    request leaves out come from `sampling_defaults` (default: the served model's recommendation, else
+    llama.cpp's defaults; see parrot/serve/sampling_defaults.py)."""
     router = APIRouter(route_class=OpenAIRoute)
 
+    @functools.cache
+    def defaults() -> SamplingDefaults:
+        return sampling_defaults or model_sampling_defaults(core.model)
+
+    def vocab_size() -> int | None:
+        try:
+            return core.tokenizers.get(core.model).backend.get_vocab_size()
+        except ParrotError:
+            return None
+
     def model_card() -> dict:
-        return {"id": core.model, "object": "model", "created": CREATED, "owned_by": "parrot"}
+        return {"id": core.model, "object": "model", "created": CREATED, "owned_by": "parrot",
+                "sampling_defaults": defaults().to_json()}
 
     @router.get("/v1/models")
     async def list_models() -> dict:
@@ -431,38 +284,46 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
                               param="model", code="model_not_found")
         return model_card()
 
-    def submit(pieces_list: list[tuple[list[str], int]], body: _SamplingRequest, default_max: int,
-               endpoint: str, start: float, max_tokens: int | None = None) -> list[_Choice]:
-        samplings = [body.sampling(default_max, i, max_tokens) for i in range(body.n)]  # validate first
+    def samplings(body: SamplingRequest, max_tokens: int, extra: dict[str, Any]) -> list[SamplingParams]:
+        fields = body.sampling_fields(max_tokens, defaults(), vocab_size())
+        fields.update(extra)
+        return [body.sampling(fields, i) for i in range(body.n)]  # all validated before anything runs
+
+    def submit(pieces_list: list[tuple[list[str], int]], body: SamplingRequest, params: list[SamplingParams],
+               endpoint: str, start: float) -> list[_Choice]:
         limits = [e.max_context_len for e in core.engines.live_engines()]
         if limits:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
             for pieces, _ in pieces_list:
                 n_prompt = len(core.tokenizers.encode(core.model, "".join(pieces)))
-                if n_prompt + samplings[0].max_tokens > min(limits):
+                if n_prompt + params[0].max_tokens > min(limits):
                     raise OpenAIError(
                         400, f"this model's maximum context length is {min(limits)} tokens; the {param} has "
-                        f"{n_prompt} tokens and max_tokens is {samplings[0].max_tokens}",
+                        f"{n_prompt} tokens and max_tokens is {params[0].max_tokens}",
                         param=param if n_prompt >= min(limits) else "max_tokens", code="context_length_exceeded")
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
-                queue = core.complete(pieces, samplings[i], "latency", shared)
+                queue = core.complete(pieces, params[i], "latency", shared)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer))
         return choices
 
-    def stream_response(gen: AsyncIterator[str]) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
+    async def stream_response(events: _Events, gen: AsyncIterator[str]) -> StreamingResponse:
+        await events.first()  # an error before the first token is the response's status, not a stream event
+
+        async def lines() -> AsyncIterator[str]:
             try:
                 async for line in gen:
                     yield line
             except Exception as exc:  # noqa: BLE001 - after the headers: report in the stream
-                yield _sse(_from_exception(exc).body())
+                yield _sse(from_exception(exc).body())
                 return
+            finally:
+                events.close()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(lines(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- /v1/completions ----------------------------------------------------------------------
@@ -470,82 +331,132 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None) -
     async def completions(body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
         prompts = body.check()
-        choices = submit([([p], 0) for p in prompts], body, 16, "completions", start)
+        params = samplings(body, body.max_tokens or 16, body.logprob_fields())
+        choices = submit([([p], 0) for p in prompts], body, params, "completions", start)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
+        top_n = body.logprobs or 0
+        want_logprobs = body.logprobs is not None
 
         if not body.stream:
             await _collect(choices, core, request)
-            return {**base, "choices": [{"index": c.index, "text": c.result.text, "logprobs": None,
-                                         "finish_reason": c.result.finish_reason} for c in choices],
-                    "usage": _usage(choices, body.n)}
+            out = []
+            for c in choices:
+                r = c.result
+                prefix = prompts[c.index // body.n] if body.echo else ""
+                logprobs = completion_logprobs(r.logprobs or [], top_n, len(prefix)) if want_logprobs else None
+                out.append({"index": c.index, "text": prefix + r.text, "logprobs": logprobs,
+                            "finish_reason": r.finish_reason})
+            return {**base, "choices": out, "usage": _usage(choices, body.n)}
+
+        events = _Events(choices, core)
+        offsets = {c.index: 0 for c in choices}
+
+        def chunk(c: _Choice, text: str, finish: str | None) -> str:
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(c.take_logprobs(), top_n, offsets[c.index])
+            offsets[c.index] += len(text)
+            return _sse({**base, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
+                                             "finish_reason": finish}]})
 
         async def gen() -> AsyncIterator[str]:
-            async for c, item in _events(choices, core):
+            echoed: set[int] = set()
+            async for c, item in events:
+                if body.echo and c.index not in echoed:  # the prompt first
+                    echoed.add(c.index)
+                    prompt = prompts[c.index // body.n]
+                    offsets[c.index] += len(prompt)
+                    yield _sse({**base, "choices": [{"index": c.index, "text": prompt, "logprobs": None,
+                                                     "finish_reason": None}]})
                 if isinstance(item, str):
-                    text, finish = item, None
+                    yield chunk(c, item, None)
                 else:
-                    # text the deltas have not shown yet (normally none)
-                    text = item.text[len(c.text):] if item.text.startswith(c.text) else ""
-                    finish = item.finish_reason
-                yield _sse({**base, "choices": [{"index": c.index, "text": text, "logprobs": None,
-                                                 "finish_reason": finish}]})
+                    yield chunk(c, _rest(c, item), item.finish_reason)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(choices, body.n)})
 
-        return stream_response(gen())
+        return await stream_response(events, gen())
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     @router.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
-        messages = body.check()
+        body.check()
         tok = core.tokenizers.get(core.model)
-
-        def render(msgs: list[dict[str, str]], add_generation_prompt: bool) -> str:
-            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-
         try:
-            pieces = chat_pieces(render, messages)
+            tools = parse_tools(body.tools)
+            choice = parse_tool_choice(body.tool_choice, tools)
+            messages = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in body.messages]
+            if any(m is None for m in messages):
+                raise ToolError("every message must be an object with a role", "messages")
+            render, native = renderer(tok, tools, choice)
+            msgs = template_messages(messages, tools, choice, native)  # type: ignore[arg-type]
+        except ToolError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from exc
+        except Exception as exc:  # pydantic: a malformed message
+            raise OpenAIError(400, f"messages: {exc}", param="messages") from exc
+        try:
+            pieces, shared = chat_pieces(render, msgs)
         except ParrotError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # a template error (jinja) on these messages
             raise OpenAIError(400, f"the chat template cannot render these messages: {exc}",
                               param="messages") from exc
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        choices = submit([pieces], body, 128, "chat", start, max_tokens)
+        extra = body.logprob_fields()
+        schema = constraint_schema(choice, tools)
+        if schema is not None:
+            if body.constraint() is not None:
+                raise OpenAIError(400, f"tool_choice {choice.mode!r} constrains the answer to a tool call: it cannot "
+                                  "be combined with response_format or another output constraint", param="tool_choice")
+            require("json_schema", "tool_choice", f"tool_choice {choice.mode!r} (constrained tool calls)")
+            extra["json_schema"] = schema
+            pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
+        params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
+        choices = submit([(pieces, shared)], body, params, "chat", start)
+        answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False) for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": core.model,
                 "system_fingerprint": None}
 
+        def logprobs_of(items: list[Any]) -> dict | None:
+            return chat_logprobs(items, body.top_logprobs or 0) if body.logprobs else None
+
         if not body.stream:
             await _collect(choices, core, request)
-            return {**base, "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.result.text},
-                                         "logprobs": None, "finish_reason": c.result.finish_reason}
-                                        for c in choices],
-                    "usage": _usage(choices, body.n)}
+            out = []
+            for c in choices:
+                message, finish = answers[c.index].message(c.result.text, c.result.finish_reason)
+                out.append({"index": c.index, "message": message, "logprobs": logprobs_of(c.result.logprobs or []),
+                            "finish_reason": finish})
+            return {**base, "choices": out, "usage": _usage(choices, body.n)}
 
         chunk = {**base, "object": "chat.completion.chunk"}
+        events = _Events(choices, core)
 
-        def event(c: _Choice, delta: dict, finish: str | None) -> str:
-            return _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+        def event(c: _Choice, delta: dict, finish: str | None, logprobs: list[Any] | None = None) -> str:
+            lp = logprobs_of(logprobs) if logprobs else None
+            return _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                "finish_reason": finish}]})
 
         async def gen() -> AsyncIterator[str]:
             for c in choices:
-                yield event(c, {"role": "assistant", "content": ""}, None)
-            async for c, item in _events(choices, core):
+                yield event(c, answers[c.index].opening(), None)
+            async for c, item in events:
+                answer = answers[c.index]
                 if isinstance(item, str):
-                    yield event(c, {"content": item}, None)
+                    for delta in answer.feed(item):
+                        yield event(c, delta, None, c.take_logprobs())
                     continue
-                rest = item.text[len(c.text):] if item.text.startswith(c.text) else ""
-                if rest:
-                    yield event(c, {"content": rest}, None)
-                yield event(c, {}, item.finish_reason)
+                deltas = answer.feed(_rest(c, item)) if _rest(c, item) else []
+                closing, finish = answer.close(item.text, item.finish_reason)
+                for delta in deltas + closing:
+                    yield event(c, delta, None, c.take_logprobs())
+                yield event(c, {}, finish, c.take_logprobs())
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": _usage(choices, body.n)})
 
-        return stream_response(gen())
+        return await stream_response(events, gen())
 
     return router
 

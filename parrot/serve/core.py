@@ -43,6 +43,7 @@ from parrot.protocol import (
     ParamInfo,
     SamplingParams,
     SemanticCallRequest,
+    TokenLogprob,
 )
 from parrot.serve.contexts import CachedContext, ContextManager
 from parrot.serve.engines import EngineClient, EngineManager
@@ -90,8 +91,9 @@ class _TaskRecord:
         """Record how the task ran (engine, times, tokens), for inspection."""
 
     def on_text(self, delta: str) -> None: ...
+    def on_logprob(self, position: int, logprob: TokenLogprob) -> None: ...
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
-    def failed(self, reason: str) -> None: ...
+    def failed(self, reason: str, error: ParrotError | None = None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -108,7 +110,7 @@ class _ChainRecord(_TaskRecord):
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
         self.chain.output_var.set(text)
 
-    def failed(self, reason: str) -> None:
+    def failed(self, reason: str, error: ParrotError | None = None) -> None:
         self.chain.output_var.fail_if_pending(reason)
 
 
@@ -131,22 +133,50 @@ class CompletionResult:
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
+
+
+@dataclass(eq=False)
+class TokenLogprobs:
+    """Queue item of a plain completion with sampling.logprobs: the logprobs of tokens whose text comes next."""
+
+    items: list[TokenLogprob]
 
 
 @dataclass(eq=False)
 class _PlainRecord(_TaskRecord):
-    """A plain completion (OpenAI-compatible API): deltas and the result go to an asyncio queue."""
+    """A plain completion (OpenAI-compatible API): text deltas (preceded by TokenLogprobs when logprobs
+    were asked for) and the result go to an asyncio queue."""
 
     queue: asyncio.Queue | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    _sent_logprobs: int = 0  # logprobs already queued (kept across retries on another engine)
 
     def on_text(self, delta: str) -> None:
+        if len(self.logprobs) > self._sent_logprobs:
+            self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
+            self._sent_logprobs = len(self.logprobs)
         self.queue.put_nowait(delta)
 
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
-        self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens))
+    def on_logprob(self, position: int, logprob: TokenLogprob) -> None:
+        """The logprob of this attempt's token `position` (a retry elsewhere generates the same positions)."""
+        if position < len(self.logprobs):
+            self.logprobs[position] = logprob
+        else:
+            self.logprobs.append(logprob)
 
-    def failed(self, reason: str) -> None:
-        self.queue.put_nowait(AbortedError(reason) if self.cancelled else ParrotError(reason))
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
+        if len(self.logprobs) > self._sent_logprobs:
+            self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
+            self._sent_logprobs = len(self.logprobs)
+        logprobs = self.logprobs[:len(token_ids)] if self.sampling.logprobs is not None else None
+        self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens, logprobs))
+
+    def failed(self, reason: str, error: ParrotError | None = None) -> None:
+        if self.cancelled:
+            self.queue.put_nowait(AbortedError(reason))
+        else:  # keep the error's class (an InvalidRequestError stays a 400 for the API)
+            self.queue.put_nowait(error if error is not None else ParrotError(reason))
 
 
 class ParrotServeCore:
@@ -574,6 +604,8 @@ class ParrotServeCore:
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
                         t_first = t_first or time.perf_counter()
+                    if chunk.logprob is not None:
+                        rec.on_logprob(len(ids) - 1, chunk.logprob)
                     if chunk.text and timer is not None:
                         timer.delta()
                     text += chunk.text
@@ -615,7 +647,7 @@ class ParrotServeCore:
                          rec.overloads)
                 self._spawn(self._retry_later(task))
                 return
-            rec.failed(str(exc) or type(exc).__name__)
+            rec.failed(str(exc) or type(exc).__name__, exc)
         except asyncio.CancelledError as exc:
             rec.failed(str(exc) or type(exc).__name__)
             raise

@@ -1,0 +1,36 @@
+"""Engine token logprobs (`parrot.protocol.TokenLogprob`) -> OpenAI's logprobs shapes.
+
+Chat: `choice.logprobs = {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+"bytes"}]}], "refusal": null}`. Completions: `choice.logprobs = {"tokens", "token_logprobs",
+"top_logprobs": [{token: logprob}], "text_offset"}`, offsets counted in the choice's text.
+
+The logprobs are the model's raw distribution (log-softmax of the logits), taken before temperature,
+penalties, logit_bias and constraint masks, as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from parrot.protocol import TokenLogprob
+
+
+def chat_content(items: Sequence[TokenLogprob], top_n: int) -> list[dict[str, Any]]:
+    return [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes), "top_logprobs": [
+        {"token": a.token, "logprob": a.logprob, "bytes": list(a.bytes)} for a in t.top[:top_n]]} for t in items]
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
+    return {"content": chat_content(items, top_n), "refusal": None}
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
+    tokens, lps, tops, offsets = [], [], [], []
+    for t in items:
+        tokens.append(t.token)
+        lps.append(t.logprob)
+        tops.append({a.token: a.logprob for a in t.top[:top_n]} if top_n else {})
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

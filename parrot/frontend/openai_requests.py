@@ -1,0 +1,354 @@
+"""OpenAI request bodies and their translation into the engine's `SamplingParams`.
+
+Every documented parameter of `/v1/completions` and `/v1/chat/completions` is either honoured or refused
+with a 400 naming it; see docs/openai-api.md for the table. Extensions other servers' users send (in the
+openai client's `extra_body`) are honoured under the names vLLM and SGLang use: `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, and output constraints
+(`guided_json` / `json_schema`, `guided_regex` / `regex`, `guided_choice` / `choice`, `guided_grammar` /
+`grammar`, vLLM's `structured_outputs` object). Known extensions this server does not implement are
+refused (`REFUSED_EXTENSIONS`); other unknown fields are ignored, as OpenAI clients send some of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from parrot.frontend.openai_errors import OpenAIError, unsupported
+from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from parrot.serve.sampling_defaults import SamplingDefaults
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+SCHEMA_NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
+
+# other servers' extensions that would change the output if they were honoured: refused, not ignored
+REFUSED_EXTENSIONS = {
+    "ebnf": "ebnf (SGLang's GBNF grammars; give a Lark grammar as `grammar`)",
+    "guided_decoding_backend": "guided_decoding_backend (one matcher is built in)",
+    "guided_whitespace_pattern": "guided_whitespace_pattern",
+    "use_beam_search": "beam search", "length_penalty": "length_penalty", "bad_words": "bad_words",
+    "allowed_token_ids": "allowed_token_ids", "logits_processors": "logits_processors",
+    "include_stop_str_in_output": "include_stop_str_in_output", "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "truncate_prompt_tokens": "truncate_prompt_tokens", "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "chat_template": "a request's own chat_template", "chat_template_kwargs": "chat_template_kwargs",
+    "add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
+    "documents": "documents", "mm_processor_kwargs": "mm_processor_kwargs", "lora_request": "LoRA adapters",
+}
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+
+
+def supports(name: str) -> bool:
+    """Whether the engine's SamplingParams has this field (so the request parameter can be honoured)."""
+    return name in SamplingParams.model_fields
+
+
+def require(field: str, param: str, what: str | None = None) -> None:
+    if not supports(field):
+        raise unsupported(param, what or param)
+
+
+def strict_schema(schema: Any) -> Any:
+    """OpenAI's strict mode: no object takes properties its schema does not list. Objects that do not say
+    otherwise get `additionalProperties: false`, through every subschema."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) if k not in ("enum", "const", "default", "examples", "required") else v
+           for k, v in schema.items()}
+    if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def _schema_value(value: Any, param: str) -> dict[str, Any]:
+    """A JSON schema given as an object or as JSON text (SGLang sends text)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise OpenAIError(400, f"{param} is not valid JSON: {exc}", param=param) from None
+    if isinstance(value, bool):
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"{param} must be a JSON schema object, got {type(value).__name__}", param=param)
+    return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingRequest(BaseModel):
+    """The parameters completions and chat share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1: whole vocabulary")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="extension")
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (vLLM): generate max_tokens tokens regardless of EOS
+    min_tokens: int | None = Field(None, ge=0, description="extension")
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="extension")
+    response_format: ResponseFormat | None = None
+    # output constraints (extensions): vLLM's guided_* names, SGLang's / vLLM's plain names
+    guided_json: Any = None
+    json_schema: Any = None
+    guided_regex: str | None = None
+    regex: str | None = None
+    guided_choice: list[str] | None = None
+    choice: list[str] | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # accepted, no effect on the output
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching is automatic
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    def check_common(self) -> None:
+        for name in sorted(set(self.model_extra or {}) & set(REFUSED_EXTENSIONS)):
+            raise unsupported(name, REFUSED_EXTENSIONS[name])
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if self.service_tier not in (None, "auto", "default"):
+            raise unsupported("service_tier", f"service_tier {self.service_tier!r}")
+        if self.store:
+            raise unsupported("store", "store (stored completions)")
+        if self.metadata:
+            raise unsupported("metadata", "metadata (it goes with store)")
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise OpenAIError(400, f"at most {MAX_STOP} stop sequences", param="stop")
+        if any(not s for s in stops):
+            raise OpenAIError(400, "stop sequences must not be empty", param="stop")
+        return stops
+
+    # ---- constraints -------------------------------------------------------------------------------
+    def constraint(self) -> tuple[str, Any, str] | None:
+        """The one output constraint asked for: (SamplingParams field, value, the parameter that asked)."""
+        found: list[tuple[str, Any, str]] = []
+        rf = self.response_format
+        if rf is not None:
+            if rf.type == "json_object":
+                found.append(("json_schema", {"type": "object"}, "response_format"))
+            elif rf.type == "json_schema":
+                spec = rf.json_schema
+                if spec is None or spec.schema_ is None:
+                    raise OpenAIError(400, "response_format.json_schema.schema is required",
+                                      param="response_format.json_schema")
+                if not SCHEMA_NAME_RE.fullmatch(spec.name):
+                    raise OpenAIError(400, "response_format.json_schema.name must be 1 to 64 of a-z, A-Z, 0-9, _ "
+                                      "and -", param="response_format.json_schema.name")
+                schema = strict_schema(spec.schema_) if spec.strict else spec.schema_
+                found.append(("json_schema", schema, "response_format"))
+            elif rf.type != "text":
+                raise unsupported("response_format", f"response_format {rf.type!r} (text, json_object, json_schema)")
+        for field, names in (("json_schema", ("guided_json", "json_schema")), ("regex", ("guided_regex", "regex")),
+                             ("choice", ("guided_choice", "choice")), ("grammar", ("guided_grammar", "grammar"))):
+            for name in names:
+                value = getattr(self, name)
+                if value is not None:
+                    found.append((field, value, name))
+        so = self.structured_outputs
+        if so:
+            for key, field in (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"),
+                               ("grammar", "grammar")):
+                if so.get(key) is not None:
+                    found.append((field, so[key], f"structured_outputs.{key}"))
+            if so.get("json_object"):
+                found.append(("json_schema", {"type": "object"}, "structured_outputs.json_object"))
+            unknown = set(so) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise unsupported("structured_outputs", f"structured_outputs {sorted(unknown)}")
+        if not found:
+            return None
+        if len(found) > 1:
+            raise OpenAIError(400, f"give one output constraint, not {len(found)} ({', '.join(f[2] for f in found)})",
+                              param=found[1][2])
+        field, value, param = found[0]
+        if field == "json_schema":
+            value = _schema_value(value, param)
+        elif field == "choice":
+            if not value or any(not isinstance(c, str) or not c for c in value):
+                raise OpenAIError(400, f"{param} must be a non-empty list of non-empty strings", param=param)
+        elif not isinstance(value, str) or not value:
+            raise OpenAIError(400, f"{param} must be a non-empty string", param=param)
+        require(field, param, f"{param} (output constraints)")
+        return field, value, param
+
+    # ---- the engine's sampling parameters -----------------------------------------------------------
+    def sampling_fields(self, max_tokens: int, defaults: SamplingDefaults, vocab_size: int | None) -> dict[str, Any]:
+        """SamplingParams fields shared by every choice (seeds are per choice). Left-out sampling settings
+        take `defaults`, field by field."""
+        d = defaults.values
+        out: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature if self.temperature is not None else d.get("temperature", 1.0),
+            "top_p": self.top_p if self.top_p is not None else d.get("top_p", 1.0),
+            "top_k": max(0, self.top_k) if self.top_k is not None else int(d.get("top_k", 0)),
+            "stop": self.stops(), "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        min_p = self.min_p if self.min_p is not None else d.get("min_p")
+        if self.min_p is not None:
+            require("min_p", "min_p")
+        if min_p and supports("min_p"):
+            out["min_p"] = min_p
+        rep = self.repetition_penalty if self.repetition_penalty is not None else d.get("repetition_penalty")
+        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
+            require("repetition_penalty", "repetition_penalty")
+        if rep is not None and rep != 1.0 and supports("repetition_penalty"):
+            out["repetition_penalty"] = rep
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value:
+                require(name, name)
+                out[name] = value
+        if self.min_tokens:
+            require("min_tokens", "min_tokens")
+            if self.min_tokens > max_tokens:
+                raise OpenAIError(400, f"min_tokens ({self.min_tokens}) is more than max_tokens ({max_tokens})",
+                                  param="min_tokens")
+            out["min_tokens"] = self.min_tokens
+        if self.logit_bias:
+            require("logit_bias", "logit_bias")
+            out["logit_bias"] = self.token_bias(vocab_size)
+        constraint = self.constraint()
+        if constraint is not None:
+            out[constraint[0]] = constraint[1]
+        return out
+
+    def token_bias(self, vocab_size: int | None) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a bias in [-100, 100]."""
+        bias: dict[int, float] = {}
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise OpenAIError(400, f"logit_bias has more than {MAX_LOGIT_BIAS} entries", param="logit_bias")
+        for key, value in (self.logit_bias or {}).items():
+            if not re.fullmatch(r"\d{1,9}", key.strip()):
+                raise OpenAIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+            tid = int(key)
+            if vocab_size is not None and tid >= vocab_size:
+                raise OpenAIError(400, f"logit_bias token id {tid} is outside the vocabulary (size {vocab_size})",
+                                  param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise OpenAIError(400, f"logit_bias value {value} for token {tid} is not within [-100, 100]",
+                                  param="logit_bias")
+            bias[tid] = float(value)
+        return bias
+
+    def sampling(self, fields: dict[str, Any], index: int) -> SamplingParams:
+        seed = None if self.seed is None else (self.seed + index) % 2**32
+        try:
+            return SamplingParams(**fields, seed=seed)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+            raise OpenAIError(400, f"invalid sampling parameters: {problems}") from None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] = Field(description="a string, or a list of strings (n choices each)")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> list[str]:
+        self.check_common()
+        if self.suffix:
+            raise unsupported("suffix", "suffix (insertion)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "best_of other than n")
+        if self.logprobs is not None:
+            require("logprobs", "logprobs")
+            if self.echo:  # the engine gives prompt logprobs only for the tokens a generate feeds itself
+                raise unsupported("echo", "echo with logprobs (prompt logprobs through the shared prefix cache)")
+        prompts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        if not prompts:
+            raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
+        if len(prompts) * self.n > MAX_N * 4:
+            raise OpenAIError(400, f"at most {MAX_N * 4} choices (prompts x n) per request", param="n")
+        if any(not p for p in prompts):
+            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        return prompts
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {} if self.logprobs is None else {"logprobs": self.logprobs}
+
+
+Modality = Literal["text"]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[Any] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+    verbosity: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs:
+            require("logprobs", "logprobs")
+        if self.functions or self.function_call is not None:
+            raise unsupported("functions" if self.functions else "function_call",
+                              "functions / function_call (deprecated; use tools / tool_choice)")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise unsupported("modalities", f"modalities {self.modalities} (text only)")
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, name)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}
