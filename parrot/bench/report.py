@@ -22,7 +22,9 @@ _SYSTEM_COLUMNS = [
     ("req/s", "request_throughput_rps", "rate"), ("out tok/s", "output_tok_s", "rate"),
     ("TTFT p50 (s)", "ttft_p50_s", "s"), ("TTFT p99 (s)", "ttft_p99_s", "s"),
     ("TPOT p50 (ms)", "tpot_p50_s", "ms"), ("TPOT p99 (ms)", "tpot_p99_s", "ms"),
-    ("prefix hit", "prefix_cache_hit_rate", "pct"), ("apps", "n_apps", "int"), ("requests", "n_requests", "int"),
+    ("prefix hit", "prefix_cache_hit_rate", "pct"),
+    ("serve first (ms)", "serve_first_mean_s", "ms"), ("serve gap (ms)", "serve_gap_mean_s", "ms"),
+    ("apps", "n_apps", "int"), ("requests", "n_requests", "int"),
 ]
 _KIND_COLUMNS = [
     ("apps", "n_apps", "int"), ("JCT mean (s)", "jct_mean_s", "s"), ("JCT p50 (s)", "jct_p50_s", "s"),

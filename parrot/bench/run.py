@@ -68,6 +68,7 @@ async def _run(system: System, workload: Workload, mode: str, rec: Recorder, tim
 
 def run_workload(system: System, workload: Workload, mode: str, timeout: float) -> dict:
     rec = Recorder()
+    before = serve_histograms(system)
     t0 = time.perf_counter()
     try:
         asyncio.run(_run(system, workload, mode, rec, timeout))
@@ -75,8 +76,53 @@ def run_workload(system: System, workload: Workload, mode: str, timeout: float) 
         kind = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
         return {"error": f"{kind} after {time.perf_counter() - t0:.0f} s: {exc}"}
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "summary": summarize(rec, wall), "apps": [asdict(a) for a in rec.apps],
+    summary = summarize(rec, wall)
+    summary |= serve_time_summary(before, serve_histograms(system))
+    return {"wall_s": wall, "summary": summary, "apps": [asdict(a) for a in rec.apps],
             "requests": [asdict(r) for r in rec.requests]}
+
+
+SERVE_HISTOGRAMS = {"serve_first": "parrot:serve_first_primitive_seconds",
+                    "serve_gap": "parrot:serve_between_primitives_seconds"}
+
+
+def serve_histograms(system: System) -> dict[str, dict[str, float]] | None:
+    """A Parrot server's serve-time histograms from /metrics ({key: {"count", "sum", le bound: count}}); None
+    for other servers."""
+    if "parrot.cli" not in system.command:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(system.url + "/metrics", timeout=30).text
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        key = next((k for k, name in SERVE_HISTOGRAMS.items() if fam.name == name), None)
+        if key is None:
+            continue
+        h = out.setdefault(key, {})
+        for sample in fam.samples:
+            if sample.name.endswith("_bucket"):
+                h[sample.labels["le"]] = sample.value
+            elif sample.name.endswith(("_count", "_sum")):
+                h[sample.name.rsplit("_", 1)[1]] = sample.value
+    return out
+
+
+def serve_time_summary(before: dict | None, after: dict | None) -> dict[str, float | None]:
+    """The serve layer's own time per task during one run, from two scrapes: the mean and the bucket bound
+    holding the 99th percentile, of `serve_first` (ready -> first engine primitive) and `serve_gap` (between
+    a task's primitives)."""
+    if before is None or after is None:
+        return {}
+    out: dict[str, float | None] = {}
+    for key in SERVE_HISTOGRAMS:
+        b, a = before.get(key, {}), after.get(key, {})
+        n = a.get("count", 0) - b.get("count", 0)
+        out[f"{key}_n"] = n
+        out[f"{key}_mean_s"] = (a.get("sum", 0) - b.get("sum", 0)) / n if n else None
+        bounds = sorted((float(le), a[le] - b.get(le, 0)) for le in a if le not in ("count", "sum"))
+        out[f"{key}_p99_s"] = next((le for le, c in bounds if n and c >= 0.99 * n), None)
+    return out
 
 
 def start_all(systems: list[System], names: list[str], result: dict, out: Path) -> list[System]:

@@ -29,6 +29,9 @@ Computed at scrape time from the core (a custom collector, read on the event loo
                                          start to every shape compiled
   parrot:engine_resident_memory_bytes{engine}   the engine process's resident memory
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
+  parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
+                                         ready -> its first engine primitive sent
+  parrot:serve_between_primitives_seconds   one primitive of a task done -> its next one sent
 
 Who observes what: the OpenAI-compatible routes (parrot/frontend/openai_api.py) time every choice with
 `start_request()` -> `RequestTimer.delta()` / `.finish()` / `.fail()`. Queue time is observed for every
@@ -47,7 +50,7 @@ from collections.abc import Iterator
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from parrot.serve.core import ParrotServeCore
@@ -120,6 +123,12 @@ class _CoreCollector(Collector):
                 engine_aborts.add_metric([client.name], info.aborts)
         yield engine_aborts
         yield from _warmup_metrics(core)
+        for name, hist, doc in (
+                ("parrot:serve_first_primitive_seconds", core.serve_time.first,
+                 "Serve layer's own time per task: ready (inputs set, output needed) -> first engine primitive sent."),
+                ("parrot:serve_between_primitives_seconds", core.serve_time.gap,
+                 "Serve layer's own time per task: a primitive done -> the task's next primitive sent.")):
+            yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
 
 
 def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:

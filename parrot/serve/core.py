@@ -53,6 +53,7 @@ from parrot.serve.perf import Criterion
 from parrot.serve.prefix_matcher import PrefixMatcher
 from parrot.serve.request import Parameter, PlaceholderChunk, parse_request
 from parrot.serve.scheduler import CompletionTask, EngineView, GlobalScheduler
+from parrot.serve.serve_time import ServeTime, TaskClock
 from parrot.serve.session import Session
 from parrot.serve.tokenizers import TokenizerManager
 from parrot.serve.transforms import TransformContext, TransformError, run_transform, validate_call
@@ -76,6 +77,7 @@ class _TaskRecord:
     cancelled: str | None = None  # why it was cancelled (its readers went away); None while wanted
     running_on: tuple[EngineClient, str] | None = None  # (engine, context id) of the generate in flight
     ended: bool = False  # finished, failed or cancelled for good
+    clock: TaskClock = field(default_factory=TaskClock)  # the serve layer's own time (serve_time.py)
 
     def waited(self) -> float:
         """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
@@ -121,7 +123,7 @@ def _generation_stats(rec: _ChainRecord, prompt_tokens: int, cached_tokens: int,
     now = time.perf_counter()
     first = t_first if t_first is not None else now
     return {"var_id": rec.chain.output_var.id, "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
-            "output_tokens": output_tokens, "ttft_s": first - rec.created,
+            "output_tokens": output_tokens, "ttft_s": first - rec.created, "serve_s": rec.clock.serve_s,
             "tpot_s": (now - first) / (output_tokens - 1) if output_tokens > 1 else None,
             "latency_s": now - rec.created}
 
@@ -220,6 +222,7 @@ class ParrotServeCore:
         self._readers: dict[str, int] = {}  # var id -> clients reading it now (get / stream)
         self.aborts = 0  # generations cancelled because their clients went away
         self.overload_retries = 0  # tasks re-queued after an engine refused them for KV space
+        self.serve_time = ServeTime()  # the core's own time per task: ready -> first primitive, between primitives
         # set by the frontend's metrics: (endpoint, start) -> a timer with delta() / finish(...) / fail()
         self.request_timer: Callable[[str, float], Any] | None = None
 
@@ -537,6 +540,7 @@ class ParrotServeCore:
             self._progress(session)
 
     def _submit_chain(self, session: Session, chain, criterion: Criterion) -> None:  # noqa: ANN001
+        clock = TaskClock()  # ready now: tokenizing is the serve layer's time too
         pieces = [v.content or "" for v in chain.prefix_vars]
         token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
         tokens = [t for piece in token_pieces for t in piece]
@@ -558,8 +562,8 @@ class ParrotServeCore:
             all_global = all_global and var.session_id is None
             if piece:
                 owners.append(None if all_global else session.session_id)
-        rec = _ChainRecord(sampling, owners, session.session_id, session=session, chain=chain,
-                           priority=self._priority(criterion))
+        rec = _ChainRecord(sampling, owners, session.session_id, created=clock.ready, clock=clock, session=session,
+                           chain=chain, priority=self._priority(criterion))
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
                               session.executor.group(chain), payload=rec)
         self._chain_tasks[chain.id] = task
@@ -596,6 +600,7 @@ class ParrotServeCore:
             parent.in_use += 1
             rec.running_on = (client, gen_id)
             aborted_again = False
+            self.serve_time.sending(rec.clock)
             try:
                 async for chunk in client.generate_stream(req):
                     if rec.cancelled is not None and not aborted_again:  # an abort that beat the generate there
@@ -616,6 +621,7 @@ class ParrotServeCore:
                     timer.fail()
                 raise
             finally:
+                self.serve_time.done(rec.clock)
                 parent.in_use -= 1
                 rec.running_on = None
             generated = True
@@ -669,6 +675,7 @@ class ParrotServeCore:
             self._after_task(task, rec)
             return
         task.engine = None
+        rec.clock = TaskClock()  # its serve time counts afresh from here (the pause is a deliberate back-off)
         self.scheduler.submit(task)
         self._dispatch()
 
@@ -710,8 +717,12 @@ class ParrotServeCore:
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
-            await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(),
-                                          priority=rec.priority))
+            self.serve_time.sending(rec.clock)
+            try:
+                await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(),
+                                              priority=rec.priority))
+            finally:
+                self.serve_time.done(rec.clock)
             return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
         block = self.contexts.block
         hashes = task.hashes(block)
@@ -774,8 +785,12 @@ class ParrotServeCore:
         cached, or filled by a concurrent task that this one waited for)."""
         key = (client.name, tuple(tokens))
         pending = self._inflight_prefix.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending), 0
+        if pending is not None:  # another task fills it: waiting for that is engine time for this one
+            self.serve_time.sending(rec.clock)
+            try:
+                return await asyncio.shield(pending), 0
+            finally:
+                self.serve_time.done(rec.clock)
         cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
         if cached is not None:
             return cached, 0
@@ -784,8 +799,13 @@ class ParrotServeCore:
         try:
             ctx_id = self.contexts.new_id(owner)
             start = parent.num_tokens if parent is not None else 0
-            await client.fill(FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
-                                          token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority))
+            self.serve_time.sending(rec.clock)
+            try:
+                await client.fill(FillRequest(context_id=ctx_id,
+                                              parent_context_id=parent.context_id if parent else None,
+                                              token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority))
+            finally:
+                self.serve_time.done(rec.clock)
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
             fut.set_result(ctx)
             return ctx, len(tokens) - start
@@ -805,6 +825,7 @@ class ParrotServeCore:
         the whole prompt (and its block checkpoints) stays cached too, evicted least recently used;
         without, the rest is freed when the completion ends.
         Returns a queue receiving text deltas, then a CompletionResult or an error."""
+        clock = TaskClock()
         if not "".join(pieces):
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
@@ -825,7 +846,8 @@ class ParrotServeCore:
                 # recently used); only the generated context is the completion's own
                 owners.append(None if i < shared or self.prefix_sharing else owner)
         queue: asyncio.Queue = asyncio.Queue()
-        rec = _PlainRecord(sampling, owners, owner, queue=queue, priority=self._priority(criterion))
+        rec = _PlainRecord(sampling, owners, owner, created=clock.ready, clock=clock, queue=queue,
+                           priority=self._priority(criterion))
         task = CompletionTask(owner, tokens, boundaries, criterion, payload=rec)
         self._completions[queue] = task
         self.scheduler.submit(task)
