@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, overload
+
+from pydantic import BaseModel
 
 from parrot.frontend.sdk import Criterion, SemanticVariable, VirtualMachine, current_vm
 from parrot.protocol import SamplingParams
@@ -35,17 +38,45 @@ class Input:
 
 class Output:
     """Annotation of an output parameter, with how it is generated. Fields left out use the server's
-    defaults (`max_tokens`: the server's default; greedy decoding). Invalid values raise at decoration."""
+    defaults (`max_tokens`: the server's default; greedy decoding). Invalid values raise at decoration.
+
+    A typed output is constrained on the server so its text always matches (at most one of):
+    `schema` (a pydantic model class: `.get()` returns an instance; or a JSON schema dict: `.get()` returns
+    the parsed JSON), `choices` (the text is one of these strings), `regex` (the text matches it) or
+    `grammar` (a Lark grammar, llguidance syntax). A typed output that runs out of `max_tokens` before its
+    text is complete fails (VariableFailedError) instead of giving a partial value."""
 
     _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
     def __init__(self, max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 ignore_eos: bool | None = None) -> None:
+                 ignore_eos: bool | None = None, *, schema: type[BaseModel] | dict[str, Any] | None = None,
+                 choices: Sequence[str] | None = None, regex: str | None = None, grammar: str | None = None) -> None:
         values = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                       stop=[stop] if isinstance(stop, str) else (list(stop) if stop is not None else None),
                       ignore_eos=ignore_eos)
         self.sampling: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+        self.parse: Callable[[str], Any] | None = None
+        given = [n for n, v in (("schema", schema), ("choices", choices), ("regex", regex), ("grammar", grammar))
+                 if v is not None]
+        if len(given) > 1:
+            raise TypeError(f"P.Output takes one of schema, choices, regex, grammar; got {', '.join(given)}")
+        if isinstance(schema, type) and issubclass(schema, BaseModel):
+            self.sampling["json_schema"] = schema.model_json_schema()
+            self.parse = schema.model_validate_json
+        elif isinstance(schema, dict):
+            self.sampling["json_schema"] = schema
+            self.parse = json.loads
+        elif schema is not None:
+            raise TypeError(f"P.Output(schema=...) takes a pydantic model class or a JSON schema dict, got {schema!r}")
+        if choices is not None:
+            if isinstance(choices, str):
+                raise TypeError("P.Output(choices=...) takes a list of strings, not one string")
+            self.sampling["choice"] = list(choices)
+        if regex is not None:
+            self.sampling["regex"] = regex
+        if grammar is not None:
+            self.sampling["grammar"] = grammar
         SamplingParams(**self.sampling)  # validate now (ranges) rather than at the first call
 
     def __repr__(self) -> str:
@@ -55,7 +86,7 @@ class Output:
         """The call's `sampling_config`: None when nothing was set, so the server's defaults apply."""
         if not self.sampling:
             return None
-        return SamplingParams(**self.sampling).model_dump()
+        return SamplingParams(**self.sampling).model_dump(exclude_none=True)
 
 
 def _vm(vm: VirtualMachine | None) -> VirtualMachine:
@@ -158,6 +189,9 @@ class SemanticFunction:
         bound = _bind_args(self.name, self.ports, args, kwargs)
         made = machine.semantic_call(self.template, self.parameters(bound, machine),
                                      output_criteria=output_criteria or self.output_criteria, models=self.models)
+        for name, ann in self.ports:
+            if isinstance(ann, Output) and ann.parse is not None:
+                made[name].parse = ann.parse  # typed: .get() returns the parsed value
         return _result([made[n] for n in self.outputs])
 
 

@@ -50,6 +50,7 @@ from parrot.protocol import (
     SemanticVarSet,
     SessionCreated,
 )
+from parrot.serve import constraints
 from parrot.serve.core import ParrotServeCore
 from parrot.serve.engines import engine_routes
 from parrot.serve.perf import Criterion
@@ -240,7 +241,11 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @app.post("/v1/semantic_call", status_code=201, response_model=CallCreated)
     async def semantic_call(body: SemanticCallRequest, authorization: Auth = None,
                             xst: SessionToken = None) -> CallCreated:
-        return core.semantic_call(session_of(body.session_id, authorization, xst), body)
+        session = session_of(body.session_id, authorization, xst)
+        for p in body.parameters:  # an invalid output constraint is a 400 before anything is scheduled
+            if p.sampling_config is not None:
+                await constraints.validate(p.sampling_config)
+        return core.semantic_call(session, body)
 
     @app.post("/v1/native_call", status_code=201, response_model=CallCreated)
     async def native_call(body: NativeCallRequest, authorization: Auth = None, xst: SessionToken = None) -> CallCreated:

@@ -67,6 +67,7 @@ from parrot.frontend.openai_tools import (
     parse_tools,
 )
 from parrot.protocol import SamplingParams
+from parrot.serve import constraints
 from parrot.serve.core import CompletionResult, ParrotServeCore, TokenLogprobs
 from parrot.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
 
@@ -332,6 +333,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         start = time.perf_counter()
         prompts = body.check()
         params = samplings(body, body.max_tokens or 16, body.logprob_fields())
+        await constraints.validate(params[0])
         choices = submit([([p], 0) for p in prompts], body, params, "completions", start)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
@@ -413,6 +415,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             extra["json_schema"] = schema
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
+        await constraints.validate(params[0])
         choices = submit([(pieces, shared)], body, params, "chat", start)
         answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False) for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

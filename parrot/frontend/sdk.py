@@ -15,7 +15,7 @@ import contextvars
 import json
 import os
 import weakref
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -93,6 +93,8 @@ class SemanticVariable:
         self.id = var_id
         self.name = name
         self._content: str | None = None
+        # a typed output's parser (P.Output(schema=...)): get() / aget() return parse(text)
+        self.parse: Callable[[str], Any] | None = None
 
     def __repr__(self) -> str:
         state = "ready" if self._content is not None else "unread"
@@ -103,19 +105,33 @@ class SemanticVariable:
         """True once this client has read the value (does not ask the server)."""
         return self._content is not None
 
-    def get(self, criteria: Criterion = "latency", timeout: float | None = None) -> str:
+    def get(self, criteria: Criterion = "latency", timeout: float | None = None) -> Any:
         """The value, waiting for it (a long-poll). Reading a pending variable makes the server run
         everything it depends on, scheduled for `criteria`. `timeout` (seconds) defaults to the VM's;
         `VariableTimeoutError` when it passes, `VariableFailedError` if the value can never come."""
         if self._content is None:
             self._content = self.vm._get_var(self.id, criteria, timeout)
-        return self._content
+        return self._parsed()
 
-    async def aget(self, criteria: Criterion = "latency", timeout: float | None = None) -> str:
+    async def aget(self, criteria: Criterion = "latency", timeout: float | None = None) -> Any:
         """`get` for asyncio: many `aget`s can wait concurrently (e.g. under `asyncio.gather`)."""
         if self._content is None:
             self._content = await self.vm._aget_var(self.id, criteria, timeout)
+        return self._parsed()
+
+    @property
+    def text(self) -> str | None:
+        """The value's text once read (a typed output's JSON text), else None."""
         return self._content
+
+    def _parsed(self) -> Any:
+        if self.parse is None:
+            return self._content
+        try:
+            return self.parse(self._content)
+        except ValueError as exc:  # pydantic's ValidationError and json's JSONDecodeError are ValueErrors
+            raise VariableFailedError(f"semantic variable {self.name!r} ({self.id}) does not parse as its "
+                                      f"type: {exc}") from exc
 
     def stream(self, criteria: Criterion = "latency") -> Iterator[str]:
         """The value's text deltas as they are generated (all of it at once if already set). Their

@@ -36,6 +36,7 @@ from parrot.errors import (
     RateLimitError,
 )
 from parrot.protocol import (
+    CONSTRAINTS,
     CallCreated,
     FillRequest,
     GenerateRequest,
@@ -110,6 +111,12 @@ class _ChainRecord(_TaskRecord):
         self.chain.output_var.append_stream(delta)
 
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
+        field = self.sampling.constraint
+        if field is not None and finish == "length":  # a typed output must be whole
+            self.chain.output_var.fail_if_pending(
+                f"the output did not complete its {field} within max_tokens={self.sampling.max_tokens} "
+                f"(partial output: {text[:200]!r}); raise max_tokens")
+            return
         self.chain.output_var.set(text)
 
     def failed(self, reason: str, error: ParrotError | None = None) -> None:
@@ -457,6 +464,10 @@ class ParrotServeCore:
                     raise InvalidRequestError(f"output variable {p.var_id} is already set")
             else:
                 var = self.create_var(session, p.name, p.value)
+            cfg = p.sampling_config or {}
+            field = next((f for f in CONSTRAINTS if cfg.get(f) is not None), None)
+            if p.is_output and field is not None:  # a typed output: shown in session inspection
+                var.type = {field: cfg[field]}
             bound[p.name] = var
         nodes: list[Node] = []
         first_text = True

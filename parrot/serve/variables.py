@@ -57,6 +57,8 @@ class SemanticVariable:
         self.session_id = session_id
         self.is_constant = is_constant
         self.producer = producer
+        # a typed output: {"json_schema": {...}} / {"regex": ...} / {"choice": [...]} / {"grammar": ...}
+        self.type: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._state = VariableState.PENDING
         self._content: str | None = None
@@ -215,6 +217,8 @@ class SemanticVariable:
         out: dict[str, Any] = {"id": self.id, "name": self.name, "session_id": self.session_id,
                                "state": self._state.value, "is_constant": self.is_constant,
                                "producer": self.producer}
+        if self.type is not None:
+            out["type"] = self.type
         if self._error is not None:
             out["error"] = self._error
         if with_content:

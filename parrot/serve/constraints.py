@@ -1,0 +1,73 @@
+"""Output constraints checked where a request arrives, before any engine work.
+
+A request's `json_schema`, `regex`, `choice` or `grammar` (SamplingParams) is turned into an llguidance
+grammar and validated by llguidance (`LLMatcher.validate_grammar`, no tokenizer needed) on a worker
+thread with a time limit, so an invalid schema, regex or grammar, or a schema feature the matcher does
+not support, is a 400 with the matcher's message, and a pathological one cannot stall the server. The
+engines compile the same grammar against their vocabulary when the generate arrives (and would refuse
+it there too). Results are cached, so a schema used again costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import json
+
+from parrot.errors import InvalidRequestError
+from parrot.protocol import SamplingParams
+
+CHECK_TIMEOUT_S = 10.0
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="parrot-constraint")
+
+
+def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
+    """(field, canonical JSON text of its value) of the request's constraint, or None."""
+    field = params.constraint
+    if field is None:
+        return None
+    return field, json.dumps(getattr(params, field), sort_keys=True, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _problem(field: str, value_json: str) -> str | None:
+    """The matcher's message for an invalid constraint, or None when it is valid."""
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - a dependency; the engines check then
+        return None
+    value = json.loads(value_json)
+    try:
+        if field == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(value_json)
+        elif field == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(value)
+        elif field == "choice":
+            grammar = llguidance.grammar_from("choice", value_json)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(value)
+        message = llguidance.LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        message = str(exc)
+    return f"invalid {field}: {message.strip()}" if message else None
+
+
+def check(params: SamplingParams) -> None:
+    """Raise InvalidRequestError with the matcher's message if the constraint is invalid (blocking)."""
+    key = constraint_of(params)
+    if key is not None and (problem := _problem(*key)) is not None:
+        raise InvalidRequestError(problem)
+
+
+async def validate(params: SamplingParams, timeout_s: float = CHECK_TIMEOUT_S) -> None:
+    """`check` off the event loop, within `timeout_s` (InvalidRequestError when it takes longer)."""
+    key = constraint_of(params)
+    if key is None:
+        return
+    fut = asyncio.get_running_loop().run_in_executor(_pool, check, params)
+    try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+    except TimeoutError:
+        raise InvalidRequestError(f"the {key[0]} took longer than {timeout_s:g} s to compile: simplify it") from None
+
