@@ -1,0 +1,140 @@
+"""Tool definitions, tool_choice, the constrained call schemas and the parsing / streaming of tool calls."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from parrot.frontend.openai_tools import (
+    AutoToolStream,
+    ToolAnswer,
+    ToolChoice,
+    ToolError,
+    constraint_schema,
+    default_tool_prompt,
+    forced_prefix,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+    template_supports_tools,
+)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_parse_tools_and_choice() -> None:
+    tools = parse_tools([WEATHER, TIME])
+    assert [t.function.name for t in tools] == ["get_weather", "get_time"]
+    assert tools[1].parameters() == {"type": "object", "properties": {}}
+    assert parse_tool_choice(None, tools) == ToolChoice("auto")
+    assert parse_tool_choice(None, []) == ToolChoice("none")
+    assert parse_tool_choice("required", tools) == ToolChoice("required")
+    named = parse_tool_choice({"type": "function", "function": {"name": "get_time"}}, tools)
+    assert named == ToolChoice("named", "get_time")
+
+
+@pytest.mark.parametrize(("tools", "param"), [
+    ([{"type": "code_interpreter"}], "tools.0"),
+    ([{"type": "retrieval", "function": {"name": "x"}}], "tools.0.type"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], "tools.0.function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools.0.function.parameters"),
+    ([TIME, TIME], "tools.1.function.name"),
+    ([{"type": "function", "function": "get_time"}], "tools.0"),
+])
+def test_malformed_tools(tools, param) -> None:  # noqa: ANN001
+    with pytest.raises(ToolError) as info:
+        parse_tools(tools)
+    assert info.value.param == param and str(info.value)
+
+
+@pytest.mark.parametrize("choice", ["sometimes", {"type": "function", "function": {"name": "nope"}},
+                                    {"type": "function"}, 3])
+def test_bad_tool_choice(choice) -> None:  # noqa: ANN001
+    with pytest.raises(ToolError) as info:
+        parse_tool_choice(choice, parse_tools([WEATHER]))
+    assert info.value.param == "tool_choice"
+    with pytest.raises(ToolError, match="needs tools"):
+        parse_tool_choice("required", [])
+
+
+def test_constraint_schemas_and_prefixes() -> None:
+    tools = parse_tools([WEATHER, TIME])
+    named = ToolChoice("named", "get_weather")
+    assert constraint_schema(named, tools) == WEATHER["function"]["parameters"]
+    assert forced_prefix(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
+    required = constraint_schema(ToolChoice("required"), tools)
+    assert [s["properties"]["name"] for s in required["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
+    assert constraint_schema(ToolChoice("auto"), tools) is None and forced_prefix(ToolChoice("auto")) == ""
+    assert constraint_schema(ToolChoice("required"), tools[:1])["properties"]["arguments"] == \
+        WEATHER["function"]["parameters"]
+
+
+def test_default_prompt_and_template_detection() -> None:
+    prompt = default_tool_prompt(parse_tools([WEATHER]))
+    assert "<tools>" in prompt and '"get_weather"' in prompt and "<tool_call>" in prompt
+    assert template_supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
+    assert not template_supports_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert not template_supports_tools(None)
+
+
+def test_parse_tool_calls() -> None:
+    names = {"get_weather", "get_time"}
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>')
+    content, calls = parse_tool_calls(text, names)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+    # an unknown tool, broken JSON: content; an unterminated last block that parses: a call
+    assert parse_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>', names)[1] == []
+    assert parse_tool_calls("<tool_call>{oops</tool_call>", names) == ("<tool_call>{oops</tool_call>", [])
+    assert len(parse_tool_calls('<tool_call>{"name": "get_time", "arguments": {}}', names)[1]) == 1
+    # a whole answer that is one call object (Llama 3 style, "parameters")
+    content, calls = parse_tool_calls(' {"name": "get_time", "parameters": {}}', names)
+    assert content is None and calls[0].name == "get_time"
+    assert parse_tool_calls("Just prose.", names) == ("Just prose.", [])
+
+
+def test_auto_stream_holds_tool_calls_back() -> None:
+    stream = AutoToolStream({"get_time"})
+    text = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> Done <tool'
+    events = []
+    for ch in text:  # one character at a time: tags split anywhere
+        events += stream.feed(ch)
+    events += stream.finish()
+    content = "".join(v for k, v in events if k == "content")
+    calls = [v for k, v in events if k == "call"]
+    assert content == "Sure.  Done <tool" and [c.name for c in calls] == ["get_time"]
+
+
+def test_tool_answer_messages_and_deltas() -> None:
+    tools = parse_tools([WEATHER, TIME])
+    named = ToolAnswer(ToolChoice("named", "get_weather"), tools)
+    msg, finish = named.message('{"city": "Paris"}', "stop")
+    assert finish == "tool_calls" and msg["content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    opening = named.opening()
+    assert opening["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert named.feed('{"ci') == [{"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}]
+    assert named.close('{"city": "Paris"}', "length") == ([], "length")
+
+    required = ToolAnswer(ToolChoice("required"), tools)
+    msg, finish = required.message('{"name": "get_time", "arguments": {}}', "stop")
+    assert finish == "tool_calls" and msg["tool_calls"][0]["function"]["name"] == "get_time"
+    assert required.feed('{"name"') == []
+    deltas, finish = required.close('{"name": "get_time", "arguments": {}}', "stop")
+    assert finish == "tool_calls" and deltas[0]["tool_calls"][0]["index"] == 0
+
+    auto = ToolAnswer(ToolChoice("auto"), tools, parallel=False)
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    msg, finish = auto.message(text, "stop")
+    assert finish == "tool_calls" and len(msg["tool_calls"]) == 1  # parallel_tool_calls=false: the first
+    none = ToolAnswer(ToolChoice("none"), tools)
+    assert none.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
