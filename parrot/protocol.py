@@ -217,6 +217,8 @@ class RuntimeInfo(BaseModel):
     rss_bytes: int | None = None  # the engine process's resident memory
     constrained_steps: int = 0  # sampler calls with a constraint mask
     fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
+    mask_ms_mean: float | None = None  # host time to compute a batch's constraint masks, recent steps
+    mask_ms_p99: float | None = None
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----

@@ -25,10 +25,12 @@ from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
+from parrot.engine.logprobs import TokenTexts
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
 from parrot.engine.scheduler import Scheduler
 from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.engine.structured import Constraint, Grammars
 from parrot.engine.tokenizer import IncrementalDetokenizer
 from parrot.errors import ConflictError, EngineUnavailableError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import (
@@ -72,6 +74,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len)
         self.vocab_size = model.config.vocab_size
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        self.token_texts = TokenTexts(self.tokenizer)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +135,12 @@ class LLMEngine:
         else:
             assert job.sampling is not None
             check_sampling(job.sampling, self.vocab_size)
+            if job.sampling.prompt_logprobs is not None:
+                raise InvalidRequestError("prompt_logprobs is not supported by this engine")
+            if job.sampling.constraint is not None and job.constraint is None:
+                job.constraint = self.grammars.compile(job.sampling)
+            if job.sampling.logprobs is not None:
+                job.texts = self.token_texts
             if job.sampling.seed is None:
                 job.sampling = job.sampling.model_copy(update={"seed": int(self._rng.integers(2**31))})
             stops = set(job.sampling.stop_token_ids)
@@ -151,14 +161,24 @@ class LLMEngine:
         self.submit(job)
         return fut
 
-    def generate_future(self, req: GenerateRequest,
-                        on_chunk: Callable[[StreamChunk], None] | None = None) -> concurrent.futures.Future:
+    def generate_future(self, req: GenerateRequest, on_chunk: Callable[[StreamChunk], None] | None = None,
+                        constraint: Constraint | None = None) -> concurrent.futures.Future:
+        """Submit a Generate. Its constraint (if any) is compiled here, blocking this thread, unless passed in
+        already compiled (`compile_constraint`): async callers compile off their event loop first."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.GENERATE, req.context_id, req.parent_context_id, sampling=req.sampling,
                   on_chunk=on_chunk, on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s,
-                  priority=req.priority)
+                  priority=req.priority, constraint=constraint)
         self.submit(job)
         return fut
+
+    async def compile_constraint(self, req: GenerateRequest) -> Constraint | None:
+        """The request's constraint compiled in a worker thread (None without one): invalid, unsupported or
+        too slow to compile raises InvalidRequestError, before any engine work."""
+        if req.sampling.constraint is None:
+            return None
+        check_sampling(req.sampling, self.vocab_size)
+        return await asyncio.to_thread(self.grammars.compile, req.sampling)
 
     def free_future(self, context_id: str) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -218,12 +238,15 @@ class LLMEngine:
         return await asyncio.wrap_future(self.fill_future(req))
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        return await asyncio.wrap_future(self.generate_future(req))
+        constraint = await self.compile_constraint(req)
+        return await asyncio.wrap_future(self.generate_future(req, constraint=constraint))
 
     async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
-        fut = self.generate_future(req, on_chunk=lambda c: loop.call_soon_threadsafe(q.put_nowait, c))
+        constraint = await self.compile_constraint(req)
+        fut = self.generate_future(req, on_chunk=lambda c: loop.call_soon_threadsafe(q.put_nowait, c),
+                                   constraint=constraint)
         fut.add_done_callback(
             lambda f: loop.call_soon_threadsafe(q.put_nowait, f.exception() if f.exception() else None))
         while True:
@@ -252,6 +275,8 @@ class LLMEngine:
             cascade_steps=self.runner.cascade_steps, aborts=s.aborts, max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
+            constrained_steps=self.grammars.masked_steps, fast_forward_tokens=s.fast_forward_tokens,
+            **self.grammars.mask_stats(),
         )
 
     @property

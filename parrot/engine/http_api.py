@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from parrot.config import EngineConfig
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.kv_cache import OutOfPages
+from parrot.engine.structured import Constraint
 from parrot.errors import (
     AbortedError,
     ConflictError,
@@ -175,7 +176,7 @@ def create_app(engine: LLMEngine) -> FastAPI:
               responses={200: {"content": {"text/event-stream": {}},
                                "description": "`data: <StreamChunk json>` events, then `data: [DONE]`"}})
     async def generate_stream(req: GenerateRequest) -> StreamingResponse:
-        items = _start_stream(engine, req)
+        items = _start_stream(engine, req, await engine.compile_constraint(req))
         first = await items.__anext__()  # errors before the first chunk become plain HTTP errors
         if isinstance(first, BaseException):
             raise first
@@ -253,7 +254,7 @@ def create_app(engine: LLMEngine) -> FastAPI:
     return app
 
 
-def _start_stream(engine: LLMEngine, req: GenerateRequest) -> AsyncIterator[object]:
+def _start_stream(engine: LLMEngine, req: GenerateRequest, constraint: Constraint | None) -> AsyncIterator[object]:
     """Submit a streaming Generate (submit errors raise here) and return an iterator of its StreamChunks,
     then the exception or `_END`. The engine thread never blocks on or fails because of the consumer: a
     client that went away leaves chunks in an orphaned queue, and an event loop that closed (server
@@ -265,7 +266,7 @@ def _start_stream(engine: LLMEngine, req: GenerateRequest) -> AsyncIterator[obje
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
             loop.call_soon_threadsafe(q.put_nowait, item)
 
-    fut = engine.generate_future(req, on_chunk=put)
+    fut = engine.generate_future(req, on_chunk=put, constraint=constraint)
     fut.add_done_callback(lambda f: put(f.exception() or _END))
 
     async def items() -> AsyncIterator[object]:

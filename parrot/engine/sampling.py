@@ -1,4 +1,16 @@
-"""Sampling parameters and the jitted sampler (greedy, temperature, top-k, top-p, per-request seed)."""
+"""Sampling parameters and the jitted samplers.
+
+Three compiled variants per batch size: `greedy_sample` (argmax), `sample` (temperature, top-k, top-p,
+per-request seed) and `sample_processed`, which first processes the logits (repetition, frequency and
+presence penalties, logit_bias, the allowed-token bitmask of constraints and min_tokens) and also
+samples with min-p and returns log probabilities. A batch takes the cheapest variant that serves all its
+sequences (`SamplerExtras.build` says whether it needs the processed one); in a processed batch a
+sequence that asked for nothing gets neutral values (no penalty, zero bias, an all-ones mask), so its
+tokens are the same as in a plain batch.
+
+Log probabilities are the model's raw distribution: log_softmax of the logits before temperature,
+penalties, logit_bias and masks (vLLM's "raw_logprobs").
+"""
 
 from __future__ import annotations
 
@@ -8,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parrot.engine.sequence import Job
+from parrot.engine.structured import fill_masks, mask_words
 from parrot.errors import InvalidRequestError
-from parrot.protocol import SamplingParams
+from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
-__all__ = ["SamplingBatch", "SamplingParams", "check_sampling", "greedy_sample", "sample"]
+__all__ = ["SamplerExtras", "SamplingBatch", "SamplingParams", "check_sampling", "greedy_sample", "sample",
+           "sample_processed"]
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -21,6 +36,18 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
     if any(not s for s in params.stop):
         raise InvalidRequestError("stop strings must not be empty")
+    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+
+
+def needs_processing(job: Job) -> bool:
+    """True when the job's next token needs `sample_processed`: a constraint, logprobs, logit_bias,
+    penalties, min-p, or stop tokens still suppressed by min_tokens."""
+    p = job.sampling
+    assert p is not None
+    return (job.constraint is not None or p.logprobs is not None or bool(p.logit_bias) or p.penalized
+            or p.min_p > 0.0 or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
 @jax.tree_util.register_dataclass
@@ -49,12 +76,101 @@ class SamplingBatch:
         return cls(temp, top_p, top_k, seeds, st)
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerExtras:
+    """The inputs of `sample_processed` besides the SamplingBatch (host arrays, padded to the batch)."""
+
+    mask: jax.Array  # [B, ceil(V / 32)] int32 allowed-token bits (-1: all allowed)
+    bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS] int32 (padding: token 0 with bias 0)
+    bias: jax.Array  # [B, MAX_LOGIT_BIAS] float32
+    presence: jax.Array  # [B] float32
+    frequency: jax.Array  # [B] float32
+    repetition: jax.Array  # [B] float32 (1: off)
+    min_p: jax.Array  # [B] float32 (0: off)
+
+    @classmethod
+    def neutral(cls, batch_size: int, vocab_size: int) -> SamplerExtras:
+        return cls(np.full((batch_size, mask_words(vocab_size)), -1, np.int32),
+                   np.zeros((batch_size, MAX_LOGIT_BIAS), np.int32), np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32),
+                   np.zeros(batch_size, np.float32), np.zeros(batch_size, np.float32),
+                   np.ones(batch_size, np.float32), np.zeros(batch_size, np.float32))
+
+    @classmethod
+    def build(cls, jobs: list[Job | None], batch_size: int,
+              vocab_size: int) -> tuple[SamplerExtras, np.ndarray | None] | None:
+        """For the jobs sampling in a batch (None: a row that does not sample): the extras and, when some
+        job has a penalty, the token counts `[B, V]` int32 (2 x times generated + 1 if in the context), or
+        None when no job needs `sample_processed`. Constraint masks are computed here, on the host."""
+        live = [(i, j) for i, j in enumerate(jobs) if j is not None and needs_processing(j)]
+        if not live:
+            return None
+        ex = cls.neutral(batch_size, vocab_size)
+        fill_masks([(j.constraint, i) for i, j in live if j.constraint is not None], ex.mask)
+        counts = None
+        for i, job in live:
+            p = job.sampling
+            assert p is not None
+            if len(job.output_ids) < p.min_tokens and job.stop_ids:
+                _clear_bits(ex.mask[i], job.stop_ids, keep_one=job.constraint is not None)
+            if p.logit_bias:
+                ex.bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+                ex.bias[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+            ex.min_p[i] = p.min_p
+            if p.penalized:
+                ex.presence[i], ex.frequency[i], ex.repetition[i] = (p.presence_penalty, p.frequency_penalty,
+                                                                     p.repetition_penalty)
+                if counts is None:
+                    counts = np.zeros((batch_size, vocab_size), np.int32)
+                counts[i] = 2 * np.bincount(job.output_ids, minlength=vocab_size)[:vocab_size]
+                counts[i] += np.bincount(job.context_tokens, minlength=vocab_size)[:vocab_size] > 0
+        return ex, counts
+
+
+def _clear_bits(row: np.ndarray, tokens: frozenset[int], keep_one: bool) -> None:
+    """Disallow `tokens` in one packed mask row; with keep_one, not when nothing else would be allowed (a
+    grammar that can only end ends: min_tokens does not outrank it)."""
+    before = row.copy() if keep_one else None
+    for t in tokens:
+        row[t >> 5] &= np.int32(~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF)
+    if before is not None and not row.any():
+        row[:] = before
+
+
 def greedy_sample(logits: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """logits [B, V] -> token ids [B]. Rows with temperature 0 take the argmax."""
+    return _choose(logits, sb, None)
+
+
+def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
+                     counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [B, V] -> (token ids [B], their raw logprobs [B], the MAX_LOGPROBS most likely tokens [B, K]
+    and their raw logprobs [B, K]). The logits get the penalties (with `counts`, see `SamplerExtras.build`),
+    logit_bias and the mask before greedy or stochastic sampling with min-p."""
+    batch, vocab = logits.shape
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    x = logits
+    if counts is not None:
+        generated = counts >> 1
+        r = ex.repetition[:, None]
+        x = jnp.where(counts > 0, jnp.where(x > 0, x / r, x * r), x)
+        x = x - ex.frequency[:, None] * generated - ex.presence[:, None] * (generated > 0)
+    x = x.at[jnp.arange(batch)[:, None], ex.bias_ids].add(ex.bias)
+    bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(batch, -1)[:, :vocab] != 0
+    x = jnp.where(allowed, x, -jnp.inf)
+    tokens = _choose(x, sb, ex.min_p)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+
+
+def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> jax.Array:
     vocab = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
@@ -68,6 +184,8 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
     pth = jnp.take_along_axis(sorted_logits, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
+    if min_p is not None:  # keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
+        threshold = jnp.maximum(threshold, sorted_logits[:, :1] + jnp.log(min_p)[:, None])
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     def draw(seed: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
@@ -76,3 +194,6 @@ def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
     sampled = jax.vmap(draw)(sb.seeds, sb.steps, masked).astype(jnp.int32)
     return jnp.where(sb.temperature > 0, sampled, greedy)
+
+
+processed_sampler = jax.jit(sample_processed)  # `counts` None or not: two executables per batch size

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
+from parrot.engine.logprobs import SampledLogprob
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
+from parrot.engine.structured import ConstraintError
 from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import FillResponse, GenerateResponse, StreamChunk
 
@@ -38,6 +40,7 @@ class Slot:
     start: int
     pages: list[int]
     sample: bool = False
+    logprob: SampledLogprob | None = None  # set by the runner when the job asked for logprobs
 
 
 @dataclass
@@ -71,6 +74,7 @@ class Scheduler:
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
+        self.fast_forward_tokens = 0  # tokens a grammar forced, fed as one chunk instead of a decode step each
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
 
     # ---- queue --------------------------------------------------------------------------------
@@ -175,26 +179,61 @@ class Scheduler:
                     context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]))))
             else:
                 assert slot.sample and sampled is not None
-                outputs.append(self._on_token(job, int(sampled[i])))
+                outputs.append(self._on_token(job, int(sampled[i]), slot.logprob))
         return outputs
 
-    def _on_token(self, job: Job, token: int) -> JobOutput:
+    def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None) -> JobOutput:
+        """Apply a generate's sampled token: its grammar advances (a rejected token fails the job alone), a
+        stop token finishes it, otherwise the token joins the output. Then tokens its grammar forces join
+        too (fast-forward, unless logprobs are asked for): they are fed as one chunk next step."""
+        sp = job.sampling
+        assert sp is not None
+        out = JobOutput(job)
+        try:
+            if job.constraint is not None:
+                job.constraint.consume(token)
+            if token in job.stop_ids:
+                return self._complete(out, "stop")
+            reason = self._append(job, out, token, logprob)
+            forced: list[int] = []
+            if reason is None and job.constraint is not None and sp.logprobs is None:
+                room = min(sp.max_tokens - len(job.output_ids), self.max_len - len(self.tokens[job.context_id]))
+                for t in job.constraint.forced()[: max(room, 0)]:
+                    if t in job.stop_ids:
+                        break
+                    job.constraint.consume(t)
+                    forced.append(t)
+                    reason = self._append(job, out, t, None)
+                    if reason is not None:
+                        break
+                self.fast_forward_tokens += len(forced)
+        except ConstraintError as err:
+            out.error = err
+            self._fail(job, err)
+            return out
+        if reason is not None:
+            return self._complete(out, reason)
+        job.pending = [token, *forced]
+        return out
+
+    def _append(self, job: Job, out: JobOutput, token: int, logprob: SampledLogprob | None) -> str | None:
+        """Add one token to a generate's output and context; returns why the job ends now, or None."""
         sp = job.sampling
         assert sp is not None
         ctx_tokens = self.tokens[job.context_id]
-        out = JobOutput(job)
-        if token in job.stop_ids:
-            return self._complete(out, "stop")
         job.output_ids.append(token)
         ctx_tokens.append(token)  # in the context; its KV is written when it is fed (next step or job)
         delta, hit_stop = job.detok.add(token) if job.detok is not None else ("", False)
-        out.chunks.append(StreamChunk(token_id=token, text=delta))
-        if hit_stop:
-            return self._complete(out, "stop")
+        lp = None
+        if sp.logprobs is not None and logprob is not None and job.texts is not None:
+            lp = job.texts.logprob(token, logprob, sp.logprobs)
+            job.logprobs.append(lp)
+        out.chunks.append(StreamChunk(token_id=token, text=delta, logprob=lp))
+        if hit_stop or (job.constraint is not None and job.constraint.done):
+            return "stop"
         if len(job.output_ids) >= sp.max_tokens or len(ctx_tokens) >= self.max_len:
-            return self._complete(out, "length")
-        job.pending = [token]
-        return out
+            return "length"
+        return None
 
     def _complete(self, out: JobOutput, reason: str) -> JobOutput:
         """Finish a generate: a last chunk with the detokenizer's held-back text and the reason."""
@@ -205,7 +244,8 @@ class Scheduler:
         out.chunks.append(StreamChunk(text=tail, finish_reason=reason))
         out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids),
                                       text=job.detok.text if job.detok is not None else "",
-                                      finish_reason=reason, num_tokens=len(self.tokens[job.context_id]))
+                                      finish_reason=reason, num_tokens=len(self.tokens[job.context_id]),
+                                      logprobs=list(job.logprobs) if job.sampling.logprobs is not None else None)
         return out
 
     def fail_step(self, plan: StepPlan, err: BaseException) -> list[JobOutput]:
@@ -350,6 +390,7 @@ class Scheduler:
                 raise NotFoundError(f"context {ctx_id!r} does not exist (and no parent_context_id to fork)")
             created = True
         tokens = self.tokens[ctx_id]
+        job.context_tokens = tokens
         extra = len(job.fill_tokens) if job.kind is JobKind.FILL else job.sampling.max_tokens
         if resumed:
             extra = 0

@@ -7,9 +7,14 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from parrot.engine.tokenizer import IncrementalDetokenizer
-from parrot.protocol import FillResponse, GenerateResponse, SamplingParams, StreamChunk
+from parrot.protocol import FillResponse, GenerateResponse, SamplingParams, StreamChunk, TokenLogprob
+
+if TYPE_CHECKING:
+    from parrot.engine.logprobs import TokenTexts
+    from parrot.engine.structured import Constraint
 
 _ids = itertools.count()
 
@@ -46,6 +51,10 @@ class Job:
     stop_ids: frozenset[int] = frozenset()
     finish_reason: str | None = None
     preemptions: int = 0
+    constraint: Constraint | None = None  # the grammar the output follows (compiled at submit)
+    context_tokens: list[int] = field(default_factory=list)  # the context's token list (the scheduler's, growing)
+    texts: TokenTexts | None = None  # token texts for logprobs (set at submit when they are asked for)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
 
     @property
     def order(self) -> tuple[int, float]:

@@ -1,0 +1,175 @@
+"""Constrained decoding: a Generate's `json_schema`, `regex`, `choice` or `grammar` as an llguidance matcher.
+
+`Grammars` (one per engine) builds the llguidance tokenizer from the engine's own tokenizer (the GGUF
+vocabulary included) once, on first use, and compiles each request's constraint in a worker thread with
+a time limit: an invalid or unsupported constraint, or one that takes too long, is an InvalidRequestError
+carrying the matcher's message, raised when the request is submitted, before any engine work.
+
+A `Constraint` is one job's matcher: it consumes each sampled token, says which tokens the grammar
+forces next (fast-forward) and when the grammar is complete. `fill_masks` writes the allowed-token
+bitmasks of a batch (packed 32 tokens per int32 word, `[batch, ceil(vocab / 32)]`, bit `t % 32` of word
+`t // 32` set when token `t` is allowed) across threads; llguidance releases the GIL meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from parrot.errors import GenerationFailedError, InvalidRequestError
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from parrot.engine.tokenizer import Tokenizer
+    from parrot.protocol import SamplingParams
+
+COMPILE_TIMEOUT_S = 10.0  # per constraint; a pathological schema gets a clear error instead of a hang
+# JSON output layout: Python's json.dumps separators and no other whitespace, so keys and punctuation are
+# forced (fast-forwarded) rather than sampled; a schema's own "x-guidance" options override these
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(GenerationFailedError):
+    """The output could not continue its grammar (the matcher rejected a token): that generate fails alone."""
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words per row of a packed token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def grammar_text(params: SamplingParams) -> str | None:
+    """The llguidance grammar of a request's constraint, or None when it has none. A schema that is not a
+    JSON object raises InvalidRequestError; the rest is checked when the matcher is built."""
+    import llguidance
+
+    if params.json_schema is not None:
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(params.json_schema), defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"invalid json_schema: {exc}") from exc
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(params.choice))
+    if params.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+    return None
+
+
+class Grammars:
+    """Compiles constraints against one tokenizer and vocabulary (the model's logits width)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="parrot-grammar")
+        self.mask_ms: collections.deque[float] = collections.deque(maxlen=4096)  # host time per batch mask
+        self.compiles = 0
+        self.masked_steps = 0  # batches whose masks were computed
+
+    def mask_stats(self) -> dict[str, float | None]:
+        """Host time to compute a batch's masks over the recent steps: mean and p99, in ms."""
+        ms = np.array(self.mask_ms)
+        if not ms.size:
+            return {"mask_ms_mean": None, "mask_ms_p99": None}
+        return {"mask_ms_mean": float(ms.mean()), "mask_ms_p99": float(np.percentile(ms, 99))}
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """The llguidance view of the engine's tokenizer (built once: about half a second)."""
+        with self._lock:
+            if self._ll is None:
+                import llguidance
+
+                eos = sorted(self.tokenizer.stop_token_ids)
+                self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                  eos_token=eos or None)
+            return self._ll
+
+    def compile(self, params: SamplingParams) -> Constraint | None:
+        """The constraint of `params` (None when it has none), compiled in a worker thread within the time
+        limit. Blocks the caller; call it off event loops (`LLMEngine` does)."""
+        if params.constraint is None:
+            return None
+        fut = self._pool.submit(self._build, params)
+        try:
+            return fut.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(
+                f"compiling the {params.constraint} constraint took longer than {self.timeout_s:g} s") from None
+
+    def _build(self, params: SamplingParams) -> Constraint:
+        import llguidance
+
+        grammar = grammar_text(params)
+        assert grammar is not None
+        try:
+            ll = self.ll_tokenizer
+        except Exception as exc:  # a tokenizer llguidance cannot read: no constraint rather than a crash
+            raise InvalidRequestError(f"constraints are not available for this model's tokenizer: {exc}") from exc
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid {params.constraint}: {matcher.get_error().strip()}")
+        self.compiles += 1
+        return Constraint(matcher, self)
+
+
+class Constraint:
+    """One job's grammar state: consumes the tokens it outputs, in order."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars) -> None:
+        self.matcher = matcher
+        self.grammars = grammars
+
+    def consume(self, token: int) -> None:
+        """Advance by a sampled token; a token the grammar rejects raises ConstraintError."""
+        if not self.matcher.consume_token(token):
+            raise ConstraintError(f"the output left its grammar at token {token}: {self.matcher.get_error().strip()}")
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (none when it allows a choice)."""
+        return list(self.matcher.compute_ff_tokens())
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and accepts nothing more."""
+        return self.matcher.is_stopped()
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _llexecutor() -> llguidance.LLExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> None:
+    """Write each constraint's allowed tokens into row `index` of `bitmask` ([batch, words] int32,
+    C-contiguous), the rows in parallel threads without the GIL. Other rows are left as they are."""
+    if not rows:
+        return
+    import llguidance.numpy
+
+    t0 = time.perf_counter()
+    llguidance.numpy.fill_next_token_bitmask_par(_llexecutor(), [(c.matcher, i) for c, i in rows], bitmask)
+    grammars = rows[0][0].grammars
+    grammars.mask_ms.append((time.perf_counter() - t0) * 1e3)
+    grammars.masked_steps += 1

@@ -1,0 +1,101 @@
+"""Constrained decoding: llguidance masks on the engine's tokenizer, compile errors at submit, outputs that
+match their constraint, "length" with partial text, fast-forward."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.structured import Grammars, fill_masks, mask_words
+from parrot.errors import InvalidRequestError
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=True)
+    yield eng
+    eng.shutdown()
+
+
+def _allowed(mask_row: np.ndarray, vocab: int) -> set[int]:
+    return {t for t in range(vocab) if (int(mask_row[t >> 5]) >> (t & 31)) & 1}
+
+
+def test_masks_allow_only_what_the_grammar_allows() -> None:
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    c = grammars.compile(SamplingParams(regex="[ab]cdef[gh]"))
+    other = grammars.compile(SamplingParams(choice=["yes", "no"]))
+    mask = np.full((3, mask_words(260)), -1, np.int32)
+    fill_masks([(c, 0), (other, 2)], mask)
+    ids = {ch: tok.encode(ch)[0] for ch in "abcnoy"}
+    assert _allowed(mask[0], 260) == {ids["a"], ids["b"]}
+    assert _allowed(mask[1], 260) == set(range(260))  # rows without a constraint are left alone
+    assert _allowed(mask[2], 260) == {ids["y"], ids["n"]}
+    c.consume(ids["b"])
+    assert tok.decode(c.forced()) == "cdef"  # forced by the grammar: fast-forward material
+    assert grammars.masked_steps == 1 and grammars.mask_stats()["mask_ms_mean"] is not None
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"regex": "(unclosed"}, "invalid regex"),
+    ({"grammar": "start: missing_rule"}, "unknown name"),
+    ({"json_schema": {"type": "no-such-type"}}, "Invalid type"),
+    ({"json_schema": {"type": "string", "format": "no-such-format"}}, "Unknown format"),
+])
+def test_invalid_constraints_fail_at_submit(engine: LLMEngine, sampling: dict, message: str) -> None:
+    """The matcher's message, raised by the submit itself: the context does not even exist, so no engine
+    work ran (that would have failed with not_found)."""
+    req = GenerateRequest(context_id="never-created", sampling=SamplingParams(**sampling))
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate_future(req)
+    assert engine.alive
+
+
+def test_compiling_has_a_time_limit() -> None:
+    grammars = Grammars(tiny_tokenizer(), 260, timeout_s=1e-6)
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{1,9}"} for i in range(50)}}
+    with pytest.raises(InvalidRequestError, match="took longer than"):
+        grammars.compile(SamplingParams(json_schema=schema))
+
+
+def _generate(eng: LLMEngine, ctx: str, **sampling):
+    eng.fill_future(FillRequest(context_id=ctx, token_ids=list(b"Answer: "))).result(TIMEOUT)
+    try:
+        return eng.generate_future(GenerateRequest(context_id=ctx, sampling=SamplingParams(**sampling))).result(TIMEOUT)
+    finally:
+        eng.free_future(ctx).result(TIMEOUT)
+
+
+def test_outputs_match_their_constraint(engine: LLMEngine) -> None:
+    """A random-weight model writes nothing sensible on its own: the mask alone makes it match."""
+    r = _generate(engine, "re", regex="[0-9]{3}-[a-z]{2}", max_tokens=20)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.text) and r.finish_reason == "stop"
+    r = _generate(engine, "ch", choice=["alpha", "beta", "gamma"], max_tokens=20, temperature=1.0, seed=3)
+    assert r.text in {"alpha", "beta", "gamma"} and r.finish_reason == "stop"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    before = engine.ping().fast_forward_tokens
+    r = _generate(engine, "js", json_schema=schema, max_tokens=40)
+    value = json.loads(r.text)
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] in (1, 2)
+    assert r.finish_reason == "stop"
+    assert engine.ping().fast_forward_tokens - before >= len('"ok": ')  # the keys are forced, not sampled
+    grammar = 'start: "call(" NAME ")"\nNAME: /[a-z]+/'
+    r = _generate(engine, "lark", grammar=grammar, max_tokens=12)
+    assert re.fullmatch(r"call\([a-z]*\)?", r.text)
+
+
+def test_max_tokens_first_gives_length_and_the_partial_text(engine: LLMEngine) -> None:
+    r = _generate(engine, "len", regex="[ab]{50}", max_tokens=5)
+    assert r.finish_reason == "length" and re.fullmatch("[ab]{5}", r.text)
+    r = _generate(engine, "ff", regex="x{50}", max_tokens=7)  # all forced: fast-forward stops at max_tokens too
+    assert r.finish_reason == "length" and r.text == "x" * 7 and len(r.token_ids) == 7
