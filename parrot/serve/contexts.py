@@ -161,6 +161,10 @@ class ContextManager:
             self._forget(ctx)
         return out
 
+    def discard(self, ctx: CachedContext) -> None:
+        """Forget a context the engine never made (its fill failed); the caller frees nothing."""
+        self._forget(ctx)
+
     def release_engine(self, engine: str) -> list[CachedContext]:
         """An engine died: everything cached on it is gone."""
         out = self.contexts(engine)

@@ -79,6 +79,7 @@ class _TaskRecord:
     running_on: tuple[EngineClient, str] | None = None  # (engine, context id) of the generate in flight
     ended: bool = False  # finished, failed or cancelled for good
     clock: TaskClock = field(default_factory=TaskClock)  # the serve layer's own time (serve_time.py)
+    fills: list[asyncio.Future] = field(default_factory=list)  # fills this run sent or forks, not awaited
 
     def waited(self) -> float:
         """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
@@ -133,6 +134,14 @@ def _generation_stats(rec: _ChainRecord, prompt_tokens: int, cached_tokens: int,
             "output_tokens": output_tokens, "ttft_s": first - rec.created, "serve_s": rec.clock.serve_s,
             "tpot_s": (now - first) / (output_tokens - 1) if output_tokens > 1 else None,
             "latency_s": now - rec.created}
+
+
+def _fill_error(rec: _TaskRecord) -> ParrotError | None:
+    """The error of the first failed fill the task sent or forked (pipelined), if any."""
+    for fut in rec.fills:
+        if fut.done() and not fut.cancelled() and isinstance(fut.exception(), ParrotError):
+            return fut.exception()
+    return None
 
 
 @dataclass(eq=False)
@@ -217,7 +226,9 @@ class ParrotServeCore:
                                          app_aware=cfg.app_aware, cache_aware=cfg.prefix_sharing)
         self.prefix_matcher = PrefixMatcher()
         self.sessions: dict[str, Session] = {}
-        self._inflight_prefix: dict[tuple[str, tuple[int, ...]], asyncio.Future[CachedContext]] = {}
+        # prefixes being filled: (engine, tokens) -> (context, fill future) on ordered engines (the context is
+        # registered at once and forked right away), else (None, future of the context) that others await
+        self._inflight_prefix: dict[tuple[str, tuple[int, ...]], tuple[CachedContext | None, asyncio.Future]] = {}
         self._background: set[asyncio.Task] = set()
         self.engines.on_engine_dead(self._on_engine_dead)
         self._expiry: asyncio.Task | None = None
@@ -595,6 +606,7 @@ class ParrotServeCore:
         rec.note(engine=engine, created=rec.created, dispatched=time.perf_counter())
         gen_id: str | None = None  # the generate's context, once asked for (freed here unless it succeeded)
         generated = False
+        rec.fills = []
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
@@ -651,6 +663,7 @@ class ParrotServeCore:
             self._engine_gone(engine)
             return
         except ParrotError as exc:
+            exc = _fill_error(rec) or exc  # a fill it forked failed: that is why (e.g. no KV space: retry)
             if task.engine != engine:
                 # the engine died or restarted meanwhile and the task is queued again: that run takes over (this
                 # error is an effect of the restart, e.g. a parent context the restarted engine never had)
@@ -728,12 +741,17 @@ class ParrotServeCore:
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
+            req = FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(), priority=rec.priority)
             self.serve_time.sending(rec.clock)
-            try:
-                await client.fill(FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(),
-                                              priority=rec.priority))
-            finally:
-                self.serve_time.done(rec.clock)
+            if client.ordered:  # the generate goes right behind it
+                fut = client.send_fill(req)
+                fut.add_done_callback(lambda f: self._fill_done(f, rec, None, None))
+                rec.fills.append(fut)
+            else:
+                try:
+                    await client.fill(req)
+                finally:
+                    self.serve_time.done(rec.clock)
             return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
         block = self.contexts.block
         hashes = task.hashes(block)
@@ -793,39 +811,64 @@ class ParrotServeCore:
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
                            owner: str | None, rec: _TaskRecord) -> tuple[CachedContext, int]:
         """The context of `tokens` on this engine, and how many tokens this call filled (0 when it was
-        cached, or filled by a concurrent task that this one waited for)."""
+        cached, or filled by a concurrent task). On an `ordered` engine client nothing is awaited: the fill
+        is sent and the context registered at once, so the task's next fill or its generate (and other tasks'
+        forks of it) go to the engine right behind it, which runs them in order; `rec.fills` keeps the
+        futures. Elsewhere the fill is awaited, and a concurrent task waits for it."""
         key = (client.name, tuple(tokens))
         pending = self._inflight_prefix.get(key)
-        if pending is not None:  # another task fills it: waiting for that is engine time for this one
-            self.serve_time.sending(rec.clock)
+        if pending is not None:  # another task fills it
+            ctx, fut = pending
+            if ctx is not None:  # ordered: fork it now
+                rec.fills.append(fut)
+                return ctx, 0
+            self.serve_time.sending(rec.clock)  # waiting for that is engine time for this task
             try:
-                return await asyncio.shield(pending), 0
+                return await asyncio.shield(fut), 0
             finally:
                 self.serve_time.done(rec.clock)
         cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
         if cached is not None:
             return cached, 0
-        fut: asyncio.Future[CachedContext] = asyncio.get_running_loop().create_future()
-        self._inflight_prefix[key] = fut
+        ctx_id = self.contexts.new_id(owner)
+        start = parent.num_tokens if parent is not None else 0
+        req = FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
+                          token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority)
+        if client.ordered:
+            self.serve_time.sending(rec.clock)
+            sent = client.send_fill(req)
+            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
+            self._inflight_prefix[key] = (ctx, sent)
+            sent.add_done_callback(lambda f: self._fill_done(f, rec, key, ctx))
+            rec.fills.append(sent)
+            return ctx, len(tokens) - start
+        waiters: asyncio.Future[CachedContext] = asyncio.get_running_loop().create_future()
+        self._inflight_prefix[key] = (None, waiters)
         try:
-            ctx_id = self.contexts.new_id(owner)
-            start = parent.num_tokens if parent is not None else 0
             self.serve_time.sending(rec.clock)
             try:
-                await client.fill(FillRequest(context_id=ctx_id,
-                                              parent_context_id=parent.context_id if parent else None,
-                                              token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority))
+                await client.fill(req)
             finally:
                 self.serve_time.done(rec.clock)
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
-            fut.set_result(ctx)
+            waiters.set_result(ctx)
             return ctx, len(tokens) - start
         except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: waiters re-raise it
+            waiters.set_exception(exc)
+            waiters.exception()  # mark retrieved: waiters re-raise it
             raise
         finally:
             del self._inflight_prefix[key]
+
+    def _fill_done(self, fut: asyncio.Future, rec: _TaskRecord, key: tuple[str, tuple[int, ...]] | None,
+                   ctx: CachedContext | None) -> None:
+        """A pipelined fill ended: its task's clock moves on; a failed one's context is forgotten (the forks
+        sent behind it fail too, and their tasks report this fill's error)."""
+        self.serve_time.done(rec.clock)
+        if key is not None and self._inflight_prefix.get(key, (None, None))[1] is fut:
+            del self._inflight_prefix[key]
+        if ctx is not None and (fut.cancelled() or fut.exception() is not None):
+            self.contexts.discard(ctx)
 
     # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
     def complete(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",

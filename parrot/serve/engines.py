@@ -88,9 +88,17 @@ class EngineClient(abc.ABC):
     model: str
     max_context_len: int
     max_batch_size: int | None = None  # sequences per step, when the engine says (its capacity)
+    # True: primitives handed over one after the other (send_fill, then any primitive) reach the engine in that
+    # order, so a primitive forking a context may be sent before the fill making it is done (the engine runs
+    # primitives on one context in order). False (HTTP: requests may overtake each other): await each fill.
+    ordered: bool = False
 
     @abc.abstractmethod
     async def fill(self, req: FillRequest) -> FillResponse: ...
+
+    def send_fill(self, req: FillRequest) -> asyncio.Future[FillResponse]:
+        """Hand the fill over now; the future gives its response (or raises its error)."""
+        return asyncio.ensure_future(self.fill(req))
 
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateResponse: ...
@@ -185,6 +193,22 @@ class LocalEngineClient(EngineClient):
     async def fill(self, req: FillRequest) -> FillResponse:
         with self._mapped():
             return await self.engine.fill(req)
+
+    @property
+    def ordered(self) -> bool:  # type: ignore[override]
+        return hasattr(self.engine, "fill_future")
+
+    def send_fill(self, req: FillRequest) -> asyncio.Future[FillResponse]:
+        """Queued on the engine before this returns (its thread takes primitives in the order given)."""
+        if not self.ordered:
+            return super().send_fill(req)
+        with self._mapped():
+            done = self.engine.fill_future(req)
+
+        async def response() -> FillResponse:
+            with self._mapped():
+                return await asyncio.wrap_future(done)
+        return asyncio.ensure_future(response())
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         with self._mapped():

@@ -81,14 +81,18 @@ class GlobalScheduler:
         return sum(1 for t in self.running.values() if t.engine == engine)
 
     def _capacity(self, view: EngineView, adding: CompletionTask) -> int:
+        """Tasks `view` can take now. Its load is the tasks placed there and not finished: the engine's own
+        waiting count (`view.queued`) is those same tasks' primitives, as of its last heartbeat, so counting
+        it too would hold tasks back on stale figures until the next dispatch tick."""
+        load = self.load(view.name)
+        room = view.max_batch - load
         if not self.app_aware:
-            return view.max_batch - self.load(view.name) - view.queued
-        room = view.max_batch - self.load(view.name) - view.queued
+            return room
         latency_running = sum(1 for t in self.running.values() if t.engine == view.name and t.criterion == "latency")
         if adding.criterion == "latency":
             return min(room, self.latency_cap - latency_running)
         if latency_running:
-            return min(room, self.latency_cap - self.load(view.name) - view.queued)
+            return min(room, self.latency_cap - load)
         return room
 
     def schedule(self) -> list[CompletionTask]:

@@ -116,6 +116,13 @@ def _count_fills(core) -> list[int]:  # noqa: ANN001
         return await fill(req)
 
     client.fill = counting
+    send = client.send_fill  # pipelined fills (an in-process engine) are sent without `fill`
+
+    def sending(req):  # noqa: ANN001, ANN202
+        filled.append(len(req.token_ids))
+        return send(req)
+
+    client.send_fill = sending
     return filled
 
 

@@ -178,7 +178,25 @@ def test_placement_sees_cached_prompts_and_planned_blocks_at_any_boundary() -> N
     s.submit(b)
     assert s.schedule() == [a, b] and a.engine == b.engine == "e1"
     s.running.clear()
-    engines[1].queued = 8  # e2 is full: its cache does not help
+    engines[1].queued = 0
+    for i in range(8):  # e2 is full: its cache does not help
+        busy = task([70 + i], engine="e2")
+        s.running[busy.task_id] = busy
     u = task([*range(10), 60])
     s.submit(u)
     assert s.schedule() == [u] and u.engine == "e1"
+
+
+def test_engine_reported_waiting_does_not_hold_tasks_back() -> None:
+    """The engine's waiting count (last heartbeat) is the placed tasks' own primitives: capacity counts the
+    placed tasks once, so a stale heartbeat never delays dispatch."""
+    engines = [EngineView("e", 4, queued=4)]
+    s = make(engines)
+    first = [task([i]) for i in range(3)]
+    for t in first:
+        s.submit(t)
+    assert s.schedule() == first
+    late = [task([10 + i]) for i in range(2)]
+    for t in late:
+        s.submit(t)
+    assert s.schedule() == late[:1]  # one place left of 4, whatever the engine last reported
