@@ -191,7 +191,9 @@ def _line(name: str, entry: dict) -> str:
             f"p99 {f(s['jct_p99_s'], '7.2f')} s  {f(s['request_throughput_rps'], '5.2f')} req/s  "
             f"{f(s['output_tok_s'], '6.1f')} tok/s  TTFT p50 {f(s['ttft_p50_s'], '5.2f')} s  "
             f"TPOT p50 {f(s['tpot_p50_s'] and s['tpot_p50_s'] * 1000, '5.0f')} ms  "
-            f"cache hit {f(s['prefix_cache_hit_rate'] and 100 * s['prefix_cache_hit_rate'], '3.0f')}%")
+            f"cache hit {f(s['prefix_cache_hit_rate'] and 100 * s['prefix_cache_hit_rate'], '3.0f')}%  "
+            f"serve first {f(s.get('serve_first_mean_s') and s['serve_first_mean_s'] * 1000, '.2f')} ms "
+            f"gap {f(s.get('serve_gap_mean_s') and s['serve_gap_mean_s'] * 1000, '.2f')} ms")
 
 
 def engine_micro(out_dir: Path, quick: bool) -> dict | None:

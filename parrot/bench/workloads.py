@@ -194,6 +194,26 @@ async def _mixed(rt: Runtime, rec: Recorder, p: dict) -> None:
     await asyncio.gather(*jobs)
 
 
+async def _background_chats(rt: Runtime, rec: Recorder, n: int, rate: float, seed: int) -> None:
+    """Other users' latency-critical chats (32 tokens each), arriving as a Poisson process from t = 0."""
+    sentences = random.Random(seed).sample(corpus.sentences(corpus.text("gpl-3.0.txt")), n)
+    starts = poisson_starts(n, rate, seed=seed + 1)
+    await asyncio.gather(*[_at(t, rt.run_app("chat", rec, lambda app, s=s: chat(app, s)))
+                           for t, s in zip(starts, sentences, strict=True)])
+
+
+async def _chain_under_load(rt: Runtime, rec: Recorder, p: dict) -> None:
+    chunks = corpus.chunks(corpus.text("gpl-2.0.txt"))[: p["chunks"]]
+    await asyncio.gather(rt.run_app("chain", rec, lambda app: chain_summary(app, chunks)),
+                         _background_chats(rt, rec, p["chats"], p["chat_rate"], seed=5))
+
+
+async def _map_reduce_under_load(rt: Runtime, rec: Recorder, p: dict) -> None:
+    chunks = corpus.chunks(corpus.text("gpl-3.0.txt"))[: p["chunks"]]
+    await asyncio.gather(rt.run_app("map_reduce", rec, lambda app: map_reduce(app, chunks)),
+                         _background_chats(rt, rec, p["chats"], p["chat_rate"], seed=7))
+
+
 WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("chain", "chain summarization: a document in ~512-token chunks (GPL-2); each step rewrites the "
              "running summary (48 tokens) to cover the next chunk", "jct_mean_s",
@@ -214,4 +234,12 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              {"quick": {"map_reduce_apps": 1, "chunks": 8, "chats": 8, "chat_rate": 0.5, "chat_delay": 1.0},
               "full": {"map_reduce_apps": 2, "chunks": 10, "chats": 16, "chat_rate": 0.5, "chat_delay": 1.0}},
              _mixed),
+    Workload("chain_under_load", "chain summarization (as `chain`) while other users' chats (32 tokens, "
+             "Poisson arrivals from t=0) share the server, as in the Parrot paper", "chain_jct_mean_s",
+             {"quick": {"chunks": 4, "chats": 10, "chat_rate": 0.3},
+              "full": {"chunks": 8, "chats": 24, "chat_rate": 0.3}}, _chain_under_load),
+    Workload("map_reduce_under_load", "map-reduce summarization (as `map_reduce`) while other users' chats "
+             "(32 tokens, Poisson arrivals from t=0) share the server", "map_reduce_jct_mean_s",
+             {"quick": {"chunks": 8, "chats": 10, "chat_rate": 0.3},
+              "full": {"chunks": 16, "chats": 24, "chat_rate": 0.3}}, _map_reduce_under_load),
 ]}

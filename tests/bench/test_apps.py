@@ -41,7 +41,8 @@ def test_every_workload_prompt_ends_with_its_output() -> None:
         assert fn.template.endswith("<|im_start|>assistant\n{{" + name + "}}")
     prompt = render_prompt(workloads.summarize_chunk, {"chunk": "Some text."})
     assert prompt.endswith("Some text.<|im_end|>\n<|im_start|>assistant\n") and "{{" not in prompt
-    assert set(workloads.WORKLOADS) == {"chain", "map_reduce", "shared_prompt", "multi_agent", "mixed"}
+    assert set(workloads.WORKLOADS) == {"chain", "map_reduce", "shared_prompt", "multi_agent", "mixed",
+                                        "chain_under_load", "map_reduce_under_load"}
     for w in workloads.WORKLOADS.values():
         assert set(w.params) == {"quick", "full"}
     assert len(set(workloads.passages(48, seed=2))) == 48
