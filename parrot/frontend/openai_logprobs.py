@@ -10,6 +10,7 @@ penalties, logit_bias and constraint masks, as vLLM reports them by default.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,11 +27,14 @@ def chat_logprobs(items: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
 
 
 def completion_logprobs(items: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
+    """`text_offset`: each token's offset in characters of the text (a token holding part of a character
+    starts where that character does)."""
     tokens, lps, tops, offsets = [], [], [], []
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for t in items:
         tokens.append(t.token)
         lps.append(t.logprob)
         tops.append({a.token: a.logprob for a in t.top[:top_n]} if top_n else {})
         offsets.append(offset)
-        offset += len(t.token)
+        offset += len(decoder.decode(bytes(t.bytes)))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -334,6 +334,9 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: str | None = None
     web_search_options: Any = None
     verbosity: str | None = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -346,9 +349,12 @@ class ChatCompletionRequest(SamplingRequest):
                               "functions / function_call (deprecated; use tools / tool_choice)")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", f"modalities {self.modalities} (text only)")
-        for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"):
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity", "moderation",
+                     "prompt_cache_options"):
             if getattr(self, name) is not None:
                 raise unsupported(name, name)
+        if self.prompt_cache_retention not in (None, "in_memory"):  # cached prefixes live in engine memory
+            raise unsupported("prompt_cache_retention", f"prompt_cache_retention {self.prompt_cache_retention!r}")
 
     def logprob_fields(self) -> dict[str, Any]:
         return {"logprobs": self.top_logprobs or 0} if self.logprobs else {}

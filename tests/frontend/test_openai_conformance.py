@@ -1,0 +1,357 @@
+"""OpenAI conformance: every request parameter of /v1/chat/completions and /v1/completions (as the real
+`openai` client names them, plus the extensions we take) is honoured, with its effect checked, or refused
+with a 400 naming it. Never silently ignored. A real uvicorn server on loopback, the serve core and an
+embedded engine running a tiny random model (byte-level tokenizer: token 32 is "A", 257 is EOS)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+
+import httpx
+import openai
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.loader import LoadedModel
+from parrot.engine.models.llama import random_weights
+from tests.conftest import TINY, tiny_engine_config, tiny_tokenizer
+from tests.servers import serving_core
+
+A, EOS = 32, 257
+PROMPT = "The quick brown fox"
+MSGS = [{"role": "user", "content": "Say something."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    # 2048 positions: a tool prompt in a byte-level vocabulary is long
+    cfg = dataclasses.replace(TINY, max_position=2048)
+    model = LoadedModel(cfg, random_weights(cfg, seed=0), tiny_tokenizer(), "tiny-random")
+    engine = LLMEngine(model, tiny_engine_config(kv_memory_mb=16, kv_buckets=[64, 128, 256, 512, 1024, 2048])
+                       ).start(precompile=False)
+    with serving_core(engine, "tiny", model.tokenizer) as (url, core):
+        yield url, core
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def chat(client: openai.OpenAI, **kw):  # noqa: ANN201
+    kw.setdefault("messages", MSGS)
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    kw.setdefault("model", "tiny")
+    return client.chat.completions.create(**kw)
+
+
+def comp(client: openai.OpenAI, extra: dict | None = None, **kw):  # noqa: ANN201
+    kw.setdefault("prompt", PROMPT)
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    kw.setdefault("model", "tiny")
+    return client.completions.create(extra_body={"ignore_eos": True, **(extra or {})}, **kw)
+
+
+def refused(fn, param: str, **kw) -> openai.BadRequestError:  # noqa: ANN001
+    with pytest.raises(openai.BadRequestError) as info:
+        fn(**kw)
+    assert info.value.status_code == 400 and info.value.param == param, (info.value.param, info.value.message)
+    assert info.value.message
+    return info.value
+
+
+# ---- the parameter tables: each name appears in exactly one test below --------------------------------
+CHAT_COVERED = {
+    "messages", "model", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "max_tokens", "max_completion_tokens", "n", "response_format", "seed", "stop", "stream", "stream_options",
+    "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "user", "safety_identifier",
+    "prompt_cache_key", "prompt_cache_retention", "service_tier", "store", "metadata", "modalities", "audio",
+    "prediction", "reasoning_effort", "web_search_options", "verbosity", "moderation", "prompt_cache_options",
+    "functions", "function_call",
+}
+COMPLETION_COVERED = {
+    "prompt", "model", "best_of", "echo", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
+    "max_tokens", "n", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+}
+CLIENT_ONLY = {"extra_headers", "extra_query", "extra_body", "timeout"}
+
+
+def test_every_client_parameter_is_covered() -> None:
+    c = openai.OpenAI(api_key="x")
+    chat_params = set(inspect.signature(c.chat.completions.create).parameters) - CLIENT_ONLY
+    comp_params = set(inspect.signature(c.completions.create).parameters) - CLIENT_ONLY
+    assert chat_params <= CHAT_COVERED, f"chat parameters without a conformance test: {chat_params - CHAT_COVERED}"
+    assert comp_params <= COMPLETION_COVERED, f"completion parameters untested: {comp_params - COMPLETION_COVERED}"
+
+
+# ---- honoured: sampling ------------------------------------------------------------------------------
+def test_temperature_seed_top_p_and_extensions_top_k_min_p(client: openai.OpenAI) -> None:
+    greedy = comp(client).choices[0].text
+    assert comp(client).choices[0].text == greedy  # temperature 0: deterministic
+    sampled = comp(client, temperature=1.0, seed=5).choices[0].text
+    assert sampled != greedy and comp(client, temperature=1.0, seed=5).choices[0].text == sampled  # seed
+    # each cut-off alone leaves only the most likely token: greedy again at temperature 1
+    assert comp(client, temperature=1.0, seed=5, top_p=1e-6).choices[0].text == greedy
+    assert comp(client, {"top_k": 1}, temperature=1.0, seed=5).choices[0].text == greedy
+    assert comp(client, {"min_p": 1.0}, temperature=1.0, seed=5).choices[0].text == greedy
+    assert chat(client, temperature=1.0, seed=5, top_p=1e-6).choices[0].message.content == \
+        chat(client).choices[0].message.content
+    refused(comp, "temperature", client=client, temperature=2.5)
+    refused(comp, "top_p", client=client, top_p=0)
+
+
+def test_penalties(client: openai.OpenAI) -> None:
+    greedy = comp(client).choices[0].text
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        assert comp(client, **kw).choices[0].text != greedy, kw
+        assert chat(client, **kw).choices[0].message.content is not None
+    assert comp(client, {"repetition_penalty": 2.0}).choices[0].text != greedy
+    # frequency grows with each repeat, presence does not: a +5 bias on "A" beats presence but not frequency
+    assert comp(client, logit_bias={str(A): 5}, presence_penalty=2.0).choices[0].text == "A" * 12
+    assert comp(client, logit_bias={str(A): 5}, frequency_penalty=2.0).choices[0].text.startswith("AAA")
+    assert comp(client, logit_bias={str(A): 5}, frequency_penalty=2.0).choices[0].text != "A" * 12
+    refused(comp, "presence_penalty", client=client, presence_penalty=3)
+    refused(comp, "frequency_penalty", client=client, frequency_penalty=-2.5)
+
+
+def test_logit_bias(client: openai.OpenAI) -> None:
+    assert comp(client, logit_bias={str(A): 100}).choices[0].text == "A" * 12
+    assert chat(client, logit_bias={str(A): 100}, max_tokens=4).choices[0].message.content == "AAAA"
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0, logit_bias={str(EOS): 100})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 0
+    refused(comp, "logit_bias", client=client, logit_bias={"99999": 1})
+    refused(comp, "logit_bias", client=client, logit_bias={"token": 1})
+    refused(comp, "logit_bias", client=client, logit_bias={str(A): 150})
+
+
+def test_extensions_min_tokens_ignore_eos_stop_token_ids(client: openai.OpenAI) -> None:
+    eos = {"logit_bias": {str(EOS): 100}, "max_tokens": 8, "temperature": 0}
+    r = client.completions.create(model="tiny", prompt="x", extra_body={"min_tokens": 4}, **eos)
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="x", extra_body={"ignore_eos": True}, **eos)
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0, logit_bias={str(A): 100},
+                                  extra_body={"stop_token_ids": [A]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == ""
+    refused(comp, "min_tokens", client=client, max_tokens=2, extra={"min_tokens": 5})
+
+
+def test_max_tokens_n_stop_and_model(client: openai.OpenAI) -> None:
+    r = comp(client, max_tokens=5, n=3, temperature=1.0, seed=1, model="any-name")
+    assert r.model == "tiny" and [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 15
+    r = chat(client, max_completion_tokens=3, logit_bias={str(A): 100}, extra_body={"ignore_eos": True}, n=2)
+    assert [c.message.content for c in r.choices] == ["AAA", "AAA"] and r.usage.completion_tokens == 6
+    r = comp(client, logit_bias={str(A): 100}, stop=["AAA"])
+    assert r.choices[0].text == "" and r.choices[0].finish_reason == "stop"
+    r = comp(client, logit_bias={str(A): 100}, best_of=1, n=1, user="u-1", stop="AAAA")
+    assert r.choices[0].finish_reason == "stop"
+    refused(comp, "best_of", client=client, best_of=3, n=1)
+    refused(comp, "n", client=client, n=0)
+    refused(comp, "stop", client=client, stop=[""])
+
+
+def test_stream_and_stream_options(client: openai.OpenAI) -> None:
+    chunks = list(comp(client, logit_bias={str(A): 100}, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "A" * 12
+    assert chunks[-1].usage.completion_tokens == 12
+    chunks = list(chat(client, logit_bias={str(A): 100}, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "A" * 8
+    assert all(c.usage is None for c in chunks)
+    refused(comp, "stream_options", client=client, stream_options={"include_usage": True})
+
+
+def test_accepted_without_effect_on_the_output(client: openai.OpenAI) -> None:
+    """Identifiers and cache hints: they cannot change the text, so they are accepted (docs say so)."""
+    r = chat(client, user="u", safety_identifier="s", prompt_cache_key="k", prompt_cache_retention="in_memory",
+             service_tier="auto", store=False, modalities=["text"], parallel_tool_calls=True,
+             logit_bias={str(A): 100}, max_tokens=2)
+    assert r.choices[0].message.content == "AA"
+
+
+@pytest.mark.parametrize(("param", "value"), [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "high"),
+    ("web_search_options", {}), ("verbosity", "low"), ("moderation", {"type": "auto"}),
+    ("prompt_cache_options", {"x": 1}), ("prompt_cache_retention", "24h"), ("service_tier", "flex"),
+    ("store", True), ("metadata", {"k": "v"}),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+])
+def test_chat_refused(client: openai.OpenAI, param: str, value: object) -> None:
+    refused(chat, param, client=client, **{param: value})
+
+
+def test_completion_refused(client: openai.OpenAI) -> None:
+    refused(comp, "suffix", client=client, suffix="end")
+    refused(comp, "echo", client=client, echo=True, logprobs=1)  # prompt logprobs: see docs/openai-api.md
+
+
+@pytest.mark.parametrize("name", ["ebnf", "guided_decoding_backend", "use_beam_search", "bad_words",
+                                  "allowed_token_ids", "include_stop_str_in_output", "chat_template"])
+def test_unimplemented_extensions_refused(client: openai.OpenAI, name: str) -> None:
+    refused(comp, name, client=client, extra={name: "x"})
+
+
+# ---- honoured: echo, logprobs -----------------------------------------------------------------------
+def test_echo(client: openai.OpenAI) -> None:
+    r = comp(client, echo=True, logit_bias={str(A): 100}, max_tokens=3)
+    assert r.choices[0].text == PROMPT + "AAA"
+    chunks = list(comp(client, echo=True, logit_bias={str(A): 100}, max_tokens=3, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT + "AAA"
+
+
+def test_chat_logprobs_shape(client: openai.OpenAI) -> None:
+    r = chat(client, logprobs=True, top_logprobs=3, max_tokens=4, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 4
+    for t in content:
+        assert t.logprob <= 0 and isinstance(t.token, str) and all(0 <= b < 256 for b in t.bytes)
+        assert len(t.top_logprobs) == 3 and [a.logprob for a in t.top_logprobs] == sorted(
+            (a.logprob for a in t.top_logprobs), reverse=True)
+        assert t.top_logprobs[0].logprob >= t.logprob  # greedy: the chosen token is the most likely
+    assert chat(client, logprobs=True, max_tokens=2).choices[0].logprobs.content[0].top_logprobs == []
+    assert chat(client, max_tokens=2).choices[0].logprobs is None
+    streamed = [t for c in chat(client, logprobs=True, top_logprobs=2, max_tokens=4, stream=True,
+                                 extra_body={"ignore_eos": True})
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    refused(chat, "top_logprobs", client=client, logprobs=True, top_logprobs=21)
+    refused(chat, "top_logprobs", client=client, top_logprobs=2)
+
+
+def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
+    r = comp(client, logprobs=2, max_tokens=4, logit_bias={str(A): 100})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["A"] * 4 and lp.text_offset == [0, 1, 2, 3]
+    assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(top) == 2 for top in lp.top_logprobs)  # the raw distribution: before the bias
+    streamed = [t for c in comp(client, logprobs=2, max_tokens=4, logit_bias={str(A): 100}, stream=True)
+                for t in c.choices[0].logprobs.tokens]
+    assert streamed == ["A"] * 4
+    refused(comp, "logprobs", client=client, logprobs=21)
+
+
+# ---- honoured: output constraints --------------------------------------------------------------------
+def test_response_format(client: openai.OpenAI) -> None:
+    text = chat(client, response_format={"type": "text"}).choices[0].message.content
+    assert isinstance(text, str)
+    r = chat(client, response_format={"type": "json_object"}, max_tokens=40)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "num", "schema": schema, "strict": True}}
+    obj = json.loads(chat(client, response_format=fmt, max_tokens=40).choices[0].message.content)
+    assert set(obj) == {"n"} and 0 <= obj["n"] <= 9
+    stream = chat(client, response_format=fmt, max_tokens=40, stream=True)
+    assert set(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices))) == {"n"}
+    refused(chat, "response_format", client=client, response_format={"type": "xml"})
+
+
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"guided_json": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+     lambda t: isinstance(json.loads(t), list)),
+    ({"json_schema": '{"type": "integer"}'}, lambda t: isinstance(json.loads(t), int)),
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: len(t) == 6 and t[3] == "-" and t[:3].isdigit()),
+    ({"regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+    ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+    ({"choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"guided_grammar": 'start: "x" "y"+'}, lambda t: t.startswith("xy") and set(t[1:]) == {"y"}),
+    ({"grammar": 'start: ("ab" | "cd") "!"'}, lambda t: t in ("ab!", "cd!")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+])
+def test_constraint_extensions(client: openai.OpenAI, extra: dict, check) -> None:  # noqa: ANN001
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=2,
+                                  extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and check(r.choices[0].text), r.choices[0].text
+    r = chat(client, max_tokens=16, temperature=1.0, seed=3, extra_body=extra)
+    assert check(r.choices[0].message.content), r.choices[0].message.content
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    ({"guided_json": {"type": "nope"}}, "json_schema"), ({"regex": "a(b"}, "unclosed group"),
+    ({"grammar": "start: foo("}, "grammar"), ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}}}, "json_schema"),
+])
+def test_invalid_constraints_are_400_with_the_matchers_message(client: openai.OpenAI, server, extra: dict,
+                                                               words: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body=extra)
+    assert words in info.value.message
+    for stream in (False, True):  # a stream too: the status, not an event after a 200
+        r = httpx.post(f"{server[0]}/v1/chat/completions", timeout=60,
+                       json={"messages": MSGS, "max_tokens": 4, "stream": stream, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"]
+    refused(comp, "choice", client=client, extra={"regex": "a", "choice": ["a"]})  # one constraint at a time
+
+
+def test_constrained_output_cut_by_max_tokens(client: openai.OpenAI) -> None:
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "object", "properties": {"text": {"type": "string", "minLength": 50}}, "required": ["text"]}}},
+        max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith('{')
+
+
+# ---- honoured: tools ---------------------------------------------------------------------------------
+def test_named_tool_choice_gives_a_valid_call(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(client, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=40, temperature=1.0, seed=1)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    [call] = msg.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    stream = list(chat(client, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=40, temperature=1.0, seed=1,
+                       stream=True))
+    deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id == deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_none_auto_and_parallel(client: openai.OpenAI) -> None:
+    r = chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=4)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
+    stream = list(chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=4,
+                       stream=True))
+    [delta] = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert (delta.function.name, delta.function.arguments) == (call.function.name, call.function.arguments)
+    r = chat(client, tools=[WEATHER], tool_choice="none", logit_bias={str(A): 100}, max_tokens=3)
+    assert r.choices[0].message.content == "AAA" and not r.choices[0].message.tool_calls
+    r = chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, logit_bias={str(A): 100},
+             max_tokens=3)
+    assert r.choices[0].message.content == "AAA" and r.choices[0].finish_reason == "length"
+
+
+def test_tool_history_is_accepted(client: openai.OpenAI) -> None:
+    messages = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    assert chat(client, messages=messages, tools=[TIME]).choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tools_are_400(client: openai.OpenAI, kw: dict, param: str) -> None:
+    refused(chat, param, client=client, **kw)
+
+
+def test_models_show_sampling_defaults(client: openai.OpenAI) -> None:
+    card = client.models.retrieve("tiny").model_extra["sampling_defaults"]
+    assert card == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "source": "llama.cpp defaults"}
