@@ -4,9 +4,11 @@ same server, one app at a time (an otherwise idle server).
     python -m benchmarks.serve_overhead [--url URL] [--steps 5] [--apps 3]
 
 Without --url it starts `parrot serve` (quick shapes) on a free port and stops it afterwards. Each app is
-a chain of `--steps` dependent calls (`parrot.bench.workloads.refine_summary` over GPL-2 chunks, outputs
-of 8 tokens): once as semantic variables (the server runs the chain, the client reads the last
-output) and once with the control flow in the client over `/v1/completions`, alternating. Reported per
+a chain of `--steps` dependent calls (`parrot.bench.workloads.refine_summary` over ~130-token pieces of
+the benchmark texts, outputs of 8 tokens): once as semantic variables (the server runs the chain, the
+client reads the last output) and once with the control flow in the client over `/v1/completions`,
+alternating. Every app reads its own pieces, so no app finds another's prompts cached (plain
+completions' prompts stay cached across apps; a session's do not). Reported per
 path: the median app time, and the serve layer's own time per task from `/metrics`
 (`parrot:serve_first_primitive_seconds`, `parrot:serve_between_primitives_seconds`): mean and count.
 Writes benchmarks/results/serve_overhead.json."""
@@ -46,13 +48,25 @@ async def one_app(rt: Runtime, chunks: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def texts_of(n: int) -> list[str]:
+    """`n` distinct pieces of ~600 characters (~130 tokens) of the benchmark texts."""
+    out = []
+    for name in ("gpl-2.0.txt", "gpl-3.0.txt", "lgpl-2.1.txt", "mpl-2.0.txt"):
+        for chunk in corpus.chunks(corpus.text(name)):
+            out += [chunk[i:i + 600] for i in range(0, len(chunk) - 300, 600)]
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} distinct pieces for {n} calls: fewer --apps or --steps")
+    return out[:n]
+
+
 def measure(system: System, steps: int, apps: int) -> dict:
-    chunks = [c[:600] for c in corpus.chunks(corpus.text("gpl-2.0.txt"))[:steps]]  # ~130-token chunks
+    pieces = iter(texts_of(2 * apps * steps))  # every app its own text: nothing cached from another app
     runtimes = {"dag": lambda: ParrotRuntime(system.url),
                 "plain": lambda: OpenAIRuntime("plain", system.url, system.model, system.extra_body)}
     out: dict = {name: {"app_s": [], "serve": []} for name in runtimes}
     for _ in range(apps):
         for name, make in runtimes.items():
+            chunks = [next(pieces) for _ in range(steps)]
             before = serve_histograms(system)
             out[name]["app_s"].append(asyncio.run(one_app(make(), chunks)))
             out[name]["serve"].append(serve_time_summary(before, serve_histograms(system)))
