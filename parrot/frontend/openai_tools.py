@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from parrot.frontend.openai_requests import strict_schema
+
 MAX_TOOLS = 128
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -168,12 +170,15 @@ def forced_prefix(choice: ToolChoice) -> str:
 
 def constraint_schema(choice: ToolChoice, tools: list[ToolDef]) -> dict[str, Any] | None:
     """The JSON schema the answer is constrained by: the named function's parameters, or for "required"
-    one call object `{"name": const, "arguments": parameters}` of any tool."""
+    one call object `{"name": const, "arguments": parameters}` of any tool. Arguments take no keys their
+    schema does not list (objects that do not say otherwise get `additionalProperties: false`, as vLLM's
+    default matcher treats them), so a call holds what the function takes."""
     if choice.mode == "named":
         tool = next(t for t in tools if t.function.name == choice.name)
-        return tool.parameters()
+        return strict_schema(tool.parameters())
     if choice.mode == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": t.parameters()},
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "arguments": strict_schema(t.parameters())},
                   "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
     return None

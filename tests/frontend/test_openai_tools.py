@@ -65,13 +65,14 @@ def test_bad_tool_choice(choice) -> None:  # noqa: ANN001
 def test_constraint_schemas_and_prefixes() -> None:
     tools = parse_tools([WEATHER, TIME])
     named = ToolChoice("named", "get_weather")
-    assert constraint_schema(named, tools) == WEATHER["function"]["parameters"]
+    # no keys the schema does not list (additionalProperties false unless it says otherwise)
+    assert constraint_schema(named, tools) == {**WEATHER["function"]["parameters"], "additionalProperties": False}
     assert forced_prefix(named) == '<tool_call>\n{"name": "get_weather", "arguments": '
     required = constraint_schema(ToolChoice("required"), tools)
     assert [s["properties"]["name"] for s in required["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
     assert constraint_schema(ToolChoice("auto"), tools) is None and forced_prefix(ToolChoice("auto")) == ""
     assert constraint_schema(ToolChoice("required"), tools[:1])["properties"]["arguments"] == \
-        WEATHER["function"]["parameters"]
+        constraint_schema(named, tools)
 
 
 def test_default_prompt_and_template_detection() -> None:
