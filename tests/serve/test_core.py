@@ -161,3 +161,17 @@ def test_scheduler_capacity_is_the_engines_own() -> None:
     core = make_core(config=ServeConfig(model="tiny", default_max_batch=7))
     core.engines.register(ScriptedEngine([]))
     assert [v.max_batch for v in core._engine_views()] == [7]
+
+
+def test_no_app_awareness_turns_off_app_hints_but_keeps_prefix_caching() -> None:
+    """`parrot serve --no-app-awareness` (bench system baseline-apc): FCFS scheduling and one engine priority
+    for every task, with automatic prefix caching and cache-aware placement still on."""
+    from parrot.cli import build_parser, serve_config_from_args
+
+    cfg = serve_config_from_args(build_parser().parse_args(["serve", "--no-app-awareness"]))
+    assert cfg.app_aware is False and cfg.prefix_sharing is True
+    apc = make_core(config=cfg)
+    assert apc.scheduler.app_aware is False and apc.scheduler.cache_aware is True and apc.prefix_sharing
+    assert apc._priority("throughput") == apc._priority("latency") == 0
+    aware = make_core()
+    assert aware.scheduler.app_aware is True and aware._priority("throughput") == 1
