@@ -33,28 +33,39 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _name(layers_per_call: int) -> str:
-    return "fused" if layers_per_call == 0 else f"layers_per_call_{layers_per_call}"
+def _name(layers_per_call: int, weights: str, several_layers: bool) -> str:
+    name = f"weights_{weights}"
+    if several_layers:
+        name += "_fused" if layers_per_call == 0 else f"_layers_per_call_{layers_per_call}"
+    return name
 
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
-        layers: list[int]) -> dict:
+        layers: list[int], weights: list[str]) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model)
     t_read = time.perf_counter() - t0
     runners = {}
-    for lpc in layers:
-        t = time.perf_counter()
-        cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None, layers_per_call=lpc or None)
-        runners[_name(lpc)] = r = ModelRunner(loaded.config, loaded.weights, cfg)
-        jax.block_until_ready(r.weights)
-        t_load = t_read + time.perf_counter() - t
+    load_s = {}
+    for w in weights:
+        for lpc in layers:
+            t = time.perf_counter()
+            cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
+                               layers_per_call=lpc or None, weights=w)
+            name = _name(lpc, w, len(layers) > 1)
+            runners[name] = r = ModelRunner(loaded.config, loaded.weights, cfg)
+            jax.block_until_ready(r.weights)
+            load_s[name] = t_read + time.perf_counter() - t
+    t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
     result: dict = {
         "model": loaded.source, "params": loaded.config.num_params, "decode_weight_dtype": str(runner.dtype),
         "prefill_weight_dtype": str(runner.prefill_dtype), "activation_dtype": str(runner.act_dtype),
-        "load_s": t_load, "load_read_dequant_s": t_read, "compile_s": {}, "jax": jax.__version__,
+        "load_s": t_load, "load_s_by_config": load_s, "load_read_s": t_read,
+        "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
+        "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
+        "compile_s": {}, "jax": jax.__version__,
         "backend": jax.default_backend(), "machine": procinfo.cpu_name(), "configs": list(runners),
     }
 
@@ -94,7 +105,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     result["rss_gb"] = (procinfo.rss_bytes() or 0) / 1e9
 
     fl = floors.measure()
-    weight_bytes = loaded.config.num_params * runner.dtype.itemsize  # the weights a decode step reads
+    weight_bytes = loaded.config.num_params * 4  # float32 weights: what a float32 decode step reads
     decode_floor_ms = weight_bytes / (fl["memory_read_gbs"] * 1e9) * 1e3
     prefill_floor = fl["gemm_fp32_gflops"] * 1e9 / (2 * loaded.config.num_params)
     result["floors"] = fl | {
@@ -113,6 +124,11 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     return result
 
 
+def _weight_bytes(r: ModelRunner) -> int:
+    """Bytes of the weights a decode step reads (quantized matrices at their stored size)."""
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(r.weights))
+
+
 def report(r: dict) -> str:
     fl = r["floors"]
     lines = [
@@ -122,8 +138,11 @@ def report(r: dict) -> str:
         f"floors: read {fl['memory_read_gbs']:.1f} GB/s, fp32 GEMM {fl['gemm_fp32_gflops']:.0f} GFLOP/s; decode floor "
         f"{fl['weight_bytes'] / 1e6:.0f} MB / {fl['memory_read_gbs']:.1f} GB/s = {fl['decode_floor_ms']:.1f} ms/step, "
         f"prefill floor {fl['prefill_floor_tokens_per_s']:.0f} tok/s",
-        f"load: {r['load_s']:.2f} s (read + dequantize {r['load_read_dequant_s']:.2f} s); resident after the run "
-        f"{r['rss_gb']:.2f} GB",
+        f"load: read {r['load_read_s']:.2f} s; "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in r["load_s_by_config"].items())
+        + f"; resident after the run {r['rss_gb']:.2f} GB",
+        "weights a decode step reads: " + ", ".join(
+            f"{k} {v / 1e6:.0f} MB ({r['weights_by_config'][k]})" for k, v in r["weight_bytes_by_config"].items()),
     ]
     lines += [f"compile {k}: {v:.2f} s" for k, v in r["compile_s"].items()]
     for name, c in r["by_config"].items():
@@ -133,7 +152,12 @@ def report(r: dict) -> str:
         for batch, d in c["decode"].items():
             lines.append(f"[{name}] decode {batch} (context {d['context']}): {d['ms_per_step']:.1f} ms/step = "
                          f"{d['tokens_per_s']:.0f} tok/s")
-        lines.append(f"[{name}] decode batch 1 is {c['ratios']['decode_batch_1_over_floor']:.2f}x the floor")
+        lines.append(f"[{name}] decode batch 1 is {c['ratios']['decode_batch_1_over_floor']:.2f}x the float32 floor")
+        d = c["decode"]
+        for batch in d:
+            if batch != "batch_1" and "batch_1" in d:
+                lines.append(f"[{name}] decode {batch} / batch_1: "
+                             f"{d[batch]['ms_per_step'] / d['batch_1']['ms_per_step']:.2f}x the step time")
     return "\n".join(lines)
 
 
@@ -146,9 +170,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers-per-call", type=int, nargs="+", default=[1],
                     help="configurations measured side by side (0: the whole model in one call)")
+    ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "f32", "bf16"],
+                    help="weight settings measured side by side (auto: quantized files stay quantized)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
-    r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call)
+    r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
+            args.weights)
     print(report(r))
     write_json(r, args.out)
 

@@ -35,6 +35,9 @@ class EngineConfig:
     layers_per_call: int | None = 1
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
+    # "auto": block-quantized matrices (GGUF Q8_0 / Q4_0 / Q4_1) stay quantized where the native CPU
+    # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -42,6 +45,8 @@ class EngineConfig:
             if not values or values[0] <= 0:
                 raise ValueError(f"{name} must be positive integers")
             setattr(self, name, values)
+        if self.weights not in ("auto", "f32", "bf16"):
+            raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
         if self.layers_per_call is not None and self.layers_per_call <= 0:
             raise ValueError("layers_per_call must be positive")
         if self.max_batch_size > self.bs_buckets[-1]:

@@ -10,6 +10,10 @@ Shared-prefix (cascade) attention, for decode batches whose sequences were forke
 the prefix keys/values are gathered once and all member queries are stacked into one matrix product
 against them; each sequence's own suffix is attended separately; the two partial results are merged
 exactly through their log-sum-exp (flash-attention style), so the output equals ordinary attention.
+
+Decode steps on a CPU with the native kernels (kernels/cpu_kernels.cc) skip the gathers altogether:
+each sequence's keys and values are read in place from its pages (the shared prefix through the same
+pages), with an online softmax, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from parrot.engine import kernels
 from parrot.engine.batch import ForwardBatch
 
 _MASKED = -1e30  # finite, so fully masked rows give zeros instead of NaNs
@@ -55,6 +60,8 @@ def paged_attention(
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
+    if qlen == 1 and k_cache.dtype == jnp.float32 and kernels.available():
+        return _decode_in_place(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
     # [Hkv, B, Q*G, D]: rows ordered (query, group)
     qh = qb.transpose(2, 0, 1, 3, 4).reshape(hkv, bsz, qlen * group, d)
@@ -74,6 +81,17 @@ def paged_attention(
     o = o.reshape(hkv, bsz, qlen, group, d).transpose(1, 2, 0, 3, 4).reshape(bsz * qlen, h, d).astype(q.dtype)
     out = jnp.zeros((t, h, d), q.dtype)
     return out.at[batch.q_index.reshape(-1)].set(o, mode="drop")
+
+
+def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
+                     scale: float) -> jax.Array:
+    """One query per sequence, through the native kernel that reads the KV pages where they are."""
+    t, h, d = q.shape
+    rows = batch.q_index[:, 0]
+    qb = q.at[rows].get(mode="fill", fill_value=0)  # [B, H, D]
+    o = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
+                             batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale)
+    return jnp.zeros((t, h, d), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")
 
 
 def _merge_shared_prefix(

@@ -34,12 +34,16 @@ _warned = False
 
 
 def fingerprint() -> str:
-    """What a compiled executable depends on beyond its program: versions, backend and CPU features."""
+    """What a compiled executable depends on beyond its program: versions, backend, CPU features and
+    the native kernels' source."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    key = f"{jax.__version__}|{jaxlib.__version__}|{jax.default_backend()}|{platform.machine()}|{flags}"
+    from parrot.engine import kernels  # executables call its FFI targets by name: their ABI is in the key
+
+    key = (f"{jax.__version__}|{jaxlib.__version__}|{jax.default_backend()}|{platform.machine()}|{flags}|"
+           f"{kernels.source_hash()}")
     return f"jax{jax.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

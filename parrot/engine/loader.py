@@ -22,7 +22,8 @@ from parrot.engine.model_files import (  # noqa: F401  (DEFAULT_MODEL, default_m
     open_gguf,
     resolve_model_path,
 )
-from parrot.engine.models.llama import LlamaConfig, weight_names
+from parrot.engine.models.llama import LlamaConfig, Weight, weight_names
+from parrot.engine.quant import GGML_TYPES, QuantizedTensor
 from parrot.engine.tokenizer import Tokenizer, gguf_tokenizer
 from parrot.errors import ModelLoadError
 
@@ -35,7 +36,7 @@ _HF_ARCHS = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True, "MistralForCau
 @dataclass
 class LoadedModel:
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    weights: dict[str, Weight]  # matrices of GGUF block types Q8_0 / Q4_0 / Q4_1 stay quantized
     tokenizer: Tokenizer
     source: str
 
@@ -104,7 +105,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     permuted = arch in _GGUF_PERMUTED
     expected = weight_names(cfg)
 
-    def convert(name: str) -> np.ndarray:
+    def convert(name: str) -> Weight:
         if name.startswith("layers."):
             _, layer, short = name.split(".", 2)
             gname = f"blk.{layer}.{gguf_names[short]}"
@@ -113,6 +114,17 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
         t = tensors.get(gname)
         if t is None:
             raise ModelLoadError(f"{path}: tensor {gname} is missing")
+        qtype = GGML_TYPES.get(t.tensor_type.name)
+        if qtype is not None and t.data.ndim == 2:  # the file's blocks, as they are (rows: out / vocab)
+            rows = t.data
+            if permuted and short in ("wq", "wk"):
+                rows = _unpermute(rows, n_heads if short == "wq" else n_kv)
+            shape = expected[name]
+            rows_are_matrix = short == "embed"
+            logical = (rows.shape[0], shape[1]) if rows_are_matrix else (shape[0], rows.shape[0])
+            if logical != shape:
+                raise ModelLoadError(f"{path}: tensor {name} has shape {logical}, expected {shape}")
+            return QuantizedTensor(qtype, np.ascontiguousarray(rows), shape, rows_are_matrix)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as exc:

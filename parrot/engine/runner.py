@@ -19,11 +19,22 @@ from tqdm import tqdm
 
 from parrot import procinfo
 from parrot.config import EngineConfig
+from parrot.engine import kernels
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
 from parrot.engine.kv_cache import PageCopy
-from parrot.engine.models.llama import HeadWeights, KVCache, Llama, LlamaConfig, embed_tokens, lm_logits
+from parrot.engine.models.llama import (
+    Embedding,
+    HeadWeights,
+    KVCache,
+    Llama,
+    LlamaConfig,
+    Weight,
+    embed_tokens,
+    lm_logits,
+)
+from parrot.engine.quant import QuantizedTensor
 from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
 from parrot.engine.scheduler import Slot, StepPlan
 
@@ -74,7 +85,7 @@ class Weights:
     """The model's arrays as the step functions take them: each decoder layer's state as a plain dict
     (one compiled layer function serves every layer), the embedding and the head."""
 
-    embed: jax.Array
+    embed: Embedding
     layers: list[dict]
     head: HeadWeights
 
@@ -89,7 +100,7 @@ class StepExecutables:
 
 
 class ModelRunner:
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ecfg: EngineConfig,
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
         enable_compilation_cache(ecfg.compilation_cache_dir)
         procinfo.keep_large_blocks()  # before the KV pool and any step's temporaries are allocated
@@ -110,16 +121,23 @@ class ModelRunner:
         bytes_per_page *= self.act_dtype.itemsize
         # page 0 is a scratch page: padding tokens write there, never handed to a context
         self.num_pages = ecfg.kv_pages or max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
-        model = Llama(cfg, weights, self.dtype, self.act_dtype)
+        weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
+        if ecfg.weights == "bf16":
+            prefill_dtype = self.dtype = jnp.dtype(jnp.bfloat16)
+        model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
+        del weights
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
         self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
-        self.weights = Weights(model.embed[...], [nnx.to_pure_dict(nnx.state(layer)) for layer in model.layers],
+        self.weights = Weights(model.embedding(), [nnx.to_pure_dict(nnx.state(layer)) for layer in model.layers],
                                model.head_weights())
         del model
-        # prefill steps use the same model with its matrices (embedding, projections) in prefill_dtype
+        # prefill steps use the same model with its float matrices (embedding, projections) in
+        # prefill_dtype (quantized matrices are shared: XLA dequantizes them to prefill_dtype itself)
         self.prefill_weights = self.weights
         if prefill_dtype != self.dtype:
-            self.prefill_weights = jax.tree.map(lambda a: a.astype(prefill_dtype) if a.ndim == 2 else a, self.weights)
+            self.prefill_weights = jax.tree.map(
+                lambda a: a.astype(prefill_dtype) if a.ndim == 2 and jnp.issubdtype(a.dtype, jnp.floating) else a,
+                self.weights)
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
@@ -128,7 +146,7 @@ class ModelRunner:
         graphdef, template = self._layer_graphdef, self._layer_template
         act_dtype = self.act_dtype
 
-        def embed(w: jax.Array, input_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        def embed(w: Embedding, input_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
             return embed_tokens(cfg, w, input_ids, positions, act_dtype)
 
         def block(layers: list[dict], x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch,
@@ -300,7 +318,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         w = _abstract(self.prefill_weights if shape.q_len > 1 else self.weights)
         tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
-        embed = self._part(("embed", shape.tokens, w.embed.dtype),
+        embed = self._part(("embed", shape.tokens, w.embed.table.dtype),
                            lambda: self._embed.lower(w.embed, tokens, tokens).compile())
         x, cos, sin = jax.eval_shape(self._embed, w.embed, tokens, tokens)
         batch = _abstract(self.dummy_batch(shape))
@@ -381,6 +399,16 @@ class ModelRunner:
     def compile_status(self) -> tuple[int, int]:
         """(shapes compiled, shapes to compile)."""
         return self.compiler.status()
+
+
+def resolve_weights(weights: dict[str, Weight], mode: str) -> tuple[dict[str, Weight], str]:
+    """Apply the `weights` setting: quantized matrices stay quantized ("auto" where the native CPU
+    kernels run), or are dequantized exactly to float32 (cast to the compute dtype by the model).
+    Returns the weights and what they are: "quantized" (some matrices kept in blocks) or "float"."""
+    keep = mode == "auto" and any(isinstance(w, QuantizedTensor) for w in weights.values()) and kernels.available()
+    if keep:
+        return weights, "quantized"
+    return {k: w.dequantize() if isinstance(w, QuantizedTensor) else w for k, w in weights.items()}, "float"
 
 
 def _abstract(tree: object) -> object:

@@ -16,7 +16,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from parrot.engine.loader import LoadedModel, _unpermute, load_model
-from parrot.engine.models.llama import LlamaConfig, random_weights
+from parrot.engine.models.llama import LlamaConfig, Weight, random_weights
+from parrot.engine.quant import GGML_TYPES, QuantizedTensor
 from parrot.engine.runner import ModelRunner
 from parrot.errors import ModelLoadError
 from tests.conftest import TINY, tiny_engine_config
@@ -163,6 +164,8 @@ def write_gguf(path: Path, cfg: LlamaConfig, w: dict[str, np.ndarray], arch: str
         qtype = (quant or {}).get(name)
         if qtype is None:
             writer.add_tensor(name, arr.astype(np.float16) if f16 and arr.ndim == 2 else arr)
+        elif qtype.name in GGML_TYPES:  # the weights quantized to that block type
+            writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:  # raw blocks of the given type (contents irrelevant: the loader must refuse them)
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             raw = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
@@ -179,9 +182,10 @@ def _ids(n: int = 12) -> list[int]:
     return [int(i) for i in np.random.default_rng(1).integers(0, 256, n)]
 
 
-def prefix_logits(cfg: LlamaConfig, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
-    """[len(ids), vocab]: row i is the last-token logits of ids[: i + 1] (one compiled shape)."""
-    runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32"))
+def prefix_logits(cfg: LlamaConfig, weights: dict[str, Weight], ids: list[int], mode: str = "f32") -> np.ndarray:
+    """[len(ids), vocab]: row i is the last-token logits of ids[: i + 1] (one compiled shape); `mode`: the
+    engine's `weights` setting."""
+    runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32", weights=mode))
     pages = list(range(1, 1 + (len(ids) + runner.page_size - 1) // runner.page_size))
     return np.stack([np.asarray(runner.prefill_logits(ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
 
@@ -317,6 +321,28 @@ def test_gguf_logits_match_hf_dir(tmp_path: Path) -> None:
     np.testing.assert_array_equal(prefix_logits(cfg, a.weights, ids), prefix_logits(cfg, b.weights, ids))
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_quantized_tensors_stay_quantized(tmp_path: Path, qtype: str) -> None:
+    """Block-quantized matrices load as the file's blocks (Q/K rows unpermuted as whole rows); their
+    exact dequantization is what the float path computes with, so both give the same logits."""
+    cfg, w = variant("LlamaForCausalLM", True)
+    t = gguf.GGMLQuantizationType[qtype]
+    names = ["token_embd.weight"] + [f"blk.{i}.{n}.weight" for i in range(cfg.num_layers)
+                                     for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                               "ffn_down")]
+    loaded = load_model(write_gguf(tmp_path / "q.gguf", cfg, w, quant=dict.fromkeys(names, t)), progress=False)
+    q = loaded.weights["layers.1.wq"]
+    assert isinstance(q, QuantizedTensor) and q.qtype == qtype.lower() and q.shape == (cfg.hidden_size, 64)
+    assert isinstance(loaded.weights["embed"], QuantizedTensor) and loaded.weights["embed"].rows_are_matrix
+    step = 0.02 if qtype == "Q8_0" else 0.3  # quantization error of the random weights (scale 0.05)
+    for name in ("layers.1.wq", "layers.0.wk", "layers.1.w_down", "embed"):
+        np.testing.assert_allclose(loaded.weights[name].dequantize(), w[name], atol=step, err_msg=name)
+    dequantized = {k: v.dequantize() if isinstance(v, QuantizedTensor) else v for k, v in loaded.weights.items()}
+    ids = _ids()
+    np.testing.assert_allclose(prefix_logits(cfg, loaded.weights, ids, mode="auto"),
+                               prefix_logits(cfg, dequantized, ids), atol=1e-4)
+
+
 def test_gguf_f16_tensors(tmp_path: Path) -> None:
     cfg, w = variant("LlamaForCausalLM", True)
     w16 = {k: v.astype(np.float16).astype(np.float32) for k, v in w.items()}
@@ -345,7 +371,11 @@ def test_default_model_loads(smollm: LoadedModel) -> None:
         49152, 576, 30, 9, 3)
     assert cfg.tie_word_embeddings and not cfg.qkv_bias
     assert cfg.rope_theta == 100000.0
-    assert all(np.isfinite(v).all() for v in smollm.weights.values())
+    # Q4_1 projections and a Q8_0 embedding stay as the file's blocks; norms are float32
+    kinds = {name: w.qtype if isinstance(w, QuantizedTensor) else str(w.dtype) for name, w in smollm.weights.items()}
+    assert kinds["embed"] == "q8_0" and kinds["layers.0.wq"] == "q4_1" and kinds["norm"] == "float32"
+    assert all(np.isfinite(w.dequantize() if isinstance(w, QuantizedTensor) else w).all()
+               for w in smollm.weights.values())
     assert smollm.tokenizer.eos_token_id == smollm.tokenizer.backend.token_to_id("<|im_end|>")
 
 

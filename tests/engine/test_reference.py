@@ -116,6 +116,26 @@ def test_greedy_continuation_matches_transformers(smollm: LoadedModel, smollm_en
     assert ours.token_ids == ref
 
 
+@pytest.mark.parametrize("name", ["chat", "code"])
+def test_quantized_weights_match_transformers(smollm: LoadedModel, smollm_quantized_engine: LLMEngine,
+                                              hf_model: Any, name: str) -> None:
+    """Weights kept as the file's Q4_1 / Q8_0 blocks compute the same model: last-token logits within
+    the float32 tolerance and the same greedy continuation (decode steps run the native kernels where
+    the CPU has them)."""
+    engine = smollm_quantized_engine
+    if engine.runner.weights_mode != "quantized":
+        pytest.skip("weights were dequantized here (no native CPU kernels)")
+    ids = _prompt(smollm, name)
+    diff = float(np.abs(_logits(engine, ids) - _hf_last_logits(hf_model, ids)).max())
+    print(f"{name}, quantized weights: max |logit diff| = {diff:.2e}")
+    assert diff < LOGIT_TOLERANCE
+    ours = engine.complete(ids, SamplingParams(max_tokens=32, ignore_eos=True)).response
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=32, do_sample=False)
+    assert ours.token_ids == out[0, len(ids):].tolist()
+
+
 def test_tokenizer_ids_match_transformers(smollm: LoadedModel, hf_tokenizer: Any) -> None:
     tok = smollm.tokenizer
     for text in TRICKY:

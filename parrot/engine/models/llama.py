@@ -1,8 +1,10 @@
 """Llama-family decoder in Flax NNX (SmolLM2, Llama, Qwen2-style qkv bias).
 
 Weights use the Hugging Face layout (Q/K rows in rotate-half order), stored transposed as
-`[in, out]` so every projection is `x @ W`. The forward works on a flat token batch (batch.py) and a
-paged KV cache: one `[pages, page_size, kv_heads, head_dim]` array per layer for K and for V.
+`[in, out]` so every projection is `x @ W`, or kept block-quantized as the GGUF file holds them
+(`quant.QuantizedTensor`: `[out]` rows of blocks, a static `qtype` beside the uint8 array). The
+forward works on a flat token batch (batch.py) and a paged KV cache: one `[kv_heads, pages,
+page_size, head_dim]` array per layer for K and for V.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from parrot.engine import quant
 from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
+from parrot.engine.quant import QuantizedTensor
 
 KVCache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
 
@@ -44,8 +48,36 @@ class LlamaConfig:
         return self.vocab_size * h + self.num_layers * (attn + mlp + 2 * h) + h + head
 
 
+Weight = np.ndarray | QuantizedTensor
+
+
 def _param(w: np.ndarray | jax.Array, dtype: jnp.dtype) -> nnx.Param:
     return nnx.Param(jnp.asarray(w, dtype=dtype))
+
+
+def _matrix(w: Weight, dtype: jnp.dtype) -> tuple[nnx.Param, str | None]:
+    """A projection's parameter and its block type (None: a float matrix in `dtype`)."""
+    if isinstance(w, QuantizedTensor):
+        return nnx.Param(jnp.asarray(w.data)), w.qtype
+    return _param(w, dtype), None
+
+
+def _fuse(parts: list[Weight]) -> Weight:
+    """Projections side by side along `out` (Q|K|V, gate|up); quantized ones only if of one block type."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        try:
+            return quant.concat_rows(parts)  # type: ignore[arg-type]
+        except ValueError:
+            pass
+    return np.concatenate([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts], axis=1)
+
+
+def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype) -> jax.Array:
+    """x @ W for a float [in, out] matrix, or a block-quantized one (`dtype`: what a dequantized matrix is
+    multiplied in when XLA does the product)."""
+    if qtype is None:
+        return matmul(x, w)
+    return quant.linear(x, w, qtype, dtype)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -87,10 +119,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
-    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype) -> None:
         self.cfg = cfg
-        self.wqkv = _param(np.concatenate([w["wq"], w["wk"], w["wv"]], axis=1), dtype)
-        self.wo = _param(w["wo"], dtype)
+        self.qdtype = qdtype
+        self.wqkv, self.wqkv_q = _matrix(_fuse([w["wq"], w["wk"], w["wv"]]), dtype)
+        self.wo, self.wo_q = _matrix(w["wo"], dtype)
         if cfg.qkv_bias:
             self.bqkv = _param(np.concatenate([w["bq"], w["bk"], w["bv"]]), dtype)
 
@@ -100,7 +133,7 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = matmul(x, self.wqkv[...])
+        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype)
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -110,28 +143,30 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k.astype(k_cache.dtype), batch.slot_mapping)
         v_cache = write_kv(v_cache, v.astype(v_cache.dtype), batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
-        return matmul(o.reshape(t, -1), self.wo[...]), k_cache, v_cache
+        return project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype), k_cache, v_cache
 
 
 class MLP(nnx.Module):
     """SwiGLU with the gate and up projections fused into one `[hidden, 2 * ffn]` matrix."""
 
-    def __init__(self, w: dict[str, np.ndarray], dtype: jnp.dtype) -> None:
-        self.w_gate_up = _param(np.concatenate([w["w_gate"], w["w_up"]], axis=1), dtype)
-        self.w_down = _param(w["w_down"], dtype)
+    def __init__(self, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype) -> None:
+        self.qdtype = qdtype
+        self.w_gate_up, self.w_gate_up_q = _matrix(_fuse([w["w_gate"], w["w_up"]]), dtype)
+        self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gu = matmul(x, self.w_gate_up[...])
+        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype)
         f = gu.shape[-1] // 2
-        return matmul(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...])
+        return project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, w: dict[str, np.ndarray], dtype: jnp.dtype, act_dtype: jnp.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, act_dtype: jnp.dtype,
+                 qdtype: jnp.dtype) -> None:
         self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
-        self.attn = Attention(cfg, w, dtype)
+        self.attn = Attention(cfg, w, dtype, qdtype)
         self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
-        self.mlp = MLP(w, dtype)
+        self.mlp = MLP(w, dtype, qdtype)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
         a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
@@ -140,63 +175,86 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """The decoder. `weights` holds numpy arrays named as in `weight_names(cfg)`.
+    """The decoder. `weights` holds numpy arrays (or `QuantizedTensor`s) named as in `weight_names(cfg)`.
 
-    `dtype` is the dtype of the embedding and projection weights; `act_dtype` that of activations,
-    norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units)."""
+    `dtype` is the dtype of float embedding and projection weights; `act_dtype` that of activations,
+    norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units);
+    `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches)."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], dtype: jnp.dtype = jnp.float32,
-                 act_dtype: jnp.dtype | None = None):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], dtype: jnp.dtype = jnp.float32,
+                 act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None):
         self.cfg = cfg
         act_dtype = act_dtype or dtype
         self.act_dtype = act_dtype
-        self.embed = _param(weights["embed"], dtype)
+        self.qdtype = qdtype or act_dtype
+        # the embedding keeps GGUF's [vocab, hidden] row layout, quantized or not
+        embed = weights["embed"]
+        self.embed, self.embed_q = _matrix(embed, dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype, act_dtype)
+                         dtype, act_dtype, self.qdtype)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _param(weights["lm_head"], dtype)
+            self.lm_head, self.lm_head_q = _matrix(weights["lm_head"], dtype)
 
     def __call__(self, batch: ForwardBatch, kv: KVCache) -> tuple[jax.Array, KVCache]:
         """Returns the logits ([B, vocab], float32) of each sequence's `logits_index` token and the KV.
         (The runner calls the same pieces separately: `embed_tokens`, the layers, `lm_logits`.)"""
-        x, cos, sin = embed_tokens(self.cfg, self.embed[...], batch.input_ids, batch.positions, self.act_dtype)
+        x, cos, sin = embed_tokens(self.cfg, self.embedding(), batch.input_ids, batch.positions, self.act_dtype)
         ks, vs = list(kv[0]), list(kv[1])
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, cos, sin, batch, ks[i], vs[i])
         return lm_logits(self.head_weights(), x, batch.logits_index), (tuple(ks), tuple(vs))
 
+    def embedding(self) -> Embedding:
+        return Embedding(self.embed[...], self.embed_q)
+
     def head_weights(self) -> HeadWeights:
         tied = self.cfg.tie_word_embeddings
-        proj = self.embed[...] if tied else self.lm_head[...]
-        return HeadWeights(self.norm.weight[...], proj, self.cfg.rms_eps, tied)
+        proj, qtype = (self.embed[...], self.embed_q) if tied else (self.lm_head[...], self.lm_head_q)
+        return HeadWeights(self.norm.weight[...], proj, self.cfg.rms_eps, tied, qtype, self.qdtype)
 
 
-def embed_tokens(cfg: LlamaConfig, embed: jax.Array, input_ids: jax.Array, positions: jax.Array,
+@jax.tree_util.register_dataclass
+@dataclass
+class Embedding:
+    """The [vocab, hidden] token embedding: floats, or GGUF block rows of type `qtype`."""
+
+    table: jax.Array
+    qtype: str | None = field(default=None, metadata={"static": True})
+
+
+def embed_tokens(cfg: LlamaConfig, embed: Embedding, input_ids: jax.Array, positions: jax.Array,
                  act_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Token embeddings ([T, hidden]) and the RoPE tables of their positions."""
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
-    return embed[input_ids].astype(act_dtype), cos, sin
+    if embed.qtype is not None:
+        return quant.dequantize_rows(embed.table, input_ids, embed.qtype, cfg.hidden_size, act_dtype), cos, sin
+    return embed.table[input_ids].astype(act_dtype), cos, sin
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class HeadWeights:
     """The final norm and the output projection: `proj` is [hidden, vocab], or the [vocab, hidden]
-    embedding itself when `tied` (transposed inside the jitted function, never copied)."""
+    embedding itself when `tied` (transposed inside the jitted function, never copied); quantized
+    (`qtype`), it is [vocab] rows of blocks either way."""
 
     norm: jax.Array
     proj: jax.Array
     eps: float = field(metadata={"static": True})
     tied: bool = field(metadata={"static": True})
+    qtype: str | None = field(default=None, metadata={"static": True})
+    qdtype: jnp.dtype = field(default=jnp.float32, metadata={"static": True})
 
 
 def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array) -> jax.Array:
     """Final norm and projection of the tokens at `logits_index`: float32 logits [B, vocab]."""
     h = rms_norm(x[logits_index], w.norm, w.eps)
+    if w.qtype is not None:
+        return quant.linear(h, w.proj, w.qtype, w.qdtype).astype(jnp.float32)
     return matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
 
 

@@ -1,0 +1,132 @@
+"""Native CPU kernels (cpu_kernels.cc), compiled on first use for this machine's CPU and called from
+jitted code through XLA's FFI.
+
+The shared library is built with the system's C++ compiler (`-O3 -march=native`) into
+`~/.cache/parrot/kernels/` (or `$PARROT_KERNEL_DIR`), named by a hash of the source, the jaxlib
+version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU builds anew. Where
+they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
+`PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_REQUIRED_FLAGS = ("avx2", "fma", "f16c")
+_TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def source_hash() -> str:
+    """Identifies the kernels' code and ABI (part of the compilation-cache namespace)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _library_path() -> Path:
+    base = Path(os.environ.get("PARROT_KERNEL_DIR") or Path.home() / ".cache" / "parrot" / "kernels")
+    key = f"{source_hash()}|{jaxlib.__version__}|{_cpu_flags()}"
+    return base / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    """Compile into a temporary file and rename it into place (processes may build concurrently)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".build-", suffix=".so")
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC",
+           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> None:
+    if os.environ.get("PARROT_CPU_KERNELS", "1") == "0":
+        raise RuntimeError("turned off by PARROT_CPU_KERNELS=0")
+    if jax.default_backend() != "cpu":
+        raise RuntimeError(f"the backend is {jax.default_backend()}, not cpu")
+    flags = set(_cpu_flags().split())
+    missing = [f for f in _REQUIRED_FLAGS if f not in flags]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
+    path = _library_path()
+    if not path.is_file():
+        _build(path)
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    _state["lib"] = lib
+
+
+def available() -> bool:
+    """Whether the native kernels can be used in this process (built and registered on first call)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _load()
+                _state["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - any failure means: use the XLA path
+                _state["ok"], _state["why"] = False, str(exc)
+                log.warning("native CPU kernels unavailable (%s); using XLA's kernels", exc)
+        return bool(_state["ok"])
+
+
+def unavailable_reason() -> str | None:
+    return None if available() else str(_state.get("why"))
+
+
+# ---- calls (inside jitted functions) --------------------------------------------------------------
+QTYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+def qmatmul(x: jax.Array, w: jax.Array, qtype: str) -> jax.Array:
+    """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes])."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, qtype=np.int32(QTYPES[qtype]))
+
+
+def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
+                 kv_offset: jax.Array, kv_lens: jax.Array, prefix_pages: jax.Array, prefix_len: jax.Array,
+                 in_prefix: jax.Array, scale: float) -> jax.Array:
+    """One query per sequence (q [B, H, D]) attending to its KV read in place from the paged caches
+    ([Hkv, pages, page_size, D], float32): own pages `block_tables` from position `kv_offset` up to
+    `kv_lens`, after the shared prefix `prefix_pages[:prefix_len]` where `in_prefix`. Returns [B, H, D]."""
+    i32 = jnp.int32
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("parrot_paged_decode", out)(
+        q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(i32), kv_offset.astype(i32),
+        kv_lens.astype(i32), prefix_pages.astype(i32), jnp.reshape(prefix_len, (1,)).astype(i32),
+        in_prefix.astype(i32), scale=np.float32(scale))

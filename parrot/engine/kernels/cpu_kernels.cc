@@ -1,0 +1,393 @@
+// Parrot's CPU kernels, called from jitted JAX code through XLA's FFI (see parrot/engine/kernels/__init__.py).
+//
+// parrot_qmatmul: y[T, N] = x[T, K] (float32) times the transpose of a block-quantized weight W[N, K]
+// kept as GGUF stores it: each of the N rows is K/32 blocks of 32 weights (Q8_0: f16 scale + 32 int8;
+// Q4_0: f16 scale + 16 bytes of nibbles, value d * (q - 8); Q4_1: f16 scale, f16 minimum + 16 bytes of
+// nibbles, value d * q + m). Each block is dequantized exactly to float32 in registers and multiplied by
+// the float32 activations: the result is the float32 product with the dequantized matrix (up to the
+// order of the additions), while the weights are read in their quantized size. Output rows are split
+// into chunks that XLA's intra-op threads take in turn.
+//
+// parrot_paged_decode: one query token per sequence attending to its keys and values read in place
+// from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
+// through the same pages (the cascade layout of parrot/engine/batch.py). Online softmax in float32.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---- work splitting over XLA's intra-op thread pool --------------------------------------------------
+// Chunks are claimed from a shared counter by the calling thread and by helper tasks. The caller only
+// waits for chunks some thread has claimed, so a helper that starts late (or never) cannot block it; the
+// shared state lives on the heap because a late helper may still run after the caller has returned.
+struct Split {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t chunks = 0;
+};
+
+template <typename F>
+void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, F&& body) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (chunks <= 1 || threads <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) body(c);
+    return;
+  }
+  auto split = std::make_shared<Split>();
+  split->chunks = chunks;
+  auto work = [split, &body]() {
+    for (;;) {
+      int64_t c = split->next.fetch_add(1);
+      if (c >= split->chunks) return;
+      body(c);
+      split->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  // helpers copy `split`; `body` is only touched for claimed chunks, all finished before we return
+  int64_t helpers = std::min<int64_t>(threads, chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([split, work]() mutable { work(); });
+  }
+  work();
+  while (split->done.load(std::memory_order_acquire) < chunks) {
+    _mm_pause();
+  }
+}
+
+// ---- block formats ----------------------------------------------------------------------------------
+enum QType : int32_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+template <int Q>
+struct Block;
+
+template <>
+struct Block<kQ8_0> {
+  static constexpr int kBytes = 34;
+  // w[c] = weights 8c..8c+7 of the block, as float32
+  static inline void dequant(const uint8_t* b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(f16(b));
+    const uint8_t* q = b + 2;
+    for (int c = 0; c < 4; ++c) {
+      __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
+      w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+    }
+  }
+};
+
+// nibble layout shared by Q4_0 / Q4_1: weight j < 16 is the low nibble of byte j, weight j >= 16 the
+// high nibble of byte j - 16
+inline void nibbles(const uint8_t* q, __m256 out[4]) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  __m128i lo = _mm_and_si128(v, mask);
+  __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+template <>
+struct Block<kQ4_0> {
+  static constexpr int kBytes = 18;
+  static inline void dequant(const uint8_t* b, __m256 w[4]) {
+    const float d = f16(b);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(-8.0f * d);
+    nibbles(b + 2, w);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
+  }
+};
+
+template <>
+struct Block<kQ4_1> {
+  static constexpr int kBytes = 20;
+  static inline void dequant(const uint8_t* b, __m256 w[4]) {
+    const __m256 vd = _mm256_set1_ps(f16(b)), vm = _mm256_set1_ps(f16(b + 2));
+    nibbles(b + 4, w);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
+  }
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One activation row (decode at batch 1): y[r] for RR weight rows. Per block the row's 32 activations
+// are loaded once and each weight row is dequantized in turn, so nothing spills out of registers.
+template <int Q, int RR>
+inline void gemv_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t blocks, float* y) {
+  __m256 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 xv[4];
+    for (int c = 0; c < 4; ++c) xv[c] = _mm256_loadu_ps(x + b * 32 + 8 * c);
+    for (int r = 0; r < RR; ++r) {
+      __m256 wv[4];
+      Block<Q>::dequant(w + r * ldw + b * Block<Q>::kBytes, wv);
+      for (int c = 0; c < 4; ++c) acc[r] = _mm256_fmadd_ps(xv[c], wv[c], acc[r]);
+    }
+  }
+  for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]);
+}
+
+// Several activation rows: kRows weight rows are dequantized once into a float32 buffer (reused by every
+// activation row), then a register-blocked product: TR activation rows x RR weight rows per pass.
+constexpr int kRows = 3;
+
+template <int TR, int RR>
+inline void gemm_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[TR][RR];
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < RR; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[RR];
+    for (int r = 0; r < RR; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
+    for (int t = 0; t < TR; ++t) {
+      __m256 xv = _mm256_loadu_ps(x + t * K + k);
+      for (int r = 0; r < RR; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < RR; ++r) y[t * ldy + r] = hsum(acc[t][r]);
+}
+
+template <int RR>
+inline void gemm_rows(const float* x, int64_t T, int64_t K, const float* w, float* y, int64_t N) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) gemm_tile<4, RR>(x + t * K, K, w, y + t * N, N);
+  switch (T - t) {
+    case 3: gemm_tile<3, RR>(x + t * K, K, w, y + t * N, N); break;
+    case 2: gemm_tile<2, RR>(x + t * K, K, w, y + t * N, N); break;
+    case 1: gemm_tile<1, RR>(x + t * K, K, w, y + t * N, N); break;
+    default: break;
+  }
+}
+
+template <int Q>
+void dequant_row(const uint8_t* w, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 wv[4];
+    Block<Q>::dequant(w + b * Block<Q>::kBytes, wv);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + b * 32 + 8 * c, wv[c]);
+  }
+}
+
+// rows [n0, n1) of the output, every activation row
+template <int Q>
+void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
+                  int64_t N) {
+  const int64_t blocks = K / 32, ldw = blocks * Block<Q>::kBytes;
+  if (T == 1) {
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, w + n * ldw, ldw, blocks, y + n);
+    for (; n < n1; ++n) gemv_tile<Q, 1>(x, w + n * ldw, ldw, blocks, y + n);
+    return;
+  }
+  thread_local std::vector<float> buf;
+  buf.resize(kRows * K);
+  for (int64_t n = n0; n < n1; n += kRows) {
+    const int64_t rr = std::min<int64_t>(kRows, n1 - n);
+    for (int64_t r = 0; r < rr; ++r) dequant_row<Q>(w + (n + r) * ldw, blocks, buf.data() + r * K);
+    switch (rr) {
+      case 3: gemm_rows<3>(x, T, K, buf.data(), y + n, N); break;
+      case 2: gemm_rows<2>(x, T, K, buf.data(), y + n, N); break;
+      default: gemm_rows<1>(x, T, K, buf.data(), y + n, N); break;
+    }
+  }
+}
+
+template <int Q>
+void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N) {
+  // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t rows = std::max<int64_t>(16, N / (threads * 8));
+  rows = (rows + 11) / 12 * 12;
+  const int64_t chunks = (N + rows - 1) / rows;
+  parallel_chunks(pool, chunks, [&](int64_t c) {
+    qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
+  });
+}
+
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                       ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
+  const int64_t T = xd[0], K = xd[1], N = wd[0];
+  if (K % 32) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of 32");
+  const int64_t blocks = K / 32;
+  const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
+  if (bytes < 0) return ffi::Error::InvalidArgument("qmatmul: unknown block type");
+  if (wd[1] != blocks * bytes) return ffi::Error::InvalidArgument("qmatmul: weight row size does not match K");
+  const float* xp = x.typed_data();
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  switch (qtype) {
+    case kQ8_0: qmatmul<kQ8_0>(pool, xp, T, K, wp, yp, N); break;
+    case kQ4_0: qmatmul<kQ4_0>(pool, xp, T, K, wp, yp, N); break;
+    default: qmatmul<kQ4_1>(pool, xp, T, K, wp, yp, N); break;
+  }
+  return ffi::Error::Success();
+}
+
+// ---- paged decode attention ----------------------------------------------------------------------
+// exp(x) for float32 lanes (Cephes' polynomial after range reduction by ln 2; ~1 ulp); lanes below
+// -87.3 give 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504019f);
+  const __m256 zero_below = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), zero_below);
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum(acc);
+}
+
+// One sequence, one KV head: its `group` query heads attend to `n` tokens read page by page.
+struct HeadState {
+  static constexpr int kMaxGroup = 16;
+  float m[kMaxGroup], l[kMaxGroup];
+};
+
+// Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows).
+void attend_pages(const float* q, int group, int64_t D, const float* kbase, const float* vbase, const int32_t* pages,
+                  int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
+  alignas(32) float s[HeadState::kMaxGroup][64];
+  for (int64_t start = 0; start < n; start += page_size) {
+    const int64_t page = pages[start / page_size];
+    const int64_t cnt = std::min(page_size, n - start);
+    const float* kp = kbase + page * page_size * D;
+    const float* vp = vbase + page * page_size * D;
+    for (int64_t t = 0; t < cnt; ++t)
+      for (int h = 0; h < group; ++h) s[h][t] = dot(q + h * D, kp + t * D, D) * scale;
+    for (int h = 0; h < group; ++h) {
+      float mx = st.m[h];
+      for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
+      const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+      st.m[h] = mx;
+      // probabilities of this page, eight at a time
+      int64_t t = 0;
+      const __m256 vmx = _mm256_set1_ps(mx);
+      for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx)));
+      for (; t < cnt; ++t) s[h][t] = std::exp(s[h][t] - mx);
+      float sum = 0.f;
+      for (t = 0; t < cnt; ++t) sum += s[h][t];
+      st.l[h] = st.l[h] * corr + sum;
+      float* a = acc + h * D;
+      const __m256 vc = _mm256_set1_ps(corr);
+      for (int64_t i = 0; i < D; i += 8) {
+        __m256 o = _mm256_mul_ps(_mm256_loadu_ps(a + i), vc);
+        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), _mm256_loadu_ps(vp + t * D + i), o);
+        _mm256_storeu_ps(a + i, o);
+      }
+    }
+  }
+}
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> prefix_pages, ffi::Buffer<ffi::S32> prefix_len,
+                           ffi::Buffer<ffi::S32> in_prefix, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_decode: q [B,H,D], caches [Hkv,P,S,D], block_tables [B,P]");
+  const int64_t B = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], maxp = bd[1];
+  const int64_t Pp = prefix_pages.dimensions()[0];
+  if (kd[3] != D || D % 8 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
+    return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
+  const int group = static_cast<int>(H / Hkv);
+  const float* qp = q.typed_data();
+  const float* kc = k_cache.typed_data();
+  const float* vc = v_cache.typed_data();
+  const int32_t* bt = block_tables.typed_data();
+  const int32_t* off = kv_offset.typed_data();
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* pp = prefix_pages.typed_data();
+  const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
+  const int32_t* inp = in_prefix.typed_data();
+  float* op = out->typed_data();
+  const int64_t head_stride = P * S * D;
+  parallel_chunks(pool, B * Hkv, [&](int64_t task) {
+    const int64_t b = task / Hkv, g = task % Hkv;
+    float* acc = op + (b * H + g * group) * D;
+    std::fill(acc, acc + group * D, 0.f);
+    const int64_t len = lens[b];
+    if (len <= 0) return;
+    HeadState st;
+    for (int h = 0; h < group; ++h) st.m[h] = -INFINITY, st.l[h] = 0.f;
+    const float* qh = qp + (b * H + g * group) * D;
+    const float* kb = kc + g * head_stride;
+    const float* vb = vc + g * head_stride;
+    if (plen > 0 && inp[b]) attend_pages(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
+    const int64_t own = std::min<int64_t>(len - off[b], maxp * S);
+    if (own > 0) attend_pages(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
+    for (int h = 0; h < group; ++h) {
+      const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+      for (int64_t i = 0; i < D; ++i) acc[h * D + i] *= inv;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("qtype"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, H, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache [Hkv, P, S, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, Pmax]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_offset [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // prefix_pages [Pp]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // prefix_len [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // in_prefix [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, H, D]
+                                  .Attr<float>("scale"));

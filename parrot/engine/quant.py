@@ -1,0 +1,102 @@
+"""Block-quantized weights kept as the GGUF file stores them (Q8_0, Q4_0, Q4_1), and the products that
+read them.
+
+A `QuantizedTensor` is a `[in, out]` model matrix held as its `out` rows of `in / 32` blocks each
+(`data`: uint8 `[out, in / 32 * block_bytes]`, exactly the file's bytes). Dequantization is exact: every
+weight is `d * q (+ m)` with the block's float16 scale `d` (and minimum `m`), computed in float32.
+
+`linear(x, data, qtype)` multiplies activations by such a matrix inside jitted code:
+- few rows (decode steps): the native CPU kernel (kernels/cpu_kernels.cc), which dequantizes each block
+  in registers, so a step reads the weights in their quantized size (Q4_1: 5 bits a weight, not 32);
+- many rows (prefill) or no native kernel: dequantized by XLA to `dtype` and multiplied by XLA's dot.
+Both compute the product with the same dequantized matrix; they differ only in summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parrot.engine import kernels
+
+# bytes per block of 32 weights
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+# the GGML type names these come from
+GGML_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+# decode batches up to this many rows use the native kernel; larger products dequantize for XLA's dot
+# (its blocked GEMM wins once the dequantized matrix is reused by enough rows)
+KERNEL_MAX_ROWS = 64
+
+
+@dataclass
+class QuantizedTensor:
+    """A model matrix of logical shape `shape`, stored as rows of GGUF blocks: a projection `(in, out)`
+    as its `out` rows, or (`rows_are_matrix`, the embedding) a `(rows, K)` matrix as those rows."""
+
+    qtype: str
+    data: np.ndarray  # uint8 [rows, K / 32 * BLOCK_BYTES[qtype]]
+    shape: tuple[int, int]
+    rows_are_matrix: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def dequantize(self) -> np.ndarray:
+        """The exact float32 matrix, in its logical shape."""
+        k = self.shape[1] if self.rows_are_matrix else self.shape[0]
+        rows = np.asarray(dequantize(jnp.asarray(self.data), self.qtype, k))
+        return rows if self.rows_are_matrix else np.ascontiguousarray(rows.T)
+
+
+def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Matrices side by side along `out` (e.g. Q, K and V fused into one projection): rows stacked."""
+    qtype, k = parts[0].qtype, parts[0].shape[0]
+    if any(p.qtype != qtype or p.shape[0] != k for p in parts):
+        raise ValueError("only matrices of one block type and input size can be fused")
+    return QuantizedTensor(qtype, np.concatenate([p.data for p in parts]), (k, sum(p.shape[1] for p in parts)))
+
+
+def quantize(w: np.ndarray, qtype: str) -> QuantizedTensor:
+    """Quantize a float [in, out] matrix (tests and tools; models come quantized in their files)."""
+    import gguf
+
+    data = gguf.quants.quantize(np.ascontiguousarray(w.T, dtype=np.float32), gguf.GGMLQuantizationType[qtype.upper()])
+    return QuantizedTensor(qtype, data, tuple(w.shape))
+
+
+def _f16(pairs: jax.Array) -> jax.Array:
+    """uint8 [..., 2] -> float32 [...] (little-endian float16)."""
+    return jax.lax.bitcast_convert_type(pairs, jnp.float16).astype(jnp.float32)
+
+
+def dequantize(data: jax.Array, qtype: str, k: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """uint8 block rows [N, K/32 * bytes] -> the [N, K] matrix in `dtype` (XLA ops)."""
+    n = data.shape[0]
+    r = data.reshape(n, k // 32, BLOCK_BYTES[qtype])
+    d = _f16(r[..., 0:2])[..., None]
+    if qtype == "q8_0":
+        w = jax.lax.bitcast_convert_type(r[..., 2:], jnp.int8).astype(jnp.float32) * d
+    else:
+        qs = r[..., 4:20] if qtype == "q4_1" else r[..., 2:18]
+        q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
+        w = q * d + _f16(r[..., 2:4])[..., None] if qtype == "q4_1" else (q - 8.0) * d
+    return w.reshape(n, k).astype(dtype)
+
+
+def dequantize_rows(data: jax.Array, rows: jax.Array, qtype: str, k: int, dtype: jnp.dtype) -> jax.Array:
+    """Only the given rows (e.g. the embedding rows of a step's tokens): [len(rows), K]."""
+    return dequantize(data[rows], qtype, k, dtype)
+
+
+def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in."""
+    t, k = x.shape
+    if t <= KERNEL_MAX_ROWS and kernels.available():
+        return kernels.qmatmul(x, data, qtype).astype(x.dtype)
+    w = dequantize(data, qtype, k, dtype)
+    y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)

@@ -1,0 +1,81 @@
+"""The native CPU kernels: paged decode attention read in place equals XLA's gather path (with and
+without a shared prefix), and a process without them falls back with one clear reason."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parrot.engine import kernels
+from parrot.engine.attention import paged_attention
+from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native CPU kernels unavailable")
+
+PS, HKV, G, D = 16, 3, 3, 64
+
+
+def _xla_attention(q, kc, vc, batch):  # noqa: ANN001, ANN202
+    kernels_on = kernels._state["ok"]
+    kernels._state["ok"] = False  # the gather path, as on a machine without the kernels
+    try:
+        return np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
+    finally:
+        kernels._state["ok"] = kernels_on
+
+
+def _cache(rng: np.random.Generator, pages: int) -> tuple[jax.Array, jax.Array]:
+    shape = (HKV, pages, PS, D)
+    return (jnp.asarray(rng.standard_normal(shape).astype(np.float32)),
+            jnp.asarray(rng.standard_normal(shape).astype(np.float32)))
+
+
+def test_decode_in_place_equals_gather_path() -> None:
+    rng = np.random.default_rng(0)
+    kc, vc = _cache(rng, 64)
+    # lengths inside a page, at a page boundary, one token, and a padding row (batch bucket 8)
+    seqs = [SequenceSlice([1], n - 1, list(range(1 + 8 * i, 1 + 8 * i + -(-n // PS))))
+            for i, n in enumerate([37, 64, 1, 100, 17])]
+    batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=8))
+    q = jnp.asarray(rng.standard_normal((8, HKV * G, D)).astype(np.float32))
+    native = np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
+    np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
+    assert np.all(native[len(seqs):] == 0)
+
+
+def test_decode_with_shared_prefix_equals_gather_path() -> None:
+    rng = np.random.default_rng(1)
+    kc, vc = _cache(rng, 64)
+    prefix = [1, 2, 3]  # 48 tokens forked into three sequences, plus one unrelated sequence
+    seqs = [SequenceSlice([5], 48 + extra, prefix + own) for extra, own in ((3, [10]), (20, [11, 12]), (0, [13]))]
+    seqs.append(SequenceSlice([5], 30, [20, 21]))
+    members, shared = find_shared_prefix([s.pages for s in seqs])
+    for i in members:
+        seqs[i].shared_pages = shared
+    batch = jax.device_put(build_batch(seqs, PS, num_tokens=4, batch_size=4, q_len=1, num_pages=2,
+                                       prefix_pages=4))
+    q = jnp.asarray(rng.standard_normal((4, HKV * G, D)).astype(np.float32))
+    native = np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
+    np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
+
+
+def test_turned_off_gives_the_reason() -> None:
+    code = "from parrot.engine import kernels; print(kernels.available(), kernels.unavailable_reason())"
+    env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False turned off by PARROT_CPU_KERNELS=0"
+    assert "native CPU kernels unavailable" in out.stderr  # one warning
+
+
+def test_build_failure_falls_back(tmp_path) -> None:  # noqa: ANN001
+    code = "from parrot.engine import kernels; print(kernels.available())"
+    env = dict(os.environ, PARROT_KERNEL_DIR=str(tmp_path), CXX="/nonexistent/c++", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False"
+    assert "native CPU kernels unavailable" in out.stderr

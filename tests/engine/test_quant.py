@@ -1,0 +1,70 @@
+"""Block-quantized matrices: exact dequantization (against the gguf package's own), and the product with
+activations through the native kernel and through XLA equal to the float32 product."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parrot.engine import kernels, quant
+from parrot.engine.quant import QuantizedTensor
+
+QTYPES = ["q8_0", "q4_0", "q4_1"]
+
+
+def _random(k: int, n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((k, n)) * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_equals_gguf(qtype: str) -> None:
+    w = _random(96, 40)
+    q = quant.quantize(w, qtype)
+    assert q.data.dtype == np.uint8 and q.data.shape == (40, 3 * quant.BLOCK_BYTES[qtype])
+    ref = gguf.quants.dequantize(q.data, gguf.GGMLQuantizationType[qtype.upper()]).T
+    np.testing.assert_array_equal(q.dequantize(), ref)  # bit for bit
+    rows = jnp.asarray([3, 0, 39])
+    got = quant.dequantize_rows(jnp.asarray(q.data), rows, qtype, 96, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), ref.T[[3, 0, 39]])
+
+
+def test_embedding_rows_are_the_matrix() -> None:
+    table = _random(8, 64)  # [vocab, hidden]
+    q = quant.quantize(table.T, "q8_0")  # rows = vocab
+    emb = QuantizedTensor(q.qtype, q.data, (8, 64), rows_are_matrix=True)
+    np.testing.assert_allclose(emb.dequantize(), table, atol=0.01)
+
+
+def test_concat_rows_fuses_projections() -> None:
+    a, b = quant.quantize(_random(64, 32), "q4_1"), quant.quantize(_random(64, 16, 1), "q4_1")
+    fused = quant.concat_rows([a, b])
+    assert fused.shape == (64, 48)
+    np.testing.assert_array_equal(fused.dequantize(), np.concatenate([a.dequantize(), b.dequantize()], axis=1))
+    with pytest.raises(ValueError):
+        quant.concat_rows([a, quant.quantize(_random(64, 16), "q8_0")])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 65])  # 65: past the kernel's row limit, XLA's dot
+@pytest.mark.parametrize("shape", [(96, 40), (64, 7)])  # output widths that are not multiples of the tiles
+def test_linear_equals_float_product(qtype: str, rows: int, shape: tuple[int, int]) -> None:
+    k, n = shape
+    q = quant.quantize(_random(k, n), qtype)
+    x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, d: quant.linear(x, d, qtype))(x, jnp.asarray(q.data)))
+    ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_and_xla_paths_agree(qtype: str) -> None:
+    q = quant.quantize(_random(576, 120), qtype)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32))
+    native = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))(x, jnp.asarray(q.data)))
+    w = quant.dequantize(jnp.asarray(q.data), qtype, 576)
+    xla = np.asarray(jnp.dot(x, w.T, precision="highest"))
+    np.testing.assert_allclose(native, xla, rtol=1e-5, atol=2e-6)
