@@ -26,6 +26,7 @@ from typing import Any, overload
 from pydantic import BaseModel
 
 from parrot.frontend.sdk import Criterion, SemanticVariable, VirtualMachine, current_vm
+from parrot.frontend.strict_schema import strict_schema
 from parrot.protocol import SamplingParams
 
 
@@ -62,7 +63,7 @@ class Output:
         if len(given) > 1:
             raise TypeError(f"P.Output takes one of schema, choices, regex, grammar; got {', '.join(given)}")
         if isinstance(schema, type) and issubclass(schema, BaseModel):
-            self.sampling["json_schema"] = schema.model_json_schema()
+            self.sampling["json_schema"] = strict_schema(schema.model_json_schema())  # only the model's fields
             self.parse = schema.model_validate_json
         elif isinstance(schema, dict):
             self.sampling["json_schema"] = schema

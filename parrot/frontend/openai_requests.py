@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from parrot.frontend.openai_errors import OpenAIError, unsupported
+from parrot.frontend.strict_schema import strict_schema
 from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from parrot.serve.sampling_defaults import SamplingDefaults
 
@@ -51,20 +52,6 @@ def supports(name: str) -> bool:
 def require(field: str, param: str, what: str | None = None) -> None:
     if not supports(field):
         raise unsupported(param, what or param)
-
-
-def strict_schema(schema: Any) -> Any:
-    """OpenAI's strict mode: no object takes properties its schema does not list. Objects that do not say
-    otherwise get `additionalProperties: false`, through every subschema."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict_schema(v) if k not in ("enum", "const", "default", "examples", "required") else v
-           for k, v in schema.items()}
-    if ("properties" in schema or schema.get("type") == "object") and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
 
 
 def _schema_value(value: Any, param: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from parrot.frontend.openai_requests import strict_schema
+from parrot.frontend.strict_schema import strict_schema
 
 MAX_TOOLS = 128
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from parrot.frontend.openai_errors import OpenAIError
-from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, strict_schema
+from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
+from parrot.frontend.strict_schema import strict_schema
 from parrot.serve.sampling_defaults import LLAMA_CPP, SamplingDefaults
 
 DEFAULTS = SamplingDefaults()
