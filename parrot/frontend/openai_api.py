@@ -14,15 +14,15 @@ as semantic calls, so plain OpenAI clients get prefix sharing:
 - completions: the prompt is one piece, not kept after the request (shared=0): there is no
   message structure to say which part recurs. The n choices of one prompt still share its fill.
 
-Parameters: max_tokens (default 16 for completions, 128 for chat; `max_completion_tokens` too for chat),
-temperature (default 1.0, 0 = greedy), top_p, top_k (extension, 0 or -1 = off), n (<= 16; choice i
-of a seeded request uses seed + i), stop (str or list), seed, stream (+ stream_options.include_usage),
-ignore_eos (extension), user (ignored). `prompt` is a string or a list of strings (one set of n choices
-per prompt; choice index = prompt index * n + i). Unknown fields are ignored. Refused with 400 because
-they would silently change the meaning: echo, logprobs / top_logprobs, suffix, best_of != n,
-logit_bias, non-zero presence/frequency penalties, tools / functions, a response_format other than
-text, token-id prompts, non-text message content, roles other than system / developer / user /
-assistant.
+Parameters (docs/openai-api.md has the table): every parameter the openai client sends is honoured or
+refused with a 400 naming it (`openai_requests.py`); vLLM / SGLang extensions (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, output constraints under their guided_* and
+plain names) are honoured. Left-out sampling settings take the model's recommendation or llama.cpp's
+defaults (serve/sampling_defaults.py, shown in /v1/models). Output constraints (response_format,
+extensions) are validated before any engine work (serve/constraints.py) and enforced by the engine; tools
+are rendered and parsed by `chat_prompt.py` / `openai_tools.py`; logprobs come back in OpenAI's shapes
+(`openai_logprobs.py`). `prompt` is a string or a list of strings (one set of n choices per prompt;
+choice index = prompt index * n + i).
 
 `model`: one model is served; any name is accepted and responses name the served model (clients often
 hard-code a model name). `GET /v1/models/{id}` is 404 for other names.
