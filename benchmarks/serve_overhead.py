@@ -3,7 +3,8 @@ same server, one app at a time (an otherwise idle server).
 
     python -m benchmarks.serve_overhead [--url URL] [--steps 5] [--apps 3]
 
-Without --url it starts `parrot serve` (quick shapes) on a free port and stops it afterwards. Each app is
+Without --url it starts `parrot serve` (quick shapes) on a free port and stops it afterwards; with
+--tiny it serves the tests' tiny random-weight model in process instead (a fast engine's stand-in). Each app is
 a chain of `--steps` dependent calls (`parrot.bench.workloads.refine_summary` over ~130-token pieces of
 the benchmark texts, outputs of 8 tokens): once as semantic variables (the server runs the chain, the
 client reads the last output) and once with the control flow in the client over `/v1/completions`,
@@ -59,8 +60,8 @@ def texts_of(n: int) -> list[str]:
     return out[:n]
 
 
-def measure(system: System, steps: int, apps: int) -> dict:
-    pieces = iter(texts_of(2 * apps * steps))  # every app its own text: nothing cached from another app
+def measure(system: System, steps: int, apps: int, offset: int = 0) -> dict:
+    pieces = iter(texts_of(offset + 2 * apps * steps)[offset:])  # every app its own text: none finds another's
     runtimes = {"dag": lambda: ParrotRuntime(system.url),
                 "plain": lambda: OpenAIRuntime("plain", system.url, system.model, system.extra_body)}
     out: dict = {name: {"app_s": [], "serve": []} for name in runtimes}
@@ -82,28 +83,52 @@ def measure(system: System, steps: int, apps: int) -> dict:
     return out
 
 
+def _on_tiny_engine(system: System, steps: int, apps: int) -> dict:
+    from parrot.engine.engine import LLMEngine
+    from tests.conftest import tiny_engine_config, tiny_model
+    from tests.servers import serving_core
+
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    try:
+        with serving_core(engine, "tiny", model.tokenizer) as (url, _):
+            system.port = int(url.rsplit(":", 1)[1])
+            system.model = "tiny"
+            measure(system, steps, 1, offset=2 * apps * steps)  # warm-up (shapes compile), on other texts
+            return measure(system, steps, apps)
+    finally:
+        engine.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="a running parrot serve (default: start one)")
     ap.add_argument("--port", type=int, default=9390)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--apps", type=int, default=3, help="apps per path, alternating")
+    ap.add_argument("--tiny", action="store_true",
+                    help="serve the tests' tiny random-weight model in process (tests/conftest.py): a stand-in for a "
+                         "fast engine, where the serve layer's and the client's own costs dominate")
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_overhead.json")
     args = ap.parse_args(argv)
     system = build(["parrot"], args.port, quick=True)[0]
-    started = args.url is None
-    if started:
-        system.start(args.out.parent / "logs" / "serve_overhead.log")
-        wait_compiled(system)
+    if args.tiny:
+        result = _on_tiny_engine(system, args.steps, args.apps)
     else:
-        system.port = int(args.url.rsplit(":", 1)[1].strip("/"))
-    try:
-        warm_up(system)
-        result = measure(system, args.steps, args.apps)
-    finally:
+        started = args.url is None
         if started:
-            system.stop()
-    result["params"] = {"steps": args.steps, "apps": args.apps, "max_tokens": 8}
+            system.start(args.out.parent / "logs" / "serve_overhead.log")
+            wait_compiled(system)
+        else:
+            system.port = int(args.url.rsplit(":", 1)[1].strip("/"))
+        try:
+            warm_up(system)
+            result = measure(system, args.steps, args.apps)
+        finally:
+            if started:
+                system.stop()
+    result["params"] = {"steps": args.steps, "apps": args.apps, "max_tokens": 8,
+                        "engine": "tiny random-weight model in process" if args.tiny else "parrot serve"}
     for name in ("dag", "plain"):
         r = result[name]
         print(f"{name:5s} app median {r['app_median_s']:.2f} s  serve first {r['serve_first_mean_ms']:.2f} ms "
