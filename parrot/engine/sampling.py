@@ -88,13 +88,14 @@ class SamplerExtras:
     frequency: jax.Array  # [B] float32
     repetition: jax.Array  # [B] float32 (1: off)
     min_p: jax.Array  # [B] float32 (0: off)
+    logprobs: jax.Array  # [B] bool: the row wants logprobs (none does: they are not computed)
 
     @classmethod
     def neutral(cls, batch_size: int, vocab_size: int) -> SamplerExtras:
         return cls(np.full((batch_size, mask_words(vocab_size)), -1, np.int32),
                    np.zeros((batch_size, MAX_LOGIT_BIAS), np.int32), np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32),
                    np.zeros(batch_size, np.float32), np.zeros(batch_size, np.float32),
-                   np.ones(batch_size, np.float32), np.zeros(batch_size, np.float32))
+                   np.ones(batch_size, np.float32), np.zeros(batch_size, np.float32), np.zeros(batch_size, bool))
 
     @classmethod
     def build(cls, jobs: list[Job | None], batch_size: int,
@@ -117,6 +118,7 @@ class SamplerExtras:
                 ex.bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
                 ex.bias[i, : len(p.logit_bias)] = list(p.logit_bias.values())
             ex.min_p[i] = p.min_p
+            ex.logprobs[i] = p.logprobs is not None
             if p.penalized:
                 ex.presence[i], ex.frequency[i], ex.repetition[i] = (p.presence_penalty, p.frequency_penalty,
                                                                      p.repetition_penalty)
@@ -164,10 +166,19 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
     bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(batch, -1)[:, :vocab] != 0
     x = jnp.where(allowed, x, -jnp.inf)
-    tokens = _choose(x, sb, ex.min_p)
+    # only the work some row needs: the sort of stochastic sampling, the top tokens of logprobs
+    tokens = jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb, ex.min_p), greedy_sample, x)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+
+    def top(r: jax.Array) -> tuple[jax.Array, jax.Array]:
+        lp, ids = jax.lax.top_k(r, MAX_LOGPROBS)
+        return lp, ids.astype(jnp.int32)
+
+    def none(r: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((batch, MAX_LOGPROBS), r.dtype), jnp.zeros((batch, MAX_LOGPROBS), jnp.int32)
+
+    top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), top, none, raw)
+    return tokens, chosen, top_ids, top_lp
 
 
 def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> jax.Array:

@@ -8,9 +8,10 @@ import time
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.scheduler import Scheduler
 from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.engine.structured import ConstraintError, Grammars
 from parrot.errors import AbortedError, InvalidRequestError
 from parrot.protocol import SamplingParams
-from tests.conftest import tiny_engine_config
+from tests.conftest import tiny_engine_config, tiny_tokenizer
 
 
 def _scheduler() -> Scheduler:
@@ -220,3 +221,48 @@ def test_a_failed_step_rolls_back_its_fills() -> None:
     assert [str(o.error) for o in outputs] == ["boom"]
     assert len(s.tokens["a"]) == 20 and s.kv.get("a").num_tokens == 20
     assert not s.running and not s.busy
+
+
+# ---- constraints: the matcher advances with each applied token --------------------------------------
+def _constrained(ctx: str, grammars: Grammars, **sampling) -> Job:
+    sp = SamplingParams(**({"max_tokens": 20} | sampling))
+    return Job(JobKind.GENERATE, ctx, None, sampling=sp, constraint=grammars.compile(sp))
+
+
+def _step(s: Scheduler, sampled: dict[str, int]) -> list[JobOutput]:
+    plan = s.schedule()
+    return s.update(plan, [sampled.get(slot.job.context_id, TOKEN) for slot in plan.slots])
+
+
+def test_a_token_the_grammar_rejects_fails_only_its_job() -> None:
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    s = _small(32)
+    for ctx in ("a", "b"):
+        s.add(_fill(ctx, 10))
+    _step(s, {})
+    s.add(_constrained("a", grammars, regex="[ab]+"))
+    s.add(_gen("b", 3))
+    outputs = _step(s, {"a": tok.encode("z")[0]})  # what a runner without the mask would sample
+    failed = [o for o in outputs if o.error is not None]
+    assert [o.job.context_id for o in failed] == ["a"] and isinstance(failed[0].error, ConstraintError)
+    assert "b" in s.busy and "a" not in s.busy
+    assert _results(_drive(s))["b"].token_ids == [TOKEN] * 3
+
+
+def test_forced_tokens_are_fed_as_one_chunk() -> None:
+    """After a sampled "b" the grammar forces "cdef": they join the output at once and the next step
+    feeds all five tokens as one prefill chunk, then samples the last choice."""
+    tok = tiny_tokenizer()
+    s = _small(32)
+    s.add(_fill("a", 10))
+    _step(s, {})
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cdef[gh]"))
+    outputs = _step(s, {"a": tok.encode("b")[0]})
+    assert [tok.decode([c.token_id]) for c in outputs[0].chunks] == list("bcdef")
+    assert s.fast_forward_tokens == 4
+    plan = s.schedule()
+    assert not plan.decode and [len(slot.tokens) for slot in plan.prefill] == [5] and plan.prefill[0].sample
+    outputs = s.update(plan, [tok.encode("h")[0]])
+    result = outputs[0].result
+    assert tok.decode(result.token_ids) == "bcdefh" and result.finish_reason == "stop"  # the grammar is complete

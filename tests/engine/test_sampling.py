@@ -1,0 +1,194 @@
+"""The samplers: the processed variant against a numpy reference (penalties, logit_bias, masks, min-p, raw
+logprobs), neutral rows equal to the plain samplers, and through the engine: min_tokens, logprobs and
+batching invariance of greedy requests beside constrained and penalized ones."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import jax
+import numpy as np
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.sampling import (
+    SamplerExtras,
+    SamplingBatch,
+    _clear_bits,
+    greedy_sample,
+    processed_sampler,
+    sample,
+)
+from parrot.errors import InvalidRequestError
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+
+TIMEOUT = 300
+V = 100
+
+
+def _logits(batch: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 3, (batch, V)).astype(np.float32)
+
+
+def _batch(temps: list[float], seeds: list[int] | None = None) -> SamplingBatch:
+    params = [SamplingParams(temperature=t, seed=s) for t, s in zip(temps, seeds or [7] * len(temps), strict=True)]
+    return SamplingBatch.build(params, [3] * len(temps), len(temps), [0] * len(temps))
+
+
+def _only(tokens: list[int], batch: int = 1) -> SamplerExtras:
+    ex = SamplerExtras.neutral(batch, V)
+    ex.mask[:] = 0
+    for t in tokens:
+        ex.mask[:, t >> 5] |= np.int32(-(1 << 31)) if t & 31 == 31 else np.int32(1 << (t & 31))
+    return ex
+
+
+def test_neutral_rows_sample_as_the_plain_samplers() -> None:
+    logits = _logits(4)
+    sb = _batch([0.0, 0.8, 0.0, 1.3])
+    ex = SamplerExtras.neutral(4, V)
+    ex.logprobs[:] = True
+    tokens, chosen, top_ids, top_lp = processed_sampler(logits, sb, ex)
+    assert np.array_equal(np.asarray(tokens), np.asarray(jax.jit(sample)(logits, sb)))
+    assert np.array_equal(np.asarray(tokens)[[0, 2]], np.asarray(greedy_sample(logits))[[0, 2]])
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(np.asarray(chosen), raw[np.arange(4), np.asarray(tokens)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(top_lp), -np.sort(-raw, axis=-1)[:, :20], rtol=1e-6)
+    assert np.array_equal(np.asarray(top_ids)[:, 0], raw.argmax(-1))
+    greedy = _batch([0.0] * 4)  # all greedy: the sort is skipped, the argmax is the same
+    assert np.array_equal(np.asarray(processed_sampler(logits, greedy, ex)[0]), np.asarray(greedy_sample(logits)))
+
+
+def test_mask_bits_include_the_sign_bit() -> None:
+    logits = _logits(1)
+    for allowed in ([31], [63, 5], [99]):
+        tokens, *_ = processed_sampler(logits, _batch([0.0]), _only(allowed))
+        assert int(tokens[0]) == max(allowed, key=lambda t: logits[0, t])
+        tokens, *_ = processed_sampler(logits, _batch([1.0], [11]), _only(allowed))
+        assert int(tokens[0]) in allowed
+
+
+def test_clearing_stop_bits_keeps_a_grammar_that_can_only_end() -> None:
+    row = _only([31, 40]).mask[0]
+    _clear_bits(row, frozenset({31}), keep_one=False)
+    assert row[0] == 0 and row[1] == 1 << 8
+    row = _only([31]).mask[0]
+    _clear_bits(row, frozenset({31}), keep_one=True)  # nothing else allowed: the end stays allowed
+    assert row[0] == np.int32(-(1 << 31))
+
+
+def test_penalties_and_bias_follow_their_definitions() -> None:
+    """Repetition (vLLM / HF) over prompt + generated tokens, presence and frequency (OpenAI) over the
+    generated ones, then logit_bias; greedy picks the argmax of the result, logprobs stay raw."""
+    logits = _logits(1, seed=4)
+    prompt, generated = [1, 2, 3], [3, 4, 4, 4]
+    counts = np.zeros((1, V), np.int32)
+    counts[0] = 2 * np.bincount(generated, minlength=V) + (np.bincount(prompt + generated, minlength=V) > 0)
+    ex = SamplerExtras.neutral(1, V)
+    ex.repetition[0], ex.presence[0], ex.frequency[0] = 1.7, 0.5, 0.3
+    ex.bias_ids[0, :2] = [10, 11]
+    ex.bias[0, :2] = [2.5, -100.0]
+    expected = logits[0].copy()
+    for t in set(prompt + generated):
+        expected[t] = expected[t] / 1.7 if expected[t] > 0 else expected[t] * 1.7
+    for t in set(generated):
+        expected[t] -= 0.5 + 0.3 * generated.count(t)
+    expected[10] += 2.5
+    expected[11] -= 100.0
+    tokens, chosen, *_ = processed_sampler(logits, _batch([0.0]), ex, counts)
+    assert int(tokens[0]) == int(expected.argmax())
+    raw = np.asarray(jax.nn.log_softmax(logits[0]))
+    assert float(chosen[0]) == pytest.approx(float(raw[int(tokens[0])]), rel=1e-6)
+    ex.bias[0, 0] = 100.0  # +100 as good as forces a token
+    assert int(processed_sampler(logits, _batch([1.0], [5]), ex, counts)[0][0]) == 10
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    logits = np.full((1, V), -10.0, np.float32)
+    logits[0, [3, 4, 5]] = [2.0, 1.5, 0.0]  # probabilities relative to the top: 1, 0.61, 0.14
+    ex = SamplerExtras.neutral(1, V)
+    ex.min_p[0] = 0.5
+    drawn = {int(processed_sampler(logits, _batch([1.0], [s]), ex)[0][0]) for s in range(200)}
+    assert drawn == {3, 4}
+    ex.min_p[0] = 0.0
+    drawn = {int(processed_sampler(logits, _batch([1.0], [s]), ex)[0][0]) for s in range(200)}
+    assert {3, 4, 5} <= drawn
+
+
+# ---- through the engine ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=True)
+    yield eng
+    eng.shutdown()
+
+
+def _generate(eng: LLMEngine, ctx: str, prompt: list[int], **sampling):
+    eng.fill_future(FillRequest(context_id=ctx, token_ids=prompt)).result(TIMEOUT)
+    try:
+        return eng.generate_future(GenerateRequest(context_id=ctx, sampling=SamplingParams(**sampling))).result(TIMEOUT)
+    finally:
+        eng.free_future(ctx).result(TIMEOUT)
+
+
+def test_min_tokens_holds_back_the_end(engine: LLMEngine) -> None:
+    eos = engine.tokenizer.eos_token_id
+    prompt = list(b"Hello")
+    r = _generate(engine, "eos", prompt, max_tokens=20, logit_bias={eos: 100.0})
+    assert r.token_ids == [] and r.finish_reason == "stop"
+    r = _generate(engine, "min", prompt, max_tokens=20, logit_bias={eos: 100.0}, min_tokens=6)
+    assert len(r.token_ids) == 6 and eos not in r.token_ids and r.finish_reason == "stop"
+
+
+def test_logprobs_align_with_the_tokens(engine: LLMEngine) -> None:
+    prompt = list(b"Logprobs ")
+    chunks = []
+    engine.fill_future(FillRequest(context_id="lp", token_ids=prompt)).result(TIMEOUT)
+    req = GenerateRequest(context_id="lp", sampling=SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
+    r = engine.generate_future(req, on_chunk=chunks.append).result(TIMEOUT)
+    engine.free_future("lp").result(TIMEOUT)
+    assert r.logprobs is not None and [lp.token_id for lp in r.logprobs] == r.token_ids
+    for lp in r.logprobs:
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy: the most likely one
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob and lp.logprob <= 0
+        assert lp.bytes == list(engine.token_texts.piece(lp.token_id)[1])
+    assert [c.logprob for c in chunks if c.token_id is not None] == r.logprobs
+    plain = _generate(engine, "plain", prompt, max_tokens=6, ignore_eos=True)
+    assert plain.token_ids == r.token_ids and plain.logprobs is None
+
+
+def test_sampling_values_the_model_bounds(engine: LLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        engine.generate_future(GenerateRequest(context_id="x", sampling=SamplingParams(logit_bias={100000: 1.0})))
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        engine.generate_future(GenerateRequest(context_id="x", sampling=SamplingParams(prompt_logprobs=1)))
+
+
+def test_greedy_output_is_the_same_beside_constrained_and_penalized_requests(smollm_engine: LLMEngine) -> None:
+    """The default model: an unconstrained greedy request alone, then in batches with a JSON-schema
+    request, a penalized sampled one and one asking for logprobs: identical tokens."""
+    eng = smollm_engine
+    tok = eng.tokenizer
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    plain = dict(max_tokens=24)
+    alone = _generate(eng, "inv-alone", chat("Name three colors."), **plain).token_ids
+    schema = {"type": "object", "properties": {"color": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["color", "count"], "additionalProperties": False}
+    others = [dict(max_tokens=24, json_schema=schema), dict(max_tokens=24, temperature=0.9, seed=2,
+                                                            repetition_penalty=1.3, frequency_penalty=0.5,
+                                                            logit_bias={tok.encode(" red")[0]: 3.0}, min_p=0.05),
+              dict(max_tokens=24, logprobs=5, min_tokens=4)]
+
+    def run(i: int):
+        if i == 0:
+            return _generate(eng, "inv-0", chat("Name three colors."), **plain)
+        return _generate(eng, f"inv-{i}", chat("Describe a color as JSON."), **others[i - 1])
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(run, range(4)))
+    assert results[0].token_ids == alone
+    assert results[3].logprobs is not None and len(results[3].logprobs) == len(results[3].token_ids)
