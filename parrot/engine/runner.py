@@ -24,6 +24,7 @@ from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_s
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
 from parrot.engine.kv_cache import PageCopy
+from parrot.engine.logprobs import SampledLogprob
 from parrot.engine.models.llama import (
     Embedding,
     HeadWeights,
@@ -35,7 +36,7 @@ from parrot.engine.models.llama import (
     lm_logits,
 )
 from parrot.engine.quant import QuantizedTensor
-from parrot.engine.sampling import SamplingBatch, greedy_sample, sample
+from parrot.engine.sampling import SamplerExtras, SamplingBatch, greedy_sample, processed_sampler, sample
 from parrot.engine.scheduler import Slot, StepPlan
 
 log = logging.getLogger(__name__)
@@ -246,12 +247,20 @@ class ModelRunner:
         sampling = [s.job.sampling for s in slots if s.sample]
         if not sampling:
             return None
-        if all(p is None or p.greedy for p in sampling):
+        # while the device runs the step: constraint masks, penalty counts (None: no job needs them)
+        extras = SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
+        if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)[: len(slots)]
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
         steps = [len(s.job.output_ids) for s in slots]
         sb = SamplingBatch.build(params, steps, shape.batch, [p.seed or 0 for p in params])
-        return self.sample(logits, sb)[: len(slots)]
+        if extras is None:
+            return self.sample(logits, sb)[: len(slots)]
+        tokens, chosen, top_ids, top_lp = self.sample_processed(logits, sb, *extras)
+        for i, s in enumerate(slots):
+            if s.sample and s.job.sampling.logprobs is not None:
+                s.logprob = SampledLogprob(float(chosen[i]), top_ids[i], top_lp[i])
+        return tokens[: len(slots)]
 
     def _cascade(self, seqs: list[SequenceSlice]) -> Shape | None:
         """Mark the largest group of decode sequences sharing prefix pages (forks of one context) and
@@ -333,6 +342,11 @@ class ModelRunner:
         self._part(("greedy", shape.batch), lambda: self._greedy.lower(logits).compile())
         params = _abstract(SamplingBatch.build([], [], shape.batch, []))
         self._part(("sample", shape.batch), lambda: self._sample.lower(logits, params).compile())
+        extras = _abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
+        counts = jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32)
+        self._part(("processed", shape.batch), lambda: processed_sampler.lower(logits, params, extras).compile())
+        self._part(("penalized", shape.batch),
+                   lambda: processed_sampler.lower(logits, params, extras, counts).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(embed, blocks, head)
 
@@ -366,6 +380,16 @@ class ModelRunner:
         fn = fut.result() if fut is not None and fut.done() else (self._greedy if sampling is None else self._sample)
         out = fn(logits) if sampling is None else fn(logits, sampling)
         return np.asarray(out)
+
+    def sample_processed(self, logits: jax.Array, sampling: SamplingBatch, extras: SamplerExtras,
+                         counts: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """Penalties, bias, masks, min-p and logprobs (`sampling.sample_processed`): (tokens, their raw
+        logprobs, top token ids, top logprobs)."""
+        key = ("processed" if counts is None else "penalized", int(logits.shape[0]))
+        fut = self._parts.get(key)
+        fn = fut.result() if fut is not None and fut.done() else processed_sampler
+        out = fn(logits, sampling, extras) if counts is None else fn(logits, sampling, extras, counts)
+        return tuple(np.asarray(a) for a in out)
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy whole pages src -> dst in every layer's K and V (fork / copy-on-write of a partial page)."""
