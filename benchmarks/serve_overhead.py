@@ -49,19 +49,19 @@ async def one_app(rt: Runtime, chunks: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def texts_of(n: int) -> list[str]:
-    """`n` distinct pieces of ~600 characters (~130 tokens) of the benchmark texts."""
+def texts_of(n: int, chars: int = 600) -> list[str]:
+    """`n` distinct pieces of `chars` characters (600: ~130 tokens) of the benchmark texts."""
     out = []
     for name in ("gpl-2.0.txt", "gpl-3.0.txt", "lgpl-2.1.txt", "mpl-2.0.txt"):
         for chunk in corpus.chunks(corpus.text(name)):
-            out += [chunk[i:i + 600] for i in range(0, len(chunk) - 300, 600)]
+            out += [chunk[i:i + chars] for i in range(0, len(chunk) - chars // 2, chars)]
     if len(out) < n:
         raise ValueError(f"only {len(out)} distinct pieces for {n} calls: fewer --apps or --steps")
     return out[:n]
 
 
-def measure(system: System, steps: int, apps: int, offset: int = 0) -> dict:
-    pieces = iter(texts_of(offset + 2 * apps * steps)[offset:])  # every app its own text: none finds another's
+def measure(system: System, steps: int, apps: int, offset: int = 0, chars: int = 600) -> dict:
+    pieces = iter(texts_of(offset + 2 * apps * steps, chars)[offset:])  # every app its own text: none finds another's
     runtimes = {"dag": lambda: ParrotRuntime(system.url),
                 "plain": lambda: OpenAIRuntime("plain", system.url, system.model, system.extra_body)}
     out: dict = {name: {"app_s": [], "serve": []} for name in runtimes}
@@ -94,8 +94,9 @@ def _on_tiny_engine(system: System, steps: int, apps: int) -> dict:
         with serving_core(engine, "tiny", model.tokenizer) as (url, _):
             system.port = int(url.rsplit(":", 1)[1])
             system.model = "tiny"
-            measure(system, steps, 1, offset=2 * apps * steps)  # warm-up (shapes compile), on other texts
-            return measure(system, steps, apps)
+            # ~40-token pieces: the tiny model holds 512 tokens; a warm-up (shapes compile) on other texts first
+            measure(system, steps, 1, offset=2 * apps * steps, chars=200)
+            return measure(system, steps, apps, chars=200)
     finally:
         engine.shutdown()
 
