@@ -4,8 +4,8 @@
 # llama.cpp as the Python peer from install_llamacpp.sh). Only PyPI is needed, no git clone.
 # Static llama/ggml libs (~5-6 min on 2 cores; the binary needs only libc/libstdc++/libgomp), copied to
 # ${PARROT_PEERS_DIR:-~/.cache/parrot/peers}/llama-server.
-# The default native build crashes on CPUs with AMX in the AMX matmul (ggml_backend_amx_mul_mat), so
-# AMX is switched off and AVX-512 kernels are used instead. No curl/OpenSSL (local GGUF files only)
+# A native build (-march=native) everywhere except on CPUs with AMX, where llama.cpp's AMX matmul
+# crashes: there AMX is switched off and AVX-512 kernels are named instead. No curl/OpenSSL (local GGUF files only)
 # and no web UI (its prebuilt assets would be downloaded from Hugging Face at build time).
 set -euo pipefail
 
@@ -47,13 +47,22 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     tar -xzf "$SDIST" -C "$WORK_DIR"
 fi
 
+# CPU flags: on Xeons with AMX, llama.cpp's AMX path crashes (ggml_backend_amx_mul_mat), so the AVX-512
+# set is named with AMX off; every other CPU (e.g. AVX2-only EPYCs, where forced AVX-512 dies with
+# SIGILL) builds for exactly its own instruction set.
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    CPU_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+else
+    CPU_FLAGS="-DGGML_NATIVE=ON"
+fi
+
 # Configure and build only the llama-server target.
 BUILD="$WORK_DIR/build"
+# shellcheck disable=SC2086  # CPU_FLAGS is a list of options
 cmake -S "$SRC" -B "$BUILD" -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-    -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-    -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $CPU_FLAGS \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
