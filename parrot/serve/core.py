@@ -81,9 +81,13 @@ class _TaskRecord:
     clock: TaskClock = field(default_factory=TaskClock)  # the serve layer's own time (serve_time.py)
     fills: list[asyncio.Future] = field(default_factory=list)  # fills this run sent or forks, not awaited
 
+    app_started: float | None = None  # app-aware: when its app's current run began (app-FIFO in the engine)
+
     def waited(self) -> float:
-        """Seconds since the task became runnable: its engine primitives keep the task's place in line."""
-        return max(0.0, time.perf_counter() - self.created)
+        """Seconds since the task became runnable, or (app-aware) since its app's current run began: its
+        engine primitives keep that place in line, so an app's later steps go ahead of work that arrived
+        after the app started (app-FIFO), as requests deeper in a DAG do in the scheduler."""
+        return max(0.0, time.perf_counter() - (self.app_started or self.created))
 
     def deliver(self, text: str) -> None:
         """`text` is everything generated so far in this attempt; pass on what is new."""
@@ -237,6 +241,9 @@ class ParrotServeCore:
         self._natives = concurrent.futures.ThreadPoolExecutor(cfg.native_workers, thread_name_prefix="parrot-native")
         self._completions: weakref.WeakKeyDictionary[asyncio.Queue, CompletionTask] = weakref.WeakKeyDictionary()
         self._chain_tasks: dict[str, CompletionTask] = {}  # chain id -> its task, while queued or running
+        # session id -> when its app's current run began: its first chain became ready since the session last
+        # had no chain left (app-aware mode: the engine queues the app's later steps as of then)
+        self._app_started: dict[str, float] = {}
         self._readers: dict[str, int] = {}  # var id -> clients reading it now (get / stream)
         self.aborts = 0  # generations cancelled because their clients went away
         self.overload_retries = 0  # tasks re-queued after an engine refused them for KV space
@@ -308,6 +315,7 @@ class ParrotServeCore:
 
     async def delete_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        self._app_started.pop(session.session_id, None)
         self.vars.free_session(session.session_id)
         for ctx in self.contexts.release_session(session.session_id):
             self._spawn(self._free_context(ctx))
@@ -584,8 +592,10 @@ class ParrotServeCore:
             all_global = all_global and var.session_id is None
             if piece:
                 owners.append(None if all_global else session.session_id)
+        started = self._app_started.setdefault(session.session_id, clock.ready)
         rec = _ChainRecord(sampling, owners, session.session_id, created=clock.ready, clock=clock, session=session,
-                           chain=chain, priority=self._priority(criterion))
+                           chain=chain, priority=self._priority(criterion),
+                           app_started=started if self.scheduler.app_aware else None)
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
                               session.executor.group(chain), payload=rec)
         self._chain_tasks[chain.id] = task
@@ -722,6 +732,8 @@ class ParrotServeCore:
                 return
             rec.session.executor.finished(rec.chain)
             self._progress(rec.session)
+            if not rec.session.executor.graph.chains:  # the app's run is over: its next call starts a new one
+                self._app_started.pop(rec.session.session_id, None)
         else:  # a plain completion keeps only its shared (global) prefixes cached
             for ctx in self.contexts.release_session(rec.owner):
                 self._spawn(self._free_context(ctx))

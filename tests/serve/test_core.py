@@ -175,3 +175,52 @@ def test_no_app_awareness_turns_off_app_hints_but_keeps_prefix_caching() -> None
     assert apc._priority("throughput") == apc._priority("latency") == 0
     aware = make_core()
     assert aware.scheduler.app_aware is True and aware._priority("throughput") == 1
+
+
+class RecordingEngine(ScriptedEngine):
+    """Generates take `delay` seconds; every generate's `waited_s` is recorded."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__([])
+        self.delay = delay
+        self.waited: list[float] = []
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self.waited.append(req.waited_s)
+        await asyncio.sleep(self.delay)
+        yield StreamChunk(token_id=66, text="B", finish_reason="length")
+
+
+def _chain_of_three(app_aware: bool) -> list[float]:
+    async def run() -> list[float]:
+        engine = RecordingEngine(0.1)
+        core = make_core(config=ServeConfig(model="tiny", app_aware=app_aware))
+        core.engines.register(engine)
+        await core.start()
+        try:
+            s = core.create_session()
+            var_id = None
+            for i in range(3):  # step i reads step i-1's output: the server runs the chain
+                params = [SemanticCallParameter(name="out", is_output=True)]
+                if var_id is not None:
+                    params.append(SemanticCallParameter(name="prev", var_id=var_id))
+                template = f"Step {i}: {{{{prev}}}} {{{{out}}}}" if var_id else "Step 0: {{out}}"
+                out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template=template,
+                                                                parameters=params))
+                var_id = next(p.var_id for p in out.param_info if p.name == "out")
+            await core.get_var(s, var_id, "latency", 5)
+            assert not core._app_started  # the app's run is over
+            return engine.waited
+        finally:
+            await core.stop()
+
+    return asyncio.run(run())
+
+
+def test_an_apps_later_steps_keep_its_place_in_the_engine_queue() -> None:
+    """App-FIFO: a chain's later steps reach the engine as having waited since the app's run began (so
+    they go ahead of work that arrived after it); without app awareness, since each step became ready."""
+    aware = _chain_of_three(True)
+    assert aware[0] < 0.05 and aware[1] >= 0.1 and aware[2] >= 0.2
+    plain = _chain_of_three(False)
+    assert max(plain) < 0.05
