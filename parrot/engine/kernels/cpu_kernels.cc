@@ -62,8 +62,11 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, F&& body) {
     pool.Schedule([split, work]() mutable { work(); });
   }
   work();
-  while (split->done.load(std::memory_order_acquire) < chunks) {
-    _mm_pause();
+  // the last chunks are in other threads' hands: spin briefly, then yield (a busy machine may have
+  // descheduled them, and spinning would take their core)
+  for (int spins = 0; split->done.load(std::memory_order_acquire) < chunks; ++spins) {
+    if (spins < 4096) _mm_pause();
+    else std::this_thread::yield();
   }
 }
 
@@ -152,46 +155,82 @@ inline void gemv_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t blo
   for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]);
 }
 
-// Several activation rows: kRows weight rows are dequantized once into a float32 buffer (reused by every
-// activation row), then a register-blocked product: TR activation rows x RR weight rows per pass.
-constexpr int kRows = 3;
+// Several activation rows: 16 weight rows at a time are dequantized once into a k-major panel
+// P[k][16] (reused by every activation row), then a register-blocked product in the manner of BLIS:
+// 6 activation rows x 16 outputs in 12 accumulators, one broadcast activation and two panel loads per k.
+constexpr int kNR = 16, kMR = 6;
 
-template <int TR, int RR>
-inline void gemm_tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
-  __m256 acc[TR][RR];
-  for (int t = 0; t < TR; ++t)
-    for (int r = 0; r < RR; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[RR];
-    for (int r = 0; r < RR; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
-    for (int t = 0; t < TR; ++t) {
-      __m256 xv = _mm256_loadu_ps(x + t * K + k);
-      for (int r = 0; r < RR; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Dequantize `rows` (<= 16) weight rows into the panel P[K][16]; missing rows are zeros.
+template <int Q>
+void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int rows, float* P) {
+  alignas(32) float tile[kNR][32];
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < kNR; ++r) {
+      __m256 wv[4];
+      if (r < rows) {
+        Block<Q>::dequant(w + r * ldw + b * Block<Q>::kBytes, wv);
+      } else {
+        wv[0] = wv[1] = wv[2] = wv[3] = _mm256_setzero_ps();
+      }
+      for (int c = 0; c < 4; ++c) _mm256_store_ps(tile[r] + 8 * c, wv[c]);
+    }
+    float* out = P + b * 32 * kNR;
+    for (int c = 0; c < 4; ++c) {
+      for (int g = 0; g < 2; ++g) {
+        __m256 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_load_ps(tile[g * 8 + i] + 8 * c);
+        transpose8(v);  // v[j]: weight k = 8c + j of the 8 rows
+        for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + (8 * c + j) * kNR + 8 * g, v[j]);
+      }
     }
   }
-  for (int t = 0; t < TR; ++t)
-    for (int r = 0; r < RR; ++r) y[t * ldy + r] = hsum(acc[t][r]);
 }
 
-template <int RR>
-inline void gemm_rows(const float* x, int64_t T, int64_t K, const float* w, float* y, int64_t N) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) gemm_tile<4, RR>(x + t * K, K, w, y + t * N, N);
-  switch (T - t) {
-    case 3: gemm_tile<3, RR>(x + t * K, K, w, y + t * N, N); break;
-    case 2: gemm_tile<2, RR>(x + t * K, K, w, y + t * N, N); break;
-    case 1: gemm_tile<1, RR>(x + t * K, K, w, y + t * N, N); break;
-    default: break;
+// (Named accumulators: with arrays of vectors GCC stores every accumulator to the stack each iteration.)
+template <int MR>
+inline void micro(const float* x, int64_t K, const float* P, float* y, int64_t ldy, int cols) {
+  static_assert(MR >= 1 && MR <= kMR);
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(P + k * kNR), b1 = _mm256_loadu_ps(P + k * kNR + 8);
+    __m256 a;
+#define PARROT_ROW(i)                                \
+  if constexpr (MR > i) {                            \
+    a = _mm256_broadcast_ss(x + i * K + k);          \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);       \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);       \
   }
-}
-
-template <int Q>
-void dequant_row(const uint8_t* w, int64_t blocks, float* out) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 wv[4];
-    Block<Q>::dequant(w + b * Block<Q>::kBytes, wv);
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + b * 32 + 8 * c, wv[c]);
+    PARROT_ROW(0) PARROT_ROW(1) PARROT_ROW(2) PARROT_ROW(3) PARROT_ROW(4) PARROT_ROW(5)
+#undef PARROT_ROW
   }
+  alignas(32) float tmp[kMR][kNR];
+#define PARROT_OUT(i)                                \
+  if constexpr (MR > i) {                            \
+    _mm256_store_ps(tmp[i], c##i##0);                \
+    _mm256_store_ps(tmp[i] + 8, c##i##1);            \
+  }
+  PARROT_OUT(0) PARROT_OUT(1) PARROT_OUT(2) PARROT_OUT(3) PARROT_OUT(4) PARROT_OUT(5)
+#undef PARROT_OUT
+  for (int i = 0; i < MR; ++i) std::memcpy(y + i * ldy, tmp[i], sizeof(float) * cols);
 }
 
 // rows [n0, n1) of the output, every activation row
@@ -205,15 +244,20 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
     for (; n < n1; ++n) gemv_tile<Q, 1>(x, w + n * ldw, ldw, blocks, y + n);
     return;
   }
-  thread_local std::vector<float> buf;
-  buf.resize(kRows * K);
-  for (int64_t n = n0; n < n1; n += kRows) {
-    const int64_t rr = std::min<int64_t>(kRows, n1 - n);
-    for (int64_t r = 0; r < rr; ++r) dequant_row<Q>(w + (n + r) * ldw, blocks, buf.data() + r * K);
-    switch (rr) {
-      case 3: gemm_rows<3>(x, T, K, buf.data(), y + n, N); break;
-      case 2: gemm_rows<2>(x, T, K, buf.data(), y + n, N); break;
-      default: gemm_rows<1>(x, T, K, buf.data(), y + n, N); break;
+  thread_local std::vector<float> panel;
+  panel.resize(K * kNR);
+  for (int64_t n = n0; n < n1; n += kNR) {
+    const int cols = static_cast<int>(std::min<int64_t>(kNR, n1 - n));
+    pack_panel<Q>(w + n * ldw, ldw, blocks, cols, panel.data());
+    int64_t t = 0;
+    for (; t + kMR <= T; t += kMR) micro<kMR>(x + t * K, K, panel.data(), y + t * N + n, N, cols);
+    switch (T - t) {
+      case 5: micro<5>(x + t * K, K, panel.data(), y + t * N + n, N, cols); break;
+      case 4: micro<4>(x + t * K, K, panel.data(), y + t * N + n, N, cols); break;
+      case 3: micro<3>(x + t * K, K, panel.data(), y + t * N + n, N, cols); break;
+      case 2: micro<2>(x + t * K, K, panel.data(), y + t * N + n, N, cols); break;
+      case 1: micro<1>(x + t * K, K, panel.data(), y + t * N + n, N, cols); break;
+      default: break;
     }
   }
 }
@@ -223,7 +267,7 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   int64_t rows = std::max<int64_t>(16, N / (threads * 8));
-  rows = (rows + 11) / 12 * 12;
+  rows = (rows + kNR - 1) / kNR * kNR;
   const int64_t chunks = (N + rows - 1) / rows;
   parallel_chunks(pool, chunks, [&](int64_t c) {
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
