@@ -334,6 +334,23 @@ def test_required_none_auto_and_parallel(client: openai.OpenAI) -> None:
     assert r.choices[0].message.content == "AAA" and r.choices[0].finish_reason == "length"
 
 
+def test_auto_parses_the_models_tool_calls(client: openai.OpenAI) -> None:
+    """"auto": a call the model writes (forced here by a regex, as the tiny model writes none) comes back as a
+    tool call, whole and streamed; the text around it is content."""
+    said = 'Checking. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    regex = said.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")
+    kw = {"tools": [WEATHER, TIME], "max_tokens": 80, "extra_body": {"regex": regex}}
+    r = chat(client, **kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [("get_time", {})]
+    stream = list(chat(client, stream=True, **kw))
+    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert content.strip() == "Checking." and [(c.index, c.function.name) for c in calls] == [(0, "get_time")]
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_tool_history_is_accepted(client: openai.OpenAI) -> None:
     messages = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
