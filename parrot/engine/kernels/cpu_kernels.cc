@@ -86,36 +86,42 @@ template <>
 struct Block<kQ8_0> {
   static constexpr int kBytes = 34;
   // w[c] = weights 8c..8c+7 of the block, as float32
-  static inline void dequant(const uint8_t* b, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(f16(b));
-    const uint8_t* q = b + 2;
+  static inline void ints(const uint8_t* b, __m256 q[4]) {
     for (int c = 0; c < 4; ++c) {
-      __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
-      w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+      __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * c));
+      q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
     }
+  }
+  static inline float scale(const uint8_t* b) { return f16(b); }
+  static inline float offset(const uint8_t*) { return 0.f; }
+  static inline void dequant(const uint8_t* b, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(scale(b));
+    ints(b, w);
+    for (int c = 0; c < 4; ++c) w[c] = _mm256_mul_ps(w[c], d);
   }
 };
 
 // nibble layout shared by Q4_0 / Q4_1: weight j < 16 is the low nibble of byte j, weight j >= 16 the
 // high nibble of byte j - 16
 inline void nibbles(const uint8_t* q, __m256 out[4]) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  __m128i lo = _mm_and_si128(v, mask);
-  __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
 
 template <>
 struct Block<kQ4_0> {
   static constexpr int kBytes = 18;
+  static inline void ints(const uint8_t* b, __m256 q[4]) { nibbles(b + 2, q); }
+  static inline float scale(const uint8_t* b) { return f16(b); }
+  static inline float offset(const uint8_t* b) { return -8.0f * f16(b); }
   static inline void dequant(const uint8_t* b, __m256 w[4]) {
-    const float d = f16(b);
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(-8.0f * d);
-    nibbles(b + 2, w);
+    const __m256 vd = _mm256_set1_ps(scale(b)), vm = _mm256_set1_ps(offset(b));
+    ints(b, w);
     for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
   }
 };
@@ -123,9 +129,12 @@ struct Block<kQ4_0> {
 template <>
 struct Block<kQ4_1> {
   static constexpr int kBytes = 20;
+  static inline void ints(const uint8_t* b, __m256 q[4]) { nibbles(b + 4, q); }
+  static inline float scale(const uint8_t* b) { return f16(b); }
+  static inline float offset(const uint8_t* b) { return f16(b + 2); }
   static inline void dequant(const uint8_t* b, __m256 w[4]) {
-    const __m256 vd = _mm256_set1_ps(f16(b)), vm = _mm256_set1_ps(f16(b + 2));
-    nibbles(b + 4, w);
+    const __m256 vd = _mm256_set1_ps(scale(b)), vm = _mm256_set1_ps(offset(b));
+    ints(b, w);
     for (int c = 0; c < 4; ++c) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
   }
 };
@@ -137,22 +146,29 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One activation row (decode at batch 1): y[r] for RR weight rows. Per block the row's 32 activations
-// are loaded once and each weight row is dequantized in turn, so nothing spills out of registers.
+// One activation row (decode at batch 1): y[r] for RR weight rows. Each block contributes
+// d * sum(x * q) + offset * sum(x) (offset: Q4_1's minimum, Q4_0's -8 d), so a weight costs its integer
+// conversion and one multiply-add; the per-block sums of x (`xsum`) are computed once per product.
 template <int Q, int RR>
-inline void gemv_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t blocks, float* y) {
+inline void gemv_tile(const float* x, const float* xsum, const uint8_t* w, int64_t ldw, int64_t blocks,
+                      float* y) {
   __m256 acc[RR];
-  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+  float off[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps(), off[r] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 xv[4];
     for (int c = 0; c < 4; ++c) xv[c] = _mm256_loadu_ps(x + b * 32 + 8 * c);
     for (int r = 0; r < RR; ++r) {
-      __m256 wv[4];
-      Block<Q>::dequant(w + r * ldw + b * Block<Q>::kBytes, wv);
-      for (int c = 0; c < 4; ++c) acc[r] = _mm256_fmadd_ps(xv[c], wv[c], acc[r]);
+      const uint8_t* blk = w + r * ldw + b * Block<Q>::kBytes;
+      __m256 q[4];
+      Block<Q>::ints(blk, q);
+      __m256 dot = _mm256_mul_ps(xv[0], q[0]);
+      for (int c = 1; c < 4; ++c) dot = _mm256_fmadd_ps(xv[c], q[c], dot);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(Block<Q>::scale(blk)), acc[r]);
+      if constexpr (Q != kQ8_0) off[r] += Block<Q>::offset(blk) * xsum[b];
     }
   }
-  for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]);
+  for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]) + off[r];
 }
 
 // Several activation rows: 16 weight rows at a time are dequantized once into a k-major panel
@@ -239,9 +255,16 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
                   int64_t N) {
   const int64_t blocks = K / 32, ldw = blocks * Block<Q>::kBytes;
   if (T == 1) {
+    thread_local std::vector<float> xsum;
+    xsum.resize(blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 v = _mm256_loadu_ps(x + b * 32);
+      for (int c = 1; c < 4; ++c) v = _mm256_add_ps(v, _mm256_loadu_ps(x + b * 32 + 8 * c));
+      xsum[b] = hsum(v);
+    }
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, w + n * ldw, ldw, blocks, y + n);
-    for (; n < n1; ++n) gemv_tile<Q, 1>(x, w + n * ldw, ldw, blocks, y + n);
+    for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, xsum.data(), w + n * ldw, ldw, blocks, y + n);
+    for (; n < n1; ++n) gemv_tile<Q, 1>(x, xsum.data(), w + n * ldw, ldw, blocks, y + n);
     return;
   }
   thread_local std::vector<float> panel;
