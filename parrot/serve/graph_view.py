@@ -39,7 +39,7 @@ def _var_node(var: SemanticVariable, session_id: str) -> dict[str, Any]:
             "state": _VAR_STATE[var.state], "constant": var.is_constant, "global": var.session_id is None,
             "shared": var.session_id is None or var.session_id != session_id,
             "chars": len(var.content) if var.content is not None else None,
-            "preview": _preview(var.content), "error": var.error}
+            "preview": _preview(var.content), "error": var.error, "type": var.type}
 
 
 def _round(x: float | None) -> float | None:

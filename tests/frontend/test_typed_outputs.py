@@ -65,6 +65,9 @@ def test_sdk_typed_outputs(vm: P.VirtualMachine) -> None:
     types = {v["id"]: v.get("type") for v in vm.inspect()["variables"]}
     assert types[a.id] == {"choice": ["yes", "no"]} and types[c.id] == {"regex": r"[A-Z]{2}-\d{3}"}
     assert types[p.id]["json_schema"]["properties"]["x"]["maximum"] == 9 and types[x.id] is None
+    graph = vm._request("GET", f"/v1/session/{vm.session_id}/graph")  # the live view's graph too
+    graph_types = {n["var_id"]: n["type"] for n in graph["nodes"] if n["kind"] == "variable"}
+    assert graph_types[a.id] == {"choice": ["yes", "no"]}
 
 
 def test_output_arguments_are_checked() -> None:
