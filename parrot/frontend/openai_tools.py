@@ -306,9 +306,70 @@ def call_delta(index: int, call: ToolCall) -> dict[str, Any]:
     return {"index": index, **call.to_json()}
 
 
-def _required_call(text: str, names: set[str]) -> ToolCall | None:
-    """The call object a "required" answer is constrained to, as a call (None if it is cut short)."""
-    return _as_call(text.strip(), names)
+_CALL_HEAD_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+class RequiredCallStream:
+    """Reads a "required" answer, one call object `{"name": N, "arguments": {...}}` (keys in that order, as
+    the constraint schema lists them), as it is generated: the name once it is complete, then the
+    arguments' own text as it comes (a JSON scanner finds where the arguments object ends)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.text = ""
+        self.name: str | None = None
+        self.args_start: int | None = None
+        self.args_end: int | None = None  # once the arguments object closed
+        self._pos = 0  # scanner position in text
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, delta: str) -> tuple[str | None, str]:
+        """(the name if it became known with this delta, new argument text)."""
+        self.text += delta
+        new_name = None
+        if self.args_start is None:
+            m = _CALL_HEAD_RE.match(self.text)
+            if m is None:
+                return None, ""
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except ValueError:
+                return None, ""
+            self.name, self.args_start, self._pos = name, m.end(), m.end()
+            new_name = name
+        if self.args_end is not None:
+            return new_name, ""
+        start = self._pos
+        for i in range(self._pos, len(self.text)):
+            ch = self.text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.args_end = i + 1
+                    self._pos = i + 1
+                    return new_name, self.text[start:i + 1]
+        self._pos = len(self.text)
+        return new_name, self.text[start:]
+
+    def call(self, call_id: str) -> ToolCall | None:
+        """The call once its name is complete and known, with its arguments as generated so far (whole once
+        `args_end` is set; cut short when max_tokens came first)."""
+        if self.name not in self.names or self.args_start is None:
+            return None
+        return ToolCall(self.name, self.text[self.args_start:self.args_end or len(self.text)], call_id)
 
 
 class ToolAnswer:
@@ -321,6 +382,7 @@ class ToolAnswer:
         self.names = {t.function.name for t in tools}
         self.parallel = parallel
         self.auto = AutoToolStream(self.names) if choice.mode == "auto" else None
+        self.required = RequiredCallStream(self.names) if choice.mode == "required" else None
         self.named_id = new_call_id()
         self.streamed_calls = 0
 
@@ -340,7 +402,9 @@ class ToolAnswer:
         if mode == "named":
             content, calls = None, [ToolCall(self.choice.name or "", text, self.named_id)]
         elif mode == "required":
-            call = _required_call(text, self.names)
+            reader = RequiredCallStream(self.names)
+            reader.feed(text)
+            call = reader.call(self.named_id)
             if call is not None:
                 content, calls = None, [call]
         elif mode == "auto":
@@ -369,8 +433,17 @@ class ToolAnswer:
             return [{"content": delta}]
         if mode == "named":
             return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}]
-        if mode == "required":
-            return []  # one call object: sent whole at the end
+        if mode == "required":  # the call's id and name once the name is complete, then its arguments
+            assert self.required is not None
+            name, args = self.required.feed(delta)
+            out: list[dict[str, Any]] = []
+            if name is not None and name in self.names:
+                self.streamed_calls = 1
+                out.append({"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
+                                            "function": {"name": name, "arguments": ""}}]})
+            if args and self.streamed_calls:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": args}}]})
+            return out
         assert self.auto is not None
         return self._auto_deltas(self.auto.feed(delta))
 
@@ -388,11 +461,10 @@ class ToolAnswer:
         """The last deltas once the whole text is known, and the finish_reason."""
         mode = self.choice.mode
         if mode == "required":
-            call = _required_call(text, self.names)
-            if call is None:
-                return ([{"content": text}] if text else []), finish
-            self.streamed_calls = 1
-            return [{"tool_calls": [call_delta(0, call)]}], self.finish_reason(finish, True)
+            assert self.required is not None
+            if self.streamed_calls:  # the call went out as it was generated
+                return [], self.finish_reason(finish, True)
+            return ([{"content": text}] if text else []), finish  # cut before its name was complete
         if mode == "auto":
             assert self.auto is not None
             deltas = self._auto_deltas(self.auto.finish())

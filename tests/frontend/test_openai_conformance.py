@@ -325,8 +325,10 @@ def test_required_none_auto_and_parallel(client: openai.OpenAI) -> None:
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
     stream = list(chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=4,
                        stream=True))
-    [delta] = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert (delta.function.name, delta.function.arguments) == (call.function.name, call.function.arguments)
+    deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == call.function.name and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
     r = chat(client, tools=[WEATHER], tool_choice="none", logit_bias={str(A): 100}, max_tokens=3)
     assert r.choices[0].message.content == "AAA" and not r.choices[0].message.tool_calls
     r = chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, logit_bias={str(A): 100},

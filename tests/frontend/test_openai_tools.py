@@ -126,11 +126,23 @@ def test_tool_answer_messages_and_deltas() -> None:
     assert named.close('{"city": "Paris"}', "length") == ([], "length")
 
     required = ToolAnswer(ToolChoice("required"), tools)
-    msg, finish = required.message('{"name": "get_time", "arguments": {}}', "stop")
-    assert finish == "tool_calls" and msg["tool_calls"][0]["function"]["name"] == "get_time"
-    assert required.feed('{"name"') == []
-    deltas, finish = required.close('{"name": "get_time", "arguments": {}}', "stop")
-    assert finish == "tool_calls" and deltas[0]["tool_calls"][0]["index"] == 0
+    text = '{"name": "get_weather", "arguments": {"city": "Pa\\"r}is", "n": [1, {"a": 2}]} }'
+    msg, finish = required.message(text, "stop")
+    assert finish == "tool_calls" and msg["content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                "arguments": '{"city": "Pa\\"r}is", "n": [1, {"a": 2}]}'}
+    streamed = ToolAnswer(ToolChoice("required"), tools)
+    deltas = [d for ch in text for d in streamed.feed(ch)]  # a character at a time
+    first, rest = deltas[0]["tool_calls"][0], deltas[1:]
+    assert first["function"] == {"name": "get_weather", "arguments": ""} and first["id"].startswith("call_")
+    assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in rest) == \
+        msg["tool_calls"][0]["function"]["arguments"]
+    assert streamed.close(text, "stop") == ([], "tool_calls")
+    cut = ToolAnswer(ToolChoice("required"), tools)  # max_tokens inside the arguments: the partial call
+    msg, finish = cut.message('{"name": "get_time", "arguments": {"x', "length")
+    assert finish == "length" and msg["tool_calls"][0]["function"]["arguments"] == '{"x'
+    assert ToolAnswer(ToolChoice("required"), tools).message('{"na', "length") == (
+        {"role": "assistant", "content": '{"na'}, "length")
 
     auto = ToolAnswer(ToolChoice("auto"), tools, parallel=False)
     text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
