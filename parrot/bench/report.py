@@ -190,10 +190,11 @@ def markdown(result: dict) -> str:
 
 def _runs(repeats: Any) -> str:
     n = _num(repeats)
+    fresh = "every workload on freshly started servers, all systems up side by side, each measured alone"
     if n is None or n <= 1:
-        return "one run of each workload per system; all systems up side by side, each measured alone"
-    return (f"{n:.0f} runs of each workload per system, each on freshly started servers (the systems take "
-            "turns going first); every figure is the median over the runs")
+        return f"one run of each workload per system; {fresh}"
+    return (f"{n:.0f} runs of each workload per system (the systems take turns going first); {fresh}; every "
+            "figure is the median over the runs")
 
 
 def _systems_section(result: dict) -> list[str]:
