@@ -181,22 +181,51 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
     return tokens, chosen, top_ids, top_lp
 
 
+FAST_TOP_K = 64  # a batch whose sampled rows all keep at most this many tokens skips the full sort
+
+
 def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> jax.Array:
-    vocab = logits.shape[-1]
+    """Greedy rows take the argmax; sampled rows draw from the tokens that survive top-k, top-p and min-p.
+    The cut-off needs the largest logits in order: a full sort of the vocabulary (slow on CPUs) only when
+    some sampled row filters without a top-k of at most FAST_TOP_K; none when no sampled row filters. A
+    row's cut-off is the same whichever way its batch took."""
+    batch, vocab = logits.shape
+    head = min(FAST_TOP_K, vocab)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # descending
-    # top-k: keep logits >= the k-th largest
-    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
-    # top-p: keep the smallest prefix of sorted tokens whose mass reaches top_p
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cum = jnp.cumsum(probs, axis=-1)
-    n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
-    pth = jnp.take_along_axis(sorted_logits, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    if min_p is not None:  # keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
-        threshold = jnp.maximum(threshold, sorted_logits[:, :1] + jnp.log(min_p)[:, None])
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    norm = jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True)
+    min_p = jnp.zeros(batch, jnp.float32) if min_p is None else min_p
+    stochastic = sb.temperature > 0
+    unfiltered = (sb.top_k == 0) & (sb.top_p >= 1.0) & (min_p <= 0.0)
+    bounded = (sb.top_k > 0) & (sb.top_k <= head)
+    off = jnp.full((batch, 1), -jnp.inf, scaled.dtype)
+
+    def cut(desc: jax.Array) -> jax.Array:
+        """[B, n] the n largest scaled logits, descending -> each row's threshold [B, 1]."""
+        n = desc.shape[-1]
+        k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, n), n)  # top-k: keep logits >= the k-th largest
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        probs = jnp.exp(desc - top) / norm  # top-p: the smallest prefix whose mass reaches top_p
+        cum = jnp.cumsum(probs, axis=-1)
+        n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
+        pth = jnp.take_along_axis(desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
+        # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
+        return jnp.maximum(jnp.maximum(kth, pth), top + jnp.log(min_p)[:, None])
+
+    def none(s: jax.Array) -> jax.Array:
+        return off
+
+    def fast(s: jax.Array) -> jax.Array:
+        return jnp.where(unfiltered[:, None], off, cut(jax.lax.top_k(s, head)[0]))
+
+    def full(s: jax.Array) -> jax.Array:
+        desc = jnp.sort(s, axis=-1)[:, ::-1]
+        return jnp.where(unfiltered[:, None], off, jnp.where(bounded[:, None], cut(desc[:, :head]), cut(desc)))
+
+    calm = ~stochastic | unfiltered
+    branch = jnp.where(jnp.all(calm), 0, jnp.where(jnp.all(calm | bounded), 1, 2))
+    threshold = jax.lax.switch(branch, [none, fast, full], scaled)
     masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     def draw(seed: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
@@ -204,7 +233,7 @@ def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> ja
         return jax.random.categorical(key, row)
 
     sampled = jax.vmap(draw)(sb.seeds, sb.steps, masked).astype(jnp.int32)
-    return jnp.where(sb.temperature > 0, sampled, greedy)
+    return jnp.where(stochastic, sampled, greedy)
 
 
 processed_sampler = jax.jit(sample_processed)  # `counts` None or not: two executables per batch size

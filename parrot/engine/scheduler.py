@@ -74,7 +74,7 @@ class Scheduler:
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
-        self.fast_forward_tokens = 0  # tokens a grammar forced, fed as one chunk instead of a decode step each
+        self.fast_forward_tokens = 0  # grammar-forced tokens fed within a chunk: decode steps saved
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
 
     # ---- queue --------------------------------------------------------------------------------
@@ -128,6 +128,8 @@ class Scheduler:
         for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
                 continue
+            if job.forced and plan.decode:
+                continue  # a step that decodes anyway feeds forced tokens in its decode batch (below)
             if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
                 break
             if self._room(job.context_id) <= 0:
@@ -142,8 +144,21 @@ class Scheduler:
             last = n == len(job.pending)
             plan.prefill.append(self._slot(job, job.pending[:n], job.kind is JobKind.GENERATE and last))
             scheduled.add(job.job_id)
+            if job.forced:
+                self.fast_forward_tokens += n - 1
             budget -= n
             longest = max(longest, n)
+        # grammar-forced tokens: as one chunk only in a step with no decode batch (one prefill pass instead
+        # of a decode step per token); a step that decodes anyway takes them in its decode batch, one per
+        # step without sampling until the last (a padded prefill pass beside it costs more than it saves)
+        for job in sorted(self.running, key=lambda j: j.order):
+            if not job.forced or job.job_id in scheduled or job.status is not JobStatus.RUNNING:
+                continue
+            if len(plan.decode) >= self.cfg.max_batch_size:
+                break
+            if self._make_room(job, 1, scheduled, plan):
+                plan.decode.append(self._slot(job, job.pending[:1], len(job.pending) == 1))
+                scheduled.add(job.job_id)
         return plan
 
     def _align(self, start: int, n: int) -> int:
@@ -206,7 +221,6 @@ class Scheduler:
                     reason = self._append(job, out, t, None)
                     if reason is not None:
                         break
-                self.fast_forward_tokens += len(forced)
         except ConstraintError as err:
             out.error = err
             self._fail(job, err)
@@ -214,6 +228,7 @@ class Scheduler:
         if reason is not None:
             return self._complete(out, reason)
         job.pending = [token, *forced]
+        job.forced = bool(forced)
         return out
 
     def _append(self, job: Job, out: JobOutput, token: int, logprob: SampledLogprob | None) -> str | None:
@@ -330,6 +345,7 @@ class Scheduler:
         ctx = self.kv.get(job.context_id)
         self.kv.truncate(job.context_id, ctx.num_shared_tokens)
         job.pending = self.tokens[job.context_id][ctx.num_tokens :]
+        job.forced = False
         job.status = JobStatus.WAITING
         job.preemptions += 1
         self.preemptions += 1

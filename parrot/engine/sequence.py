@@ -55,6 +55,7 @@ class Job:
     context_tokens: list[int] = field(default_factory=list)  # the context's token list (the scheduler's, growing)
     texts: TokenTexts | None = None  # token texts for logprobs (set at submit when they are asked for)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    forced: bool = False  # `pending` holds tokens the grammar forced after the last sampled one
 
     @property
     def order(self) -> tuple[int, float]:

@@ -102,6 +102,10 @@ class Grammars:
         limit. Blocks the caller; call it off event loops (`LLMEngine` does)."""
         if params.constraint is None:
             return None
+        try:
+            _ = self.ll_tokenizer  # built once, outside the time limit of the grammar
+        except Exception as exc:  # a tokenizer llguidance cannot read: no constraint rather than a crash
+            raise InvalidRequestError(f"constraints are not available for this model's tokenizer: {exc}") from exc
         fut = self._pool.submit(self._build, params)
         try:
             return fut.result(self.timeout_s)
@@ -114,11 +118,8 @@ class Grammars:
 
         grammar = grammar_text(params)
         assert grammar is not None
-        try:
-            ll = self.ll_tokenizer
-        except Exception as exc:  # a tokenizer llguidance cannot read: no constraint rather than a crash
-            raise InvalidRequestError(f"constraints are not available for this model's tokenizer: {exc}") from exc
-        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher.compute_bitmask()  # the first mask builds most lexer states: here, not in an engine step
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.constraint}: {matcher.get_error().strip()}")
         self.compiles += 1

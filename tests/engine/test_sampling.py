@@ -60,6 +60,33 @@ def test_neutral_rows_sample_as_the_plain_samplers() -> None:
     assert np.array_equal(np.asarray(processed_sampler(logits, greedy, ex)[0]), np.asarray(greedy_sample(logits)))
 
 
+def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch() -> None:
+    """A row with a small top-k (no full sort needed) or with no filter at all draws the same token alone
+    and beside a row that makes the batch sort the whole vocabulary."""
+    logits = _logits(2, seed=9)
+    logits[1] = logits[0]
+    rows = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1),
+            SamplingParams(temperature=0.9, seed=1)]
+    sorting = SamplingParams(temperature=0.7, top_p=0.8, seed=2)  # top-p without top-k: the full sort
+    fn = jax.jit(sample)
+    for row in rows:
+        for step in range(20):
+            alone = SamplingBatch.build([row, row], [step, step], 2, [0, 0])
+            beside = SamplingBatch.build([row, sorting], [step, step], 2, [0, 0])
+            assert int(fn(logits, alone)[0]) == int(fn(logits, beside)[0])
+
+
+def test_top_k_top_p_and_min_p_keep_the_right_tokens() -> None:
+    logits = np.full((1, V), -20.0, np.float32)
+    logits[0, :6] = [3.0, 2.9, 2.8, 1.0, 0.5, 0.0]
+    fn = jax.jit(sample)
+    for params, kept in [(dict(top_k=2), {0, 1}), (dict(top_p=0.5), {0, 1}), (dict(top_k=40, top_p=0.5), {0, 1}),
+                         (dict(top_k=3), {0, 1, 2})]:
+        drawn = {int(fn(logits, SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, **params)], [0], 1,
+                                                    [0]))[0]) for s in range(150)}
+        assert drawn == kept, params
+
+
 def test_mask_bits_include_the_sign_bit() -> None:
     logits = _logits(1)
     for allowed in ([31], [63, 5], [99]):

@@ -260,9 +260,46 @@ def test_forced_tokens_are_fed_as_one_chunk() -> None:
     s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cdef[gh]"))
     outputs = _step(s, {"a": tok.encode("b")[0]})
     assert [tok.decode([c.token_id]) for c in outputs[0].chunks] == list("bcdef")
-    assert s.fast_forward_tokens == 4
     plan = s.schedule()
     assert not plan.decode and [len(slot.tokens) for slot in plan.prefill] == [5] and plan.prefill[0].sample
+    assert s.fast_forward_tokens == 4  # decode steps saved
     outputs = s.update(plan, [tok.encode("h")[0]])
     result = outputs[0].result
     assert tok.decode(result.token_ids) == "bcdefh" and result.finish_reason == "stop"  # the grammar is complete
+
+
+def test_forced_tokens_without_a_prefill_slot_go_with_the_decodes() -> None:
+    """With the prefill slot taken by older work, a job's forced tokens are fed one per step in the decode
+    batch, without sampling, instead of waiting for a slot; once one is free the rest go as a chunk."""
+    tok = tiny_tokenizer()
+    s = _small(64)
+    s.max_prefill_batch = 1
+    s.add(_fill("a", 10))
+    _step(s, {})
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
+    _step(s, {"a": tok.encode("a")[0]})  # "cd" forced: "a", "c", "d" to feed
+    s.add(_fill("big", 60, waited=10.0))  # older: it takes the prefill slot
+    plan = s.schedule()
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots] == [
+        ("a", 1, False), ("big", 60, False)]
+    s.update(plan, [TOKEN] * len(plan.slots))
+    plan = s.schedule()
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots] == [("a", 2, True)]
+    assert s.fast_forward_tokens == 1
+    result = s.update(plan, [tok.encode("g")[0]])[0].result
+    assert tok.decode(result.token_ids) == "acdg" and result.finish_reason == "stop"
+
+
+def test_forced_tokens_ride_in_a_decode_batch_that_runs_anyway() -> None:
+    tok = tiny_tokenizer()
+    s = _small(64)
+    for ctx in ("a", "x"):
+        s.add(_fill(ctx, 10))
+    _step(s, {})
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
+    s.add(_gen("x", 10))
+    _step(s, {"a": tok.encode("a")[0]})  # both sampled a first token; "a" has "cd" forced
+    plan = s.schedule()
+    assert sorted((slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots) == [
+        ("a", 1, False), ("x", 1, True)]
+    assert not plan.prefill and s.fast_forward_tokens == 0
