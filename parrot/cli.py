@@ -26,6 +26,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["auto", "f32", "bf16"], default=EngineConfig.weights,
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay quantized and are multiplied by "
                         "native CPU kernels (dequantized where those cannot run); f32/bf16: dequantized at load")
+    p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16"], default=EngineConfig.kv_dtype,
+                   help="KV cache elements: bf16 (half the memory and attention reads per token), f32, or auto "
+                        "(default: bf16 where the native CPU kernels decode, else the activation dtype)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     tok = model.tokenizer
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
-                       compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights)
+                       compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
+                       kv_dtype=args.kv_dtype)
     engine = LLMEngine(model, cfg).start(precompile=False)  # compiles only the shapes this prompt needs
     t_load = time.perf_counter() - t0
     text = prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": prompt}])
@@ -89,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
                             kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
-                            compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights)
+                            compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
+                       kv_dtype=args.kv_dtype)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -150,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
             for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                                ("--layers-per-call", args.layers_per_call), ("--weights", args.weights)):
+                                ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
+                                ("--kv-dtype", args.kv_dtype)):
                 if value is not None:
                     cmd += [flag, str(value)]
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),

@@ -38,6 +38,10 @@ class EngineConfig:
     # "auto": block-quantized matrices (GGUF Q8_0 / Q4_0 / Q4_1) stay quantized where the native CPU
     # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that
     weights: str = "auto"
+    # KV cache element type: "bf16" (half the bytes per token: twice the contexts in the same budget and
+    # half the reads of decode attention), "f32", or "auto": bf16 where the native CPU kernels decode
+    # (their greedy outputs equal float32's on the reference prompts), else the activation dtype
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -45,6 +49,8 @@ class EngineConfig:
             if not values or values[0] <= 0:
                 raise ValueError(f"{name} must be positive integers")
             setattr(self, name, values)
+        if self.kv_dtype not in ("auto", "f32", "bf16"):
+            raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):
             raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
         if self.layers_per_call is not None and self.layers_per_call <= 0:

@@ -63,14 +63,14 @@ def _engine(model: LoadedModel, cfg: EngineConfig) -> Iterator[LLMEngine]:
 def smollm_engine(smollm: LoadedModel) -> Iterator[LLMEngine]:
     """float32 throughout, weights dequantized at load: the exact mode the reference comparison holds to 1e-3."""
     yield from _engine(smollm, EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, dtype="float32",
-                                            weights="f32"))
+                                            weights="f32", kv_dtype="f32"))
 
 
 @pytest.fixture(scope="session")
 def smollm_quantized_engine(smollm: LoadedModel) -> Iterator[LLMEngine]:
-    """float32 activations with the file's quantized blocks kept (dequantized inside each product)."""
+    """float32 activations and KV with the file's quantized blocks kept (dequantized inside each product)."""
     yield from _engine(smollm, EngineConfig(compilation_cache_dir=None, kv_memory_mb=128, dtype="float32",
-                                            weights="auto"))
+                                            weights="auto", kv_dtype="f32"))
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def paged_attention(
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
-    if qlen == 1 and k_cache.dtype == jnp.float32 and kernels.available():
+    if qlen == 1 and k_cache.dtype in (jnp.float32, jnp.bfloat16) and kernels.available():
         return _decode_in_place(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
     # [Hkv, B, Q*G, D]: rows ordered (query, group)

@@ -119,7 +119,8 @@ class ModelRunner:
         if self.max_len % self.page_size:
             raise ValueError(f"model context {self.max_len} is not a multiple of page_size {self.page_size}")
         bytes_per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim
-        bytes_per_page *= self.act_dtype.itemsize
+        self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
+        bytes_per_page *= self.kv_dtype.itemsize
         # page 0 is a scratch page: padding tokens write there, never handed to a context
         self.num_pages = ecfg.kv_pages or max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
@@ -176,7 +177,7 @@ class ModelRunner:
 
     def _alloc_kv(self) -> KVCache:
         shape = (self.cfg.num_kv_heads, self.num_pages, self.page_size, self.cfg.head_dim)
-        n, dtype = self.cfg.num_layers, self.act_dtype
+        n, dtype = self.cfg.num_layers, self.kv_dtype
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                                 tuple(jnp.zeros(shape, dtype) for _ in range(n))))()
@@ -424,6 +425,13 @@ class ModelRunner:
     def compile_status(self) -> tuple[int, int]:
         """(shapes compiled, shapes to compile)."""
         return self.compiler.status()
+
+
+def kv_dtype(setting: str, act_dtype: jnp.dtype) -> jnp.dtype:
+    """The KV cache's element type for the `kv_dtype` setting (see EngineConfig)."""
+    if setting == "bf16" or (setting == "auto" and jax.default_backend() == "cpu" and kernels.available()):
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float32) if setting == "f32" else act_dtype
 
 
 def resolve_weights(weights: dict[str, Weight], mode: str) -> tuple[dict[str, Weight], str]:

@@ -30,15 +30,16 @@ def _xla_attention(q, kc, vc, batch):  # noqa: ANN001, ANN202
         kernels._state["ok"] = kernels_on
 
 
-def _cache(rng: np.random.Generator, pages: int) -> tuple[jax.Array, jax.Array]:
+def _cache(rng: np.random.Generator, pages: int, dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
     shape = (HKV, pages, PS, D)
-    return (jnp.asarray(rng.standard_normal(shape).astype(np.float32)),
-            jnp.asarray(rng.standard_normal(shape).astype(np.float32)))
+    return (jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype=dtype),
+            jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype=dtype))
 
 
-def test_decode_in_place_equals_gather_path() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the --kv-dtype bf16 cache
+def test_decode_in_place_equals_gather_path(dtype: str) -> None:
     rng = np.random.default_rng(0)
-    kc, vc = _cache(rng, 64)
+    kc, vc = _cache(rng, 64, dtype)
     # lengths inside a page, at a page boundary, one token, and a padding row (batch bucket 8)
     seqs = [SequenceSlice([1], n - 1, list(range(1 + 8 * i, 1 + 8 * i + -(-n // PS))))
             for i, n in enumerate([37, 64, 1, 100, 17])]

@@ -185,7 +185,7 @@ def _ids(n: int = 12) -> list[int]:
 def prefix_logits(cfg: LlamaConfig, weights: dict[str, Weight], ids: list[int], mode: str = "f32") -> np.ndarray:
     """[len(ids), vocab]: row i is the last-token logits of ids[: i + 1] (one compiled shape); `mode`: the
     engine's `weights` setting."""
-    runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32", weights=mode))
+    runner = ModelRunner(cfg, weights, tiny_engine_config(dtype="float32", weights=mode, kv_dtype="f32"))
     pages = list(range(1, 1 + (len(ids) + runner.page_size - 1) // runner.page_size))
     return np.stack([np.asarray(runner.prefill_logits(ids[: i + 1], 0, pages))[0] for i in range(len(ids))])
 

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import ModelRunner
@@ -134,6 +135,26 @@ def test_quantized_weights_match_transformers(smollm: LoadedModel, smollm_quanti
         out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                 max_new_tokens=32, do_sample=False)
     assert ours.token_ids == out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def bf16_kv_engine(smollm: LoadedModel) -> Any:
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=64, dtype="float32", weights="auto", kv_dtype="bf16")
+    engine = LLMEngine(smollm, runner=ModelRunner(smollm.config, smollm.weights, cfg)).start(precompile=False)
+    yield engine
+    engine.shutdown()
+
+
+def test_bf16_kv_cache_keeps_greedy_outputs(smollm: LoadedModel, smollm_quantized_engine: LLMEngine,
+                                            bf16_kv_engine: LLMEngine) -> None:
+    """The bfloat16 KV cache (the CPU default where the native kernels decode) gives the same greedy
+    tokens as the float32 cache on the reference prompts."""
+    assert bf16_kv_engine.runner.kv_dtype == np.dtype("bfloat16")
+    for name in ("chat", "plain", "code"):
+        ids = _prompt(smollm, name)
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        want = smollm_quantized_engine.complete(ids, params).response.token_ids
+        assert bf16_kv_engine.complete(ids, params).response.token_ids == want, name
 
 
 def test_tokenizer_ids_match_transformers(smollm: LoadedModel, hf_tokenizer: Any) -> None:

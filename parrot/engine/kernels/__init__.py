@@ -122,7 +122,7 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
                  kv_offset: jax.Array, kv_lens: jax.Array, prefix_pages: jax.Array, prefix_len: jax.Array,
                  in_prefix: jax.Array, scale: float) -> jax.Array:
     """One query per sequence (q [B, H, D]) attending to its KV read in place from the paged caches
-    ([Hkv, pages, page_size, D], float32): own pages `block_tables` from position `kv_offset` up to
+    ([Hkv, pages, page_size, D], float32 or bfloat16): own pages `block_tables` from position `kv_offset` up to
     `kv_lens`, after the shared prefix `prefix_pages[:prefix_len]` where `in_prefix`. Returns [B, H, D]."""
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)

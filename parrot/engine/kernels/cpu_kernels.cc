@@ -341,9 +341,17 @@ inline __m256 exp256(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), zero_below);
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
+// eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   return hsum(acc);
 }
 
@@ -354,14 +362,15 @@ struct HeadState {
 };
 
 // Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows).
-void attend_pages(const float* q, int group, int64_t D, const float* kbase, const float* vbase, const int32_t* pages,
+template <typename KV>
+void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const KV* vbase, const int32_t* pages,
                   int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
   alignas(32) float s[HeadState::kMaxGroup][64];
   for (int64_t start = 0; start < n; start += page_size) {
     const int64_t page = pages[start / page_size];
     const int64_t cnt = std::min(page_size, n - start);
-    const float* kp = kbase + page * page_size * D;
-    const float* vp = vbase + page * page_size * D;
+    const KV* kp = kbase + page * page_size * D;
+    const KV* vp = vbase + page * page_size * D;
     for (int64_t t = 0; t < cnt; ++t)
       for (int h = 0; h < group; ++h) s[h][t] = dot(q + h * D, kp + t * D, D) * scale;
     for (int h = 0; h < group; ++h) {
@@ -381,36 +390,19 @@ void attend_pages(const float* q, int group, int64_t D, const float* kbase, cons
       const __m256 vc = _mm256_set1_ps(corr);
       for (int64_t i = 0; i < D; i += 8) {
         __m256 o = _mm256_mul_ps(_mm256_loadu_ps(a + i), vc);
-        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), _mm256_loadu_ps(vp + t * D + i), o);
+        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), load8(vp + t * D + i), o);
         _mm256_storeu_ps(a + i, o);
       }
     }
   }
 }
 
-ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> block_tables,
-                           ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
-                           ffi::Buffer<ffi::S32> prefix_pages, ffi::Buffer<ffi::S32> prefix_len,
-                           ffi::Buffer<ffi::S32> in_prefix, ffi::ResultBuffer<ffi::F32> out, float scale) {
-  auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
-    return ffi::Error::InvalidArgument("paged_decode: q [B,H,D], caches [Hkv,P,S,D], block_tables [B,P]");
-  const int64_t B = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], maxp = bd[1];
-  const int64_t Pp = prefix_pages.dimensions()[0];
-  if (kd[3] != D || D % 8 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
-    return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
+template <typename KV>
+void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV* vc, const int32_t* bt,
+                  const int32_t* off, const int32_t* lens, const int32_t* pp, int64_t plen, const int32_t* inp,
+                  float* op, int64_t B, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t maxp,
+                  float scale) {
   const int group = static_cast<int>(H / Hkv);
-  const float* qp = q.typed_data();
-  const float* kc = k_cache.typed_data();
-  const float* vc = v_cache.typed_data();
-  const int32_t* bt = block_tables.typed_data();
-  const int32_t* off = kv_offset.typed_data();
-  const int32_t* lens = kv_lens.typed_data();
-  const int32_t* pp = prefix_pages.typed_data();
-  const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
-  const int32_t* inp = in_prefix.typed_data();
-  float* op = out->typed_data();
   const int64_t head_stride = P * S * D;
   parallel_chunks(pool, B * Hkv, [&](int64_t task) {
     const int64_t b = task / Hkv, g = task % Hkv;
@@ -421,8 +413,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     HeadState st;
     for (int h = 0; h < group; ++h) st.m[h] = -INFINITY, st.l[h] = 0.f;
     const float* qh = qp + (b * H + g * group) * D;
-    const float* kb = kc + g * head_stride;
-    const float* vb = vc + g * head_stride;
+    const KV* kb = kc + g * head_stride;
+    const KV* vb = vc + g * head_stride;
     if (plen > 0 && inp[b]) attend_pages(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
     const int64_t own = std::min<int64_t>(len - off[b], maxp * S);
     if (own > 0) attend_pages(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
@@ -431,6 +423,35 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       for (int64_t i = 0; i < D; ++i) acc[h * D + i] *= inv;
     }
   });
+}
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
+                           ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> prefix_pages, ffi::Buffer<ffi::S32> prefix_len,
+                           ffi::Buffer<ffi::S32> in_prefix, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_decode: q [B,H,D], caches [Hkv,P,S,D], block_tables [B,P]");
+  const int64_t B = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], maxp = bd[1];
+  const int64_t Pp = prefix_pages.dimensions()[0];
+  if (kd[3] != D || D % 8 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
+    return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
+  if (k_cache.element_type() != v_cache.element_type() ||
+      (k_cache.element_type() != ffi::DataType::F32 && k_cache.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("paged_decode: the KV caches must both be float32 or bfloat16");
+  const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
+  const int32_t* args[] = {block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(),
+                           prefix_pages.typed_data(), in_prefix.typed_data()};
+  if (k_cache.element_type() == ffi::DataType::F32) {
+    paged_decode(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
+                 static_cast<const float*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
+                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale);
+  } else {
+    paged_decode(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
+                 static_cast<const uint16_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
+                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale);
+  }
   return ffi::Error::Success();
 }
 
@@ -448,8 +469,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q [B, H, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_cache [Hkv, P, S, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_cache
+                                  .Arg<ffi::AnyBuffer>()          // k_cache [Hkv, P, S, D], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, Pmax]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_offset [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
