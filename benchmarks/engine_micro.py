@@ -125,8 +125,10 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
 
 
 def _weight_bytes(r: ModelRunner) -> int:
-    """Bytes of the weights a decode step reads (quantized matrices at their stored size)."""
-    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(r.weights))
+    """Bytes of the weights a decode step reads (quantized matrices at their stored size; a tied
+    embedding, which is also the LM head, once)."""
+    unique = {id(a): a for a in jax.tree.leaves(r.weights)}
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in unique.values())
 
 
 def report(r: dict) -> str:
