@@ -212,6 +212,27 @@ def test_stream_with_stop_string_matches_generate(client: httpx.Client, stop: st
             client.post("/free_context", json={"context_id": ctx})
 
 
+def test_constrained_generate_and_stream(client: httpx.Client) -> None:
+    """A regex-constrained generate and stream agree and match; logprobs ride on the chunks; an invalid
+    constraint is a 400 with the matcher's message on both routes."""
+    fill(client, "c-base", PROMPT)
+    body = {"parent_context_id": "c-base", "sampling": sampling(max_tokens=12, regex="[0-9]{4}", logprobs=2)}
+    r = client.post("/generate", json={"context_id": "c-a", **body})
+    assert r.status_code == 200, r.text
+    out = GenerateResponse.model_validate(r.json())
+    assert len(out.text) == 4 and out.text.isdigit() and out.finish_reason == "stop"
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids and all(len(lp.top) == 2 for lp in out.logprobs)
+    chunks, events = stream(client, {"context_id": "c-b", **body})
+    assert events[-1] == ("message", "[DONE]") and "".join(c.text for c in chunks) == out.text
+    assert [c.logprob for c in chunks if c.token_id is not None] == out.logprobs
+    for path in ("/generate", "/generate_stream"):
+        r = client.post(path, json={"context_id": "c-c", "parent_context_id": "c-base",
+                                    "sampling": sampling(regex="(")})
+        expect_error(r, 400, "invalid regex")
+    for ctx in ("c-a", "c-b", "c-base"):
+        free(client, ctx)
+
+
 def test_free_context_updates_ping(client: httpx.Client) -> None:
     before = ping(client)
     fill(client, "f1", list(range(40)))
@@ -420,11 +441,15 @@ _valid_sampling = st.fixed_dictionaries({}, optional={
     "max_tokens": st.integers(1, 4), "temperature": st.sampled_from([0.0, 0.7, 1.5]),
     "top_p": st.sampled_from([0.5, 0.9, 1.0]), "top_k": st.integers(0, 300), "seed": st.integers(0, 2**32 - 1),
     "stop": st.lists(st.text(min_size=1, max_size=2), max_size=2), "stop_token_ids": st.lists(st.integers(0, 259)),
-    "ignore_eos": st.booleans()})
+    "ignore_eos": st.booleans(), "regex": st.sampled_from(["[ab]{1,3}", "x+", "(", "[0-9]"]),
+    "logprobs": st.integers(0, 3), "logit_bias": st.dictionaries(st.integers(0, 259), st.floats(-100, 100), max_size=2),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "min_p": st.floats(0, 1),
+    "min_tokens": st.integers(0, 2)})
 _wild_sampling = st.fixed_dictionaries({}, optional={
     "max_tokens": st.integers(-1, 4) | st.just(10**9), "temperature": st.floats(-1, 3) | _json,
     "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-1, 300), "seed": st.integers(-1, 2**33),
-    "stop": st.lists(st.text(max_size=2), max_size=2), "stop_token_ids": _tokens, "extra": _json})
+    "stop": st.lists(st.text(max_size=2), max_size=2), "stop_token_ids": _tokens, "extra": _json,
+    "json_schema": _json, "choice": _json, "grammar": st.text(max_size=12), "logit_bias": _json})
 _sampling = st.one_of(_valid_sampling, _valid_sampling, _wild_sampling)
 _request = st.one_of(
     st.tuples(st.just("/fill"), st.fixed_dictionaries({"context_id": _ctx_ids, "token_ids": _valid_tokens | _tokens},
