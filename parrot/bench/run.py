@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workloads", nargs="*", metavar="WORKLOAD", help=f"{', '.join(WORKLOADS)} or all (default)")
     ap.add_argument("--quick", action="store_true",
-                    help="smaller workloads: about 11 minutes with all four systems, 9 without llama-server")
+                    help="smaller workloads (parrot, baseline-apc and baseline: about 41 minutes on a 2-core CPU "
+                         "under other load, plus about 30 s per system and workload to start fresh servers)")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated, in run order; systems not installed are reported and skipped")
     ap.add_argument("--out", type=Path, default=None,
