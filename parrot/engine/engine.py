@@ -118,6 +118,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+        self.runner.compiler.cancel()  # shapes still queued are not compiled any more
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -295,7 +296,9 @@ class LLMEngine:
         try:
             while not self._stop:
                 self._drain()
-                if not self.scheduler.has_work():
+                busy = self.scheduler.has_work()
+                self.runner.compiler.serving(busy)  # background compiling yields the cores to steps
+                if not busy:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue

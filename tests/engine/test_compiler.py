@@ -67,3 +67,32 @@ def test_a_failed_shape_fails_its_waiters_and_not_the_others() -> None:
     with pytest.raises(RuntimeError, match="cannot compile 2"):
         c.get(2)
     assert c.get(3) == ("exe-3", False) and c.ready(1) and not c.ready(2)
+
+
+def test_queued_shapes_wait_while_the_engine_serves() -> None:
+    """Serving: only a shape a step waits for compiles; the queue goes on once the engine is idle."""
+    fake = FakeCompile()
+    c = ShapeCompiler(fake, workers=1)
+    c.serving(True)
+    c.submit([1, 2, 3])
+    time.sleep(0.2)
+    assert fake.calls == []  # held back: the cores belong to the steps
+    assert c.get(3) == ("exe-3", False)  # a step waits for 3: compiled at once
+    time.sleep(0.1)
+    assert fake.calls == [3]
+    c.serving(False)
+    c.wait()
+    assert fake.calls == [3, 1, 2]
+
+
+def test_cancel_drops_the_queue() -> None:
+    fake = FakeCompile()
+    c = ShapeCompiler(fake, workers=1)
+    c.serving(True)
+    c.submit([1, 2])
+    c.cancel()
+    c.serving(False)
+    time.sleep(0.1)
+    assert fake.calls == []
+    with pytest.raises(RuntimeError, match="engine shut down"):  # waiters learn the shapes will not come
+        c.wait()
