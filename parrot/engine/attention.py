@@ -28,8 +28,13 @@ _MASKED = -1e30  # finite, so fully masked rows give zeros instead of NaNs
 
 
 def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Store `new` ([T, Hkv, D]) into `cache` ([Hkv, pages, page_size, D]) at flat slots."""
+    """Store `new` ([T, Hkv, D]) into `cache` ([Hkv, pages, page_size, D]) at flat slots.
+
+    A bfloat16 cache is stored as uint16 bit patterns: XLA's CPU backend widens a bfloat16 scatter to
+    float32 and back, copying the whole pool in every step, while an integer scatter stays in place."""
     page_size = cache.shape[2]
+    if cache.dtype == jnp.uint16:
+        new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
     return cache.at[:, slot_mapping // page_size, slot_mapping % page_size].set(new.transpose(1, 0, 2))
 
 
@@ -41,6 +46,8 @@ def gather_pages(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     hkv, num_pages, page_size, d = cache.shape
     rows = jnp.arange(hkv, dtype=block_tables.dtype).reshape(hkv, *([1] * block_tables.ndim)) * num_pages
     g = cache.reshape(hkv * num_pages, page_size * d)[rows + block_tables[None]]
+    if g.dtype == jnp.uint16:  # a bfloat16 cache's bit patterns
+        g = jax.lax.bitcast_convert_type(g, jnp.bfloat16).astype(jnp.float32)
     return g.reshape(hkv, *block_tables.shape[:-1], block_tables.shape[-1] * page_size, d)
 
 
@@ -60,7 +67,7 @@ def paged_attention(
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
-    if qlen == 1 and k_cache.dtype in (jnp.float32, jnp.bfloat16) and kernels.available():
+    if qlen == 1 and k_cache.dtype in (jnp.float32, jnp.uint16) and kernels.available():
         return _decode_in_place(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
     # [Hkv, B, Q*G, D]: rows ordered (query, group)

@@ -177,7 +177,8 @@ class ModelRunner:
 
     def _alloc_kv(self) -> KVCache:
         shape = (self.cfg.num_kv_heads, self.num_pages, self.page_size, self.cfg.head_dim)
-        n, dtype = self.cfg.num_layers, self.kv_dtype
+        # a bfloat16 cache is held as uint16 bit patterns (see attention.write_kv)
+        n, dtype = self.cfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 else self.kv_dtype
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                                 tuple(jnp.zeros(shape, dtype) for _ in range(n))))()

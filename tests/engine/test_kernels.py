@@ -31,9 +31,14 @@ def _xla_attention(q, kc, vc, batch):  # noqa: ANN001, ANN202
 
 
 def _cache(rng: np.random.Generator, pages: int, dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+    """float32 caches, or bfloat16 ones held as uint16 bit patterns (as the engine stores them)."""
     shape = (HKV, pages, PS, D)
-    return (jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype=dtype),
-            jnp.asarray(rng.standard_normal(shape).astype(np.float32), dtype=dtype))
+
+    def make() -> jax.Array:
+        a = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        return a if dtype == "float32" else jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)
+
+    return make(), make()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the --kv-dtype bf16 cache

@@ -437,8 +437,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const int64_t Pp = prefix_pages.dimensions()[0];
   if (kd[3] != D || D % 8 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
-  if (k_cache.element_type() != v_cache.element_type() ||
-      (k_cache.element_type() != ffi::DataType::F32 && k_cache.element_type() != ffi::DataType::BF16))
+  // bfloat16 caches arrive as bfloat16 or as their uint16 bit patterns (how the engine stores them)
+  const auto kt = k_cache.element_type();
+  if (kt != v_cache.element_type() ||
+      (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16))
     return ffi::Error::InvalidArgument("paged_decode: the KV caches must both be float32 or bfloat16");
   const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
   const int32_t* args[] = {block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(),
