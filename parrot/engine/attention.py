@@ -35,6 +35,8 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     page_size = cache.shape[2]
     if cache.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    else:
+        new = new.astype(cache.dtype)
     return cache.at[:, slot_mapping // page_size, slot_mapping % page_size].set(new.transpose(1, 0, 2))
 
 

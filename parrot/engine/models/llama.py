@@ -140,8 +140,8 @@ class Attention(nnx.Module):
         q = apply_rope(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = qkv[:, qd + kvd :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        k_cache = write_kv(k_cache, k.astype(k_cache.dtype), batch.slot_mapping)
-        v_cache = write_kv(v_cache, v.astype(v_cache.dtype), batch.slot_mapping)
+        k_cache = write_kv(k_cache, k, batch.slot_mapping)
+        v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
         return project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype), k_cache, v_cache
 
