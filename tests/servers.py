@@ -62,3 +62,17 @@ def serving_core(engine: LLMEngine, model_name: str, tokenizer: Tokenizer, **cor
     core = make_core(engine, model_name, tokenizer, **core_kw)
     with running(create_app(core)) as url:
         yield url, core
+
+
+@contextmanager
+def tiny_serving_core() -> Iterator[tuple[str, ParrotServeCore]]:
+    """A serve core over the tests' tiny random model on a loopback port: (url, core)."""
+    from tests.conftest import tiny_engine_config, tiny_model
+
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    try:
+        with serving_core(engine, "tiny", model.tokenizer) as (url, core):
+            yield url, core
+    finally:
+        engine.shutdown()

@@ -102,15 +102,10 @@ def test_systems_report_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 @pytest.fixture(scope="module")
 def server():
-    from parrot.engine.engine import LLMEngine
-    from tests.conftest import tiny_engine_config, tiny_model
-    from tests.servers import serving_core
+    from tests.servers import tiny_serving_core
 
-    model = tiny_model()
-    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
-    with serving_core(engine, "tiny", model.tokenizer) as (url, core):
-        yield url, core
-    engine.shutdown()
+    with tiny_serving_core() as served:
+        yield served
 
 
 def test_one_app_logic_same_results_on_both_runtimes(server) -> None:

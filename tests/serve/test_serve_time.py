@@ -46,15 +46,10 @@ def step(s: P.Input, t: P.Input, n: P.Output(max_tokens=4, ignore_eos=True, temp
 
 @pytest.fixture(scope="module")
 def server():
-    from parrot.engine.engine import LLMEngine
-    from tests.conftest import tiny_engine_config, tiny_model
-    from tests.servers import serving_core
+    from tests.servers import tiny_serving_core
 
-    model = tiny_model()
-    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
-    with serving_core(engine, "tiny", model.tokenizer) as (url, core):
-        yield url, core
-    engine.shutdown()
+    with tiny_serving_core() as served:
+        yield served
 
 
 def _histogram(url: str, name: str) -> tuple[float, float]:
