@@ -74,7 +74,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         fns = {}
         for name, r in runners.items():
             def go(r: ModelRunner = r) -> None:
-                r.sample(r.forward(batch), None)  # forward + greedy sample, host sync
+                np.asarray(r.sample(r.forward(batch), None))  # forward + greedy sample, host sync
 
             t = time.perf_counter()
             go()

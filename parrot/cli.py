@@ -29,6 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16"], default=EngineConfig.kv_dtype,
                    help="KV cache elements: bf16 (half the memory and attention reads per token), f32, or auto "
                         "(default: bf16 where the native CPU kernels decode, else the activation dtype)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="wait for each decode step's tokens before planning the next (default: a stable decode "
+                        "batch keeps one step in flight while the host applies the previous one)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -54,7 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = model.tokenizer
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
                        compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
-                       kv_dtype=args.kv_dtype)
+                       kv_dtype=args.kv_dtype, overlap=not args.no_overlap)
     engine = LLMEngine(model, cfg).start(precompile=False)  # compiles only the shapes this prompt needs
     t_load = time.perf_counter() - t0
     text = prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": prompt}])
@@ -94,7 +97,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
-                       kv_dtype=args.kv_dtype)
+                            kv_dtype=args.kv_dtype, overlap=not args.no_overlap)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -159,6 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--kv-dtype", args.kv_dtype)):
                 if value is not None:
                     cmd += [flag, str(value)]
+            if args.no_overlap:
+                cmd.append("--no-overlap")
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),
                                  ("--precompile-bs-paddings", args.precompile_bs_paddings)):
                 if values:

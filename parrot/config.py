@@ -42,6 +42,9 @@ class EngineConfig:
     # half the reads of decode attention), "f32", or "auto": bf16 where the native CPU kernels decode
     # (their greedy outputs equal float32's on the reference prompts), else the activation dtype
     kv_dtype: str = "auto"
+    # a stable decode batch keeps one step in flight: the next is planned and launched before this one's
+    # tokens reach the host (the engine's overlap; greedy and seeded results are the same either way)
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):

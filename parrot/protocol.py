@@ -204,6 +204,9 @@ class RuntimeInfo(BaseModel):
     waiting: int
     recent_step_ms: float
     steps: int
+    recent_host_ms: float = 0.0  # median host time per step: scheduling, batch building, applying tokens
+    ahead_steps: int = 0  # steps launched while the previous one ran (overlap)
+    overlap: bool | None = None  # the engine plans a stable decode batch's next step while one runs
     shape_misses: int
     preemptions: int
     evictions: int

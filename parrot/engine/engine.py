@@ -26,9 +26,9 @@ from parrot.config import EngineConfig
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.logprobs import TokenTexts
-from parrot.engine.runner import ModelRunner
+from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import Scheduler
+from parrot.engine.scheduler import Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.structured import Constraint, Grammars
 from parrot.engine.tokenizer import IncrementalDetokenizer
@@ -86,6 +86,11 @@ class LLMEngine:
         self.warmup_s: float | None = None  # start() to every shape compiled
         self.warm_process_uptime_s: float | None = None
         self._step_ms: collections.deque[float] = collections.deque(maxlen=32)
+        # host time per step: the loop's own work (scheduling, batch building, applying tokens, streaming),
+        # outside JAX's dispatch and waits (`ModelRunner.dispatch_s`, `wait_s`)
+        self._host_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self._inflight: tuple[StepPlan, Launched] | None = None  # a launched step not applied yet
+        self.ahead_steps = 0  # steps launched before the previous step's tokens were read (overlap)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, precompile: bool | None = None, wait: bool = True) -> LLMEngine:
@@ -272,6 +277,8 @@ class LLMEngine:
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
+            recent_host_ms=float(np.median(self._host_ms)) if self._host_ms else 0.0, ahead_steps=self.ahead_steps,
+            overlap=self.cfg.overlap,
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, aborts=s.aborts, max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
@@ -296,7 +303,7 @@ class LLMEngine:
         try:
             while not self._stop:
                 self._drain()
-                busy = self.scheduler.has_work()
+                busy = self.scheduler.has_work() or self._inflight is not None
                 self.runner.compiler.serving(busy)  # background compiling yields the cores to steps
                 if not busy:
                     self._wake.wait(timeout=0.5)
@@ -321,20 +328,45 @@ class LLMEngine:
             fn()
 
     def step(self) -> None:
-        """One iteration: the scheduler plans, the runner executes, the scheduler applies the sampled
-        tokens; then the outputs go to their listeners."""
+        """One iteration: the scheduler plans, the runner launches the plan, the scheduler applies the
+        sampled tokens; then the outputs go to their listeners.
+
+        With `overlap` a stable decode batch keeps a step in flight: the next step is planned and launched
+        (`Scheduler.schedule_ahead`) before this one's tokens are read, so the device never waits for
+        the host's bookkeeping, streaming and stop checks between the two."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        device0 = self.runner.wait_s + self.runner.dispatch_s
+        if self._inflight is None:
+            plan = self.scheduler.schedule()
+            try:
+                launched = self.runner.launch(plan)
+            except ParrotError as err:
+                self._deliver(self.scheduler.fail_step(plan, err))
+                return
+        else:
+            plan, launched = self._inflight
+            self._inflight = None
+        ahead = self.scheduler.schedule_ahead(plan) if self.cfg.overlap else None
+        if ahead is not None:
+            try:
+                self._inflight = (ahead, self.runner.launch(ahead, prev=launched))
+            except ParrotError as err:
+                self._deliver(self.scheduler.fail_step(ahead, err))  # its jobs fail; `plan` skips them
+                ahead = None
         try:
-            sampled = self.runner.execute(plan)
+            sampled = self.runner.collect(launched)
         except ParrotError as err:
             outputs = self.scheduler.fail_step(plan, err)
         else:
-            outputs = self.scheduler.update(plan, sampled)
+            outputs = self.scheduler.update(plan, sampled, ahead)
         self._deliver(outputs)
         if not plan.empty:
             self.steps += 1
-            self._step_ms.append((time.perf_counter() - t0) * 1e3)
+            self.ahead_steps += ahead is not None
+            wall = time.perf_counter() - t0
+            self._step_ms.append(wall * 1e3)
+            device = self.runner.wait_s + self.runner.dispatch_s - device0
+            self._host_ms.append((wall - device) * 1e3)
 
     @staticmethod
     def _deliver(outputs: list[JobOutput]) -> None:

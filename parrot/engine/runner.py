@@ -4,6 +4,7 @@ the jitted samplers, bucket shapes, precompilation and the persistent compilatio
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -100,6 +101,24 @@ class StepExecutables:
     head: Callable
 
 
+@dataclass
+class Launched:
+    """A plan dispatched to the device: per batch (decode, prefill) its sampled tokens (a device array,
+    host values where sampling needed the host, or None) and slot count."""
+
+    parts: list[tuple[jax.Array | np.ndarray | None, int]]
+    samples: bool
+
+    @property
+    def tokens(self) -> jax.Array | np.ndarray | None:
+        """The first batch's sampled tokens: what the PENDING slots of an ahead step read."""
+        return self.parts[0][0] if self.parts else None
+
+
+def _splice_tokens(ids: jax.Array, src: jax.Array, tokens: jax.Array) -> jax.Array:
+    return jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
@@ -166,6 +185,11 @@ class ModelRunner:
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
+        self._splice = jax.jit(_splice_tokens)
+        # time the engine thread spends in JAX calls: dispatching steps (on a CPU that includes waiting
+        # while the client's queue of computations is full) and waiting for sampled tokens (`collect`)
+        self.dispatch_s = 0.0
+        self.wait_s = 0.0
         self._sample = jax.jit(sample)
         self._parts: dict[tuple, concurrent.futures.Future] = {}  # embed / head executables, shared by shapes
         self._parts_lock = threading.Lock()
@@ -224,19 +248,33 @@ class ModelRunner:
 
     # ---- running ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> np.ndarray | None:
-        """Run a scheduler plan: its page copies, then the decode batch and the prefill batch. Returns
-        the token sampled for each of `plan.slots` (meaningful where `slot.sample`), or None if no slot
-        samples."""
+        """Run a scheduler plan and wait for it: `collect(launch(plan))`."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan, prev: Launched | None = None) -> Launched:
+        """Dispatch a plan: its page copies, then the decode batch and the prefill batch, without waiting
+        for the device (except where a job's sampling needs the host: constraints, logprobs, penalties).
+        `prev`: the step in flight whose sampled tokens this plan's PENDING slots feed."""
         if plan.copies:
             self.copy_pages(plan.copies)
-        parts = []
+        parts: list[tuple[jax.Array | np.ndarray | None, int]] = []
         for slots, decode in ((plan.decode, True), (plan.prefill, False)):
             if slots:
-                sampled = self._run_slots(slots, decode)
-                parts.append(sampled if sampled is not None else np.zeros(len(slots), np.int32))
-        return np.concatenate(parts) if any(s.sample for s in plan.slots) else None
+                parts.append((self._run_slots(slots, decode, prev), len(slots)))
+        return Launched(parts, any(s.sample for s in plan.slots))
 
-    def _run_slots(self, slots: list[Slot], decode: bool) -> np.ndarray | None:
+    def collect(self, launched: Launched) -> np.ndarray | None:
+        """Wait for a launched plan's sampled tokens: one per slot (meaningful where `slot.sample`), or
+        None if no slot samples. The time spent waiting adds to `wait_s`."""
+        if not launched.samples:
+            return None
+        t0 = time.perf_counter()
+        parts = [np.asarray(t)[:n] if t is not None else np.zeros(n, np.int32) for t, n in launched.parts]
+        self.wait_s += time.perf_counter() - t0
+        return np.concatenate(parts)
+
+    def _run_slots(self, slots: list[Slot], decode: bool,
+                   prev: Launched | None = None) -> jax.Array | np.ndarray | None:
         seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]
         shape = self._cascade(seqs) if decode and self.ecfg.shared_prefix_attention and len(slots) > 1 else None
         if shape is None:
@@ -245,19 +283,30 @@ class ModelRunner:
                      else self.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len))
         batch = build_batch(seqs, self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
                             shape.prefix_pages)
-        logits = self.forward(batch)
+        splice = None
+        if any(s.source >= 0 for s in slots):  # PENDING tokens: sampled by `prev`, still on the device
+            assert prev is not None and prev.tokens is not None
+            src = np.full(shape.tokens, -1, np.int32)
+            off = 0
+            for s in slots:
+                if s.source >= 0:
+                    src[off] = s.source
+                off += len(s.tokens)
+            splice = (src, prev.tokens)
+        logits = self.forward(batch, splice)
         sampling = [s.job.sampling for s in slots if s.sample]
         if not sampling:
             return None
         # while the device runs the step: constraint masks, penalty counts (None: no job needs them)
         extras = SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
         if extras is None and all(p is None or p.greedy for p in sampling):
-            return self.sample(logits, None)[: len(slots)]
+            return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
-        steps = [len(s.job.output_ids) for s in slots]
+        # the sampler's step counter (its random stream) counts the job's tokens, the PENDING one included
+        steps = [len(s.job.output_ids) + (s.source >= 0) for s in slots]
         sb = SamplingBatch.build(params, steps, shape.batch, [p.seed or 0 for p in params])
         if extras is None:
-            return self.sample(logits, sb)[: len(slots)]
+            return self.sample(logits, sb)
         tokens, chosen, top_ids, top_lp = self.sample_processed(logits, sb, *extras)
         for i, s in enumerate(slots):
             if s.sample and s.job.sampling.logprobs is not None:
@@ -299,8 +348,9 @@ class ModelRunner:
             raise ValueError("no tokens to feed")
         return logits
 
-    def forward(self, batch: ForwardBatch) -> jax.Array:
-        """Run one step; returns the logits of each sequence's last token ([B, vocab])."""
+    def forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
+        """Run one step; returns the logits of each sequence's last token ([B, vocab]). `splice`: (src,
+        tokens) replaces input_ids[i] with tokens[src[i]] where src[i] >= 0, on the device."""
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
         exe, compiled_now = self.compiler.get(shape)
@@ -308,13 +358,21 @@ class ModelRunner:
             self.shape_misses += 1
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
+        t0 = time.perf_counter()
         batch = jax.device_put(batch)
+        if splice is not None:
+            fut = self._parts.get(("splice", shape.tokens))
+            fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
+            ids = fn(batch.input_ids, jnp.asarray(splice[0]), splice[1])
+            batch = dataclasses.replace(batch, input_ids=ids)
         x, cos, sin = exe.embed(w.embed, batch.input_ids, batch.positions)
         ks, vs = list(self.kv[0]), list(self.kv[1])
         for a, b in self.blocks:
             x, ks[a:b], vs[a:b] = exe.blocks[b - a](w.layers[a:b], x, cos, sin, batch, ks[a:b], vs[a:b])
         self.kv = (tuple(ks), tuple(vs))
-        return exe.head(w.head, x, batch.logits_index)
+        logits = exe.head(w.head, x, batch.logits_index)
+        self.dispatch_s += time.perf_counter() - t0
+        return logits
 
     @property
     def compiled(self) -> set[Shape]:
@@ -349,6 +407,8 @@ class ModelRunner:
         self._part(("processed", shape.batch), lambda: processed_sampler.lower(logits, params, extras).compile())
         self._part(("penalized", shape.batch),
                    lambda: processed_sampler.lower(logits, params, extras, counts).compile())
+        if shape.q_len == 1:  # decode: an ahead step takes its PENDING tokens from the previous one (overlap)
+            self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(embed, blocks, head)
 
@@ -375,13 +435,15 @@ class ModelRunner:
                 raise
             return fut.result()
 
-    def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> np.ndarray:
-        """None samples greedily (the compiled argmax-only path)."""
+    def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
+        """Token ids [B], left on the device. None samples greedily (the compiled argmax-only path)."""
         key = ("greedy" if sampling is None else "sample", int(logits.shape[0]))
         fut = self._parts.get(key)
         fn = fut.result() if fut is not None and fut.done() else (self._greedy if sampling is None else self._sample)
-        out = fn(logits) if sampling is None else fn(logits, sampling)
-        return np.asarray(out)
+        t0 = time.perf_counter()
+        tokens = fn(logits) if sampling is None else fn(logits, sampling)
+        self.dispatch_s += time.perf_counter() - t0
+        return tokens
 
     def sample_processed(self, logits: jax.Array, sampling: SamplingBatch, extras: SamplerExtras,
                          counts: np.ndarray | None) -> tuple[np.ndarray, ...]:

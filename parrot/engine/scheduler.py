@@ -11,6 +11,14 @@ preempted (its private pages freed, its tokens recomputed later), so the cache n
 oldest job always makes progress. Before that, idle contexts (no job on them) lose their KV, least
 recently used first; their tokens are kept, so the next primitive on them recomputes it. A job that
 cannot fit even then fails with an explicit error.
+
+Overlap (`schedule_ahead`): while a decode-only step runs on the device, the next step of the same
+batch is planned and launched before the first's tokens reach the host. Its slots feed a placeholder
+(`PENDING`) that the runner replaces on the device with the token the previous step sampled (`Slot.source`);
+`update(plan, sampled, ahead)` then applies the first step and hands each token to the ahead slot that
+feeds it. A job that finished in the first step leaves its ahead slot unused: its KV beyond its tokens is
+dropped. Only a stable batch runs ahead: no waiting jobs, no prefill, no job whose next token needs host
+work (constraints, logprobs, penalties) and pages free for every job, so a step in flight is never preempted.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.logprobs import SampledLogprob
+from parrot.engine.sampling import needs_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.structured import ConstraintError
 from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
@@ -41,6 +50,10 @@ class Slot:
     pages: list[int]
     sample: bool = False
     logprob: SampledLogprob | None = None  # set by the runner when the job asked for logprobs
+    source: int = -1  # a PENDING token: the index of the previous step's slot whose sampled token it is
+
+
+PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
 
 
 @dataclass
@@ -161,6 +174,30 @@ class Scheduler:
                 scheduled.add(job.job_id)
         return plan
 
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see
+        the module doc), or None when the batch is not stable enough to run ahead."""
+        if plan.prefill or not plan.decode or plan.outputs or self.waiting or self._copies:
+            return None
+        jobs = [slot.job for slot in plan.decode]
+        if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
+            return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
+        for job in jobs:
+            sp = job.sampling
+            if (job.kind is not JobKind.GENERATE or job.status is not JobStatus.RUNNING or sp is None
+                    or len(job.pending) > 1 or job.forced or needs_processing(job)
+                    or len(job.output_ids) + 1 >= sp.max_tokens or len(self.tokens[job.context_id]) + 1 >= self.max_len
+                    or len(job.output_ids) + 1 < sp.min_tokens):
+                return None
+        if sum(self.kv.pages_needed(job.context_id, 1) for job in jobs) > self.kv.num_free_pages:
+            return None
+        ahead = StepPlan()
+        for i, job in enumerate(jobs):
+            slot = self._slot(job, [PENDING], True)
+            slot.source = i
+            ahead.decode.append(slot)
+        return ahead
+
     def _align(self, start: int, n: int) -> int:
         """Cut a prefill chunk starting at `start` at the end of the attention-length bucket `start` lies
         in, when that keeps at least half of it: the chunk then attends over the shorter padded length
@@ -178,13 +215,17 @@ class Scheduler:
         return Slot(job, tokens, start, pages, sample)
 
     # ---- applying a step's results ------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: Sequence[int] | None) -> list[JobOutput]:
+    def update(self, plan: StepPlan, sampled: Sequence[int] | None, ahead: StepPlan | None = None) -> list[JobOutput]:
         """Apply an executed plan: the fed tokens leave each job's pending list; `sampled[i]` is the
-        token sampled for `plan.slots[i]` (read only where `slot.sample`). Returns the outputs: the
-        plan's scheduling failures, streamed tokens, and the jobs that finished."""
+        token sampled for `plan.slots[i]` (read only where `slot.sample`). `ahead`: the next step, already
+        launched (`schedule_ahead`), whose slots feed these tokens. Returns the outputs: the plan's
+        scheduling failures, streamed tokens, and the jobs that finished."""
         outputs = list(plan.outputs)
+        feeds = {slot.job.job_id: slot for slot in ahead.slots} if ahead is not None else {}
         for i, slot in enumerate(plan.slots):
             job = slot.job
+            if job.status is JobStatus.FINISHED:
+                continue  # aborted while its step was in flight
             del job.pending[: len(slot.tokens)]
             if job.pending:
                 continue
@@ -192,9 +233,20 @@ class Scheduler:
                 self.finish(job)
                 outputs.append(JobOutput(job, result=FillResponse(
                     context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]))))
+                continue
+            assert slot.sample and sampled is not None
+            token = int(sampled[i])
+            outputs.append(self._on_token(job, token, slot.logprob))
+            feed = feeds.get(job.job_id)
+            if feed is None:
+                continue
+            if job.status is JobStatus.FINISHED:  # its ahead slot computes nothing anyone reads
+                tokens = self.tokens[job.context_id]
+                if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > len(tokens):
+                    self._truncate(job.context_id, len(tokens))
             else:
-                assert slot.sample and sampled is not None
-                outputs.append(self._on_token(job, int(sampled[i]), slot.logprob))
+                feed.tokens[0] = token
+                job.pending = []  # the ahead step feeds it
         return outputs
 
     def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None) -> JobOutput:
@@ -269,6 +321,8 @@ class Scheduler:
         outputs = list(plan.outputs)
         for slot in plan.slots:
             job = slot.job
+            if job.status is JobStatus.FINISHED:
+                continue  # already failed with the step before it (an ahead step), or aborted
             if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > slot.start:
                 self._truncate(job.context_id, slot.start)
             outputs.append(self._fail(job, err))

@@ -28,6 +28,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_warmup_seconds{engine} / parrot:engine_startup_seconds{engine}   engine start / process
                                          start to every shape compiled
   parrot:engine_resident_memory_bytes{engine}   the engine process's resident memory
+  parrot:engine_step_ms{engine} / parrot:engine_host_ms{engine}   median wall / host time of recent steps
+  parrot:engine_ahead_steps_total{engine}   steps launched while the previous one ran (overlap)
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
                                          ready -> its first engine primitive sent
@@ -123,6 +125,7 @@ class _CoreCollector(Collector):
                 engine_aborts.add_metric([client.name], info.aborts)
         yield engine_aborts
         yield from _warmup_metrics(core)
+        yield from _step_metrics(core)
         for name, hist, doc in (
                 ("parrot:serve_first_primitive_seconds", core.serve_time.first,
                  "Serve layer's own time per task: ready (inputs set, output needed) -> first engine primitive sent."),
@@ -153,6 +156,24 @@ def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([client.name], value)
     yield from (compiled, total, warm, uptime, rss)
+
+
+def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
+    """Each engine's recent step: wall milliseconds, the host's share, steps launched ahead (overlap)."""
+    step = GaugeMetricFamily("parrot:engine_step_ms", "Median wall time of the engine's recent steps.",
+                             labels=["engine"])
+    host = GaugeMetricFamily("parrot:engine_host_ms", "Median host time of the engine's recent steps: scheduling, "
+                             "batch building and applying tokens, outside the device calls.", labels=["engine"])
+    ahead = CounterMetricFamily("parrot:engine_ahead_steps", "Steps the engine launched while the previous one "
+                                "ran (overlap).", labels=["engine"])
+    for client in core.engines.live_engines():
+        info = core.engines.runtime(client.name)
+        if info is None:
+            continue
+        step.add_metric([client.name], info.recent_step_ms)
+        host.add_metric([client.name], info.recent_host_ms)
+        ahead.add_metric([client.name], info.ahead_steps)
+    yield from (step, host, ahead)
 
 
 class RequestTimer:

@@ -274,3 +274,38 @@ def test_a_cancelled_caller_future_does_not_stop_the_loop(engine: LLMEngine) -> 
     fill(engine, "after-cancel", prompt(10))  # the loop still runs
     assert engine.alive
     engine.free_future("after-cancel").result(TIMEOUT)
+
+
+def test_overlap_keeps_results(engine: LLMEngine) -> None:
+    """The fixture engine plans a stable decode batch's next step while one runs (`overlap`, the default):
+    greedy and seeded outputs, stop tokens and stop strings equal those of an engine that waits."""
+    waiting = LLMEngine(tiny_model(), tiny_engine_config(overlap=False)).start(precompile=False)
+    try:
+        results = []
+        for eng in (engine, waiting):
+            free = gen_many(eng, "ov", [dict(max_tokens=14, ignore_eos=True)] * 4)
+            stop_id = free[1].token_ids[5]
+            runs = [dict(max_tokens=14, ignore_eos=True), dict(max_tokens=3, ignore_eos=True),
+                    dict(max_tokens=14, ignore_eos=True, stop_token_ids=[stop_id]),
+                    dict(max_tokens=14, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11)]
+            if len(free[0].text) > 6:
+                runs.append(dict(max_tokens=14, ignore_eos=True, stop=[free[0].text[4:6]]))
+            results.append([(r.token_ids, r.text, r.finish_reason, r.num_tokens) for r in gen_many(eng, "ov", runs)])
+        assert results[0] == results[1]
+        assert engine.ping().ahead_steps > 0 and waiting.ping().ahead_steps == 0
+        assert engine.ping().recent_host_ms > 0
+    finally:
+        waiting.shutdown()
+
+
+def gen_many(eng: LLMEngine, tag: str, runs: list[dict]) -> list:
+    """Generate for several contexts at once (one decode batch), then free them."""
+    futs = []
+    for i, sampling in enumerate(runs):
+        fill(eng, f"{tag}{i}", prompt(i + 40, 12))
+        sp = SamplingParams(**sampling)
+        futs.append(eng.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=sp)))
+    results = [f.result(TIMEOUT) for f in futs]
+    for i in range(len(runs)):
+        eng.free_future(f"{tag}{i}").result(TIMEOUT)
+    return results

@@ -48,7 +48,7 @@ def test_concat_rows_fuses_projections() -> None:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16, 65, 4097])  # 1: one row; 2-12: a few rows; more: the panel; 4097: XLA
+@pytest.mark.parametrize("rows", [1, 3, 8, 12, 16, 65, 4097])  # one row; a few rows; the panel; 4097: XLA
 @pytest.mark.parametrize("shape", [(96, 40), (64, 7)])  # output widths that are not multiples of the tiles
 def test_linear_equals_float_product(qtype: str, rows: int, shape: tuple[int, int]) -> None:
     k, n = shape

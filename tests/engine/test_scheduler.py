@@ -303,3 +303,102 @@ def test_forced_tokens_ride_in_a_decode_batch_that_runs_anyway() -> None:
     assert sorted((slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots) == [
         ("a", 1, False), ("x", 1, True)]
     assert not plan.prefill and s.fast_forward_tokens == 0
+
+
+# ---- overlap: the next decode step planned before the step in flight is applied ----------------------
+def _token_at(ctx: str, pos: int) -> int:
+    """A fake model: the token sampled at each position of a context depends on the context alone."""
+    return 3 + (sum(map(ord, ctx)) * 31 + pos * 17) % 11
+
+
+def _sampled(plan) -> list[int]:  # noqa: ANN001
+    return [_token_at(slot.job.context_id, slot.start + len(slot.tokens)) for slot in plan.slots]
+
+
+def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500) -> tuple[list[JobOutput], int]:
+    """The engine's loop with a fake runner: a step in flight is applied after the next one is planned
+    (`schedule_ahead`). Returns the outputs and the number of ahead steps."""
+    outputs: list[JobOutput] = []
+    inflight = None
+    ahead_steps = 0
+    for _ in range(max_steps):
+        if inflight is None:
+            if not s.has_work():
+                return outputs, ahead_steps
+            plan = s.schedule()
+        else:
+            plan, inflight = inflight, None
+        for slot in plan.slots:
+            assert len(slot.pages) * s.kv.page_size >= slot.start + len(slot.tokens)
+        sampled = _sampled(plan)  # the fake device computes before the host applies anything
+        ahead = s.schedule_ahead(plan) if overlap else None
+        if ahead is not None:
+            ahead_steps += 1
+            inflight = ahead
+        outputs += s.update(plan, sampled, ahead)
+    raise AssertionError("the scheduler did not finish its work")
+
+
+def _overlap_workload(s: Scheduler) -> None:
+    for i, (n, stop) in enumerate([(9, frozenset()), (30, frozenset({5})), (4, frozenset()), (20, frozenset({9}))]):
+        s.add(_fill(f"c{i}", 20 + i))
+        s.add(_gen(f"c{i}", n, stop=stop))
+
+
+def test_overlap_gives_the_same_results_as_waiting() -> None:
+    results, contexts = [], []
+    for overlap in (False, True):
+        s = _small(64)
+        _overlap_workload(s)
+        outputs, ahead = _drive_overlapped(s, overlap)
+        assert (ahead > 0) == overlap
+        gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
+        results.append({c: (r.token_ids, r.finish_reason, r.num_tokens) for c, r in gens.items()})
+        # the KV never holds more tokens than the context (an unused ahead slot is dropped)
+        contexts.append({c: (list(s.tokens[c]), s.kv.get(c).num_tokens) for c in gens})
+        for c in gens:
+            s.free_context(c)
+        assert s.kv.num_free_pages == s.kv.total_pages  # every page back
+    assert results[0] == results[1]
+    assert {r[1] for r in results[0].values()} == {"stop", "length"}
+    for c, (tokens, kv) in contexts[1].items():
+        assert kv <= len(tokens) and contexts[0][c][0] == tokens
+
+
+def test_ahead_only_for_a_stable_batch() -> None:
+    s = _small(64)
+    s.add(_fill("a", 20))
+    s.add(_gen("a", 10))
+    plan = s.schedule()  # the fill's prefill
+    assert s.schedule_ahead(plan) is None
+    s.update(plan, _sampled(plan))
+    plan = s.schedule()  # the generate's first token: the last prefill token is re-fed
+    s.update(plan, _sampled(plan))
+    plan = s.schedule()
+    assert [slot.tokens for slot in plan.decode] and s.schedule_ahead(plan) is not None
+    s.update(plan, _sampled(plan), None)
+    s.add(_fill("b", 5))  # work waiting: the full scheduler admits it first
+    plan = s.schedule()
+    assert s.schedule_ahead(plan) is None
+
+
+def test_abort_while_a_step_is_in_flight() -> None:
+    s = _small(64)
+    s.add(_fill("a", 20))
+    s.add(_gen("a", 50))
+    s.add(_fill("b", 20))
+    s.add(_gen("b", 50))
+    outputs: list[JobOutput] = []
+    for _ in range(6):
+        plan = s.schedule()
+        outputs += s.update(plan, _sampled(plan))
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan)
+    assert ahead is not None
+    outputs += s.update(plan, _sampled(plan), ahead)
+    aborted = s.abort("a")  # between two steps, while `ahead` runs
+    assert isinstance(aborted[0].error, AbortedError)
+    outputs += s.update(ahead, _sampled(ahead))  # skips the aborted job
+    assert s.kv.get("a").num_tokens <= len(s.tokens["a"])
+    rest, _ = _drive_overlapped(s, True)
+    assert _results(rest)["b"].finish_reason == "length"
