@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from parrot.engine import kernels
 from parrot.engine.batch import ForwardBatch
+from parrot.engine.precision import exact
 
 _MASKED = -1e30  # finite, so fully masked rows give zeros instead of NaNs
 
@@ -80,9 +81,9 @@ def paged_attention(
     kv_pos = batch.kv_offset[:, None] + jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]  # [B, L]
     mask = (kv_pos[:, None, :] <= qpos[:, :, None]) & (kv_pos[:, None, :] < batch.kv_lens[:, None, None])
     mask = jnp.repeat(mask, group, axis=1)[None]  # [1, B, Q*G, L]
-    s = jnp.einsum("hbmd,hbld->hbml", qh, k)
+    s = jnp.einsum("hbmd,hbld->hbml", qh, k, precision=exact(qh, k))
     m_s, e_s, l_s = _partial(s, mask)
-    o = jnp.einsum("hbml,hbld->hbmd", e_s, v)
+    o = jnp.einsum("hbml,hbld->hbmd", e_s, v, precision=exact(e_s, v))
     if qlen == 1 and batch.prefix_pages.shape[0] > 0:
         o = _merge_shared_prefix(qh, o, m_s, l_s, k_cache, v_cache, batch)
     else:
@@ -113,10 +114,12 @@ def _merge_shared_prefix(
     hkv, bsz, group, d = qh.shape
     kp = gather_pages(k_cache, batch.prefix_pages)  # [Hkv, Lp, D]
     vp = gather_pages(v_cache, batch.prefix_pages)
-    s_p = jnp.einsum("hmd,hld->hml", qh.reshape(hkv, bsz * group, d), kp).reshape(hkv, bsz, group, -1)
+    qm = qh.reshape(hkv, bsz * group, d)
+    s_p = jnp.einsum("hmd,hld->hml", qm, kp, precision=exact(qm, kp)).reshape(hkv, bsz, group, -1)
     mask_p = (jnp.arange(kp.shape[1])[None, :] < batch.prefix_len) & batch.in_prefix[:, None]  # [B, Lp]
     m_p, e_p, l_p = _partial(s_p, mask_p[None, :, None, :])
-    o_p = jnp.einsum("hml,hld->hmd", e_p.reshape(hkv, bsz * group, -1), vp).reshape(hkv, bsz, group, d)
+    em = e_p.reshape(hkv, bsz * group, -1)
+    o_p = jnp.einsum("hml,hld->hmd", em, vp, precision=exact(em, vp)).reshape(hkv, bsz, group, d)
     m = jnp.maximum(m_s, m_p)
     a_s, a_p = jnp.exp(m_s - m), jnp.exp(m_p - m)
     return (o_s * a_s + o_p * a_p) / jnp.maximum(l_s * a_s + l_p * a_p, 1e-30)

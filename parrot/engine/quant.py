@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parrot.engine import kernels
+from parrot.engine.precision import exact
 
 # bytes per block of 32 weights
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
@@ -99,5 +100,6 @@ def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.flo
     if t <= KERNEL_MAX_ROWS and kernels.available():
         return kernels.qmatmul(x, data, qtype).astype(x.dtype)
     w = dequantize(data, qtype, k, dtype)
-    y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
+                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)

@@ -19,6 +19,7 @@ from flax import nnx
 from parrot.engine import quant
 from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
+from parrot.engine.precision import exact
 from parrot.engine.quant import QuantizedTensor
 
 KVCache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
@@ -84,7 +85,7 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w in the weight's dtype, accumulated and returned in x's dtype (bf16 weights with float32
     activations run on the CPU's bf16 matrix units)."""
     if w.dtype == x.dtype:
-        return x @ w
+        return jnp.dot(x, w, precision=exact(x, w))
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=x.dtype)
 
 
