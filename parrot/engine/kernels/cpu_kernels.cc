@@ -149,6 +149,9 @@ inline float hsum(__m256 v) {
 // One activation row (decode at batch 1): y[r] for RR weight rows. Each block contributes
 // d * sum(x * q) + offset * sum(x) (offset: Q4_1's minimum, Q4_0's -8 d), so a weight costs its integer
 // conversion and one multiply-add; the per-block sums of x (`xsum`) are computed once per product.
+#ifndef PARROT_HINT
+#define PARROT_HINT _MM_HINT_T0
+#endif
 #ifndef PARROT_PF
 #define PARROT_PF 8192
 #endif
@@ -165,7 +168,7 @@ inline void gemv_tile(const float* x, const float* xsum, const uint8_t* w, int64
   const uint8_t* ahead = w + kPrefetch;
   for (int64_t b = 0; b < blocks; ++b) {
 #if PARROT_PF
-    for (int l = 0; l < RR * Block<Q>::kBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
+    for (int l = 0; l < RR * Block<Q>::kBytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), PARROT_HINT);
     ahead += RR * Block<Q>::kBytes;
 #endif
     __m256 xv[4];
@@ -200,7 +203,7 @@ inline void gemv_multi(const float* x, int64_t K, const float* xsum, const uint8
   float o[TT] = {};
   for (int64_t b = 0; b < blocks; ++b) {
 #if PARROT_PF
-    _mm_prefetch(reinterpret_cast<const char*>(w + b * Block<Q>::kBytes + kPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * Block<Q>::kBytes + kPrefetch), PARROT_HINT);
 #endif
     const uint8_t* blk = w + b * Block<Q>::kBytes;
     __m256 q[4];
@@ -277,7 +280,7 @@ void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int rows, float* 
   for (int64_t b = 0; b < blocks; ++b) {
 #if PARROT_PF
     for (int l = 0; l < kNR * Block<Q>::kBytes; l += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + b * kNR * Block<Q>::kBytes + l), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + b * kNR * Block<Q>::kBytes + l), PARROT_HINT);
     }
 #endif
     for (int r = 0; r < kNR; ++r) {
@@ -386,7 +389,10 @@ template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N) {
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t rows = std::max<int64_t>(16, N / (threads * 8));
+#ifndef PARROT_CPT
+#define PARROT_CPT 8
+#endif
+  int64_t rows = std::max<int64_t>(16, N / (threads * PARROT_CPT));
   rows = (rows + kNR - 1) / kNR * kNR;
   const int64_t chunks = (N + rows - 1) / rows;
   parallel_chunks(pool, chunks, [&](int64_t c) {
