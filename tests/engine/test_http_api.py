@@ -132,9 +132,12 @@ PROMPT = list(b"The quick brown fox jumps over the lazy dog.")
 # ---- primitives ---------------------------------------------------------------------------------------
 def test_health_and_ping(client: httpx.Client) -> None:
     r = client.get("/health")
-    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    settings = r.json()["settings"]  # what the engine chose for its device
+    assert settings["platform"] == "cpu" and settings["kv_pages"] > 0 and settings["overlap"] is True
     info = ping(client)
     assert info.model == "tiny-random" and info.max_context_len == MAX_LEN and info.page_size == 16
+    assert info.settings == settings
     assert 0 <= info.free_pages <= info.total_pages and info.running == 0 and info.waiting == 0
 
 
@@ -404,7 +407,7 @@ def test_serves_normally_after_errors(client: httpx.Client) -> None:
     r = client.post("/generate", json={"context_id": "after", "sampling": sampling(max_tokens=3)})
     assert r.status_code == 200 and len(r.json()["token_ids"]) == 3
     free(client, "after")
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json()["status"] == "ok"
 
 
 def test_client_disconnect_mid_stream_aborts(server: EngineServer, client: httpx.Client) -> None:
@@ -547,7 +550,7 @@ def test_engine_server_registers_and_heartbeats(engine: LLMEngine) -> None:
             assert beat["name"] == "tiny-engine"
             assert RuntimeInfo.model_validate(beat["runtime"]).model == "tiny-random"
             # the advertised URL serves the engine
-            assert httpx.get(f"{core.posts[0][1]['url']}/health").json() == {"status": "ok"}
+            assert httpx.get(f"{core.posts[0][1]['url']}/health").json()["status"] == "ok"
             # a serve core that forgot the engine (restart) gets a new registration
             core.known.clear()
             wait_until(lambda: core.count("register") == 2, 5, "a second registration")

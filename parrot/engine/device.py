@@ -1,0 +1,96 @@
+"""Device-aware defaults: how big the KV pool is and which padding buckets a device gets.
+
+On a CPU the KV pool takes `kv_memory_mb` (default 1024 MB) of host memory and the buckets stay small
+(a step of 64 sequences or 512 tokens is already compute bound there). On an accelerator, as vLLM's
+`--gpu-memory-utilization`, weights plus KV take `memory_utilization` (default 0.9) of the device's
+memory: the pool gets what is left after the weights and a reserve for a step's activations. Bucket
+lists grow to batches of 256 sequences and prefill chunks of 2048 tokens, where the device is still
+far from compute bound; lists the user set are kept as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import jax
+
+from parrot.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_MB = 1024  # the KV pool on a CPU when `kv_memory_mb` is not set
+DEFAULT_MEMORY_UTILIZATION = 0.9  # on accelerators when `memory_utilization` is not set
+ACTIVATION_RESERVE = 0.05  # of device memory, kept free for a step's activations and temporaries
+MIN_KV_BYTES = 64 * 2**20
+
+# padding buckets where an accelerator's step time is still flat in the batch (H100: decode at batch 64
+# costs 1.5x batch 1 for an 8B model) and prefill chunks amortize the per-step cost
+ACCELERATOR_BUCKETS = {
+    "bs_buckets": [1, 2, 4, 8, 16, 32, 64, 128, 256],
+    "max_batch_size": 256,
+    "token_buckets": [16, 32, 64, 128, 256, 512, 1024, 2048],
+    "max_num_batched_tokens": 2048,
+}
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the device says of its memory: the usable total and what is in use (bytes), if it says."""
+
+    platform: str
+    kind: str
+    limit_bytes: int | None
+    in_use_bytes: int
+
+
+def device_memory(device: jax.Device | None = None) -> DeviceMemory:
+    dev = device or jax.devices()[0]
+    stats = {}
+    if dev.platform != "cpu":
+        try:
+            stats = dev.memory_stats() or {}
+        except Exception:  # some backends do not report it
+            stats = {}
+    limit = stats.get("bytes_limit")
+    return DeviceMemory(dev.platform, getattr(dev, "device_kind", dev.platform), int(limit) if limit else None,
+                        int(stats.get("bytes_in_use", 0)))
+
+
+def for_device(cfg: EngineConfig, platform: str | None = None) -> EngineConfig:
+    """`cfg` with the device's bucket lists where `cfg` keeps EngineConfig's defaults (accelerators only)."""
+    platform = platform or jax.devices()[0].platform
+    if platform == "cpu":
+        return cfg
+    base = EngineConfig()
+    changes = {k: v for k, v in ACCELERATOR_BUCKETS.items() if getattr(cfg, k) == getattr(base, k)}
+    if not changes:
+        return cfg
+    if "token_buckets" not in changes and "max_num_batched_tokens" in changes:
+        changes["max_num_batched_tokens"] = min(changes["max_num_batched_tokens"], max(cfg.token_buckets))
+    if "bs_buckets" not in changes and "max_batch_size" in changes:
+        changes["max_batch_size"] = min(changes["max_batch_size"], max(cfg.bs_buckets))
+    return dataclasses.replace(cfg, **changes)
+
+
+def kv_budget_bytes(cfg: EngineConfig, weight_bytes: int, memory: DeviceMemory | None = None) -> int:
+    """Bytes for the paged KV pool: `kv_memory_mb` when set (or on a CPU); else the device's share
+    (`memory_utilization`) of its memory, less what is in use, the weights still to be placed and a
+    reserve for activations. Raises when the weights alone exceed that share."""
+    if cfg.kv_memory_mb is not None:
+        return cfg.kv_memory_mb * 2**20
+    memory = memory or device_memory()
+    if memory.limit_bytes is None:
+        return CPU_KV_MEMORY_MB * 2**20
+    util = cfg.memory_utilization if cfg.memory_utilization is not None else DEFAULT_MEMORY_UTILIZATION
+    budget = int(util * memory.limit_bytes) - memory.in_use_bytes - weight_bytes
+    budget -= int(ACTIVATION_RESERVE * memory.limit_bytes)
+    if budget < MIN_KV_BYTES:
+        raise ValueError(
+            f"the model's weights ({weight_bytes / 2**30:.1f} GiB) leave no room for a KV cache within "
+            f"{util:.0%} of the {memory.kind}'s {memory.limit_bytes / 2**30:.1f} GiB "
+            f"({memory.in_use_bytes / 2**30:.1f} GiB in use): raise memory_utilization or use a smaller model")
+    log.info("KV cache: %.1f GiB (%.0f%% of %.1f GiB on %s, weights %.1f GiB)", budget / 2**30, util * 100,
+             memory.limit_bytes / 2**30, memory.kind, weight_bytes / 2**30)
+    return budget

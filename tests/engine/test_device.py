@@ -1,0 +1,41 @@
+"""Device-aware defaults: the KV pool's size from device memory (as vLLM's --gpu-memory-utilization) and
+bigger bucket lists on accelerators; a CPU keeps kv_memory_mb and the small buckets."""
+
+from __future__ import annotations
+
+import pytest
+
+from parrot.config import EngineConfig
+from parrot.engine.device import ACCELERATOR_BUCKETS, CPU_KV_MEMORY_MB, DeviceMemory, for_device, kv_budget_bytes
+
+GIB = 2**30
+H100 = DeviceMemory("gpu", "NVIDIA H100 80GB HBM3", 80 * GIB, 1 * GIB)
+
+
+def test_kv_pool_from_device_memory() -> None:
+    weights = 16 * GIB  # an 8B model in bf16
+    got = kv_budget_bytes(EngineConfig(), weights, H100)
+    assert got == int(0.9 * 80 * GIB) - 1 * GIB - weights - int(0.05 * 80 * GIB)
+    half = kv_budget_bytes(EngineConfig(memory_utilization=0.5), weights, H100)
+    assert half == int(0.5 * 80 * GIB) - 1 * GIB - weights - int(0.05 * 80 * GIB)
+    # an explicit size wins; a CPU (no memory limit reported) gets 1024 MB
+    assert kv_budget_bytes(EngineConfig(kv_memory_mb=300), weights, H100) == 300 * 2**20
+    cpu = DeviceMemory("cpu", "cpu", None, 0)
+    assert kv_budget_bytes(EngineConfig(), weights, cpu) == CPU_KV_MEMORY_MB * 2**20
+
+
+def test_weights_that_leave_no_room_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="leave no room for a KV cache"):
+        kv_budget_bytes(EngineConfig(memory_utilization=0.2), 16 * GIB, H100)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        EngineConfig(memory_utilization=1.5)
+
+
+def test_accelerator_buckets_keep_what_the_user_set() -> None:
+    assert for_device(EngineConfig(), "cpu") == EngineConfig()
+    gpu = for_device(EngineConfig(), "gpu")
+    assert gpu.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"] and gpu.max_batch_size == 256
+    assert gpu.max_num_batched_tokens == 2048 and max(gpu.token_buckets) == 2048
+    mine = for_device(EngineConfig(bs_buckets=[1, 8], max_batch_size=8), "gpu")
+    assert mine.bs_buckets == [1, 8] and mine.max_batch_size == 8  # set by the user: kept
+    assert mine.max_num_batched_tokens == 2048
