@@ -464,25 +464,105 @@ struct HeadState {
   float m[kMaxGroup], l[kMaxGroup];
 };
 
+// A page's rows [cnt, D] as float32: float32 pages as they are, bfloat16 pages widened into `buf`.
+inline const float* rows_f32(const float* p, int64_t, int64_t, float*) { return p; }
+inline const float* rows_f32(const uint16_t* p, int64_t cnt, int64_t D, float* buf) {
+  for (int64_t i = 0; i < cnt * D; i += 8) _mm256_store_ps(buf + i, load8(p + i));
+  return buf;
+}
+
+#ifndef PARROT_PAGES_AHEAD
+#define PARROT_PAGES_AHEAD 2
+#endif
+constexpr int64_t kPagesAhead = PARROT_PAGES_AHEAD;  // pages fetched ahead of the one being read
+
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// Eight dot products of one query row with eight key rows (float32, stride D), as one vector: eight
+// independent accumulators (a single chain of D/8 multiply-adds per score would leave the CPU waiting
+// on each one's latency), reduced by a tree of horizontal adds.
+inline __m256 dot8(const float* q, const float* k, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x = _mm256_load_ps(q + i);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + i), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + i), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + i), a3);
+    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + i), a4);
+    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + i), a5);
+    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + i), a6);
+    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + i), a7);
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// acc[0, D) = acc * corr + sum_t p[t] * v[t] over `cnt` value rows (float32, stride D). D % 64 == 0:
+// 64 dimensions at a time in eight registers, one multiply-add chain each.
+inline void weighted_rows(const float* p, const float* v, int64_t cnt, int64_t D, float corr, float* acc) {
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int64_t i = 0; i < D; i += 64) {
+    float* a = acc + i;
+    __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(a), c), o1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), c),
+           o2 = _mm256_mul_ps(_mm256_loadu_ps(a + 16), c), o3 = _mm256_mul_ps(_mm256_loadu_ps(a + 24), c),
+           o4 = _mm256_mul_ps(_mm256_loadu_ps(a + 32), c), o5 = _mm256_mul_ps(_mm256_loadu_ps(a + 40), c),
+           o6 = _mm256_mul_ps(_mm256_loadu_ps(a + 48), c), o7 = _mm256_mul_ps(_mm256_loadu_ps(a + 56), c);
+    for (int64_t t = 0; t < cnt; ++t) {
+      const __m256 w = _mm256_broadcast_ss(p + t);
+      const float* r = v + t * D + i;
+      o0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), o0);
+      o1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), o1);
+      o2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), o2);
+      o3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), o3);
+      o4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 32), o4);
+      o5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 40), o5);
+      o6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 48), o6);
+      o7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 56), o7);
+    }
+    _mm256_storeu_ps(a, o0), _mm256_storeu_ps(a + 8, o1), _mm256_storeu_ps(a + 16, o2);
+    _mm256_storeu_ps(a + 24, o3), _mm256_storeu_ps(a + 32, o4), _mm256_storeu_ps(a + 40, o5);
+    _mm256_storeu_ps(a + 48, o6), _mm256_storeu_ps(a + 56, o7);
+  }
+}
+
 // Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows).
+// Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is
+// read; each page is widened to float32 once for all the `group` query heads that read it.
 template <typename KV>
 void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const KV* vbase, const int32_t* pages,
                   int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
   alignas(32) float s[HeadState::kMaxGroup][64];
+  alignas(32) float qs[HeadState::kMaxGroup * 256];  // the queries, scaled
+  alignas(32) float kbuf[64 * 256], vbuf[64 * 256];  // one page (page_size <= 64, D <= 256)
+  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
+  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
   for (int64_t start = 0; start < n; start += page_size) {
     const int64_t page = pages[start / page_size];
     const int64_t cnt = std::min(page_size, n - start);
-    const KV* kp = kbase + page * page_size * D;
-    const KV* vp = vbase + page * page_size * D;
-    for (int64_t t = 0; t < cnt; ++t)
-      for (int h = 0; h < group; ++h) s[h][t] = dot(q + h * D, kp + t * D, D) * scale;
+    for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
+      if (start + ahead * page_size >= n) break;
+      const int64_t next = pages[start / page_size + ahead];
+      prefetch_rows(kbase + next * page_size * D, page_bytes);
+      prefetch_rows(vbase + next * page_size * D, page_bytes);
+    }
+    const float* kp = rows_f32(kbase + page * page_size * D, cnt, D, kbuf);
+    const float* vp = rows_f32(vbase + page * page_size * D, cnt, D, vbuf);
     for (int h = 0; h < group; ++h) {
+      const float* qh = qs + h * D;
+      int64_t t = 0;
+      for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, dot8(qh, kp + t * D, D));
+      for (; t < cnt; ++t) s[h][t] = dot(qh, kp + t * D, D);
       float mx = st.m[h];
-      for (int64_t t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
+      for (t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
       const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
       st.m[h] = mx;
       // probabilities of this page, eight at a time
-      int64_t t = 0;
+      t = 0;
       const __m256 vmx = _mm256_set1_ps(mx);
       for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx)));
       for (; t < cnt; ++t) s[h][t] = std::exp(s[h][t] - mx);
@@ -490,10 +570,14 @@ void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const K
       for (t = 0; t < cnt; ++t) sum += s[h][t];
       st.l[h] = st.l[h] * corr + sum;
       float* a = acc + h * D;
+      if (D % 64 == 0) {
+        weighted_rows(s[h], vp, cnt, D, corr, a);
+        continue;
+      }
       const __m256 vc = _mm256_set1_ps(corr);
       for (int64_t i = 0; i < D; i += 8) {
         __m256 o = _mm256_mul_ps(_mm256_loadu_ps(a + i), vc);
-        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_set1_ps(s[h][t]), load8(vp + t * D + i), o);
+        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_broadcast_ss(s[h] + t), _mm256_loadu_ps(vp + t * D + i), o);
         _mm256_storeu_ps(a + i, o);
       }
     }
@@ -538,7 +622,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::InvalidArgument("paged_decode: q [B,H,D], caches [Hkv,P,S,D], block_tables [B,P]");
   const int64_t B = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], maxp = bd[1];
   const int64_t Pp = prefix_pages.dimensions()[0];
-  if (kd[3] != D || D % 8 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
+  if (kd[3] != D || D % 8 || D > 256 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
   // bfloat16 caches arrive as bfloat16 or as their uint16 bit patterns (how the engine stores them)
   const auto kt = k_cache.element_type();
