@@ -125,6 +125,9 @@ class FillRequest(BaseModel):
 
     context_id: str = Field(min_length=1, max_length=256)
     parent_context_id: str | None = Field(None, description="fork this context first if context_id is new")
+    parent_num_tokens: int | None = Field(
+        None, ge=0, description="fork only the first N tokens of the parent (its KV pages up to N shared): any "
+                                "prefix of a cached context can seed a new one; default: all of them")
     token_ids: list[int] = Field(min_length=1)
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
     priority: int = Field(0, ge=0, le=9, description=PRIORITY)
@@ -140,6 +143,9 @@ class GenerateRequest(BaseModel):
 
     context_id: str = Field(min_length=1, max_length=256)
     parent_context_id: str | None = None
+    parent_num_tokens: int | None = Field(
+        None, ge=0, description="fork only the first N tokens of the parent (its KV pages up to N shared): any "
+                                "prefix of a cached context can seed a new one; default: all of them")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
     priority: int = Field(0, ge=0, le=9, description=PRIORITY)

@@ -166,6 +166,7 @@ class LLMEngine:
     def fill_future(self, req: FillRequest) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.FILL, req.context_id, req.parent_context_id, fill_tokens=list(req.token_ids),
+                  parent_num_tokens=req.parent_num_tokens,
                   on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s, priority=req.priority)
         self.submit(job)
         return fut
@@ -176,6 +177,7 @@ class LLMEngine:
         already compiled (`compile_constraint`): async callers compile off their event loop first."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.GENERATE, req.context_id, req.parent_context_id, sampling=req.sampling,
+                  parent_num_tokens=req.parent_num_tokens,
                   on_chunk=on_chunk, on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s,
                   priority=req.priority, constraint=constraint)
         self.submit(job)

@@ -165,13 +165,15 @@ class KVCacheManager:
         self._contexts[context_id] = ctx
         return ctx
 
-    def fork(self, context_id: str, parent_id: str) -> PageCopy | None:
-        """A new child of `parent_id` holding the parent's tokens: full pages shared, a partial last
-        page copied into a fresh page. Returns that copy for the runner to perform, or None."""
+    def fork(self, context_id: str, parent_id: str, num_tokens: int | None = None) -> PageCopy | None:
+        """A new child of `parent_id` holding the parent's first `num_tokens` tokens (default: all of them;
+        at most what the parent's KV holds): full pages shared, a partial last page copied into a fresh
+        page. Returns that copy for the runner to perform, or None."""
         self._check_new(context_id)
         parent = self.get(parent_id)
-        full = parent.num_tokens // self.page_size
-        partial = parent.num_tokens % self.page_size
+        n = parent.num_tokens if num_tokens is None else min(num_tokens, parent.num_tokens)
+        full = n // self.page_size
+        partial = n % self.page_size
         if partial and not self._free:
             raise OutOfPages(1, 0, f"fork {parent_id!r}")
         pages = parent.pages[:full]
@@ -182,10 +184,9 @@ class KVCacheManager:
             dst = self._alloc()
             pages.append(dst)
             copy = PageCopy(src=parent.pages[full], dst=dst, num_tokens=partial)
-        self._contexts[context_id] = Context(context_id, parent_id, pages, parent.num_tokens,
-                                             full * self.page_size)
+        self._contexts[context_id] = Context(context_id, parent_id, pages, n, full * self.page_size)
         parent.children.add(context_id)
-        self._num_cached_tokens += parent.num_tokens
+        self._num_cached_tokens += n
         return copy
 
     def free(self, context_id: str) -> int:

@@ -447,12 +447,17 @@ class Scheduler:
             if job.parent_context_id is not None:
                 if job.parent_context_id not in self.kv:
                     raise NotFoundError(f"parent context {job.parent_context_id!r} does not exist")
+                parent_tokens = self.tokens[job.parent_context_id]
+                n = len(parent_tokens) if job.parent_num_tokens is None else job.parent_num_tokens
+                if n > len(parent_tokens):
+                    raise InvalidRequestError(f"parent_num_tokens {n} exceeds the {len(parent_tokens)} tokens of "
+                                              f"parent context {job.parent_context_id!r}")
                 while not self.kv.num_free_pages and self._evict_idle(keep=job.parent_context_id):
                     pass  # the fork copies the parent's partial last page into a free page
-                copy = self.kv.fork(ctx_id, job.parent_context_id)
+                copy = self.kv.fork(ctx_id, job.parent_context_id, n)
                 if copy is not None:
                     plan.copies.append(copy)
-                self.tokens[ctx_id] = list(self.tokens[job.parent_context_id])
+                self.tokens[ctx_id] = list(parent_tokens[:n])
             elif job.kind is JobKind.FILL:
                 self.kv.create(ctx_id)
                 self.tokens[ctx_id] = []

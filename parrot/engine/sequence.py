@@ -56,6 +56,7 @@ class Job:
     texts: TokenTexts | None = None  # token texts for logprobs (set at submit when they are asked for)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     forced: bool = False  # `pending` holds tokens the grammar forced after the last sampled one
+    parent_num_tokens: int | None = None  # a new context forks this many of the parent's tokens (None: all)
 
     @property
     def order(self) -> tuple[int, float]:

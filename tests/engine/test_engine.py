@@ -103,6 +103,29 @@ def test_forks_equal_unforked(engine: LLMEngine) -> None:
     assert engine.ping().num_contexts == 0
 
 
+def test_fork_of_a_prefix_equals_those_tokens(engine: LLMEngine) -> None:
+    """`parent_num_tokens`: a new context seeded by any prefix of a cached one (page-aligned or not)
+    continues exactly like a context filled with those tokens."""
+    base = prompt(21, 45)
+    fill(engine, "long", base)
+    for n in (32, 27):
+        req = FillRequest(context_id=f"pre{n}", parent_context_id="long", parent_num_tokens=n,
+                          token_ids=prompt(22, 6))
+        assert engine.fill_future(req).result(TIMEOUT).num_tokens == n + 6
+        forked = gen(engine, f"pre{n}", max_tokens=6, ignore_eos=True).token_ids
+        fill(engine, f"flatpre{n}", base[:n] + prompt(22, 6))
+        assert gen(engine, f"flatpre{n}", max_tokens=6, ignore_eos=True).token_ids == forked
+    g = engine.generate_future(GenerateRequest(context_id="gpre", parent_context_id="long", parent_num_tokens=30,
+                                               sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+    fill(engine, "gflatpre", base[:30])
+    assert g.result(TIMEOUT).token_ids == gen(engine, "gflatpre", max_tokens=4, ignore_eos=True).token_ids
+    with pytest.raises(InvalidRequestError, match="parent_num_tokens 46 exceeds"):
+        engine.fill_future(FillRequest(context_id="toolong", parent_context_id="long", parent_num_tokens=46,
+                                       token_ids=[5])).result(TIMEOUT)
+    for c in ("long", "pre32", "pre27", "flatpre32", "flatpre27", "gpre", "gflatpre"):
+        engine.free_future(c).result(TIMEOUT)
+
+
 def test_stop_conditions(engine: LLMEngine) -> None:
     fill(engine, "s", prompt(7, 12))
     free_run = gen(engine, "s", parent=None, max_tokens=12, ignore_eos=True)

@@ -197,6 +197,21 @@ def test_fork_partial_page_is_copied() -> None:
     assert m.num_free_pages == 8 - 1 - 4
 
 
+def test_fork_of_a_prefix() -> None:
+    """A child of the parent's first N tokens: the pages wholly inside them shared, the page N ends in
+    copied up to N; asking for more than the parent's KV holds gives what it holds."""
+    m = KVCacheManager(8, PS)
+    parent = filled(m, "p", 13)  # 3 full pages + 1 token
+    assert m.fork("c", "p", 8) is None  # page-aligned prefix: two pages shared, nothing copied
+    assert m.get("c").pages == parent.pages[:2] and m.get("c").num_tokens == 8
+    cp = m.fork("d", "p", 6)  # one full page + 2 tokens of the second
+    assert cp == PageCopy(src=parent.pages[1], dst=m.get("d").pages[1], num_tokens=2)
+    assert m.get("d").num_tokens == 6 and m.get("d").num_shared_tokens == 4
+    assert m.fork("e", "p", 99) is not None and m.get("e").num_tokens == 13
+    assert m.fork("f", "p", 0) is None and m.get("f").pages == []
+    assert [m.refcount(p) for p in parent.pages] == [4, 3, 2, 1]
+
+
 def test_fork_of_empty_and_short_parents() -> None:
     m = KVCacheManager(8, PS)
     m.create("p")
