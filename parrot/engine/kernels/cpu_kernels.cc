@@ -190,7 +190,7 @@ inline void gemv_tile(const float* x, const float* xsum, const uint8_t* w, int64
 // multiplied into up to 8 activation rows, with the same per-block form as `gemv_tile`. Dequantizing
 // into a panel first (below) costs more than the products themselves when T is this small.
 #ifndef PARROT_SMALL_T
-#define PARROT_SMALL_T 12
+#define PARROT_SMALL_T 16
 #endif
 constexpr int64_t kSmallT = PARROT_SMALL_T;
 
