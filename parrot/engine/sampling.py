@@ -43,11 +43,13 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
 
 def needs_processing(job: Job) -> bool:
     """True when the job's next token needs `sample_processed`: a constraint, logprobs, logit_bias,
-    penalties, min-p, or stop tokens still suppressed by min_tokens."""
+    penalties, or stop tokens still suppressed by min_tokens. (Temperature, top-k, top-p and min-p run in
+    the plain sampler, on the device: an OpenAI request with llama.cpp's default min-p 0.05 keeps the
+    fast path and the engine's overlap.)"""
     p = job.sampling
     assert p is not None
     return (job.constraint is not None or p.logprobs is not None or bool(p.logit_bias) or p.penalized
-            or p.min_p > 0.0 or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
+            or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +60,7 @@ class SamplingBatch:
     top_k: jax.Array  # [B] int32 (0: off)
     seeds: jax.Array  # [B] uint32
     steps: jax.Array  # [B] int32 tokens generated so far (folded into the key)
+    min_p: jax.Array  # [B] float32 (0: off)
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], batch_size: int,
@@ -73,7 +76,9 @@ class SamplingBatch:
         top_k[:n] = [p.top_k for p in params]
         seeds[:n] = [p.seed if p.seed is not None else d for p, d in zip(params, default_seeds, strict=True)]
         st[:n] = steps
-        return cls(temp, top_p, top_k, seeds, st)
+        min_p = np.zeros(batch_size, np.float32)
+        min_p[:n] = [p.min_p for p in params]
+        return cls(temp, top_p, top_k, seeds, st, min_p)
 
 
 @jax.tree_util.register_dataclass
@@ -145,7 +150,7 @@ def greedy_sample(logits: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """logits [B, V] -> token ids [B]. Rows with temperature 0 take the argmax."""
-    return _choose(logits, sb, None)
+    return _choose(logits, sb, sb.min_p)
 
 
 def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,

@@ -141,6 +141,13 @@ def test_min_p_drops_unlikely_tokens() -> None:
     ex.min_p[0] = 0.0
     drawn = {int(processed_sampler(logits, _batch([1.0], [s]), ex)[0][0]) for s in range(200)}
     assert {3, 4, 5} <= drawn
+    # the plain sampler applies min-p itself (a request with only min-p set keeps the fast path), with the
+    # same draws as the processed one
+    sampler = jax.jit(sample)
+    for s in range(50):
+        sb = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, min_p=0.5)], [3], 1, [0])
+        ex.min_p[0] = 0.5
+        assert int(sampler(logits, sb)[0]) == int(processed_sampler(logits, sb, ex)[0][0]) in (3, 4)
 
 
 # ---- through the engine ---------------------------------------------------------------------------
