@@ -41,9 +41,9 @@ def _name(layers_per_call: int, weights: str, several_layers: bool) -> str:
 
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
-        layers: list[int], weights: list[str]) -> dict:
+        layers: list[int], weights: list[str], load_format: str = "auto") -> dict:
     t0 = time.perf_counter()
-    loaded = load_model(model)
+    loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
     runners = {}
     load_s = {}
@@ -174,10 +174,13 @@ def main() -> None:
                     help="configurations measured side by side (0: the whole model in one call)")
     ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "f32", "bf16"],
                     help="weight settings measured side by side (auto: quantized files stay quantized)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
+                         "or a directory with a config.json)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
-            args.weights)
+            args.weights, args.load_format)
     print(report(r))
     write_json(r, args.out)
 

@@ -97,6 +97,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quick", action="store_true", help="fewer levels and tokens (a few minutes)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
+                         "or a directory with a config.json)")
     ap.add_argument("--out", default="benchmarks/results/engine_serving.json")
     args = ap.parse_args()
     quick = args.quick
@@ -105,7 +108,7 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        token_buckets=[16, 32, 64, 128, 256, 512], bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256])
-    model = load_model(args.model)
+    model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
     t0 = time.perf_counter()
     eng.runner.precompile()

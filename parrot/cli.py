@@ -32,6 +32,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16"], default=EngineConfig.kv_dtype,
                    help="KV cache elements: bf16 (half the memory and attention reads per token), f32, or auto "
                         "(default: bf16 where the native CPU kernels decode, else the activation dtype)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of --model's shape (a preset: llama-3-8b, qwen2-7b, smollm2-1.7b, "
+                        "smollm2-135m, tiny-llama; or a directory with a config.json), for benchmarks of big "
+                        "shapes without their files")
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
@@ -47,6 +51,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def _weight_dtype(args: argparse.Namespace) -> str | None:
+    """The dtype dummy weights are drawn in: bfloat16 with --weights bf16, else the backend's default."""
+    return "bfloat16" if args.weights == "bf16" else None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from parrot.engine.engine import LLMEngine
     from parrot.engine.loader import load_model
@@ -56,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise ParrotError("the prompt is empty")
     t0 = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
     tok = model.tokenizer
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, memory_utilization=args.gpu_memory_utilization,
                        compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
@@ -110,7 +119,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
     cfg = engine_config_from_args(args)
-    run_engine_server(args.model, args.host, args.port, cfg, args.serve_core, name=args.name,
+    model = args.model
+    if args.load_format == "dummy":
+        from parrot.engine.loader import load_model
+
+        model = load_model(args.model, load_format="dummy", dtype=_weight_dtype(args))
+    run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
                       advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key)
     return 0
 
@@ -147,12 +161,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from parrot.engine.engine import LLMEngine
         from parrot.engine.loader import load_model
 
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
         core.tokenizers.register(args.model, loaded.tokenizer)  # the file is read once
         engine = LLMEngine(loaded, cfg, name=args.model).start(wait=False)
         del loaded  # the runner holds the weights
         core.engines.register(LocalEngineClient(engine, name="local"))
     else:
+        if args.load_format == "dummy":  # random weights: the engines use the default model's tokenizer
+            from parrot.engine.dummy_weights import dummy_config, dummy_tokenizer
+
+            core.tokenizers.register(args.model, dummy_tokenizer(dummy_config(args.model)))
         core.tokenizers.get(args.model)  # fail fast on a bad model path
         core_url = f"http://{args.host}:{args.port}"
         for i in range(args.engines):
@@ -170,6 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     cmd += [flag, str(value)]
             if args.no_overlap:
                 cmd.append("--no-overlap")
+            if args.load_format != "auto":
+                cmd += ["--load-format", args.load_format]
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),
                                  ("--precompile-bs-paddings", args.precompile_bs_paddings)):
                 if values:

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -41,8 +42,18 @@ class LoadedModel:
     source: str
 
 
-def load_model(model: str | Path | None = None, progress: bool = True) -> LoadedModel:
-    """Load a model from a GGUF file, a Hugging Face directory, or the default ('smollm2' / None)."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_model(model: str | Path | None = None, progress: bool = True, load_format: str = "auto",
+               dtype: str | None = None) -> LoadedModel:
+    """Load a model from a GGUF file, a Hugging Face directory, or the default ('smollm2' / None).
+    `load_format="dummy"`: random weights of a preset's or a config.json's shape (engine/dummy_weights.py),
+    drawn in `dtype` (default: the engine's weight dtype on this backend)."""
+    if load_format == "dummy":
+        return _load_dummy(model if model is not None else "smollm2-135m", dtype)
+    if load_format != "auto":
+        raise ModelLoadError(f"unknown load format {load_format!r} (choose from {', '.join(LOAD_FORMATS)})")
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_dir(path, progress)
@@ -193,6 +204,12 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
         hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    return _load_hf_weights(path, hf_config(hf, cfg_file), progress)
+
+
+def hf_config(hf: dict, cfg_file: Path) -> LlamaConfig:
+    """The model configuration of a Hugging Face config.json (`cfg_file`: where it came from, for errors)."""
+    path = cfg_file.parent
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in _HF_ARCHS), None)
     if arch is None:
@@ -202,10 +219,19 @@ def _load_hf_dir(path: Path, progress: bool) -> LoadedModel:
     if rope_type not in ("default", None):
         raise ModelLoadError(f"{path}: RoPE scaling {rope_type!r} (rope_scaling / rope_parameters) is not supported")
     try:
-        cfg = _hf_config(hf, arch, rope)
+        return _hf_config(hf, arch, rope)
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{cfg_file} lacks or has an invalid {exc} entry") from exc
-    return _load_hf_weights(path, cfg, progress)
+
+
+def _load_dummy(model: str | Path, dtype: str | None) -> LoadedModel:
+    from parrot.engine import dummy_weights
+    from parrot.engine.runner import default_dtypes
+
+    cfg = dummy_weights.dummy_config(model)
+    tok = dummy_weights.dummy_tokenizer(cfg)
+    weights = dummy_weights.dummy_weights(cfg, jnp.dtype(dtype) if dtype else default_dtypes()[1])
+    return LoadedModel(cfg, weights, tok, f"dummy:{model}")
 
 
 def _hf_config(hf: dict, arch: str, rope: dict) -> LlamaConfig:
