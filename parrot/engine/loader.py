@@ -157,12 +157,14 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
 
 
 def _to_model_layout(name: str, short: str, w: np.ndarray, shape: tuple[int, ...], path: Path) -> np.ndarray:
-    """[out, in] (torch / gguf) -> [in, out]; embeddings stay [vocab, hidden]."""
+    """[out, in] (torch / gguf) -> [in, out] (a transposed view); embeddings stay [vocab, hidden]."""
     if w.ndim == 2 and short != "embed":
         w = w.T
     if w.shape != shape:
         raise ModelLoadError(f"{path}: tensor {name} has shape {w.shape}, expected {shape}")
-    return np.ascontiguousarray(w)
+    # a view (of the memory-mapped file, for safetensors): the model copies each tensor once, straight into
+    # its device buffer in its dtype; a contiguous host copy here held a second whole model in memory
+    return w
 
 
 # ---- Hugging Face directory ---------------------------------------------------------------------
