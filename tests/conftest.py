@@ -38,7 +38,10 @@ def tiny_model(seed: int = 0) -> LoadedModel:
 
 
 def tiny_engine_config(**kw) -> EngineConfig:
-    base = dict(compilation_cache_dir=None, kv_memory_mb=4, token_buckets=[16, 32, 64, 128],
+    """Small buckets and pool; float32 on every backend (the engine tests compare batched, forked and
+    preempted runs token for token: that is exact in float32 with HIGHEST-precision products, not in
+    an accelerator's default bfloat16)."""
+    base = dict(compilation_cache_dir=None, kv_memory_mb=4, dtype="float32", token_buckets=[16, 32, 64, 128],
                 bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16,
                 cascade_suffix_buckets=[64, 128], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
     base.update(kw)
