@@ -146,9 +146,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// One activation row (decode at batch 1): y[r] for RR weight rows. Each block contributes
-// d * sum(x * q) + offset * sum(x) (offset: Q4_1's minimum, Q4_0's -8 d), so a weight costs its integer
-// conversion and one multiply-add; the per-block sums of x (`xsum`) are computed once per product.
+// One activation row (decode at batch 1): y[r] for RR weight rows. Each block is dequantized exactly
+// (d * q, plus Q4_1's minimum) and multiplied into one accumulator per row; the rows of a tile are
+// interleaved so that the memory stream has several rows in flight.
 #ifndef PARROT_HINT
 #define PARROT_HINT _MM_HINT_T0
 #endif
@@ -158,11 +158,9 @@ inline float hsum(__m256 v) {
 constexpr int64_t kPrefetch = PARROT_PF;
 
 template <int Q, int RR>
-inline void gemv_tile(const float* x, const float* xsum, const uint8_t* w, int64_t ldw, int64_t blocks,
-                      float* y) {
+inline void gemv_tile(const float* x, const uint8_t* w, int64_t ldw, int64_t blocks, float* y) {
   __m256 acc[RR];
-  float off[RR];
-  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps(), off[r] = 0.f;
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
   // the tile's rows are contiguous: stream the bytes `kPrefetch` ahead of the ones being read (rows
   // are short, 612 bytes for K = 576, so the hardware prefetcher alone barely starts before each ends)
   const uint8_t* ahead = w + kPrefetch;
@@ -174,77 +172,67 @@ inline void gemv_tile(const float* x, const float* xsum, const uint8_t* w, int64
     __m256 xv[4];
     for (int c = 0; c < 4; ++c) xv[c] = _mm256_loadu_ps(x + b * 32 + 8 * c);
     for (int r = 0; r < RR; ++r) {
-      const uint8_t* blk = w + r * ldw + b * Block<Q>::kBytes;
-      __m256 q[4];
-      Block<Q>::ints(blk, q);
-      __m256 dot = _mm256_mul_ps(xv[0], q[0]);
-      for (int c = 1; c < 4; ++c) dot = _mm256_fmadd_ps(xv[c], q[c], dot);
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(Block<Q>::scale(blk)), acc[r]);
-      if constexpr (Q != kQ8_0) off[r] += Block<Q>::offset(blk) * xsum[b];
+      __m256 wv[4];  // the block's weights, dequantized exactly (as the panel and XLA's path do)
+      Block<Q>::dequant(w + r * ldw + b * Block<Q>::kBytes, wv);
+      for (int c = 0; c < 4; ++c) acc[r] = _mm256_fmadd_ps(xv[c], wv[c], acc[r]);
     }
   }
-  for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]) + off[r];
+  for (int r = 0; r < RR; ++r) y[r] = hsum(acc[r]);
 }
 
-// A few activation rows (small decode batches): each weight row's blocks are converted once and
-// multiplied into up to 8 activation rows, with the same per-block form as `gemv_tile`. Dequantizing
-// into a panel first (below) costs more than the products themselves when T is this small.
+// A few activation rows (small decode batches): each weight row's blocks are dequantized once and
+// multiplied into up to 8 activation rows, in the same order as `gemv_tile` (so a sequence decodes the
+// same tokens alone and in a batch of up to kSmallT). Dequantizing into a panel first (below) costs more
+// than the products themselves when T is this small.
 #ifndef PARROT_SMALL_T
 #define PARROT_SMALL_T 16
 #endif
 constexpr int64_t kSmallT = PARROT_SMALL_T;
 
 template <int Q, int TT>
-inline void gemv_multi(const float* x, int64_t K, const float* xsum, const uint8_t* w, int64_t blocks, float* y,
-                       int64_t ldy) {
+inline void gemv_multi(const float* x, int64_t K, const uint8_t* w, int64_t blocks, float* y, int64_t ldy) {
   static_assert(TT >= 1 && TT <= 8);
   // named accumulators (with an array GCC keeps them on the stack, see `micro`)
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  float o[TT] = {};
   for (int64_t b = 0; b < blocks; ++b) {
 #if PARROT_PF
     _mm_prefetch(reinterpret_cast<const char*>(w + b * Block<Q>::kBytes + kPrefetch), PARROT_HINT);
 #endif
-    const uint8_t* blk = w + b * Block<Q>::kBytes;
-    __m256 q[4];
-    Block<Q>::ints(blk, q);
-    const __m256 d = _mm256_set1_ps(Block<Q>::scale(blk));
+    __m256 wv[4];  // dequantized once for every activation row, the same products as `gemv_tile`
+    Block<Q>::dequant(w + b * Block<Q>::kBytes, wv);
     const float* xb = x + b * 32;
-#define PARROT_DOT(i)                                                                  \
-  if constexpr (TT > i) {                                                              \
-    const float* xi = xb + i * K;                                                      \
-    __m256 dot = _mm256_mul_ps(_mm256_loadu_ps(xi), q[0]);                             \
-    dot = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), q[1], dot);                         \
-    dot = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 16), q[2], dot);                        \
-    dot = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 24), q[3], dot);                        \
-    a##i = _mm256_fmadd_ps(dot, d, a##i);                                              \
-    if constexpr (Q != kQ8_0) o[i] += Block<Q>::offset(blk) * xsum[i * blocks + b];    \
+#define PARROT_DOT(i)                                                  \
+  if constexpr (TT > i) {                                              \
+    const float* xi = xb + i * K;                                      \
+    a##i = _mm256_fmadd_ps(_mm256_loadu_ps(xi), wv[0], a##i);          \
+    a##i = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 8), wv[1], a##i);      \
+    a##i = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 16), wv[2], a##i);     \
+    a##i = _mm256_fmadd_ps(_mm256_loadu_ps(xi + 24), wv[3], a##i);     \
   }
     PARROT_DOT(0) PARROT_DOT(1) PARROT_DOT(2) PARROT_DOT(3) PARROT_DOT(4) PARROT_DOT(5) PARROT_DOT(6) PARROT_DOT(7)
 #undef PARROT_DOT
   }
 #define PARROT_OUT(i) \
-  if constexpr (TT > i) y[i * ldy] = hsum(a##i) + o[i];
+  if constexpr (TT > i) y[i * ldy] = hsum(a##i);
   PARROT_OUT(0) PARROT_OUT(1) PARROT_OUT(2) PARROT_OUT(3) PARROT_OUT(4) PARROT_OUT(5) PARROT_OUT(6) PARROT_OUT(7)
 #undef PARROT_OUT
 }
 
 template <int Q>
-inline void gemv_multi_rows(const float* x, int64_t T, int64_t K, const float* xsum, const uint8_t* wrow,
-                            int64_t blocks, float* y, int64_t N) {
+inline void gemv_multi_rows(const float* x, int64_t T, int64_t K, const uint8_t* wrow, int64_t blocks, float* y,
+                            int64_t N) {
   for (int64_t t = 0; t < T; t += 8) {
     const float* xt = x + t * K;
-    const float* st = xsum + t * blocks;
     float* yt = y + t * N;
     switch (std::min<int64_t>(8, T - t)) {
-      case 8: gemv_multi<Q, 8>(xt, K, st, wrow, blocks, yt, N); break;
-      case 7: gemv_multi<Q, 7>(xt, K, st, wrow, blocks, yt, N); break;
-      case 6: gemv_multi<Q, 6>(xt, K, st, wrow, blocks, yt, N); break;
-      case 5: gemv_multi<Q, 5>(xt, K, st, wrow, blocks, yt, N); break;
-      case 4: gemv_multi<Q, 4>(xt, K, st, wrow, blocks, yt, N); break;
-      case 3: gemv_multi<Q, 3>(xt, K, st, wrow, blocks, yt, N); break;
-      case 2: gemv_multi<Q, 2>(xt, K, st, wrow, blocks, yt, N); break;
-      default: gemv_multi<Q, 1>(xt, K, st, wrow, blocks, yt, N); break;
+      case 8: gemv_multi<Q, 8>(xt, K, wrow, blocks, yt, N); break;
+      case 7: gemv_multi<Q, 7>(xt, K, wrow, blocks, yt, N); break;
+      case 6: gemv_multi<Q, 6>(xt, K, wrow, blocks, yt, N); break;
+      case 5: gemv_multi<Q, 5>(xt, K, wrow, blocks, yt, N); break;
+      case 4: gemv_multi<Q, 4>(xt, K, wrow, blocks, yt, N); break;
+      case 3: gemv_multi<Q, 3>(xt, K, wrow, blocks, yt, N); break;
+      case 2: gemv_multi<Q, 2>(xt, K, wrow, blocks, yt, N); break;
+      default: gemv_multi<Q, 1>(xt, K, wrow, blocks, yt, N); break;
     }
   }
 }
@@ -339,32 +327,13 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
                   int64_t N) {
   const int64_t blocks = K / 32, ldw = blocks * Block<Q>::kBytes;
   if (T == 1) {
-    thread_local std::vector<float> xsum;
-    xsum.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256 v = _mm256_loadu_ps(x + b * 32);
-      for (int c = 1; c < 4; ++c) v = _mm256_add_ps(v, _mm256_loadu_ps(x + b * 32 + 8 * c));
-      xsum[b] = hsum(v);
-    }
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, xsum.data(), w + n * ldw, ldw, blocks, y + n);
-    for (; n < n1; ++n) gemv_tile<Q, 1>(x, xsum.data(), w + n * ldw, ldw, blocks, y + n);
+    for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, w + n * ldw, ldw, blocks, y + n);
+    for (; n < n1; ++n) gemv_tile<Q, 1>(x, w + n * ldw, ldw, blocks, y + n);
     return;
   }
   if (T <= kSmallT) {
-    thread_local std::vector<float> xsums;
-    xsums.assign(T * blocks, 0.f);
-    if constexpr (Q != kQ8_0) {
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t b = 0; b < blocks; ++b) {
-          const float* xb = x + t * K + b * 32;
-          __m256 v = _mm256_loadu_ps(xb);
-          for (int c = 1; c < 4; ++c) v = _mm256_add_ps(v, _mm256_loadu_ps(xb + 8 * c));
-          xsums[t * blocks + b] = hsum(v);
-        }
-      }
-    }
-    for (int64_t n = n0; n < n1; ++n) gemv_multi_rows<Q>(x, T, K, xsums.data(), w + n * ldw, blocks, y + n, N);
+    for (int64_t n = n0; n < n1; ++n) gemv_multi_rows<Q>(x, T, K, w + n * ldw, blocks, y + n, N);
     return;
   }
   thread_local std::vector<float> panel;
