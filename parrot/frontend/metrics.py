@@ -56,6 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from parrot.protocol import RuntimeInfo
 from parrot.serve.core import ParrotServeCore
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -147,16 +148,21 @@ def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                "(set once warm).", labels=["engine"])
     rss = GaugeMetricFamily("parrot:engine_resident_memory_bytes", "Resident memory of the engine's process.",
                             labels=["engine"])
-    for client in core.engines.live_engines():
-        info = core.engines.runtime(client.name)
-        if info is None:
-            continue
-        compiled.add_metric([client.name], info.compiled_shapes)
-        total.add_metric([client.name], info.total_shapes)
+    for name, info in _runtimes(core):
+        compiled.add_metric([name], info.compiled_shapes)
+        total.add_metric([name], info.total_shapes)
         for family, value in ((warm, info.warmup_s), (uptime, info.process_uptime_s), (rss, info.rss_bytes)):
             if value is not None:
-                family.add_metric([client.name], value)
+                family.add_metric([name], value)
     yield from (compiled, total, warm, uptime, rss)
+
+
+def _runtimes(core: ParrotServeCore) -> Iterator[tuple[str, RuntimeInfo]]:
+    """Each live engine's name and latest runtime info (engines that have not reported yet are left out)."""
+    for client in core.engines.live_engines():
+        info = core.engines.runtime(client.name)
+        if info is not None:
+            yield client.name, info
 
 
 def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
@@ -170,17 +176,13 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
                                          "max_num_batched_tokens", "overlap"])
-    for client in core.engines.live_engines():
-        info = core.engines.runtime(client.name)
-        if info is None:
-            continue
-        step.add_metric([client.name], info.recent_step_ms)
-        host.add_metric([client.name], info.recent_host_ms)
-        ahead.add_metric([client.name], info.ahead_steps)
+    keys = ("platform", "weights", "kv_dtype", "kv_pages", "max_batch_size", "max_num_batched_tokens", "overlap")
+    for name, info in _runtimes(core):
+        step.add_metric([name], info.recent_step_ms)
+        host.add_metric([name], info.recent_host_ms)
+        ahead.add_metric([name], info.ahead_steps)
         if info.settings:
-            keys = ("platform", "weights", "kv_dtype", "kv_pages", "max_batch_size", "max_num_batched_tokens",
-                    "overlap")
-            settings.add_metric([client.name, *(str(info.settings.get(k, "")) for k in keys)], 1)
+            settings.add_metric([name, *(str(info.settings.get(k, "")) for k in keys)], 1)
     yield from (step, host, ahead, settings)
 
 
