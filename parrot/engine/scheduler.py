@@ -17,8 +17,9 @@ batch is planned and launched before the first's tokens reach the host. Its slot
 (`PENDING`) that the runner replaces on the device with the token the previous step sampled (`Slot.source`);
 `update(plan, sampled, ahead)` then applies the first step and hands each token to the ahead slot that
 feeds it. A job that finished in the first step leaves its ahead slot unused: its KV beyond its tokens is
-dropped. Only a stable batch runs ahead: no waiting jobs, no prefill, no job whose next token needs host
-work (constraints, logprobs, penalties) and pages free for every job, so a step in flight is never preempted.
+dropped. Only a stable batch runs ahead: no waiting job that could join it, no prefill, no job whose next
+token needs host work (constraints, logprobs, penalties) and pages free for every job, so a step in flight
+is never preempted.
 """
 
 from __future__ import annotations
@@ -177,8 +178,10 @@ class Scheduler:
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see
         the module doc), or None when the batch is not stable enough to run ahead."""
-        if plan.prefill or not plan.decode or plan.outputs or self.waiting or self._copies:
+        if plan.prefill or not plan.decode or plan.outputs or self._copies:
             return None
+        if self.waiting and len(self.running) < self.cfg.max_batch_size:
+            return None  # the full scheduler admits waiting work now (with a full batch it waits anyway)
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler

@@ -402,3 +402,18 @@ def test_abort_while_a_step_is_in_flight() -> None:
     assert s.kv.get("a").num_tokens <= len(s.tokens["a"])
     rest, _ = _drive_overlapped(s, True)
     assert _results(rest)["b"].finish_reason == "length"
+
+
+def test_a_full_batch_keeps_running_ahead_while_work_waits() -> None:
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_batch_size=2)
+    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+    for ctx in ("a", "b"):
+        s.add(_fill(ctx, 10))
+        s.add(_gen(ctx, 20))
+    for _ in range(6):  # fills, then both generates decoding
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+    s.add(_fill("c", 10))  # cannot join: the batch is full
+    plan = s.schedule()
+    assert len(plan.decode) == 2 and s.waiting
+    assert s.schedule_ahead(plan) is not None
