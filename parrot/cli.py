@@ -106,6 +106,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
         return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
                             memory_utilization=args.gpu_memory_utilization,
+                            prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes
+                            or EngineConfig.prefill_tokens_beside_decodes,
                             max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
                             kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
@@ -182,6 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--gpu-memory-utilization", args.gpu_memory_utilization),
                                 ("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                                ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype)):
                 if value is not None:
@@ -233,6 +236,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"prefill token budget per step (default {EngineConfig.max_num_batched_tokens}, capped at "
                         "the largest token padding)")
+    e.add_argument("--prefill-tokens-beside-decodes", type=int, default=None, metavar="N",
+                   help="prefill tokens in a step that also decodes (default "
+                        f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators; smaller: lower "
+                        "inter-token latency while prompts arrive)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 16..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

@@ -24,6 +24,9 @@ class EngineConfig:
     kv_pages: int | None = None  # exact page count (overrides kv_memory_mb), page 0 included
     max_batch_size: int = 64
     max_num_batched_tokens: int = 512  # prefill chunk / token budget per step
+    # prefill tokens in a step that also decodes (each decoding sequence waits for them: inter-token
+    # latency); None: max_num_batched_tokens
+    prefill_tokens_beside_decodes: int | None = 128
     # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths
     token_buckets: list[int] = field(default_factory=lambda: _pow2(16, 512))
     bs_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode batches
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError("layers_per_call must be positive")
         if self.max_batch_size > self.bs_buckets[-1]:
             raise ValueError("max_batch_size must not exceed the largest batch-size bucket")
+        if self.prefill_tokens_beside_decodes is not None and self.prefill_tokens_beside_decodes <= 0:
+            raise ValueError("prefill_tokens_beside_decodes must be positive")
         if self.max_num_batched_tokens > self.token_buckets[-1]:
             raise ValueError("max_num_batched_tokens must not exceed the largest token bucket")
         if any(b % self.page_size for b in self.kv_buckets + self.cascade_suffix_buckets):

@@ -32,6 +32,7 @@ ACCELERATOR_BUCKETS = {
     "max_batch_size": 256,
     "token_buckets": [16, 32, 64, 128, 256, 512, 1024, 2048],
     "max_num_batched_tokens": 2048,
+    "prefill_tokens_beside_decodes": 512,  # a 512-token chunk of an 8B model is ~16 ms on an H100
 }
 
 

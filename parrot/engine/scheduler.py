@@ -138,6 +138,8 @@ class Scheduler:
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
+        if plan.decode:  # running decodes wait for the prefill chunk beside them: keep it short
+            budget = min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
         longest = 0
         for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:

@@ -36,6 +36,7 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     gpu = for_device(EngineConfig(), "gpu")
     assert gpu.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"] and gpu.max_batch_size == 256
     assert gpu.max_num_batched_tokens == 2048 and max(gpu.token_buckets) == 2048
+    assert gpu.prefill_tokens_beside_decodes == 512 and EngineConfig().prefill_tokens_beside_decodes == 128
     mine = for_device(EngineConfig(bs_buckets=[1, 8], max_batch_size=8), "gpu")
     assert mine.bs_buckets == [1, 8] and mine.max_batch_size == 8  # set by the user: kept
     assert mine.max_num_batched_tokens == 2048

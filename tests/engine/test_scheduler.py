@@ -417,3 +417,21 @@ def test_a_full_batch_keeps_running_ahead_while_work_waits() -> None:
     plan = s.schedule()
     assert len(plan.decode) == 2 and s.waiting
     assert s.schedule_ahead(plan) is not None
+
+
+def test_prefill_beside_decodes_is_kept_short() -> None:
+    """A step that decodes takes at most `prefill_tokens_beside_decodes` prefill tokens (every decoding
+    sequence waits for them); a step with no decodes takes the whole budget."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], prefill_tokens_beside_decodes=16)
+    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+    s.add(_fill("a", 100))
+    assert len(s.schedule().prefill[0].tokens) == 64  # nothing decodes: the whole budget
+    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+    s.add(_fill("a", 10))
+    s.add(_gen("a", 20))
+    for _ in range(3):
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+    s.add(_fill("b", 100))
+    plan = s.schedule()
+    assert plan.decode and sum(len(slot.tokens) for slot in plan.prefill) <= 16
