@@ -9,9 +9,9 @@ views of any request's tokens, both in O(tokens / block) dictionary look-ups:
   a semantic-variable boundary, a block checkpoint, a whole earlier prompt or prompt + output). A new
   task forks it and fills only the rest.
 * `matched_blocks`: how many leading full blocks of the request some cached context holds, even one
-  longer than the match (the radix view). The engine forks a whole context, never a prefix of one, so
-  such a match cannot be forked; the task then keeps a context at that block boundary, so later
-  requests sharing the prefix fork it.
+  longer than the match (the radix view), and `holder`: such a context. The engine forks a prefix of a
+  context (`parent_num_tokens`), so the task forks the holder's first blocks instead of computing them
+  again, and keeps a context at that block boundary for later requests sharing the prefix.
 
 Ownership: a context made only of global constant text (e.g. a system prompt shared by many users)
 belongs to no session and is pinned while hot; any other context belongs to the session that made it
@@ -62,8 +62,8 @@ class ContextManager:
         self._by_id: dict[tuple[str, str], CachedContext] = {}
         # (engine, k, h[k]) -> contexts whose length is in [k * block, (k + 1) * block) with those k blocks
         self._ending: dict[tuple[str, int, int], list[CachedContext]] = {}
-        # (engine, k, h[k]) -> how many contexts hold those k full blocks (k >= 1): the radix view
-        self._blocks: dict[tuple[str, int, int], int] = {}
+        # (engine, k, h[k]) -> the contexts holding those k full blocks (k >= 1), by id(): the radix view
+        self._blocks: dict[tuple[str, int, int], dict[int, CachedContext]] = {}
         self.pin_hits = pin_hits  # a global context used this often is kept when its sessions end
         self.lookups = 0
         self.hit_tokens = 0
@@ -117,6 +117,20 @@ class ContextManager:
                 hi = mid - 1
         return lo
 
+    def holder(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> CachedContext | None:
+        """A cached context on `engine` longer than `tokens` (a whole number of blocks) that begins with them:
+        what a fork of its first len(tokens) tokens (`parent_num_tokens`) takes them from. None if none."""
+        k, rest = divmod(len(tokens), self.block)
+        if k == 0 or rest:
+            return None
+        if hashes is None or len(hashes) <= k:
+            hashes = block_hashes(tokens, self.block)
+        prefix = tuple(tokens)
+        for ctx in self._blocks.get((engine, k, hashes[k]), {}).values():
+            if ctx.num_tokens > len(prefix) and ctx.tokens[: len(prefix)] == prefix:  # (not a hash collision)
+                return ctx
+        return None
+
     def record_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.lookups += 1
         self.lookup_tokens += prompt_tokens
@@ -144,7 +158,7 @@ class ContextManager:
         hashes = block_hashes(ctx.tokens, self.block)
         self._ending.setdefault((engine, len(hashes) - 1, hashes[-1]), []).append(ctx)
         for key in self._block_keys(engine, hashes):
-            self._blocks[key] = self._blocks.get(key, 0) + 1
+            self._blocks.setdefault(key, {})[id(ctx)] = ctx
         if parent is not None:
             parent.children += 1
         return ctx
@@ -215,10 +229,9 @@ class ContextManager:
             if not found:
                 del self._ending[ending]
         for key in self._block_keys(ctx.engine, hashes):
-            n = self._blocks.get(key, 0) - 1
-            if n > 0:
-                self._blocks[key] = n
-            else:
+            holders = self._blocks.get(key, {})
+            holders.pop(id(ctx), None)
+            if not holders:
                 self._blocks.pop(key, None)
         key = (ctx.engine, ctx.tokens)
         if self._by_key.get(key) is ctx:

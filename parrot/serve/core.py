@@ -844,8 +844,14 @@ class ParrotServeCore:
             return cached, 0
         ctx_id = self.contexts.new_id(owner)
         start = parent.num_tokens if parent is not None else 0
+        fork_len = None
+        holder = self.contexts.holder(client.name, tokens) if len(tokens) - start > 1 else None
+        if holder is not None:  # a longer context holds these blocks: fork its prefix, feed only the last token
+            parent, start = holder, len(tokens) - 1
+            fork_len = start
         req = FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
-                          token_ids=tokens[start:], waited_s=rec.waited(), priority=rec.priority)
+                          parent_num_tokens=fork_len, token_ids=tokens[start:], waited_s=rec.waited(),
+                          priority=rec.priority)
         if client.ordered:
             self.serve_time.sending(rec.clock)
             sent = client.send_fill(req)
@@ -856,12 +862,16 @@ class ParrotServeCore:
             return ctx, len(tokens) - start
         waiters: asyncio.Future[CachedContext] = asyncio.get_running_loop().create_future()
         self._inflight_prefix[key] = (None, waiters)
+        if holder is not None:
+            holder.in_use += 1  # not evicted while the engine forks it
         try:
             self.serve_time.sending(rec.clock)
             try:
                 await client.fill(req)
             finally:
                 self.serve_time.done(rec.clock)
+                if holder is not None:
+                    holder.in_use -= 1
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
             waiters.set_result(ctx)
             return ctx, len(tokens) - start

@@ -124,7 +124,8 @@ def test_repeated_system_prompt_is_cached(client: openai.OpenAI) -> None:
         r = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": q}])
         usages.append(r.usage)
-    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    # the first finds at most the template's opening block, cached by earlier tests' chats (radix view)
+    assert usages[0].prompt_tokens_details.cached_tokens < 16
     assert usages[1].prompt_tokens_details.cached_tokens >= len(system)  # byte-level tokenizer
 
 

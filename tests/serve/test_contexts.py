@@ -75,6 +75,11 @@ def test_longest_cached_at_any_length_and_matched_blocks() -> None:
     assert cm.matched_blocks("e1", block_hashes([*range(9), 99], 4)) == 2
     assert cm.matched_blocks("e1", block_hashes([*range(12), 99], 4)) == 3
     assert cm.matched_blocks("e1", block_hashes([99] * 8, 4)) == 0
+    # ... and which context holds them: a fork of its first blocks takes them (parent_num_tokens)
+    assert cm.holder("e1", list(range(8))) in (a, b) and cm.holder("e1", list(range(12))) is b
+    assert cm.holder("e1", list(range(10))) is None  # not a whole number of blocks
+    assert cm.holder("e1", list(range(13))) is None  # nothing longer holds them
+    assert cm.holder("e1", [*range(7), 99]) is None and cm.holder("e2", list(range(8))) is None
     cm.release_session(None)
     assert cm.longest_cached("e1", list(range(20))) is None and not cm._ending and not cm._blocks
 
