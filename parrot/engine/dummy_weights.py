@@ -68,12 +68,12 @@ def dummy_weights(cfg: LlamaConfig, dtype: jnp.dtype, seed: int = 0) -> dict[str
     """Every weight the model expects, drawn on the default device in `dtype`."""
     out = {}
     for name, shape in weight_names(cfg).items():
-        if name.endswith("norm"):
-            out[name] = jnp.ones(shape, dtype)
+        short = name.split(".")[-1]
+        if short.endswith("norm") or short in ("bq", "bk", "bv"):  # norms 1, biases 0
+            out[name] = (jnp.ones if short.endswith("norm") else jnp.zeros)(shape, dtype)
             continue
         key = jax.random.PRNGKey((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31)
-        scale = 0.0 if name.split(".")[-1] in ("bq", "bk", "bv") else SCALE
-        out[name] = _draw(key, shape, jnp.dtype(dtype), scale)
+        out[name] = _draw(key, shape, jnp.dtype(dtype), SCALE)
     return out
 
 

@@ -19,13 +19,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine import kernels
-from parrot.engine.device import for_device
+from parrot.engine.device import device_memory, for_device
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.logprobs import TokenTexts
@@ -94,6 +93,7 @@ class LLMEngine:
         self._host_ms: collections.deque[float] = collections.deque(maxlen=256)
         self._inflight: tuple[StepPlan, Launched] | None = None  # a launched step not applied yet
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (overlap)
+        self._settings: dict[str, object] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, precompile: bool | None = None, wait: bool = True) -> LLMEngine:
@@ -293,10 +293,15 @@ class LLMEngine:
         )
 
     def settings(self) -> dict[str, object]:
-        """What this engine runs with on its device (for /health and /metrics)."""
+        """What this engine runs with on its device (for /health and /metrics); fixed at construction."""
+        if self._settings is None:
+            self._settings = self._device_settings()
+        return self._settings
+
+    def _device_settings(self) -> dict[str, object]:
         r, c = self.runner, self.cfg
-        dev = jax.devices()[0]
-        return {"platform": dev.platform, "device": getattr(dev, "device_kind", dev.platform),
+        dev = device_memory()
+        return {"platform": dev.platform, "device": dev.kind,
                 "weights": r.weights_mode, "dtype": str(r.dtype), "kv_dtype": str(r.kv_dtype),
                 "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
