@@ -51,6 +51,8 @@ class EngineConfig:
     # a stable decode batch keeps one step in flight: the next is planned and launched before this one's
     # tokens reach the host (the engine's overlap; greedy and seeded results are the same either way)
     overlap: bool = True
+    # devices one engine's model is split over (Megatron-style tensor parallelism, engine/tensor_parallel.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -62,6 +64,8 @@ class EngineConfig:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError("kv_memory_mb must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

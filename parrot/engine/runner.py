@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import kernels
+from parrot.engine import kernels, tensor_parallel
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
@@ -28,6 +30,7 @@ from parrot.engine.device import kv_budget_bytes
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.logprobs import SampledLogprob
 from parrot.engine.models.llama import (
+    TP_AXIS,
     Embedding,
     HeadWeights,
     KVCache,
@@ -138,22 +141,44 @@ class ModelRunner:
         self.kv_buckets = [b for b in ecfg.kv_buckets if b < self.max_len] + [self.max_len]
         if self.max_len % self.page_size:
             raise ValueError(f"model context {self.max_len} is not a multiple of page_size {self.page_size}")
-        bytes_per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim
+        weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
+        # tensor parallelism: the model with heads, FFN and vocabulary zero-padded to split in whole parts
+        self.tp = ecfg.tensor_parallel_size
+        self.mesh = tensor_parallel.make_mesh(self.tp) if self.tp > 1 else None
+        # XLA's CPU client deadlocks when many computations with collectives are queued on virtual
+        # devices with few cores (one device's part waits in an all-reduce holding a pool thread, the
+        # other's cannot start: seen with 2 devices on 2 cores): there, each call is waited for
+        self._serial = self.mesh is not None and jax.default_backend() == "cpu"
+        self._replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        self.model_cfg = cfg
+        if self.mesh is not None:
+            self.model_cfg = tensor_parallel.padded_config(cfg, self.tp, self.weights_mode == "quantized")
+            weights = tensor_parallel.pad_weights(cfg, weights, self.model_cfg)
+        mcfg = self.model_cfg
+        # per device: the KV pool is split by KV head, the weights in tp parts
+        bytes_per_page = 2 * mcfg.num_layers * self.page_size * mcfg.num_kv_heads // self.tp * mcfg.head_dim
         self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
         bytes_per_page *= self.kv_dtype.itemsize
-        weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         if ecfg.weights == "bf16":
             prefill_dtype = self.dtype = jnp.dtype(jnp.bfloat16)
         # page 0 is a scratch page: padding tokens write there, never handed to a context
-        self.kv_bytes = kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype)) if not ecfg.kv_pages else 0
+        self.kv_bytes = (kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype) // self.tp)
+                         if not ecfg.kv_pages else 0)
         self.num_pages = ecfg.kv_pages or max(2, self.kv_bytes // bytes_per_page)
-        model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
+        if self.mesh is None:
+            model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
+        else:  # built on the host, then placed on the mesh shard by shard
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, tp=self.tp)
         del weights
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
         self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
         self.weights = Weights(model.embedding(), [nnx.to_pure_dict(nnx.state(layer)) for layer in model.layers],
                                model.head_weights())
         del model
+        self._specs: Weights | None = None
+        if self.mesh is not None:
+            self.weights, self._specs = self._shard(self.weights)
         # prefill steps use the same model with its float matrices (embedding, projections) in
         # prefill_dtype (quantized matrices are shared: XLA dequantizes them to prefill_dtype itself)
         self.prefill_weights = self.weights
@@ -168,9 +193,13 @@ class ModelRunner:
         self.blocks = [(i, min(i + per_call, cfg.num_layers)) for i in range(0, cfg.num_layers, per_call)]
         graphdef, template = self._layer_graphdef, self._layer_template
         act_dtype = self.act_dtype
+        axis = TP_AXIS if self.mesh is not None else None
 
         def embed(w: Embedding, input_ids: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
-            return embed_tokens(cfg, w, input_ids, positions, act_dtype)
+            return embed_tokens(mcfg, w, input_ids, positions, act_dtype, axis)
+
+        def head(w: HeadWeights, x: jax.Array, logits_index: jax.Array) -> jax.Array:
+            return lm_logits(w, x, logits_index, axis, cfg.vocab_size)
 
         def block(layers: list[dict], x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch,
                   ks: list[jax.Array], vs: list[jax.Array]) -> tuple[jax.Array, list, list]:
@@ -181,9 +210,10 @@ class ModelRunner:
                 x, ks[i], vs[i] = nnx.merge(graphdef, state)(x, cos, sin, batch, ks[i], vs[i])
             return x, ks, vs
 
-        self._embed = jax.jit(embed)
-        self._block = jax.jit(block, donate_argnums=(5, 6))
-        self._head = jax.jit(lm_logits)
+        self._embed = jax.jit(self._spmd(embed, lambda s: (s.embed, P(), P()), (P(), P(), P())))
+        self._block_fn = block
+        self._blocks: dict[int, Callable] = {}  # layers per call -> the jitted block function
+        self._head = jax.jit(self._spmd(head, lambda s: (s.head, P(), P()), P()))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
@@ -201,13 +231,48 @@ class ModelRunner:
         self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
 
+    def _shard(self, w: Weights) -> tuple[Weights, Weights]:
+        """The weights placed on the mesh (column-parallel matrices in device-major order), and their specs."""
+        mcfg, tp, mesh = self.model_cfg, self.tp, self.mesh
+        arranged = [tensor_parallel.layer_specs(layer, mcfg, tp) for layer in w.layers]
+        specs = Weights(Embedding(tensor_parallel.vocab_rows_spec(), w.embed.qtype),
+                        [s for _, s in arranged],
+                        dataclasses.replace(w.head, norm=P(), proj=tensor_parallel.head_proj_spec(
+                            w.head.tied, w.head.qtype is not None)))
+        layers = [tensor_parallel.place(a, s, mesh) for a, s in arranged]
+        embed = dataclasses.replace(w.embed, table=tensor_parallel.place(w.embed.table, specs.embed.table, mesh))
+        head = dataclasses.replace(w.head, norm=tensor_parallel.place(w.head.norm, P(), mesh),
+                                   proj=embed.table if w.head.tied else tensor_parallel.place(
+                                       w.head.proj, specs.head.proj, mesh))
+        return Weights(embed, layers, head), specs
+
+    def _spmd(self, fn: Callable, in_specs: Callable[[Weights], tuple], out_specs: object) -> Callable:
+        """`fn` itself on one device; with tensor parallelism, `fn` run by every device on its shards
+        (`shard_map` over the mesh; `in_specs(weight specs)` gives the arguments' specs)."""
+        if self.mesh is None:
+            return fn
+        assert self._specs is not None
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs(self._specs), out_specs=out_specs,
+                             check_vma=False)
+
+    def _block(self, n: int) -> Callable:
+        """The jitted function running `n` decoder layers (KV arrays donated)."""
+        if n not in self._blocks:
+            kv = tensor_parallel.kv_spec()
+            fn = self._spmd(self._block_fn, lambda s: (s.layers[:n], P(), P(), P(), P(), [kv] * n, [kv] * n),
+                            (P(), [kv] * n, [kv] * n))
+            self._blocks[n] = jax.jit(fn, donate_argnums=(5, 6))
+        return self._blocks[n]
+
     def _alloc_kv(self) -> KVCache:
-        shape = (self.cfg.num_kv_heads, self.num_pages, self.page_size, self.cfg.head_dim)
+        mcfg = self.model_cfg
+        shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
         # a bfloat16 cache is held as uint16 bit patterns (see attention.write_kv)
-        n, dtype = self.cfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 else self.kv_dtype
+        n, dtype = mcfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 else self.kv_dtype
+        out = None if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                                tuple(jnp.zeros(shape, dtype) for _ in range(n))))()
+                                tuple(jnp.zeros(shape, dtype) for _ in range(n))), out_shardings=out)()
 
     # ---- shapes -----------------------------------------------------------------------------
     def kv_pages_bucket(self, kv_len: int) -> int:
@@ -361,20 +426,24 @@ class ModelRunner:
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
         t0 = time.perf_counter()
-        batch = jax.device_put(batch)
+        batch = jax.device_put(batch, self._replicated)
         if splice is not None:
             fut = self._parts.get(("splice", shape.tokens))
             fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
             ids = fn(batch.input_ids, jnp.asarray(splice[0]), splice[1])
             batch = dataclasses.replace(batch, input_ids=ids)
-        x, cos, sin = exe.embed(w.embed, batch.input_ids, batch.positions)
+        x, cos, sin = self._done(exe.embed(w.embed, batch.input_ids, batch.positions))
         ks, vs = list(self.kv[0]), list(self.kv[1])
         for a, b in self.blocks:
-            x, ks[a:b], vs[a:b] = exe.blocks[b - a](w.layers[a:b], x, cos, sin, batch, ks[a:b], vs[a:b])
+            x, ks[a:b], vs[a:b] = self._done(exe.blocks[b - a](w.layers[a:b], x, cos, sin, batch, ks[a:b], vs[a:b]))
         self.kv = (tuple(ks), tuple(vs))
-        logits = exe.head(w.head, x, batch.logits_index)
+        logits = self._done(exe.head(w.head, x, batch.logits_index))
         self.dispatch_s += time.perf_counter() - t0
         return logits
+
+    def _done(self, out: object) -> object:
+        """`out`, waited for where calls must not queue up (tensor parallelism on a CPU, see __init__)."""
+        return jax.block_until_ready(out) if self._serial else out
 
     @property
     def compiled(self) -> set[Shape]:
@@ -388,24 +457,25 @@ class ModelRunner:
 
     def _compile_shape(self, shape: Shape) -> StepExecutables:
         t0 = time.perf_counter()
-        w = _abstract(self.prefill_weights if shape.q_len > 1 else self.weights)
-        tokens = jax.ShapeDtypeStruct((shape.tokens,), jnp.int32)
+        w = self._abstract(self.prefill_weights if shape.q_len > 1 else self.weights)
+        tokens = self._abstract(jax.ShapeDtypeStruct((shape.tokens,), jnp.int32))
         embed = self._part(("embed", shape.tokens, w.embed.table.dtype),
                            lambda: self._embed.lower(w.embed, tokens, tokens).compile())
-        x, cos, sin = jax.eval_shape(self._embed, w.embed, tokens, tokens)
-        batch = _abstract(self.dummy_batch(shape))
-        kv = _abstract(self.kv)
-        blocks = {n: self._block.lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]), list(kv[1][:n])).compile()
+        x, cos, sin = self._abstract(jax.eval_shape(self._embed, w.embed, tokens, tokens))
+        batch = self._abstract(self.dummy_batch(shape))
+        kv = self._abstract(self.kv)
+        blocks = {n: self._block(n).lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]),
+                                          list(kv[1][:n])).compile()
                   for n in sorted({b - a for a, b in self.blocks})}
-        rows = jax.ShapeDtypeStruct((shape.batch,), jnp.int32)
+        rows = self._abstract(jax.ShapeDtypeStruct((shape.batch,), jnp.int32))
         head = self._part(("head", shape.tokens, shape.batch, w.head.proj.dtype),
                           lambda: self._head.lower(w.head, x, rows).compile())
-        logits = jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.float32)
+        logits = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.float32))
         self._part(("greedy", shape.batch), lambda: self._greedy.lower(logits).compile())
-        params = _abstract(SamplingBatch.build([], [], shape.batch, []))
+        params = self._abstract(SamplingBatch.build([], [], shape.batch, []))
         self._part(("sample", shape.batch), lambda: self._sample.lower(logits, params).compile())
-        extras = _abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
-        counts = jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32)
+        extras = self._abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
+        counts = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32))
         self._part(("processed", shape.batch), lambda: processed_sampler.lower(logits, params, extras).compile())
         self._part(("penalized", shape.batch),
                    lambda: processed_sampler.lower(logits, params, extras, counts).compile())
@@ -413,6 +483,15 @@ class ModelRunner:
             self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(embed, blocks, head)
+
+    def _abstract(self, tree: object) -> object:
+        """Shapes and dtypes of `tree`'s arrays for ahead-of-time lowering, with their shardings (host
+        arrays: replicated over the mesh)."""
+        def leaf(a: object) -> jax.ShapeDtypeStruct:
+            sharding = a.sharding if isinstance(a, jax.Array) else getattr(a, "sharding", None)
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding or self._replicated)
+
+        return jax.tree.map(leaf, tree)
 
     def _part(self, key: tuple, build: Callable[[], Callable]) -> Callable:
         """An executable shared by several shapes, built once (other threads wait for it). If the thread
@@ -513,7 +592,3 @@ def _weight_bytes(weights: dict[str, Weight], dtype: jnp.dtype) -> int:
     """What the weights take on the device: quantized blocks as they are, float matrices in `dtype`."""
     return sum(w.data.nbytes if isinstance(w, QuantizedTensor) else np.size(w) * jnp.dtype(dtype).itemsize
                for w in weights.values())
-
-
-def _abstract(tree: object) -> object:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)

@@ -5,6 +5,12 @@ Weights use the Hugging Face layout (Q/K rows in rotate-half order), stored tran
 (`quant.QuantizedTensor`: `[out]` rows of blocks, a static `qtype` beside the uint8 array). The
 forward works on a flat token batch (batch.py) and a paged KV cache: one `[kv_heads, pages,
 page_size, head_dim]` array per layer for K and for V.
+
+Tensor parallelism (`tp` > 1, engine/tensor_parallel.py): the same modules run inside `shard_map` on
+each device's shard, Megatron style. The fused QKV and gate/up matrices are split by output columns
+(whole heads; each device's columns hold its Q | K | V and gate | up), O and down by input rows, and the
+partial products of the latter are summed over the `TP_AXIS` mesh axis; the embedding and the output
+projection are split by vocabulary (`embed_tokens` / `lm_logits` with `tp_axis`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from parrot.engine.precision import exact
 from parrot.engine.quant import QuantizedTensor
 
 KVCache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
+TP_AXIS = "tp"  # the mesh axis tensor-parallel shards are split over
 
 
 @dataclass(frozen=True)
@@ -120,9 +127,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
-    def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype) -> None:
+    def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype,
+                 tp: int = 1) -> None:
         self.cfg = cfg
         self.qdtype = qdtype
+        self.tp = tp  # > 1: this device's heads only, and O's partial products summed over TP_AXIS
         self.wqkv, self.wqkv_q = _matrix(_fuse([w["wq"], w["wk"], w["wv"]]), dtype)
         self.wo, self.wo_q = _matrix(w["wo"], dtype)
         if cfg.qkv_bias:
@@ -137,37 +146,41 @@ class Attention(nnx.Module):
         qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype)
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
-        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q = apply_rope(qkv[:, :qd].reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = qkv[:, qd + kvd :].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        heads, kv_heads = cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp
+        qd, kvd = heads * cfg.head_dim, kv_heads * cfg.head_dim
+        q = apply_rope(qkv[:, :qd].reshape(t, heads, cfg.head_dim), cos, sin)
+        k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, kv_heads, cfg.head_dim), cos, sin)
+        v = qkv[:, qd + kvd :].reshape(t, kv_heads, cfg.head_dim)
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
-        return project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype), k_cache, v_cache
+        out = project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype)
+        return (jax.lax.psum(out, TP_AXIS) if self.tp > 1 else out), k_cache, v_cache
 
 
 class MLP(nnx.Module):
     """SwiGLU with the gate and up projections fused into one `[hidden, 2 * ffn]` matrix."""
 
-    def __init__(self, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype) -> None:
+    def __init__(self, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype, tp: int = 1) -> None:
         self.qdtype = qdtype
+        self.tp = tp  # > 1: this device's share of the FFN, and down's partial products summed over TP_AXIS
         self.w_gate_up, self.w_gate_up_q = _matrix(_fuse([w["w_gate"], w["w_up"]]), dtype)
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype)
         f = gu.shape[-1] // 2
-        return project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype)
+        out = project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype)
+        return jax.lax.psum(out, TP_AXIS) if self.tp > 1 else out
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, act_dtype: jnp.dtype,
-                 qdtype: jnp.dtype) -> None:
+                 qdtype: jnp.dtype, tp: int = 1) -> None:
         self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
-        self.attn = Attention(cfg, w, dtype, qdtype)
+        self.attn = Attention(cfg, w, dtype, qdtype, tp)
         self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
-        self.mlp = MLP(w, dtype, qdtype)
+        self.mlp = MLP(w, dtype, qdtype, tp)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
         a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
@@ -180,10 +193,12 @@ class Llama(nnx.Module):
 
     `dtype` is the dtype of float embedding and projection weights; `act_dtype` that of activations,
     norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units);
-    `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches)."""
+    `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches).
+    `tp` > 1: the layers run on tensor-parallel shards (engine/tensor_parallel.py arranges the weights;
+    the runner calls the layers inside `shard_map`)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], dtype: jnp.dtype = jnp.float32,
-                 act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None):
+                 act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None, tp: int = 1):
         self.cfg = cfg
         act_dtype = act_dtype or dtype
         self.act_dtype = act_dtype
@@ -193,7 +208,7 @@ class Llama(nnx.Module):
         self.embed, self.embed_q = _matrix(embed, dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype, act_dtype, self.qdtype)
+                         dtype, act_dtype, self.qdtype, tp)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
@@ -228,12 +243,24 @@ class Embedding:
 
 
 def embed_tokens(cfg: LlamaConfig, embed: Embedding, input_ids: jax.Array, positions: jax.Array,
-                 act_dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Token embeddings ([T, hidden]) and the RoPE tables of their positions."""
+                 act_dtype: jnp.dtype, tp_axis: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Token embeddings ([T, hidden]) and the RoPE tables of their positions. With `tp_axis` (inside
+    `shard_map`), `embed` is this device's slice of the vocabulary: rows of other slices read as zeros
+    and the slices are summed (exact: one term per token is not zero)."""
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta)
+    ids, inside = input_ids, None
+    if tp_axis is not None:
+        rows = embed.table.shape[0]
+        ids = input_ids - jax.lax.axis_index(tp_axis) * rows
+        inside = (ids >= 0) & (ids < rows)
+        ids = jnp.where(inside, ids, 0)
     if embed.qtype is not None:
-        return quant.dequantize_rows(embed.table, input_ids, embed.qtype, cfg.hidden_size, act_dtype), cos, sin
-    return embed.table[input_ids].astype(act_dtype), cos, sin
+        x = quant.dequantize_rows(embed.table, ids, embed.qtype, cfg.hidden_size, act_dtype)
+    else:
+        x = embed.table[ids].astype(act_dtype)
+    if tp_axis is not None:
+        x = jax.lax.psum(jnp.where(inside[:, None], x, jnp.zeros((), x.dtype)), tp_axis)
+    return x, cos, sin
 
 
 @jax.tree_util.register_dataclass
@@ -251,12 +278,19 @@ class HeadWeights:
     qdtype: jnp.dtype = field(default=jnp.float32, metadata={"static": True})
 
 
-def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array) -> jax.Array:
-    """Final norm and projection of the tokens at `logits_index`: float32 logits [B, vocab]."""
+def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array, tp_axis: str | None = None,
+              vocab_size: int | None = None) -> jax.Array:
+    """Final norm and projection of the tokens at `logits_index`: float32 logits [B, vocab]. With
+    `tp_axis` (inside `shard_map`), `w.proj` is this device's slice of the vocabulary: the slices'
+    logits are gathered, and cut to `vocab_size` (the vocabulary may be padded to a multiple of tp)."""
     h = rms_norm(x[logits_index], w.norm, w.eps)
     if w.qtype is not None:
-        return quant.linear(h, w.proj, w.qtype, w.qdtype).astype(jnp.float32)
-    return matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
+        logits = quant.linear(h, w.proj, w.qtype, w.qdtype).astype(jnp.float32)
+    else:
+        logits = matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
+    if tp_axis is not None:
+        logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)[:, :vocab_size]
+    return logits
 
 
 def weight_names(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
