@@ -36,6 +36,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of --model's shape (a preset: llama-3-8b, qwen2-7b, smollm2-1.7b, "
                         "smollm2-135m, tiny-llama; or a directory with a config.json), for benchmarks of big "
                         "shapes without their files")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the model over N devices (Megatron-style tensor parallelism; on a CPU, "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N virtual devices)")
+    p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="one engine over several processes or hosts: process 0's address for jax.distributed "
+                        "(with --nnodes and --node-rank; run the same command in every process)")
+    p.add_argument("--nnodes", type=int, default=1, help="processes (hosts) of one engine (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this process's rank: 0 runs the engine, the others follow its steps")
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
@@ -56,6 +65,44 @@ def _weight_dtype(args: argparse.Namespace) -> str | None:
     return "bfloat16" if args.weights == "bf16" else None
 
 
+def _join_cluster(args: argparse.Namespace, cfg: EngineConfig) -> bool:
+    """With --nnodes > 1: join the engine's processes (jax.distributed). A follower (rank > 0) then loads
+    the model, replays the leader's device operations until it stops, and True is returned."""
+    if args.nnodes <= 1 and args.dist_init_addr is None:
+        return False
+    from parrot.engine import multihost
+
+    if args.dist_init_addr is None:
+        raise ParrotError("--nnodes > 1 needs --dist-init-addr HOST:PORT (process 0's address)")
+    try:
+        multihost.initialize(multihost.Cluster(args.dist_init_addr, args.nnodes, args.node_rank))
+    except ValueError as exc:
+        raise ParrotError(str(exc)) from exc
+    import jax
+
+    if cfg.tensor_parallel_size != jax.device_count():
+        raise ParrotError(f"an engine over {args.nnodes} processes splits its model over all their devices: "
+                          f"--tensor-parallel-size must be {jax.device_count()} (got {cfg.tensor_parallel_size})")
+    if args.node_rank == 0:
+        return False
+    from parrot.engine.device import for_device
+    from parrot.engine.loader import load_model
+    from parrot.engine.runner import ModelRunner
+
+    model = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
+    multihost.follow(ModelRunner(model.config, model.weights, for_device(cfg)))
+    return True
+
+
+def _mirror(args: argparse.Namespace) -> object | None:
+    """Process 0 of a multi-process engine: what sends its device operations to the others."""
+    if args.nnodes <= 1:
+        return None
+    from parrot.engine.multihost import Mirror
+
+    return Mirror()
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from parrot.engine.engine import LLMEngine
     from parrot.engine.loader import load_model
@@ -64,13 +111,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if not prompt.strip():
         raise ParrotError("the prompt is empty")
+    try:
+        cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
+                           memory_utilization=args.gpu_memory_utilization,
+                           compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
+                           kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
+                           tensor_parallel_size=args.tensor_parallel_size)
+    except ValueError as exc:
+        raise ParrotError(f"invalid engine settings: {exc}") from exc
+    if _join_cluster(args, cfg):
+        return 0
     t0 = time.perf_counter()
     model = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
     tok = model.tokenizer
-    cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, memory_utilization=args.gpu_memory_utilization,
-                       compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
-                       kv_dtype=args.kv_dtype, overlap=not args.no_overlap)
-    engine = LLMEngine(model, cfg).start(precompile=False)  # compiles only the shapes this prompt needs
+    engine = LLMEngine(model, cfg, mirror=_mirror(args)).start(precompile=False)  # only this prompt's shapes
     t_load = time.perf_counter() - t0
     text = prompt if args.raw else tok.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -112,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             kv_buckets=kv_buckets,
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
-                            kv_dtype=args.kv_dtype, overlap=not args.no_overlap)
+                            kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
+                            tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -121,13 +176,16 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
     cfg = engine_config_from_args(args)
+    if _join_cluster(args, cfg):
+        return 0
     model = args.model
     if args.load_format == "dummy":
         from parrot.engine.loader import load_model
 
         model = load_model(args.model, load_format="dummy", dtype=_weight_dtype(args))
     run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
-                      advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key)
+                      advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
+                      mirror=_mirror(args))
     return 0
 
 
@@ -159,13 +217,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     engine = None
     cfg = engine_config_from_args(args)
+    if _join_cluster(args, cfg):
+        return 0
     if args.engines == 0:
         from parrot.engine.engine import LLMEngine
         from parrot.engine.loader import load_model
 
         loaded = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
         core.tokenizers.register(args.model, loaded.tokenizer)  # the file is read once
-        engine = LLMEngine(loaded, cfg, name=args.model).start(wait=False)
+        engine = LLMEngine(loaded, cfg, name=args.model, mirror=_mirror(args)).start(wait=False)
         del loaded  # the runner holds the weights
         core.engines.register(LocalEngineClient(engine, name="local"))
     else:
@@ -186,7 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                 ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
-                                ("--kv-dtype", args.kv_dtype)):
+                                ("--kv-dtype", args.kv_dtype),
+                                ("--tensor-parallel-size", args.tensor_parallel_size)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.no_overlap:

@@ -53,6 +53,9 @@ class EngineConfig:
     overlap: bool = True
     # devices one engine's model is split over (Megatron-style tensor parallelism, engine/tensor_parallel.py)
     tensor_parallel_size: int = 1
+    # how O and down split: "megatron" (by input rows, one all-reduce), "exact" (by output columns, their
+    # input gathered: greedy outputs equal one device's), "auto" (exact on CPUs, megatron on accelerators)
+    tensor_parallel_mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -66,6 +69,8 @@ class EngineConfig:
             raise ValueError("kv_memory_mb must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_mode not in ("auto", "megatron", "exact"):
+            raise ValueError("tensor_parallel_mode must be 'auto', 'megatron' or 'exact'")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

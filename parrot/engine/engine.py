@@ -28,6 +28,7 @@ from parrot.engine.device import device_memory, for_device
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.logprobs import TokenTexts
+from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
 from parrot.engine.scheduler import Scheduler, StepPlan
@@ -66,12 +67,15 @@ class Completion:
 
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, name: str | None = None,
-                 runner: ModelRunner | None = None) -> None:
+                 runner: ModelRunner | None = None, mirror: Mirror | None = None) -> None:
+        """`mirror`: process 0 of an engine over several processes (multihost.py) sends its runner's device
+        operations to the other processes through it."""
         self.cfg = runner.ecfg if runner is not None else for_device(cfg or EngineConfig())
         self.model = dataclasses.replace(model, weights={})  # the runner holds the weights: not twice
         self.name = name or model.source
         self.tokenizer = model.tokenizer
         self.runner = runner or ModelRunner(model.config, model.weights, self.cfg)
+        self.runner.mirror = mirror
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len)
@@ -129,6 +133,7 @@ class LLMEngine:
         self.runner.compiler.cancel()  # shapes still queued are not compiled any more
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.runner.close()  # the other processes of a multi-process engine stop too
 
     # ---- submitting (any thread) --------------------------------------------------------------
     def submit(self, job: Job) -> None:

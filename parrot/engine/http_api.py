@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from parrot.config import EngineConfig
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.kv_cache import OutOfPages
+from parrot.engine.multihost import Mirror
 from parrot.engine.structured import Constraint
 from parrot.errors import (
     AbortedError,
@@ -409,14 +410,15 @@ class EngineServer:
 
 def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 9100, cfg: EngineConfig | None = None,
                       serve_core_url: str | None = None, *, name: str | None = None,
-                      advertise_url: str | None = None, serve_core_api_key: str | None = None) -> None:
+                      advertise_url: str | None = None, serve_core_api_key: str | None = None,
+                      mirror: Mirror | None = None) -> None:
     """Load `model` (a name/path for `load_model`, or an already LoadedModel), start an LLMEngine (precompiling
-    per `cfg.precompile`) and serve it until interrupted."""
+    per `cfg.precompile`) and serve it until interrupted (`mirror`: see LLMEngine)."""
     from parrot.engine.loader import LoadedModel, load_model
 
     cfg = cfg or EngineConfig()
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
-    engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None)
+    engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None, mirror=mirror)
     engine.start(wait=False)  # answers at once; shapes compile in the background, most needed first
     server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
                           serve_core_api_key=serve_core_api_key)

@@ -3,6 +3,7 @@ the jitted samplers, bucket shapes, precompilation and the persistent compilatio
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -40,6 +41,7 @@ from parrot.engine.models.llama import (
     embed_tokens,
     lm_logits,
 )
+from parrot.engine.multihost import Mirror
 from parrot.engine.quant import QuantizedTensor
 from parrot.engine.sampling import SamplerExtras, SamplingBatch, greedy_sample, processed_sampler, sample
 from parrot.engine.scheduler import Slot, StepPlan
@@ -145,6 +147,8 @@ class ModelRunner:
         # tensor parallelism: the model with heads, FFN and vocabulary zero-padded to split in whole parts
         self.tp = ecfg.tensor_parallel_size
         self.mesh = tensor_parallel.make_mesh(self.tp) if self.tp > 1 else None
+        mode = ecfg.tensor_parallel_mode
+        self.tp_exact = mode == "exact" or (mode == "auto" and tensor_parallel.exact_default(jax.default_backend()))
         # XLA's CPU client deadlocks when many computations with collectives are queued on virtual
         # devices with few cores (one device's part waits in an all-reduce holding a pool thread, the
         # other's cannot start: seen with 2 devices on 2 cores): there, each call is waited for
@@ -169,7 +173,7 @@ class ModelRunner:
             model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
         else:  # built on the host, then placed on the mesh shard by shard
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, tp=self.tp)
+                model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, self.tp, self.tp_exact)
         del weights
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
         self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
@@ -227,6 +231,12 @@ class ModelRunner:
         self._parts_lock = threading.Lock()
         self.compiler: ShapeCompiler[Shape, StepExecutables] = ShapeCompiler(self._compile)
         self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
+        # multi-process engines (multihost.py): the leader's `mirror` sends each device operation to the
+        # other processes; every process numbers its operations and keeps the latest results, which
+        # later operations name (the logits a sampler reads, the tokens an ahead step splices in)
+        self.mirror: Mirror | None = None
+        self._op = 0
+        self._results: collections.OrderedDict[int, object] = collections.OrderedDict()
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
         self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
@@ -234,7 +244,7 @@ class ModelRunner:
     def _shard(self, w: Weights) -> tuple[Weights, Weights]:
         """The weights placed on the mesh (column-parallel matrices in device-major order), and their specs."""
         mcfg, tp, mesh = self.model_cfg, self.tp, self.mesh
-        arranged = [tensor_parallel.layer_specs(layer, mcfg, tp) for layer in w.layers]
+        arranged = [tensor_parallel.layer_specs(layer, mcfg, tp, self.tp_exact) for layer in w.layers]
         specs = Weights(Embedding(tensor_parallel.vocab_rows_spec(), w.embed.qtype),
                         [s for _, s in arranged],
                         dataclasses.replace(w.head, norm=P(), proj=tensor_parallel.head_proj_spec(
@@ -418,6 +428,10 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run one step; returns the logits of each sequence's last token ([B, vocab]). `splice`: (src,
         tokens) replaces input_ids[i] with tokens[src[i]] where src[i] >= 0, on the device."""
+        self._send("forward", batch, None if splice is None else (splice[0], self._name(splice[1])))
+        return self._keep(self._forward(batch, splice))
+
+    def _forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None) -> jax.Array:
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
         exe, compiled_now = self.compiler.get(shape)
@@ -426,11 +440,11 @@ class ModelRunner:
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
         t0 = time.perf_counter()
-        batch = jax.device_put(batch, self._replicated)
+        batch = self._put(batch)
         if splice is not None:
             fut = self._parts.get(("splice", shape.tokens))
             fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
-            ids = fn(batch.input_ids, jnp.asarray(splice[0]), splice[1])
+            ids = fn(batch.input_ids, self._put(splice[0]), splice[1])
             batch = dataclasses.replace(batch, input_ids=ids)
         x, cos, sin = self._done(exe.embed(w.embed, batch.input_ids, batch.positions))
         ks, vs = list(self.kv[0]), list(self.kv[1])
@@ -518,11 +532,15 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
         """Token ids [B], left on the device. None samples greedily (the compiled argmax-only path)."""
+        self._send("sample", self._name(logits), sampling)
+        return self._keep(self._sample_tokens(logits, sampling))
+
+    def _sample_tokens(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
         key = ("greedy" if sampling is None else "sample", int(logits.shape[0]))
         fut = self._parts.get(key)
         fn = fut.result() if fut is not None and fut.done() else (self._greedy if sampling is None else self._sample)
         t0 = time.perf_counter()
-        tokens = fn(logits) if sampling is None else fn(logits, sampling)
+        tokens = fn(logits) if sampling is None else fn(logits, self._put(sampling))
         self.dispatch_s += time.perf_counter() - t0
         return tokens
 
@@ -530,14 +548,19 @@ class ModelRunner:
                          counts: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """Penalties, bias, masks, min-p and logprobs (`sampling.sample_processed`): (tokens, their raw
         logprobs, top token ids, top logprobs)."""
+        self._send("processed", self._name(logits), sampling, extras, counts)
+        self._keep(None)
         key = ("processed" if counts is None else "penalized", int(logits.shape[0]))
         fut = self._parts.get(key)
         fn = fut.result() if fut is not None and fut.done() else processed_sampler
+        sampling, extras, counts = self._put((sampling, extras, counts))
         out = fn(logits, sampling, extras) if counts is None else fn(logits, sampling, extras, counts)
         return tuple(np.asarray(a) for a in out)
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy whole pages src -> dst in every layer's K and V (fork / copy-on-write of a partial page)."""
+        self._send("copy", copies)
+        self._keep(None)
         n = self._copy_width
         for i in range(0, len(copies), n):
             part = copies[i : i + n]
@@ -545,7 +568,62 @@ class ModelRunner:
             dst = np.zeros(n, np.int32)  # padding copies scratch page 0 onto itself
             src[: len(part)] = [c.src for c in part]
             dst[: len(part)] = [c.dst for c in part]
-            self.kv = self._copy(self.kv, src, dst)
+            self.kv = self._copy(self.kv, *self._put((src, dst)))
+
+    # ---- several processes (multihost.py) ------------------------------------------------------
+    def _put(self, tree: object) -> object:
+        """Host arrays (a batch, sampler inputs) on the device; with tensor parallelism, replicated over
+        the mesh (built from each process's own copy where the mesh spans processes)."""
+        if self.mesh is None or jax.process_count() == 1:
+            return jax.device_put(tree, self._replicated)
+        sharding = self._replicated
+
+        def put(a: object) -> object:
+            if a is None or isinstance(a, jax.Array):
+                return a
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+        return jax.tree.map(put, tree)
+
+    def _send(self, op: str, *args: object) -> None:
+        if self.mirror is not None:
+            self.mirror.send(op, args)
+
+    def _keep(self, result: object) -> object:
+        """Number this operation and keep its result for later operations to name."""
+        self._op += 1
+        self._results[self._op] = result
+        while len(self._results) > 16:
+            self._results.popitem(last=False)
+        return result
+
+    def _name(self, array: object) -> int:
+        """The number of the operation that made `array`."""
+        for op, result in reversed(self._results.items()):
+            if result is array:
+                return op
+        raise ValueError("a device array that no recent operation of this runner made")
+
+    def replay(self, op: str, args: tuple) -> None:
+        """Run an operation the leader sent (a follower's loop, multihost.follow)."""
+        if op == "forward":
+            batch, splice = args
+            self._keep(self._forward(batch, None if splice is None else (splice[0], self._results[splice[1]])))
+        elif op == "sample":
+            self._keep(self._sample_tokens(self._results[args[0]], args[1]))
+        elif op == "processed":
+            self.sample_processed(self._results[args[0]], *args[1:])
+        elif op == "copy":
+            self.copy_pages(*args)
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+
+    def close(self) -> None:
+        """Let the followers of a multi-process engine go (the leader is done)."""
+        if self.mirror is not None:
+            self.mirror.stop()
+            self.mirror = None
 
     def dummy_batch(self, shape: Shape) -> ForwardBatch:
         """A batch of the given shape writing only to the scratch page."""
@@ -558,8 +636,7 @@ class ModelRunner:
         yet waits for it (moved to the front of the queue); `compile_status()` tells the progress."""
         todo = list(dict.fromkeys(self.all_shapes() if shapes is None else shapes))
         todo.sort(key=lambda s: (s.prefix_pages > 0, s.pages, s.batch, s.tokens))  # the shapes needed first
-        zeros = np.zeros(self._copy_width, np.int32)
-        self.kv = self._copy(self.kv, zeros, zeros)
+        self.copy_pages([PageCopy(0, 0, 0)])  # compiles the page copy (scratch page 0 onto itself)
         self.compiler.submit(todo)
         self.precompiled = True
         if wait:

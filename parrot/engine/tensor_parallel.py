@@ -7,15 +7,19 @@
   way (zero gate/up columns and down rows; zero embedding rows whose logits are cut off).
 - The fused QKV and gate/up matrices are column parallel. Their columns are put in device-major order, so
   each device's block is its own `Q | K | V` (`gate | up`) and the model code runs unchanged on it.
-  O and down are row parallel: each device multiplies its input rows and the partial products are
-  summed (`psum` in models/llama.py). GGUF block-quantized matrices split the same way, along whole rows
+  O and down are row parallel (Megatron, the default on accelerators): each device multiplies its input
+  rows and the partial products are summed (`psum`, models/llama.py `row_project`); or, in the exact mode
+  (the default on CPUs), split by output columns: their input is gathered first and their output after,
+  so each output is the same sum as on one device. GGUF block-quantized matrices split along whole rows
   or whole 32-weight blocks.
 - The embedding and the output projection are split by vocabulary; the KV pool by KV head.
 - The runner calls the same jitted step functions inside `shard_map` over the mesh's `tp` axis, so the
   native CPU kernels (XLA custom calls, which GSPMD could not partition) run on each device's shard.
 
-Greedy outputs match one device's: the only arithmetic that changes is the order in which O's and
-down's partial sums are added (tests/engine/test_tensor_parallel.py checks 1, 2 and 4 devices).
+In the exact mode every value is computed as on one device, so greedy outputs equal one device's
+(tests/engine/test_tensor_parallel.py checks 1, 2 and 4 devices and two processes). In the Megatron
+mode O's and down's partial sums are added in another order: logits agree to float rounding, and a
+greedy output can change where two tokens' logits nearly tie.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ from jax.sharding import PartitionSpec as P
 
 from parrot.engine.models.llama import TP_AXIS, LlamaConfig, Weight
 from parrot.engine.quant import BLOCK_BYTES, QuantizedTensor
+from parrot.errors import ParrotError
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(ParrotError, ValueError):
     """A tensor-parallel setting this machine or model cannot take."""
+
+    code = "invalid_tensor_parallel_setting"
 
 
 def make_mesh(tp: int, devices: list[jax.Device] | None = None) -> Mesh:
@@ -131,9 +138,15 @@ def device_major(a: np.ndarray, sections: list[int], tp: int, axis: int) -> np.n
     return np.concatenate([c[r] for r in range(tp) for c in chunks], axis=axis)
 
 
-def layer_specs(layer: dict, cfg: LlamaConfig, tp: int) -> tuple[dict, dict]:
+def exact_default(platform: str) -> bool:
+    """The exact mode where it costs little (CPUs: virtual devices and loopback processes, where tensor
+    parallelism serves correctness and memory more than speed); Megatron's one all-reduce elsewhere."""
+    return platform == "cpu"
+
+
+def layer_specs(layer: dict, cfg: LlamaConfig, tp: int, exact: bool) -> tuple[dict, dict]:
     """For one decoder layer's pure dict (global arrays, fused as the model fuses them): the arrays in
-    device-major order, and the PartitionSpec of each."""
+    device-major order, and the PartitionSpec of each (`exact`: O and down split by output columns)."""
     d = cfg.head_dim
     qkv = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
     gate_up = [cfg.intermediate_size] * 2
@@ -148,8 +161,9 @@ def layer_specs(layer: dict, cfg: LlamaConfig, tp: int) -> tuple[dict, dict]:
                 axis = 0 if quantized or a.ndim == 1 else 1
                 a = device_major(np.asarray(a), sections, tp, axis)
                 spec = P(TP_AXIS) if a.ndim == 1 else (P(TP_AXIS, None) if quantized else P(None, TP_AXIS))
-            elif name in ("wo", "w_down"):  # row parallel
-                spec = P(None, TP_AXIS) if quantized else P(TP_AXIS, None)
+            elif name in ("wo", "w_down"):  # row parallel, or split by output column (exact)
+                by_input = P(None, TP_AXIS) if quantized else P(TP_AXIS, None)
+                spec = (P(TP_AXIS, None) if quantized else P(None, TP_AXIS)) if exact else by_input
             else:  # norms: every device holds them
                 spec = P()
             arrays[group][name], specs[group][name] = a, spec

@@ -7,10 +7,11 @@ forward works on a flat token batch (batch.py) and a paged KV cache: one `[kv_he
 page_size, head_dim]` array per layer for K and for V.
 
 Tensor parallelism (`tp` > 1, engine/tensor_parallel.py): the same modules run inside `shard_map` on
-each device's shard, Megatron style. The fused QKV and gate/up matrices are split by output columns
-(whole heads; each device's columns hold its Q | K | V and gate | up), O and down by input rows, and the
-partial products of the latter are summed over the `TP_AXIS` mesh axis; the embedding and the output
-projection are split by vocabulary (`embed_tokens` / `lm_logits` with `tp_axis`).
+each device's shard. The fused QKV and gate/up matrices are split by output columns (whole heads; each
+device's columns hold its Q | K | V and gate | up). O and down (`row_project`) are split Megatron style
+by input rows, their partial products summed over the `TP_AXIS` mesh axis; or, `tp_exact`, by output
+columns after their input is gathered, so every output is the same sum as on one device. The
+embedding and the output projection are split by vocabulary (`embed_tokens` / `lm_logits`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype) -> 
     return quant.linear(x, w, qtype, dtype)
 
 
+def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool) -> jax.Array:
+    """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
+    columns). Megatron: `w` holds the matching input rows and the partial products are summed over
+    the devices (one all-reduce; the order of the sum changes with tp). `exact`: `w` holds all input rows
+    of this device's output columns, `x` is gathered first and the outputs after (two all-gathers;
+    each output is computed as on one device, so greedy outputs do not change with tp)."""
+    if tp == 1:
+        return project(x, w, qtype, dtype)
+    if not exact:
+        return jax.lax.psum(project(x, w, qtype, dtype), TP_AXIS)
+    full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(project(full, w, qtype, dtype), TP_AXIS, axis=1, tiled=True)
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w in the weight's dtype, accumulated and returned in x's dtype (bf16 weights with float32
     activations run on the CPU's bf16 matrix units)."""
@@ -128,10 +143,10 @@ class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype,
-                 tp: int = 1) -> None:
+                 tp: int = 1, tp_exact: bool = False) -> None:
         self.cfg = cfg
         self.qdtype = qdtype
-        self.tp = tp  # > 1: this device's heads only, and O's partial products summed over TP_AXIS
+        self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's heads only (see `row_project`)
         self.wqkv, self.wqkv_q = _matrix(_fuse([w["wq"], w["wk"], w["wv"]]), dtype)
         self.wo, self.wo_q = _matrix(w["wo"], dtype)
         if cfg.qkv_bias:
@@ -154,33 +169,34 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
-        out = project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype)
-        return (jax.lax.psum(out, TP_AXIS) if self.tp > 1 else out), k_cache, v_cache
+        out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact)
+        return out, k_cache, v_cache
 
 
 class MLP(nnx.Module):
     """SwiGLU with the gate and up projections fused into one `[hidden, 2 * ffn]` matrix."""
 
-    def __init__(self, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype, tp: int = 1) -> None:
+    def __init__(self, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype, tp: int = 1,
+                 tp_exact: bool = False) -> None:
         self.qdtype = qdtype
-        self.tp = tp  # > 1: this device's share of the FFN, and down's partial products summed over TP_AXIS
+        self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's share of the FFN (see `row_project`)
         self.w_gate_up, self.w_gate_up_q = _matrix(_fuse([w["w_gate"], w["w_up"]]), dtype)
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype)
         f = gu.shape[-1] // 2
-        out = project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype)
-        return jax.lax.psum(out, TP_AXIS) if self.tp > 1 else out
+        return row_project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype,
+                           self.tp, self.tp_exact)
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, act_dtype: jnp.dtype,
-                 qdtype: jnp.dtype, tp: int = 1) -> None:
+                 qdtype: jnp.dtype, tp: int = 1, tp_exact: bool = False) -> None:
         self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
-        self.attn = Attention(cfg, w, dtype, qdtype, tp)
+        self.attn = Attention(cfg, w, dtype, qdtype, tp, tp_exact)
         self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
-        self.mlp = MLP(w, dtype, qdtype, tp)
+        self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
         a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
@@ -195,10 +211,11 @@ class Llama(nnx.Module):
     norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units);
     `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches).
     `tp` > 1: the layers run on tensor-parallel shards (engine/tensor_parallel.py arranges the weights;
-    the runner calls the layers inside `shard_map`)."""
+    the runner calls the layers inside `shard_map`; `tp_exact`: see `row_project`)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], dtype: jnp.dtype = jnp.float32,
-                 act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None, tp: int = 1):
+                 act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None, tp: int = 1,
+                 tp_exact: bool = False):
         self.cfg = cfg
         act_dtype = act_dtype or dtype
         self.act_dtype = act_dtype
@@ -208,7 +225,7 @@ class Llama(nnx.Module):
         self.embed, self.embed_q = _matrix(embed, dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype, act_dtype, self.qdtype, tp)
+                         dtype, act_dtype, self.qdtype, tp, tp_exact)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
