@@ -39,6 +39,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
                    help="split the model over N devices (Megatron-style tensor parallelism; on a CPU, "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N virtual devices)")
+    p.add_argument("--tensor-parallel-mode", choices=["auto", "megatron", "exact"], default="auto",
+                   help="how O and down split: megatron (by rows, one all-reduce), exact (by columns after gathering "
+                        "their input: greedy outputs equal one device's), auto (default: exact on CPUs, megatron "
+                        "on accelerators)")
     p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                    help="one engine over several processes or hosts: process 0's address for jax.distributed "
                         "(with --nnodes and --node-rank; run the same command in every process)")
@@ -116,7 +120,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            memory_utilization=args.gpu_memory_utilization,
                            compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                            kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
-                           tensor_parallel_size=args.tensor_parallel_size)
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           tensor_parallel_mode=args.tensor_parallel_mode)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
     if _join_cluster(args, cfg):
@@ -167,7 +172,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                             precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
-                            tensor_parallel_size=args.tensor_parallel_size)
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            tensor_parallel_mode=args.tensor_parallel_mode)
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -247,7 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype),
-                                ("--tensor-parallel-size", args.tensor_parallel_size)):
+                                ("--tensor-parallel-size", args.tensor_parallel_size),
+                                ("--tensor-parallel-mode", args.tensor_parallel_mode)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.no_overlap:
