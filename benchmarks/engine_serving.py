@@ -6,12 +6,17 @@
    (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT and inter-token latency p50/p99.
 2. Shared prefix: 16 forks of one 1,000-token context, each filling a short question and generating,
    vs 16 independent contexts holding a copy of the prefix. Wall time of each, side by side.
+3. Structured output (`--structured`, or alone with `--structured-only`): c clients (c in 1, 16) ask for
+   a JSON object of a schema with fixed keys, greedy; then the same clients generate as many tokens
+   without a constraint. Output tok/s of both, the host time to compute each step's masks (mean, p99),
+   and the decode steps fast-forward saved (tokens the grammar forced, fed as one chunk).
 All shapes are precompiled first; shape misses during the runs are reported (should be 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
 
@@ -31,8 +36,11 @@ def _pct(values: list[float], q: float) -> float:
 class Client:
     """One simulated user: fill a context (optionally forked), then stream a generation."""
 
-    def __init__(self, eng: LLMEngine, ctx: str, tokens: list[int], max_tokens: int, parent: str | None = None):
+    def __init__(self, eng: LLMEngine, ctx: str, tokens: list[int], max_tokens: int, parent: str | None = None,
+                 schema: dict | None = None):
         self.eng, self.ctx, self.tokens, self.max_tokens, self.parent = eng, ctx, tokens, max_tokens, parent
+        self.schema = schema  # a JSON schema the output must match (greedy, ends with the object)
+        self.text = ""
         self.token_times: list[float] = []
         self.start = 0.0
         self.end = 0.0
@@ -46,8 +54,10 @@ class Client:
             if c.token_id is not None:
                 self.token_times.append(time.perf_counter())
 
-        sp = SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
-        self.eng.generate_future(GenerateRequest(context_id=self.ctx, sampling=sp), on_chunk=on_chunk).result()
+        sp = (SamplingParams(max_tokens=self.max_tokens, json_schema=self.schema) if self.schema is not None
+              else SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
+        out = self.eng.generate_future(GenerateRequest(context_id=self.ctx, sampling=sp), on_chunk=on_chunk).result()
+        self.text = out.text
         self.end = time.perf_counter()
         self.eng.free_future(self.ctx).result()
 
@@ -93,6 +103,57 @@ def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: 
             "independent_s": t_indep, "forked_s": t_forks, "speedup": t_indep / t_forks}
 
 
+# fixed keys (what fast-forward feeds without a decode step each) and bounded values
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 24},
+        "occupation": {"type": "string", "maxLength": 32},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
+        "married": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "occupation", "hobbies", "married"],
+    "additionalProperties": False,
+}
+PERSON_PROMPTS = ["an engineer from Lyon", "a retired teacher", "a young painter in Kyoto", "a fisherman in Norway",
+                  "a nurse from Lagos", "a chess player", "a baker in Vienna", "a student of physics"]
+
+
+def structured(eng: LLMEngine, conc: int, max_tokens: int) -> dict:
+    """JSON-schema outputs at concurrency `conc`, then as many unconstrained tokens per client."""
+    tok = eng.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content":
+               f"Describe {PERSON_PROMPTS[i % len(PERSON_PROMPTS)]} (person {i}) as a JSON object with the keys "
+               "name, age, city, occupation, hobbies, married."}])) for i in range(conc)]
+    before = eng.ping()
+    eng.grammars.mask_ms.clear()
+    clients = [Client(eng, f"json{conc}-{i}", prompts[i], max_tokens, schema=PERSON_SCHEMA) for i in range(conc)]
+    wall = run_clients(clients)
+    after = eng.ping()
+    masks = eng.grammars.mask_stats()
+    out_tokens = sum(len(c.token_times) for c in clients)
+    valid = 0
+    for c in clients:
+        try:
+            valid += isinstance(json.loads(c.text), dict)
+        except ValueError:
+            pass
+    per_client = max(1, round(out_tokens / conc))
+    plain = [Client(eng, f"plain{conc}-{i}", prompts[i], per_client) for i in range(conc)]
+    plain_wall = run_clients(plain)
+    plain_tokens = sum(len(c.token_times) for c in plain)
+    tps, plain_tps = out_tokens / wall, plain_tokens / plain_wall
+    return {"concurrency": conc, "output_tokens": out_tokens, "valid_json": valid,
+            "output_tokens_per_s": tps, "unconstrained_tokens": plain_tokens,
+            "unconstrained_tokens_per_s": plain_tps, "ratio_vs_unconstrained": tps / plain_tps,
+            "mask_ms_mean": masks["mask_ms_mean"], "mask_ms_p99": masks["mask_ms_p99"],
+            "masked_steps": after.constrained_steps - before.constrained_steps,
+            "fast_forward_tokens": after.fast_forward_tokens - before.fast_forward_tokens,
+            "example": clients[0].text}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -100,10 +161,12 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
                          "or a directory with a config.json)")
-    ap.add_argument("--out", default="benchmarks/results/engine_serving.json")
+    ap.add_argument("--structured", action="store_true", help="also the structured-output comparison")
+    ap.add_argument("--structured-only", action="store_true", help="only the structured-output comparison")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/engine_serving[_structured].json")
     args = ap.parse_args()
     quick = args.quick
-    levels = [1, 4, 16] if quick else [1, 4, 16, 64]
+    levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        token_buckets=[16, 32, 64, 128, 256, 512], bs_buckets=[1, 2, 4, 8, 16, 32, 64],
@@ -118,26 +181,38 @@ def main() -> None:
     result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
                     "throughput": [], "quick": quick}
     try:
-        for c in levels:
+        if args.structured or args.structured_only:
+            result["structured"] = []
+            for c in (1, 16):
+                r = structured(eng, c, 96)
+                result["structured"].append(r)
+                print(f"structured, concurrency {c:2d}: {r['output_tokens_per_s']:6.1f} tok/s vs "
+                      f"{r['unconstrained_tokens_per_s']:6.1f} unconstrained ({r['ratio_vs_unconstrained']:.2f}x); "
+                      f"{r['valid_json']}/{c} valid; mask per step mean {r['mask_ms_mean']:.3f} ms, p99 "
+                      f"{r['mask_ms_p99']:.3f} ms over {r['masked_steps']} steps; fast-forward fed "
+                      f"{r['fast_forward_tokens']} of {r['output_tokens']} tokens", flush=True)
+        for c in [] if args.structured_only else levels:
             r = throughput(eng, rng, c, prompt_len, out_len)
             result["throughput"].append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
                   f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms", flush=True)
-        base = result["throughput"][0]["output_tokens_per_s"]
-        result["throughput_ratio_vs_c1"] = {
-            r["concurrency"]: r["output_tokens_per_s"] / base for r in result["throughput"]}
-        sp = shared_prefix(eng, rng, 16, 1000, 16, 16 if quick else 64)
-        result["shared_prefix"] = sp
-        print(f"16 forks of a 1000-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
-              f"{sp['independent_s']:.1f}s: {sp['speedup']:.2f}x")
-        info = eng.ping()
-        result["runtime"] = info.model_dump()
-        print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}; shape misses: {info.shape_misses}; "
-              f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
+        if not args.structured_only:
+            base = result["throughput"][0]["output_tokens_per_s"]
+            result["throughput_ratio_vs_c1"] = {
+                r["concurrency"]: r["output_tokens_per_s"] / base for r in result["throughput"]}
+            sp = shared_prefix(eng, rng, 16, 1000, 16, 16 if quick else 64)
+            result["shared_prefix"] = sp
+            print(f"16 forks of a 1000-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
+                  f"{sp['independent_s']:.1f}s: {sp['speedup']:.2f}x")
+            info = eng.ping()
+            result["runtime"] = info.model_dump()
+            print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}; shape misses: {info.shape_misses}; "
+                  f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
     finally:
         eng.shutdown()
-    write_json(result, args.out)
+    name = "engine_serving_structured" if args.structured_only else "engine_serving"
+    write_json(result, args.out or f"benchmarks/results/{name}.json")
 
 
 if __name__ == "__main__":
