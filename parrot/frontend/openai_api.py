@@ -234,6 +234,40 @@ async def _collect(choices: list[_Choice], core: ParrotServeCore, request: Reque
     await task  # its error, if it failed
 
 
+async def _first_or_disconnect(events: _Events, request: Request, poll: float = 0.5) -> None:
+    """`events.first()`, unless the client disconnects first: then the choices are cancelled (their
+    generations aborted) and the request ends with 499."""
+    task = asyncio.ensure_future(events.first())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                events.close()
+                raise OpenAIError(499, "the client disconnected", code="aborted")
+    finally:
+        if not task.done():
+            task.cancel()
+    await task  # its error, if the first event was a failure
+
+
+class _EventStream(StreamingResponse):
+    """A stream that runs `on_close` however it ends: also when the client is gone before its first byte
+    is sent, where the body's generator never starts (and so never runs its own cleanup)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 def _usage(choices: list[_Choice], n: int) -> dict:
     """prompt tokens count once per prompt (the first choice of each), completion tokens for every choice."""
     results = [c.result for c in choices if c.result is not None]
@@ -310,8 +344,10 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 choices.append(_Choice(p * body.n + i, queue, timer))
         return choices
 
-    async def stream_response(events: _Events, gen: AsyncIterator[str]) -> StreamingResponse:
-        await events.first()  # an error before the first token is the response's status, not a stream event
+    async def stream_response(events: _Events, gen: AsyncIterator[str], request: Request) -> StreamingResponse:
+        # an error before the first token is the response's status, not a stream event; a client that
+        # leaves before it (a long queue, a long prompt) cancels its choices
+        await _first_or_disconnect(events, request)
 
         async def lines() -> AsyncIterator[str]:
             try:
@@ -324,8 +360,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 events.close()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(lines(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(lines(), events.close, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # ---- /v1/completions ----------------------------------------------------------------------
     @router.post("/v1/completions", response_model=None)
@@ -378,7 +414,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(choices, body.n)})
 
-        return await stream_response(events, gen())
+        return await stream_response(events, gen(), request)
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
     @router.post("/v1/chat/completions", response_model=None)
@@ -459,7 +495,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": _usage(choices, body.n)})
 
-        return await stream_response(events, gen())
+        return await stream_response(events, gen(), request)
 
     return router
 

@@ -182,6 +182,42 @@ def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine) -> No
         assert all(c.session_id is None for c in core.contexts.contexts())
 
 
+def test_openai_stream_left_before_its_first_token_is_cancelled(engine: LLMEngine) -> None:
+    """A streamed request whose client gives up while it waits for its first token (here: queued behind a
+    full batch) is cancelled, not run later for nobody."""
+    with serve(engine) as (url, core):
+        before = engine.ping()
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        full = engine.cfg.max_batch_size
+        started = threading.Event()
+        stop = threading.Event()
+
+        def occupy() -> None:  # one sequence of the full batch, streaming until told to leave
+            with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        started.set()
+                        if stop.is_set():
+                            return
+
+        threads = [threading.Thread(target=occupy) for _ in range(full)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: engine.ping().running >= full, 30, "the batch to fill")
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=1.0) as c, \
+                c.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.read()  # no first byte within the second: the client leaves
+        wait_until(lambda: core.aborts == 1, 10, "the waiting request to be cancelled")
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 20, "every generation to stop")
+        after = engine.ping()
+        assert core.aborts == full + 1 and after.aborts - before.aborts == full  # the waiting one never reached it
+        assert after.steps - before.steps < 300, "the abandoned request ran"
+
+
 def test_openai_request_disconnect_aborts_the_generation(engine: LLMEngine) -> None:
     """A non-streamed completion whose client gives up is cancelled too."""
     with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
