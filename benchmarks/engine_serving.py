@@ -8,8 +8,9 @@
    vs 16 independent contexts holding a copy of the prefix. Wall time of each, side by side.
 3. Structured output (`--structured`, or alone with `--structured-only`): c clients (c in 1, 16) ask for
    a JSON object of a schema with fixed keys, greedy; then the same clients generate as many tokens
-   without a constraint. Output tok/s of both, the host time to compute each step's masks (mean, p99),
-   and the decode steps fast-forward saved (tokens the grammar forced, fed as one chunk).
+   without a constraint; three such pairs in turns. Output tok/s of both (medians), the host time to
+   compute each step's masks (mean, p99) and the decode steps fast-forward saved (tokens the grammar
+   forced, fed as one chunk).
 All shapes are precompiled first; shape misses during the runs are reported (should be 0).
 """
 
@@ -121,37 +122,46 @@ PERSON_PROMPTS = ["an engineer from Lyon", "a retired teacher", "a young painter
                   "a nurse from Lagos", "a chess player", "a baker in Vienna", "a student of physics"]
 
 
-def structured(eng: LLMEngine, conc: int, max_tokens: int) -> dict:
-    """JSON-schema outputs at concurrency `conc`, then as many unconstrained tokens per client."""
+def structured(eng: LLMEngine, conc: int, max_tokens: int, repeats: int = 3) -> dict:
+    """JSON-schema outputs at concurrency `conc`, then as many unconstrained tokens per client; `repeats`
+    such pairs, run in turns, and the medians."""
     tok = eng.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content":
                f"Describe {PERSON_PROMPTS[i % len(PERSON_PROMPTS)]} (person {i}) as a JSON object with the keys "
                "name, age, city, occupation, hobbies, married."}])) for i in range(conc)]
     before = eng.ping()
     eng.grammars.mask_ms.clear()
-    clients = [Client(eng, f"json{conc}-{i}", prompts[i], max_tokens, schema=PERSON_SCHEMA) for i in range(conc)]
-    wall = run_clients(clients)
+    runs: list[dict] = []
+    for rep in range(repeats):
+        clients = [Client(eng, f"json{conc}-{rep}-{i}", prompts[i], max_tokens, schema=PERSON_SCHEMA)
+                   for i in range(conc)]
+        wall = run_clients(clients)
+        out_tokens = sum(len(c.token_times) for c in clients)
+        valid = 0
+        for c in clients:
+            try:
+                valid += isinstance(json.loads(c.text), dict)
+            except ValueError:
+                pass
+        per_client = max(1, round(out_tokens / conc))
+        plain = [Client(eng, f"plain{conc}-{rep}-{i}", prompts[i], per_client) for i in range(conc)]
+        plain_wall = run_clients(plain)
+        plain_tokens = sum(len(c.token_times) for c in plain)
+        runs.append({"tps": out_tokens / wall, "plain_tps": plain_tokens / plain_wall, "tokens": out_tokens,
+                     "valid": valid, "example": clients[0].text})
     after = eng.ping()
     masks = eng.grammars.mask_stats()
-    out_tokens = sum(len(c.token_times) for c in clients)
-    valid = 0
-    for c in clients:
-        try:
-            valid += isinstance(json.loads(c.text), dict)
-        except ValueError:
-            pass
-    per_client = max(1, round(out_tokens / conc))
-    plain = [Client(eng, f"plain{conc}-{i}", prompts[i], per_client) for i in range(conc)]
-    plain_wall = run_clients(plain)
-    plain_tokens = sum(len(c.token_times) for c in plain)
-    tps, plain_tps = out_tokens / wall, plain_tokens / plain_wall
-    return {"concurrency": conc, "output_tokens": out_tokens, "valid_json": valid,
-            "output_tokens_per_s": tps, "unconstrained_tokens": plain_tokens,
-            "unconstrained_tokens_per_s": plain_tps, "ratio_vs_unconstrained": tps / plain_tps,
+    tps = float(np.median([r["tps"] for r in runs]))
+    plain_tps = float(np.median([r["plain_tps"] for r in runs]))
+    return {"concurrency": conc, "repeats": repeats, "output_tokens": runs[0]["tokens"],
+            "valid_json": min(r["valid"] for r in runs),
+            "output_tokens_per_s": tps, "unconstrained_tokens_per_s": plain_tps,
+            "ratio_vs_unconstrained": tps / plain_tps,
+            "ratios_per_run": [r["tps"] / r["plain_tps"] for r in runs],
             "mask_ms_mean": masks["mask_ms_mean"], "mask_ms_p99": masks["mask_ms_p99"],
-            "masked_steps": after.constrained_steps - before.constrained_steps,
-            "fast_forward_tokens": after.fast_forward_tokens - before.fast_forward_tokens,
-            "example": clients[0].text}
+            "masked_steps": (after.constrained_steps - before.constrained_steps) // repeats,
+            "fast_forward_tokens": (after.fast_forward_tokens - before.fast_forward_tokens) // repeats,
+            "example": runs[0]["example"]}
 
 
 def main() -> None:
@@ -169,7 +179,7 @@ def main() -> None:
     levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
-                       token_buckets=[16, 32, 64, 128, 256, 512], bs_buckets=[1, 2, 4, 8, 16, 32, 64],
+                       bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256])
     model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
@@ -188,7 +198,8 @@ def main() -> None:
                 result["structured"].append(r)
                 print(f"structured, concurrency {c:2d}: {r['output_tokens_per_s']:6.1f} tok/s vs "
                       f"{r['unconstrained_tokens_per_s']:6.1f} unconstrained ({r['ratio_vs_unconstrained']:.2f}x); "
-                      f"{r['valid_json']}/{c} valid; mask per step mean {r['mask_ms_mean']:.3f} ms, p99 "
+                      f"{r['valid_json']}/{c} valid (medians of {r['repeats']}); "
+                      f"mask per step mean {r['mask_ms_mean']:.3f} ms, p99 "
                       f"{r['mask_ms_p99']:.3f} ms over {r['masked_steps']} steps; fast-forward fed "
                       f"{r['fast_forward_tokens']} of {r['output_tokens']} tokens", flush=True)
         for c in [] if args.structured_only else levels:

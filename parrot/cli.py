@@ -115,15 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if not prompt.strip():
         raise ParrotError("the prompt is empty")
-    try:
-        cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
-                           memory_utilization=args.gpu_memory_utilization,
-                           compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
-                           kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
-                           tensor_parallel_size=args.tensor_parallel_size,
-                           tensor_parallel_mode=args.tensor_parallel_mode)
-    except ValueError as exc:
-        raise ParrotError(f"invalid engine settings: {exc}") from exc
+    cfg = _engine_config(args)
     if _join_cluster(args, cfg):
         return 0
     t0 = time.perf_counter()
@@ -162,18 +154,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if max_batch > max(bs_buckets):
         raise ParrotError(f"--max-batch-size {max_batch} exceeds the largest batch padding {max(bs_buckets)}; "
                           "add it to --precompile-bs-paddings")
+    beside = args.prefill_tokens_beside_decodes or EngineConfig.prefill_tokens_beside_decodes
+    return _engine_config(args, max_batch_size=max_batch, prefill_tokens_beside_decodes=beside,
+                          max_num_batched_tokens=max_tokens,
+                          token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
+                          precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None)
+
+
+def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
+    """EngineConfig from the model options every command has (`_add_model_args`) and `more`; an
+    inconsistency is a clear ParrotError."""
     try:
-        return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max_batch,
+        return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
                             memory_utilization=args.gpu_memory_utilization,
-                            prefill_tokens_beside_decodes=args.prefill_tokens_beside_decodes
-                            or EngineConfig.prefill_tokens_beside_decodes,
-                            max_num_batched_tokens=max_tokens, token_buckets=token_buckets, bs_buckets=bs_buckets,
-                            kv_buckets=kv_buckets,
-                            precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
                             tensor_parallel_size=args.tensor_parallel_size,
-                            tensor_parallel_mode=args.tensor_parallel_mode)
+                            tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -309,7 +306,7 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators; smaller: lower "
                         "inter-token latency while prompts arrive)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
-                   help="token-count padding buckets (default: powers of two 16..512)")
+                   help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
                    help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
     e.add_argument("--max-model-len", type=int, default=None, metavar="N",

@@ -28,7 +28,8 @@ class EngineConfig:
     # latency); None: max_num_batched_tokens
     prefill_tokens_beside_decodes: int | None = 128
     # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths
-    token_buckets: list[int] = field(default_factory=lambda: _pow2(16, 512))
+    # (from 4: a short fill or a grammar's forced tokens padded to 16 rows cost 4x a decode step on a CPU)
+    token_buckets: list[int] = field(default_factory=lambda: _pow2(4, 512))
     bs_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode batches
     prefill_bs_buckets: list[int] = field(default_factory=lambda: [1, 4])  # fills batched in one prefill step
     kv_buckets: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
