@@ -60,6 +60,11 @@ class Shape:
     prefix_pages: int = 0  # > 0: cascade decode with a shared prefix of this many pages
 
 
+# token buckets below this serve one sequence's prefill only (a short fill, a grammar's forced tokens); a
+# batch of several fills pads to at least this many tokens each (half the small shapes to compile)
+MIN_BATCHED_Q = 16
+
+
 def _cpu_has_bf16_matmul() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -290,8 +295,8 @@ class ModelRunner:
 
     def prefill_shape(self, batch: int, q_len: int, kv_len: int) -> Shape:
         """`batch` sequences of up to `q_len` new tokens each, attending to up to `kv_len` tokens."""
-        q = pick_bucket(q_len, self.ecfg.token_buckets)
         b = pick_bucket(batch, self.ecfg.prefill_bs_buckets)
+        q = pick_bucket(q_len if b == 1 else max(q_len, MIN_BATCHED_Q), self.ecfg.token_buckets)
         return Shape(b * q, b, q, self.kv_pages_bucket(max(kv_len, q)))
 
     def decode_shape(self, batch: int, kv_len: int) -> Shape:
@@ -313,7 +318,7 @@ class ModelRunner:
         max_q = min(self.max_len, pick_bucket(budget, self.ecfg.token_buckets))
         shapes = [Shape(b * q, b, q, kv // self.page_size)
                   for q in self.ecfg.token_buckets if q <= max_q
-                  for b in self.ecfg.prefill_bs_buckets if b == 1 or b * q <= budget
+                  for b in self.ecfg.prefill_bs_buckets if b == 1 or (MIN_BATCHED_Q <= q and b * q <= budget)
                   for kv in self.kv_buckets if kv >= q]
         max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
         decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
