@@ -375,12 +375,13 @@ class ModelRunner:
                     src[off] = s.source
                 off += len(s.tokens)
             splice = (src, prev.tokens)
-        logits = self.forward(batch, splice)
         sampling = [s.job.sampling for s in slots if s.sample]
+        extras = None
+        if sampling:  # constraint masks, penalty counts (None: no job needs them)
+            extras = SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
+        logits = self.forward(batch, splice)
         if not sampling:
             return None
-        # while the device runs the step: constraint masks, penalty counts (None: no job needs them)
-        extras = SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
         if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
