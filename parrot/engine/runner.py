@@ -159,6 +159,7 @@ class ModelRunner:
         # other's cannot start: seen with 2 devices on 2 cores): there, each call is waited for
         self._serial = self.mesh is not None and jax.default_backend() == "cpu"
         self._replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        self._masks_first = jax.default_backend() == "cpu"  # see _run_slots
         self.model_cfg = cfg
         if self.mesh is not None:
             self.model_cfg = tensor_parallel.padded_config(cfg, self.tp, self.weights_mode == "quantized")
@@ -376,12 +377,19 @@ class ModelRunner:
                 off += len(s.tokens)
             splice = (src, prev.tokens)
         sampling = [s.job.sampling for s in slots if s.sample]
-        extras = None
-        if sampling:  # constraint masks, penalty counts (None: no job needs them)
-            extras = SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
+
+        def extras_of() -> tuple[SamplerExtras, np.ndarray | None] | None:
+            """Constraint masks, penalty counts (None: no job needs them)."""
+            return SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
+
+        # on a CPU the masks are computed before the step (computed while it runs, llguidance and XLA only
+        # take turns on the same cores); on an accelerator while the device runs it
+        extras = extras_of() if sampling and self._masks_first else None
         logits = self.forward(batch, splice)
         if not sampling:
             return None
+        if not self._masks_first:
+            extras = extras_of()
         if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
