@@ -82,6 +82,7 @@ class Mirror:
 def follow(runner: ModelRunner) -> None:
     """A follower's loop: replay the leader's operations until it stops."""
     log.info("following process 0's engine")
+    runner.following = True
     while True:
         op, args = pickle.loads(_broadcast(None))
         if op == "stop":

@@ -241,6 +241,7 @@ class ModelRunner:
         # other processes; every process numbers its operations and keeps the latest results, which
         # later operations name (the logits a sampler reads, the tokens an ahead step splices in)
         self.mirror: Mirror | None = None
+        self.following = False  # a follower's runner (multihost.follow): replays the leader's operations
         self._op = 0
         self._results: collections.OrderedDict[int, object] = collections.OrderedDict()
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
@@ -442,7 +443,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run one step; returns the logits of each sequence's last token ([B, vocab]). `splice`: (src,
         tokens) replaces input_ids[i] with tokens[src[i]] where src[i] >= 0, on the device."""
-        self._send("forward", batch, None if splice is None else (splice[0], self._name(splice[1])))
+        if self.mirror is not None:
+            self.mirror.send("forward", (batch, None if splice is None else (splice[0], self._name(splice[1]))))
         return self._keep(self._forward(batch, splice))
 
     def _forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None) -> jax.Array:
@@ -454,7 +456,7 @@ class ModelRunner:
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
         t0 = time.perf_counter()
-        batch = self._put(batch)
+        batch = jax.device_put(batch, self._replicated) if jax.process_count() == 1 else self._put(batch)
         if splice is not None:
             fut = self._parts.get(("splice", shape.tokens))
             fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
@@ -516,7 +518,7 @@ class ModelRunner:
         """Shapes and dtypes of `tree`'s arrays for ahead-of-time lowering, with their shardings (host
         arrays: replicated over the mesh)."""
         def leaf(a: object) -> jax.ShapeDtypeStruct:
-            sharding = a.sharding if isinstance(a, jax.Array) else getattr(a, "sharding", None)
+            sharding = getattr(a, "sharding", None)  # a device array's or an abstract value's; numpy: none
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding or self._replicated)
 
         return jax.tree.map(leaf, tree)
@@ -546,7 +548,8 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
         """Token ids [B], left on the device. None samples greedily (the compiled argmax-only path)."""
-        self._send("sample", self._name(logits), sampling)
+        if self.mirror is not None:
+            self.mirror.send("sample", (self._name(logits), sampling))
         return self._keep(self._sample_tokens(logits, sampling))
 
     def _sample_tokens(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
@@ -562,7 +565,8 @@ class ModelRunner:
                          counts: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """Penalties, bias, masks, min-p and logprobs (`sampling.sample_processed`): (tokens, their raw
         logprobs, top token ids, top logprobs)."""
-        self._send("processed", self._name(logits), sampling, extras, counts)
+        if self.mirror is not None:
+            self.mirror.send("processed", (self._name(logits), sampling, extras, counts))
         self._keep(None)
         key = ("processed" if counts is None else "penalized", int(logits.shape[0]))
         fut = self._parts.get(key)
@@ -573,7 +577,8 @@ class ModelRunner:
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy whole pages src -> dst in every layer's K and V (fork / copy-on-write of a partial page)."""
-        self._send("copy", copies)
+        if self.mirror is not None:
+            self.mirror.send("copy", (copies,))
         self._keep(None)
         n = self._copy_width
         for i in range(0, len(copies), n):
@@ -586,9 +591,12 @@ class ModelRunner:
 
     # ---- several processes (multihost.py) ------------------------------------------------------
     def _put(self, tree: object) -> object:
-        """Host arrays (a batch, sampler inputs) on the device; with tensor parallelism, replicated over
-        the mesh (built from each process's own copy where the mesh spans processes)."""
-        if self.mesh is None or jax.process_count() == 1:
+        """Host arrays (sampler inputs, page numbers) as a step takes them: as they are on one device
+        (the compiled call transfers them), replicated over the mesh with tensor parallelism (built from
+        each process's own copy where the mesh spans processes)."""
+        if self.mesh is None:
+            return tree
+        if jax.process_count() == 1:
             return jax.device_put(tree, self._replicated)
         sharding = self._replicated
 
@@ -600,12 +608,11 @@ class ModelRunner:
 
         return jax.tree.map(put, tree)
 
-    def _send(self, op: str, *args: object) -> None:
-        if self.mirror is not None:
-            self.mirror.send(op, args)
-
     def _keep(self, result: object) -> object:
-        """Number this operation and keep its result for later operations to name."""
+        """Number this operation and keep its result for later operations to name (only in a process of
+        a multi-process engine: elsewhere nothing names them, and a batch's logits are not held on)."""
+        if self.mirror is None and not self.following:
+            return result
         self._op += 1
         self._results[self._op] = result
         while len(self._results) > 16:
