@@ -23,7 +23,9 @@ import time
 
 import numpy as np
 
+from benchmarks import floors
 from benchmarks.report import write_json
+from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import load_model
@@ -222,6 +224,10 @@ def main() -> None:
                   f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
     finally:
         eng.shutdown()
+    fl = floors.measure()  # this machine's floors, in the same run
+    result["machine"], result["floors"] = procinfo.cpu_name(), fl
+    print(f"CPU {result['machine']}; floors: read {fl['memory_read_gbs']:.1f} GB/s, "
+          f"fp32 GEMM {fl['gemm_fp32_gflops']:.0f} GFLOP/s")
     name = "engine_serving_structured" if args.structured_only else "engine_serving"
     write_json(result, args.out or f"benchmarks/results/{name}.json")
 
