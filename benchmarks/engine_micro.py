@@ -33,29 +33,33 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _name(layers_per_call: int, weights: str, several_layers: bool) -> str:
+def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool) -> str:
     name = f"weights_{weights}"
     if several_layers:
         name += "_fused" if layers_per_call == 0 else f"_layers_per_call_{layers_per_call}"
+    if several_attention:
+        name += f"_attention_{attention}"
     return name
 
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
-        layers: list[int], weights: list[str], load_format: str = "auto") -> dict:
+        layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
     runners = {}
     load_s = {}
+    attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
-            t = time.perf_counter()
-            cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
-                               layers_per_call=lpc or None, weights=w)
-            name = _name(lpc, w, len(layers) > 1)
-            runners[name] = r = ModelRunner(loaded.config, loaded.weights, cfg)
-            jax.block_until_ready(r.weights)
-            load_s[name] = t_read + time.perf_counter() - t
+            for att in attention:
+                t = time.perf_counter()
+                cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
+                                   layers_per_call=lpc or None, weights=w, decode_attention=att)
+                name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1)
+                runners[name] = r = ModelRunner(loaded.config, loaded.weights, cfg)
+                jax.block_until_ready(r.weights)
+                load_s[name] = t_read + time.perf_counter() - t
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -64,6 +68,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "prefill_weight_dtype": str(runner.prefill_dtype), "activation_dtype": str(runner.act_dtype),
         "load_s": t_load, "load_s_by_config": load_s, "load_read_s": t_read,
         "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
+        "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,
         "backend": jax.default_backend(), "machine": procinfo.cpu_name(), "configs": list(runners),
@@ -98,10 +103,12 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     for b in batches:
         seqs = [SequenceSlice([int(rng.integers(100, 1000))], decode_ctx - 1,
                               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(b)]
-        for name, t in _time_interleaved(steps(runner.decode_shape(b, decode_ctx), seqs), repeats * 2).items():
+        shape = runner.decode_shape(b, decode_ctx)
+        for name, t in _time_interleaved(steps(shape, seqs), repeats * 2).items():
             ms = t * 1e3
+            piped = _pipelined_ms(runners[name], build_batch(seqs, ps, shape.tokens, shape.batch, 1, shape.pages))
             result["decode"][name][f"batch_{b}"] = {"context": decode_ctx, "ms_per_step": ms,
-                                                    "tokens_per_s": b * 1e3 / ms}
+                                                    "tokens_per_s": b * 1e3 / ms, "pipelined_ms_per_step": piped}
     result["rss_gb"] = (procinfo.rss_bytes() or 0) / 1e9
 
     fl = floors.measure()
@@ -122,6 +129,17 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     for k in ("prefill", "decode", "ratios"):
         result[k] = result[k][first]
     return result
+
+
+def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
+    """Median ms per decode step dispatched back to back, the host waiting only at the end (as the engine's
+    overlap runs a stable batch: step n+1 is launched before step n's tokens reach the host)."""
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready([r.sample(r.forward(batch), None) for _ in range(steps)])
+        times.append((time.perf_counter() - t) / steps * 1e3)
+    return float(np.median(times))
 
 
 def _weight_bytes(r: ModelRunner) -> int:
@@ -153,7 +171,7 @@ def report(r: dict) -> str:
                      f"({c['ratios']['prefill_fraction_of_floor']:.0%} of floor)")
         for batch, d in c["decode"].items():
             lines.append(f"[{name}] decode {batch} (context {d['context']}): {d['ms_per_step']:.1f} ms/step = "
-                         f"{d['tokens_per_s']:.0f} tok/s")
+                         f"{d['tokens_per_s']:.0f} tok/s; pipelined {d['pipelined_ms_per_step']:.2f} ms/step")
         lines.append(f"[{name}] decode batch 1 is {c['ratios']['decode_batch_1_over_floor']:.2f}x the float32 floor")
         d = c["decode"]
         for batch in d:
@@ -177,10 +195,12 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
                          "or a directory with a config.json)")
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla"],
+                    help="decode attention per configuration (auto: the GPU kernel where it runs)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
-            args.weights, args.load_format)
+            args.weights, args.load_format, args.decode_attention)
     print(report(r))
     write_json(r, args.out)
 

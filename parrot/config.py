@@ -57,6 +57,9 @@ class EngineConfig:
     # how O and down split: "megatron" (by input rows, one all-reduce), "exact" (by output columns, their
     # input gathered: greedy outputs equal one device's), "auto" (exact on CPUs, megatron on accelerators)
     tensor_parallel_mode: str = "auto"
+    # decode attention: "auto" (on GPUs a Pallas kernel that reads the KV pages in place, where it compiles;
+    # XLA's lowering elsewhere and for float32 caches), "xla" (always XLA's lowering)
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_mode not in ("auto", "megatron", "exact"):
             raise ValueError("tensor_parallel_mode must be 'auto', 'megatron' or 'exact'")
+        if self.decode_attention not in ("auto", "xla"):
+            raise ValueError("decode_attention must be 'auto' or 'xla'")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

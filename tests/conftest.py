@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax
 import pytest
 
 from parrot.config import EngineConfig
@@ -46,6 +47,14 @@ def tiny_engine_config(**kw) -> EngineConfig:
                 cascade_suffix_buckets=[64, 128], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
     base.update(kw)
     return EngineConfig(**base)
+
+
+def batch_invariant_mode() -> dict:
+    """EngineConfig settings in which batching and forking never change greedy results on this backend:
+    the default mode on a CPU (its kernels sum each row in one order up to batch 16); float32 with
+    HIGHEST-precision products on accelerators, whose bfloat16 products sum in an order that depends on
+    the batch (docs/benchmarks.md, accelerators)."""
+    return {} if jax.default_backend() == "cpu" else {"dtype": "float32", "kv_dtype": "f32"}
 
 
 @pytest.fixture(scope="session")

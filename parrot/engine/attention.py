@@ -13,7 +13,8 @@ exactly through their log-sum-exp (flash-attention style), so the output equals 
 
 Decode steps on a CPU with the native kernels (kernels/cpu_kernels.cc) skip the gathers altogether:
 each sequence's keys and values are read in place from its pages (the shared prefix through the same
-pages), with an online softmax, and nothing is copied.
+pages), with an online softmax, and nothing is copied. On GPUs plain decode steps over a bfloat16 cache
+do the same through a Pallas kernel (gpu_attention.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from parrot.engine import kernels
+from parrot.engine import gpu_attention, kernels
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.precision import exact
 
@@ -63,15 +64,19 @@ def _partial(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
 
 
 def paged_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float,
+    gpu_kernel: bool = False,
 ) -> jax.Array:
-    """q: [T, H, D] (flat). Returns [T, H, D]; tokens not in `q_index` get zeros."""
+    """q: [T, H, D] (flat). Returns [T, H, D]; tokens not in `q_index` get zeros. `gpu_kernel`: plain
+    decode steps over a bfloat16 cache go through gpu_attention's kernel."""
     t, h, d = q.shape
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
     if qlen == 1 and k_cache.dtype in (jnp.float32, jnp.uint16) and kernels.available():
         return _decode_in_place(q, k_cache, v_cache, batch, scale)
+    if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
+        return _decode_gpu(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
     # [Hkv, B, Q*G, D]: rows ordered (query, group)
     qh = qb.transpose(2, 0, 1, 3, 4).reshape(hkv, bsz, qlen * group, d)
@@ -102,6 +107,16 @@ def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch
     o = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
                              batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale)
     return jnp.zeros((t, h, d), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")
+
+
+def _decode_gpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
+                scale: float) -> jax.Array:
+    """One query per sequence, through the GPU kernel that reads the KV pages in place."""
+    t, h, d = q.shape
+    rows = batch.q_index[:, 0]
+    qb = q.at[rows].get(mode="fill", fill_value=0)  # [B, H, D]
+    o = gpu_attention.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_lens, scale)
+    return jnp.zeros((t, h, d), q.dtype).at[rows].set(o, mode="drop")
 
 
 def _merge_shared_prefix(

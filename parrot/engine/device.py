@@ -75,10 +75,13 @@ def for_device(cfg: EngineConfig, platform: str | None = None) -> EngineConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def kv_budget_bytes(cfg: EngineConfig, weight_bytes: int, memory: DeviceMemory | None = None) -> int:
+def kv_budget_bytes(cfg: EngineConfig, weight_bytes: int, memory: DeviceMemory | None = None,
+                    arrays: int = 0) -> int:
     """Bytes for the paged KV pool: `kv_memory_mb` when set (or on a CPU); else the device's share
-    (`memory_utilization`) of its memory, less what is in use, the weights still to be placed and a
-    reserve for activations. Raises when the weights alone exceed that share."""
+    (`memory_utilization`) of its memory, less what is in use, the weights still to be placed, a
+    reserve for activations and room for a temporary copy of one of the pool's `arrays` (one K or V per
+    layer: seen on an H100, a step that did not update a layer's cache in place needed one). Raises when
+    the weights alone exceed that share."""
     if cfg.kv_memory_mb is not None:
         return cfg.kv_memory_mb * 2**20
     memory = memory or device_memory()
@@ -87,6 +90,8 @@ def kv_budget_bytes(cfg: EngineConfig, weight_bytes: int, memory: DeviceMemory |
     util = cfg.memory_utilization if cfg.memory_utilization is not None else DEFAULT_MEMORY_UTILIZATION
     budget = int(util * memory.limit_bytes) - memory.in_use_bytes - weight_bytes
     budget -= int(ACTIVATION_RESERVE * memory.limit_bytes)
+    if arrays:
+        budget -= budget // (arrays + 1)
     if budget < MIN_KV_BYTES:
         raise ValueError(
             f"the model's weights ({weight_bytes / 2**30:.1f} GiB) leave no room for a KV cache within "

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import kernels, tensor_parallel
+from parrot.engine import gpu_attention, kernels, tensor_parallel
 from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
@@ -172,11 +172,14 @@ class ModelRunner:
         if ecfg.weights == "bf16":
             prefill_dtype = self.dtype = jnp.dtype(jnp.bfloat16)
         # page 0 is a scratch page: padding tokens write there, never handed to a context
-        self.kv_bytes = (kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype) // self.tp)
-                         if not ecfg.kv_pages else 0)
+        self.kv_bytes = (kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype) // self.tp,
+                                         arrays=2 * mcfg.num_layers) if not ecfg.kv_pages else 0)
         self.num_pages = ecfg.kv_pages or max(2, self.kv_bytes // bytes_per_page)
+        # GPUs: plain decode steps read a bfloat16 cache in place through a Pallas kernel, where it compiles
+        self.decode_kernel = (ecfg.decode_attention == "auto" and self.kv_dtype == jnp.bfloat16
+                              and self.mesh is None and gpu_attention.available())
         if self.mesh is None:
-            model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype)
+            model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype, decode_kernel=self.decode_kernel)
         else:  # built on the host, then placed on the mesh shard by shard
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, self.tp, self.tp_exact)
@@ -284,8 +287,9 @@ class ModelRunner:
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
-        # a bfloat16 cache is held as uint16 bit patterns (see attention.write_kv)
-        n, dtype = mcfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 else self.kv_dtype
+        # on a CPU a bfloat16 cache is held as uint16 bit patterns (see attention.write_kv)
+        cpu = jax.default_backend() == "cpu"
+        n, dtype = mcfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype
         out = None if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),

@@ -18,6 +18,10 @@ def test_kv_pool_from_device_memory() -> None:
     assert got == int(0.9 * 80 * GIB) - 1 * GIB - weights - int(0.05 * 80 * GIB)
     half = kv_budget_bytes(EngineConfig(memory_utilization=0.5), weights, H100)
     assert half == int(0.5 * 80 * GIB) - 1 * GIB - weights - int(0.05 * 80 * GIB)
+    # room for a temporary copy of one of the pool's arrays (64: K and V of 32 layers)
+    share = got - got // 65
+    assert kv_budget_bytes(EngineConfig(), weights, H100, arrays=64) == share
+    assert share + share // 64 <= got
     # an explicit size wins; a CPU (no memory limit reported) gets 1024 MB
     assert kv_budget_bytes(EngineConfig(kv_memory_mb=300), weights, H100) == 300 * 2**20
     cpu = DeviceMemory("cpu", "cpu", None, 0)

@@ -10,6 +10,7 @@ from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import batch_invariant_mode
 
 pytestmark = pytest.mark.model
 
@@ -28,7 +29,7 @@ MAX_TOKENS = 12
 def engine(smollm: LoadedModel):
     cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=512, max_batch_size=16,
                        token_buckets=[16, 32, 64, 128], max_num_batched_tokens=128, bs_buckets=[1, 2, 4, 8, 16],
-                       kv_buckets=[128, 256, 512], cascade_suffix_buckets=[64, 128])
+                       kv_buckets=[128, 256, 512], cascade_suffix_buckets=[64, 128], **batch_invariant_mode())
     eng = LLMEngine(smollm, cfg).start(precompile=False)
     yield eng
     eng.shutdown()

@@ -48,7 +48,10 @@ def call(client: httpx.Client, sid: str, auth: dict, template: str, params: list
 
 
 def get(client: httpx.Client, sid: str, auth: dict, var_id: str, **params) -> httpx.Response:
-    return client.get(f"/v1/semantic_var/{var_id}", params={"session_id": sid, **params}, headers=auth)
+    """GET a variable; the client waits longer than the server-side `timeout` it asks for."""
+    wait = float(params.get("timeout", 0)) + 60
+    return client.get(f"/v1/semantic_var/{var_id}", params={"session_id": sid, **params}, headers=auth,
+                      timeout=max(wait, 60))
 
 
 def test_call_then_get_generates(client: httpx.Client) -> None:

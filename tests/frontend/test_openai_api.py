@@ -11,7 +11,7 @@ import pytest
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.frontend.openai_api import chat_pieces
-from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
+from tests.conftest import batch_invariant_mode, tiny_engine_config, tiny_model, tiny_tokenizer
 from tests.servers import serving_core
 
 PROMPT = "The quick brown fox jumps over"
@@ -190,7 +190,8 @@ def test_bad_input(client: openai.OpenAI, server) -> None:
 def smollm_server(smollm):  # noqa: ANN001
     cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
                        token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
-                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False)
+                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False,
+                       **batch_invariant_mode())  # the app and plain calls batch differently
     engine = LLMEngine(smollm, cfg).start(precompile=False)
     with serving_core(engine, "smollm2", smollm.tokenizer) as (url, _):
         yield url

@@ -126,6 +126,8 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
     `kv_lens`, after the shared prefix `prefix_pages[:prefix_len]` where `in_prefix`. Returns [B, H, D]."""
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if prefix_pages.shape[0] == 0:  # no shared prefix: one unread page (XLA 0.11's CPU compiler crashes on an
+        prefix_pages = jnp.zeros((1,), i32)  # empty operand of a custom call inside shard_map)
     return jax.ffi.ffi_call("parrot_paged_decode", out)(
         q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(i32), kv_offset.astype(i32),
         kv_lens.astype(i32), prefix_pages.astype(i32), jnp.reshape(prefix_len, (1,)).astype(i32),

@@ -143,9 +143,10 @@ class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype,
-                 tp: int = 1, tp_exact: bool = False) -> None:
+                 tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False) -> None:
         self.cfg = cfg
         self.qdtype = qdtype
+        self.decode_kernel = decode_kernel  # decode steps through gpu_attention's kernel (see paged_attention)
         self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's heads only (see `row_project`)
         self.wqkv, self.wqkv_q = _matrix(_fuse([w["wq"], w["wk"], w["wv"]]), dtype)
         self.wo, self.wo_q = _matrix(w["wo"], dtype)
@@ -168,7 +169,7 @@ class Attention(nnx.Module):
         v = qkv[:, qd + kvd :].reshape(t, kv_heads, cfg.head_dim)
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5)
+        o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel)
         out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact)
         return out, k_cache, v_cache
 
@@ -192,9 +193,9 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, act_dtype: jnp.dtype,
-                 qdtype: jnp.dtype, tp: int = 1, tp_exact: bool = False) -> None:
+                 qdtype: jnp.dtype, tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False) -> None:
         self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
-        self.attn = Attention(cfg, w, dtype, qdtype, tp, tp_exact)
+        self.attn = Attention(cfg, w, dtype, qdtype, tp, tp_exact, decode_kernel)
         self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
         self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
@@ -211,11 +212,12 @@ class Llama(nnx.Module):
     norms and attention (e.g. bf16 weights with float32 activations on a CPU with bf16 matrix units);
     `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches).
     `tp` > 1: the layers run on tensor-parallel shards (engine/tensor_parallel.py arranges the weights;
-    the runner calls the layers inside `shard_map`; `tp_exact`: see `row_project`)."""
+    the runner calls the layers inside `shard_map`; `tp_exact`: see `row_project`). `decode_kernel`: decode
+    attention through the GPU kernel (engine/gpu_attention.py) where the cache is bfloat16."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], dtype: jnp.dtype = jnp.float32,
                  act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None, tp: int = 1,
-                 tp_exact: bool = False):
+                 tp_exact: bool = False, decode_kernel: bool = False):
         self.cfg = cfg
         act_dtype = act_dtype or dtype
         self.act_dtype = act_dtype
@@ -225,7 +227,7 @@ class Llama(nnx.Module):
         self.embed, self.embed_q = _matrix(embed, dtype)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype, act_dtype, self.qdtype, tp, tp_exact)
+                         dtype, act_dtype, self.qdtype, tp, tp_exact, decode_kernel)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
