@@ -195,8 +195,8 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
                          "or a directory with a config.json)")
-    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla"],
-                    help="decode attention per configuration (auto: the GPU kernel where it runs)")
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
+                    help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,

@@ -158,7 +158,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return _engine_config(args, max_batch_size=max_batch, prefill_tokens_beside_decodes=beside,
                           max_num_batched_tokens=max_tokens,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
-                          precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None)
+                          precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
+                          decode_attention=args.decode_attention)
 
 
 def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
@@ -249,7 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                 ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
-                                ("--kv-dtype", args.kv_dtype),
+                                ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode)):
                 if value is not None:
@@ -317,6 +318,9 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--layers-per-call", type=int, default=EngineConfig.layers_per_call, metavar="N",
                    help="decoder layers per compiled call (default %(default)s: each shape compiles one layer; "
                         "0: the whole model in one call, slower to compile)")
+    e.add_argument("--decode-attention", choices=["auto", "xla", "kernel"], default=EngineConfig.decode_attention,
+                   help="decode attention over a bfloat16 KV cache on GPUs: the Pallas kernel reading pages in "
+                        "place, XLA's gathering lowering, or auto (the kernel for 4+ query heads per KV head)")
 
 
 def build_parser() -> argparse.ArgumentParser:

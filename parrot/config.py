@@ -57,8 +57,10 @@ class EngineConfig:
     # how O and down split: "megatron" (by input rows, one all-reduce), "exact" (by output columns, their
     # input gathered: greedy outputs equal one device's), "auto" (exact on CPUs, megatron on accelerators)
     tensor_parallel_mode: str = "auto"
-    # decode attention: "auto" (on GPUs a Pallas kernel that reads the KV pages in place, where it compiles;
-    # XLA's lowering elsewhere and for float32 caches), "xla" (always XLA's lowering)
+    # decode attention over a bfloat16 cache on GPUs: "kernel" (a Pallas kernel that reads the KV pages in
+    # place, where it compiles), "xla" (XLA's lowering, which gathers the pages first), "auto" (the kernel
+    # for grouped-query models with 4+ query heads per KV head, where it measured as fast or faster on an
+    # H100; XLA's lowering otherwise). CPUs and float32 caches always use their own paths.
     decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -75,8 +77,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_mode not in ("auto", "megatron", "exact"):
             raise ValueError("tensor_parallel_mode must be 'auto', 'megatron' or 'exact'")
-        if self.decode_attention not in ("auto", "xla"):
-            raise ValueError("decode_attention must be 'auto' or 'xla'")
+        if self.decode_attention not in ("auto", "xla", "kernel"):
+            raise ValueError("decode_attention must be 'auto', 'xla' or 'kernel'")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

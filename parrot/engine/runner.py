@@ -176,8 +176,11 @@ class ModelRunner:
                                          arrays=2 * mcfg.num_layers) if not ecfg.kv_pages else 0)
         self.num_pages = ecfg.kv_pages or max(2, self.kv_bytes // bytes_per_page)
         # GPUs: plain decode steps read a bfloat16 cache in place through a Pallas kernel, where it compiles
-        self.decode_kernel = (ecfg.decode_attention == "auto" and self.kv_dtype == jnp.bfloat16
-                              and self.mesh is None and gpu_attention.available())
+        # (the kernel pads each KV head's query group to 16 rows: "auto" takes it for groups of 4 or more)
+        wanted = ecfg.decode_attention == "kernel" or (ecfg.decode_attention == "auto"
+                                                       and cfg.num_heads // cfg.num_kv_heads >= 4)
+        self.decode_kernel = (wanted and self.kv_dtype == jnp.bfloat16 and self.mesh is None
+                              and gpu_attention.available())
         if self.mesh is None:
             model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype, decode_kernel=self.decode_kernel)
         else:  # built on the host, then placed on the mesh shard by shard

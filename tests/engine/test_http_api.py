@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import jax
 import pytest
 import uvicorn
 from fastapi import FastAPI, HTTPException
@@ -134,7 +135,7 @@ def test_health_and_ping(client: httpx.Client) -> None:
     r = client.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     settings = r.json()["settings"]  # what the engine chose for its device
-    assert settings["platform"] == "cpu" and settings["kv_pages"] > 0 and settings["overlap"] is True
+    assert settings["platform"] == jax.default_backend() and settings["kv_pages"] > 0 and settings["overlap"] is True
     info = ping(client)
     assert info.model == "tiny-random" and info.max_context_len == MAX_LEN and info.page_size == 16
     assert info.settings == settings

@@ -2,7 +2,8 @@
 virtual CPU devices (a separate process: the device count is fixed when JAX starts).
 
     python tests/engine/tp_worker.py N [MODE]
-    -> prints {"tokens": one token list per prompt, "logits": the first prompt's next-token logits}
+    -> prints {"tokens": one token list per prompt, "logits": the first prompt's next-token logits,
+               "prefill_dtype": the weight dtype of prefill products (bfloat16 on CPUs with bf16 matrix units)}
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> None:
         engine.shutdown()
     pages = list(range(1, 1 + -(-len(prompts[0]) // cfg.page_size)))  # the engine is stopped: any pages do
     logits = engine.runner.prefill_logits(prompts[0], 0, pages)[0]
-    print(json.dumps({"tokens": [o.response.token_ids for o in outs], "logits": [float(x) for x in logits]}))
+    print(json.dumps({"tokens": [o.response.token_ids for o in outs], "logits": [float(x) for x in logits],
+                      "prefill_dtype": str(engine.runner.prefill_dtype)}))
 
 
 if __name__ == "__main__":
