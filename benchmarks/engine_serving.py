@@ -182,7 +182,8 @@ def main() -> None:
     prompt_len, out_len = 256, (32 if quick else 128)
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
-                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256])
+                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256],
+                       explicit=("max_batch_size", "max_num_batched_tokens", "bs_buckets"))
     model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
     t0 = time.perf_counter()

@@ -159,7 +159,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_num_batched_tokens=max_tokens,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
-                          decode_attention=args.decode_attention)
+                          decode_attention=args.decode_attention, explicit=tuple(
+                              name for name, given in (
+                                  ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
+                                  ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                  ("token_buckets", args.precompile_token_paddings),
+                                  ("prefill_tokens_beside_decodes", args.prefill_tokens_beside_decodes))
+                              if given is not None))
 
 
 def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:

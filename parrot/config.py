@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -62,6 +63,9 @@ class EngineConfig:
     # for grouped-query models with 4+ query heads per KV head, where it measured as fast or faster on an
     # H100; XLA's lowering otherwise). CPUs and float32 caches always use their own paths.
     decode_attention: str = "auto"
+    # fields set on purpose: on accelerators `device.for_device` raises the batch and token limits that
+    # equal these defaults, except those named here (the CLI names the options it was given)
+    explicit: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("token_buckets", "bs_buckets", "prefill_bs_buckets", "kv_buckets", "cascade_suffix_buckets"):
@@ -77,6 +81,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_mode not in ("auto", "megatron", "exact"):
             raise ValueError("tensor_parallel_mode must be 'auto', 'megatron' or 'exact'")
+        unknown = set(self.explicit) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"explicit names fields EngineConfig does not have: {sorted(unknown)}")
         if self.decode_attention not in ("auto", "xla", "kernel"):
             raise ValueError("decode_attention must be 'auto', 'xla' or 'kernel'")
         if self.kv_dtype not in ("auto", "f32", "bf16"):

@@ -60,12 +60,14 @@ def device_memory(device: jax.Device | None = None) -> DeviceMemory:
 
 
 def for_device(cfg: EngineConfig, platform: str | None = None) -> EngineConfig:
-    """`cfg` with the device's bucket lists where `cfg` keeps EngineConfig's defaults (accelerators only)."""
+    """`cfg` with the device's bucket lists where `cfg` keeps EngineConfig's defaults and does not name the
+    field in `cfg.explicit` (accelerators only)."""
     platform = platform or jax.devices()[0].platform
     if platform == "cpu":
         return cfg
     base = EngineConfig()
-    changes = {k: v for k, v in ACCELERATOR_BUCKETS.items() if getattr(cfg, k) == getattr(base, k)}
+    changes = {k: v for k, v in ACCELERATOR_BUCKETS.items()
+               if k not in cfg.explicit and getattr(cfg, k) == getattr(base, k)}
     if not changes:
         return cfg
     if "token_buckets" not in changes and "max_num_batched_tokens" in changes:

@@ -44,3 +44,10 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     mine = for_device(EngineConfig(bs_buckets=[1, 8], max_batch_size=8), "gpu")
     assert mine.bs_buckets == [1, 8] and mine.max_batch_size == 8  # set by the user: kept
     assert mine.max_num_batched_tokens == 2048
+    # a value equal to the default but named in `explicit` (the CLI names the options it was given) is kept
+    fixed = for_device(EngineConfig(max_batch_size=64, max_num_batched_tokens=512,
+                                    explicit=("max_batch_size", "max_num_batched_tokens")), "gpu")
+    assert fixed.max_batch_size == 64 and fixed.max_num_batched_tokens == 512
+    assert fixed.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"]
+    with pytest.raises(ValueError, match="explicit names fields"):
+        EngineConfig(explicit=("max_batch",))

@@ -596,6 +596,8 @@ def test_cli_engine_config() -> None:
     assert cfg.bs_buckets == [1, 2, 4] and cfg.max_batch_size == 4 and cfg.compilation_cache_dir is None
     cfg = engine_config_from_args(build_parser().parse_args(["engine", "--max-batch-size", "8"]))
     assert cfg.max_batch_size == 8 and cfg.precompile and cfg.max_num_batched_tokens == 512
+    assert cfg.explicit == ("max_batch_size",)  # given: an accelerator keeps it even where it is the default
+    assert engine_config_from_args(build_parser().parse_args(["engine"])).explicit == ()
     with pytest.raises(ParrotError, match="max-batch-size 128"):
         engine_config_from_args(build_parser().parse_args(["engine", "--max-batch-size", "128"]))
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--max-model-len", "2048"]))
