@@ -2,14 +2,18 @@
 
 XLA's own lowering of paged decode attention (attention.py) first gathers every sequence's pages into a
 contiguous copy, then turns the small per-sequence products into reduction fusions: on an H100 that
-gather alone was 2.8 of 12.7 ms in a batch-64 step of an 8B model, and a batch-16 step of a 1.7B model
-spent 1.4 of 3.7 ms in one fused product. JAX ships a paged decode kernel for GPUs
-(`jax.experimental.pallas.ops.gpu.paged_attention`) on the same `[Hkv, pages, page_size, D]` layout as
-this engine's KV pool; this module picks its block sizes per shape and checks once per process that it
-compiles on the device, so a backend where it does not falls back to XLA's lowering with a warning.
+gather alone was 2.8 of 11.8 ms of device time in a batch-64 step of an 8B model. JAX ships a paged
+decode kernel for GPUs (`jax.experimental.pallas.ops.gpu.paged_attention`) on the same
+`[Hkv, pages, page_size, D]` layout as this engine's KV pool; this module picks its block sizes per shape
+and checks once per process that it compiles on the device, so a backend where it does not falls back
+to XLA's lowering with a warning.
 
-Used for plain decode steps (one query per sequence, no shared prefix) with a bfloat16 cache: a float32
-cache keeps the exact XLA path (Triton multiplies float32 in TF32).
+Measured there (docs/benchmarks.md, Accelerators): 2.4% faster than XLA's lowering at batch 64 and
+level at batch 1 for the 8B shape (4 query heads per KV head); for a 1.7B model with one query head per
+KV head (padded to 16 rows per program here) serving was slower up to 16 sequences. The runner takes it
+for 4+ query heads per KV head (`EngineConfig.decode_attention`). Used for plain decode steps (one query
+per sequence, no shared prefix) with a bfloat16 cache: a float32 cache keeps the exact XLA path (Triton
+multiplies float32 in TF32).
 """
 
 from __future__ import annotations
