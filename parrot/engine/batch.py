@@ -45,6 +45,23 @@ class ForwardBatch:
         return int(self.kv_lens.shape[0])
 
 
+def pack(batch: ForwardBatch) -> np.ndarray:
+    """The batch's host arrays as one int32 vector, in field order: one host-to-device transfer per step
+    instead of one per array (`jax.device_put` of the eleven arrays cost ~0.7 ms of host time here)."""
+    return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in jax.tree.leaves(batch)])
+
+
+def unpack(packed: jax.Array, like: ForwardBatch) -> ForwardBatch:
+    """`pack`'s inverse (jitted, on the device); `like` holds the arrays' shapes and dtypes."""
+    leaves, tree = jax.tree.flatten(like)
+    out, off = [], 0
+    for a in leaves:
+        n = int(np.prod(a.shape, dtype=np.int64))
+        out.append(packed[off : off + n].reshape(a.shape).astype(a.dtype))
+        off += n
+    return jax.tree.unflatten(tree, out)
+
+
 def pick_bucket(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n; `buckets` must be sorted. Raises if n exceeds the largest."""
     i = bisect.bisect_left(buckets, n)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -24,7 +25,15 @@ from tqdm import tqdm
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine import gpu_attention, kernels, tensor_parallel
-from parrot.engine.batch import ForwardBatch, SequenceSlice, build_batch, find_shared_prefix, pick_bucket
+from parrot.engine.batch import (
+    ForwardBatch,
+    SequenceSlice,
+    build_batch,
+    find_shared_prefix,
+    pack,
+    pick_bucket,
+    unpack,
+)
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler
 from parrot.engine.device import kv_budget_bytes
@@ -463,7 +472,7 @@ class ModelRunner:
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
         t0 = time.perf_counter()
-        batch = jax.device_put(batch, self._replicated) if jax.process_count() == 1 else self._put(batch)
+        batch = self._to_device(batch, shape)
         if splice is not None:
             fut = self._parts.get(("splice", shape.tokens))
             fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
@@ -477,6 +486,16 @@ class ModelRunner:
         logits = self._done(exe.head(w.head, x, batch.logits_index))
         self.dispatch_s += time.perf_counter() - t0
         return logits
+
+    def _to_device(self, batch: ForwardBatch, shape: Shape) -> ForwardBatch:
+        """The step's batch on the device: on one device its host arrays go as one packed transfer, unpacked
+        by the shape's compiled `unpack`; otherwise (tensor parallelism, arrays already on a device, or
+        that executable not compiled yet) array by array."""
+        if self.mesh is None and not isinstance(batch.input_ids, jax.Array):
+            fut = self._parts.get(("unpack", shape))
+            if fut is not None and fut.done() and fut.exception() is None:
+                return fut.result()(jax.device_put(pack(batch)))
+        return jax.device_put(batch, self._replicated) if jax.process_count() == 1 else self._put(batch)
 
     def _done(self, out: object) -> object:
         """`out`, waited for where calls must not queue up (tensor parallelism on a CPU, see __init__)."""
@@ -500,6 +519,10 @@ class ModelRunner:
                            lambda: self._embed.lower(w.embed, tokens, tokens).compile())
         x, cos, sin = self._abstract(jax.eval_shape(self._embed, w.embed, tokens, tokens))
         batch = self._abstract(self.dummy_batch(shape))
+        if self.mesh is None:  # the packed batch's unpacking (see _to_device)
+            packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(batch)),), jnp.int32)
+            unpacker = jax.jit(functools.partial(unpack, like=batch))
+            self._part(("unpack", shape), lambda: unpacker.lower(packed).compile())
         kv = self._abstract(self.kv)
         blocks = {n: self._block(n).lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]),
                                           list(kv[1][:n])).compile()
