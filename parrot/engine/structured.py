@@ -124,20 +124,28 @@ class Grammars:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.constraint}: {matcher.get_error().strip()}")
         self.compiles += 1
-        return Constraint(matcher, self)
+        return Constraint(matcher, self, grammar)
 
 
 class Constraint:
     """One job's grammar state: consumes the tokens it outputs, in order."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars, grammar: str = "") -> None:
         self.matcher = matcher
         self.grammars = grammars
+        self.grammar = grammar  # the grammar's text: with the tokens consumed, it fixes the matcher's state
+        self.consumed: list[int] = []
 
     def consume(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar rejects raises ConstraintError."""
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"the output left its grammar at token {token}: {self.matcher.get_error().strip()}")
+        self.consumed.append(token)
+
+    @property
+    def state_key(self) -> tuple[str, tuple[int, ...]]:
+        """Equal keys mean equal matcher states, hence equal masks (the grammar and the tokens consumed)."""
+        return self.grammar, tuple(self.consumed)
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (none when it allows a choice)."""
@@ -175,7 +183,20 @@ def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> None:
     import llguidance.numpy
 
     t0 = time.perf_counter()
-    llguidance.numpy.fill_next_token_bitmask_par(_llexecutor(), [(c.matcher, i) for c, i in rows], bitmask)
+    # rows in one state (the same grammar, the same tokens so far: e.g. every request of a schema at its
+    # first value) share one computed mask
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    copies: list[tuple[int, int]] = []
+    unique: list[tuple[llguidance.LLMatcher, int]] = []
+    for c, i in rows:
+        j = first.setdefault(c.state_key, i)
+        if j == i:
+            unique.append((c.matcher, i))
+        else:
+            copies.append((i, j))
+    llguidance.numpy.fill_next_token_bitmask_par(_llexecutor(), unique, bitmask)
+    for i, j in copies:
+        bitmask[i] = bitmask[j]
     grammars = rows[0][0].grammars
     grammars.mask_ms.append((time.perf_counter() - t0) * 1e3)
     grammars.masked_steps += 1

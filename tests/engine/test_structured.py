@@ -45,6 +45,31 @@ def test_masks_allow_only_what_the_grammar_allows() -> None:
     assert grammars.masked_steps == 1 and grammars.mask_stats()["mask_ms_mean"] is not None
 
 
+def test_rows_in_one_state_share_a_mask_and_others_get_their_own() -> None:
+    """Constraints of one grammar that consumed the same tokens are in one state: one mask is computed
+    and copied; the same grammar after other tokens, or another grammar, gets its own."""
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    params = SamplingParams(regex="(ab|ac)[xy]z")
+    a = tok.encode("a")[0]
+    cs = [grammars.compile(params) for _ in range(4)]
+    for c in cs[:3]:
+        c.consume(a)
+    other = grammars.compile(SamplingParams(regex="(ba|bc)q"))
+    other.consume(tok.encode("b")[0])
+    assert cs[0].state_key == cs[1].state_key != cs[3].state_key
+    mask = np.zeros((5, mask_words(260)), np.int32)
+    fill_masks([(cs[0], 0), (cs[1], 1), (cs[2], 2), (cs[3], 3), (other, 4)], mask)
+    ids = {ch: tok.encode(ch)[0] for ch in "abc"}
+    assert _allowed(mask[0], 260) == _allowed(mask[1], 260) == _allowed(mask[2], 260) == {ids["b"], ids["c"]}
+    assert _allowed(mask[3], 260) == {ids["a"]}  # nothing consumed yet
+    assert _allowed(mask[4], 260) == {ids["a"], ids["c"]}
+    for row, c in enumerate(cs):  # each as computed alone
+        alone = np.zeros((1, mask_words(260)), np.int32)
+        fill_masks([(c, 0)], alone)
+        np.testing.assert_array_equal(alone[0], mask[row])
+
+
 @pytest.mark.parametrize("sampling, message", [
     ({"regex": "(unclosed"}, "invalid regex"),
     ({"grammar": "start: missing_rule"}, "unknown name"),
