@@ -119,6 +119,8 @@ class LLMEngine:
             self.runner.compiler.wait()
         except Exception:
             return  # logged by the compiler; the step that needs the shape reports it
+        if self._stop:  # shut down while compiling (the queue was dropped): nothing was warmed
+            return
         self.warmup_s = time.monotonic() - t0
         self.warm_process_uptime_s = procinfo.uptime_s()
         procinfo.release_free_memory()
