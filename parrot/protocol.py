@@ -41,8 +41,6 @@ class SamplingParams(BaseModel):
     # penalties, bias and constraint masks)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="None: none; n: each token's logprob plus the n most likely")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                        description="logprobs of the tokens this generate feeds before its first")
     # constraints
     json_schema: dict[str, Any] | None = Field(None, description="a JSON schema the output must match")
     regex: str | None = Field(None, min_length=1, description="a regular expression the output must match")
@@ -104,12 +102,13 @@ class TopLogprob(BaseModel):
 
 class TokenLogprob(BaseModel):
     """A chosen token's log probability and, when asked, the `logprobs` most likely tokens at its position
-    (from the model's raw distribution: before temperature, penalties, bias and constraint masks)."""
+    (from the model's raw distribution: before temperature, penalties, bias and constraint masks). A
+    context's first token has none (`logprob` None, no `top`): no token before it predicts it."""
 
     token_id: int
     token: str
     bytes: list[int]
-    logprob: float
+    logprob: float | None
     top: list[TopLogprob] = Field(default_factory=list)
 
 
@@ -129,6 +128,11 @@ class FillRequest(BaseModel):
         None, ge=0, description="fork only the first N tokens of the parent (its KV pages up to N shared): any "
                                 "prefix of a cached context can seed a new one; default: all of them")
     token_ids: list[int] = Field(min_length=1)
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="None: none; n: each filled token's logprob given the context before it, plus the n most "
+                    "likely tokens at its position (prompt logprobs). The fill computes them itself: on a context "
+                    "with tokens it feeds the last one again, so only a context's first token has none")
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
     priority: int = Field(0, ge=0, le=9, description=PRIORITY)
 
@@ -136,6 +140,7 @@ class FillRequest(BaseModel):
 class FillResponse(BaseModel):
     context_id: str
     num_tokens: int  # tokens in the context after the fill
+    logprobs: list[TokenLogprob] | None = None  # with FillRequest.logprobs: one per filled token
 
 
 class GenerateRequest(BaseModel):
@@ -158,9 +163,6 @@ class GenerateResponse(BaseModel):
     finish_reason: str  # "stop" | "length"
     num_tokens: int  # tokens in the context after the generation
     logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
-    # with sampling.prompt_logprobs: one per token this generate fed before its first (None for a token with
-    # no token before it in the context)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class StreamChunk(BaseModel):

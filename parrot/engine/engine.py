@@ -148,11 +148,11 @@ class LLMEngine:
                 raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
             if not job.fill_tokens:
                 raise InvalidRequestError("a fill needs at least one token")
+            if job.fill_logprobs is not None:
+                job.texts = self.token_texts
         else:
             assert job.sampling is not None
             check_sampling(job.sampling, self.vocab_size)
-            if job.sampling.prompt_logprobs is not None:
-                raise InvalidRequestError("prompt_logprobs is not supported by this engine")
             if job.sampling.constraint is not None and job.constraint is None:
                 job.constraint = self.grammars.compile(job.sampling)
             if job.sampling.logprobs is not None:
@@ -173,7 +173,7 @@ class LLMEngine:
     def fill_future(self, req: FillRequest) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.FILL, req.context_id, req.parent_context_id, fill_tokens=list(req.token_ids),
-                  parent_num_tokens=req.parent_num_tokens,
+                  parent_num_tokens=req.parent_num_tokens, fill_logprobs=req.logprobs,
                   on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s, priority=req.priority)
         self.submit(job)
         return fut

@@ -1,16 +1,19 @@
 """Log probabilities as the API returns them: a sampled token's raw logprob and its most likely alternatives,
-with each token's text and bytes."""
+with each token's text and bytes; and the prompt logprobs of a fill's tokens (`token_logprobs`, on the
+device, from the hidden states of the positions before them)."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from tokenizers import pre_tokenizers
 
 from parrot.engine.tokenizer import Tokenizer
-from parrot.protocol import TokenLogprob, TopLogprob
+from parrot.protocol import MAX_LOGPROBS, TokenLogprob, TopLogprob
 
 
 @dataclass
@@ -20,6 +23,15 @@ class SampledLogprob:
     logprob: float
     top_ids: np.ndarray  # [MAX_LOGPROBS] int32, most likely first
     top_logprobs: np.ndarray  # [MAX_LOGPROBS] float32
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [R, V] (each row: the position before a target token), targets [R] -> (the targets' raw
+    logprobs [R], the MAX_LOGPROBS most likely tokens [R, K] and their logprobs [R, K])."""
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+    return chosen, top_ids.astype(jnp.int32), top_lp
 
 
 @functools.cache
@@ -69,3 +81,8 @@ class TokenTexts:
             t_text, t_raw = self.piece(t)
             alts.append(TopLogprob(token_id=t, token=t_text, bytes=t_raw, logprob=lp))
         return TokenLogprob(token_id=token_id, token=text, bytes=raw, logprob=sampled.logprob, top=alts)
+
+    def unpredicted(self, token_id: int) -> TokenLogprob:
+        """A context's first token: its text, no logprob (nothing before it predicts it)."""
+        text, raw = self.piece(token_id)
+        return TokenLogprob(token_id=token_id, token=text, bytes=raw, logprob=None)

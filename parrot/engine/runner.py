@@ -38,7 +38,7 @@ from parrot.engine.compile_cache import compile_with_fallback, enable_compilatio
 from parrot.engine.compiler import ShapeCompiler
 from parrot.engine.device import kv_budget_bytes
 from parrot.engine.kv_cache import PageCopy
-from parrot.engine.logprobs import SampledLogprob
+from parrot.engine.logprobs import SampledLogprob, token_logprobs
 from parrot.engine.models.llama import (
     TP_AXIS,
     Embedding,
@@ -226,6 +226,9 @@ class ModelRunner:
         def head(w: HeadWeights, x: jax.Array, logits_index: jax.Array) -> jax.Array:
             return lm_logits(w, x, logits_index, axis, cfg.vocab_size)
 
+        def scores(w: HeadWeights, x: jax.Array, rows: jax.Array, targets: jax.Array) -> tuple[jax.Array, ...]:
+            return token_logprobs(lm_logits(w, x, rows, axis, cfg.vocab_size), targets)
+
         def block(layers: list[dict], x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch,
                   ks: list[jax.Array], vs: list[jax.Array]) -> tuple[jax.Array, list, list]:
             ks, vs = list(ks), list(vs)
@@ -239,6 +242,8 @@ class ModelRunner:
         self._block_fn = block
         self._blocks: dict[int, Callable] = {}  # layers per call -> the jitted block function
         self._head = jax.jit(self._spmd(head, lambda s: (s.head, P(), P()), P()))
+        # prompt logprobs of a fill's tokens: compiled on first use, once per bucket of rows
+        self._scores = jax.jit(self._spmd(scores, lambda s: (s.head, P(), P(), P()), (P(), P(), P())))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
@@ -402,7 +407,13 @@ class ModelRunner:
         # on a CPU the masks are computed before the step (computed while it runs, llguidance and XLA only
         # take turns on the same cores); on an accelerator while the device runs it
         extras = extras_of() if sampling and self._masks_first else None
-        logits = self.forward(batch, splice)
+        rows, owners = self._score_rows(slots)
+        logits, scored = self.forward_scored(batch, splice, rows)
+        if scored is not None:  # prompt logprobs of fills: read now (a fill's step is never run ahead)
+            chosen, top_ids, top_lp = (np.asarray(a) for a in scored)
+            for r, (slot, i) in enumerate(owners):
+                assert slot.scores is not None
+                slot.scores[i] = SampledLogprob(float(chosen[r]), top_ids[r], top_lp[r])
         if not sampling:
             return None
         if not self._masks_first:
@@ -420,6 +431,30 @@ class ModelRunner:
             if s.sample and s.job.sampling.logprobs is not None:
                 s.logprob = SampledLogprob(float(chosen[i]), top_ids[i], top_lp[i])
         return tokens[: len(slots)]
+
+    def _score_rows(self, slots: list[Slot]) -> tuple[tuple[np.ndarray, np.ndarray] | None, list[tuple[Slot, int]]]:
+        """The flat batch rows whose logprobs fills asked for (`Slot.targets`) and the tokens they predict,
+        padded to a token bucket, and each row's (slot, token index); (None, []) when no slot asks."""
+        index: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Slot, int]] = []
+        off = 0
+        for s in slots:
+            if s.targets is not None:
+                s.scores = [None] * len(s.tokens)
+                for i, t in enumerate(s.targets):
+                    if t >= 0:
+                        index.append(off + i)
+                        targets.append(t)
+                        owners.append((s, i))
+            off += len(s.tokens)
+        if not index:
+            return None, []
+        n = pick_bucket(len(index), self.ecfg.token_buckets)
+        rows = np.zeros((2, n), np.int32)
+        rows[0, : len(index)] = index
+        rows[1, : len(targets)] = targets
+        return (rows[0], rows[1]), owners
 
     def _cascade(self, seqs: list[SequenceSlice]) -> Shape | None:
         """Mark the largest group of decode sequences sharing prefix pages (forks of one context) and
@@ -459,11 +494,19 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None = None) -> jax.Array:
         """Run one step; returns the logits of each sequence's last token ([B, vocab]). `splice`: (src,
         tokens) replaces input_ids[i] with tokens[src[i]] where src[i] >= 0, on the device."""
-        if self.mirror is not None:
-            self.mirror.send("forward", (batch, None if splice is None else (splice[0], self._name(splice[1]))))
-        return self._keep(self._forward(batch, splice))
+        return self.forward_scored(batch, splice)[0]
 
-    def _forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None) -> jax.Array:
+    def forward_scored(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None = None,
+                       rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[jax.Array, tuple | None]:
+        """`forward`, and with `rows` = (flat token indices, target token ids) the targets' logprobs and the
+        top tokens at those rows (`logprobs.token_logprobs`, on the device)."""
+        if self.mirror is not None:
+            self.mirror.send("forward", (batch, None if splice is None else (splice[0], self._name(splice[1])), rows))
+        logits, scored = self._forward(batch, splice, rows)
+        return self._keep(logits), scored
+
+    def _forward(self, batch: ForwardBatch, splice: tuple[np.ndarray, jax.Array] | None,
+                 rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[jax.Array, tuple | None]:
         shape = Shape(batch.num_tokens, batch.batch_size, int(batch.q_index.shape[1]),
                       int(batch.block_tables.shape[1]), int(batch.prefix_pages.shape[0]))
         exe, compiled_now = self.compiler.get(shape)
@@ -484,8 +527,9 @@ class ModelRunner:
             x, ks[a:b], vs[a:b] = self._done(exe.blocks[b - a](w.layers[a:b], x, cos, sin, batch, ks[a:b], vs[a:b]))
         self.kv = (tuple(ks), tuple(vs))
         logits = self._done(exe.head(w.head, x, batch.logits_index))
+        scored = None if rows is None else self._done(self._scores(w.head, x, *self._put(rows)))
         self.dispatch_s += time.perf_counter() - t0
-        return logits
+        return logits, scored
 
     def _to_device(self, batch: ForwardBatch, shape: Shape) -> ForwardBatch:
         """The step's batch on the device: on one device its host arrays go as one packed transfer, unpacked
@@ -659,8 +703,9 @@ class ModelRunner:
     def replay(self, op: str, args: tuple) -> None:
         """Run an operation the leader sent (a follower's loop, multihost.follow)."""
         if op == "forward":
-            batch, splice = args
-            self._keep(self._forward(batch, None if splice is None else (splice[0], self._results[splice[1]])))
+            batch, splice, rows = args
+            self._keep(self._forward(batch, None if splice is None else (splice[0], self._results[splice[1]]),
+                                     rows)[0])
         elif op == "sample":
             self._keep(self._sample_tokens(self._results[args[0]], args[1]))
         elif op == "processed":

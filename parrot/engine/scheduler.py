@@ -37,7 +37,7 @@ from parrot.engine.sampling import needs_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.structured import ConstraintError
 from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
-from parrot.protocol import FillResponse, GenerateResponse, StreamChunk
+from parrot.protocol import FillResponse, GenerateResponse, StreamChunk, TokenLogprob
 
 
 @dataclass
@@ -52,6 +52,10 @@ class Slot:
     sample: bool = False
     logprob: SampledLogprob | None = None  # set by the runner when the job asked for logprobs
     source: int = -1  # a PENDING token: the index of the previous step's slot whose sampled token it is
+    # a fill asking for its tokens' logprobs: per fed token the context token it predicts (-1: none of the
+    # fill's), and what the runner computed for each (None where the target is -1)
+    targets: list[int] | None = None
+    scores: list[SampledLogprob | None] | None = None
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -217,7 +221,12 @@ class Scheduler:
     def _slot(self, job: Job, tokens: list[int], sample: bool) -> Slot:
         start = self.kv.get(job.context_id).num_tokens
         pages = self.kv.extend(job.context_id, len(tokens))
-        return Slot(job, tokens, start, pages, sample)
+        slot = Slot(job, tokens, start, pages, sample)
+        if job.kind is JobKind.FILL and job.fill_logprobs is not None:
+            ctx = self.tokens[job.context_id]
+            slot.targets = [ctx[p] if job.base_len <= p < len(ctx) else -1
+                            for p in range(start + 1, start + len(tokens) + 1)]
+        return slot
 
     # ---- applying a step's results ------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: Sequence[int] | None, ahead: StepPlan | None = None) -> list[JobOutput]:
@@ -231,13 +240,16 @@ class Scheduler:
             job = slot.job
             if job.status is JobStatus.FINISHED:
                 continue  # aborted while its step was in flight
+            if slot.scores is not None:
+                self._score(job, slot)
             del job.pending[: len(slot.tokens)]
             if job.pending:
                 continue
             if job.kind is JobKind.FILL:
                 self.finish(job)
                 outputs.append(JobOutput(job, result=FillResponse(
-                    context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]))))
+                    context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]),
+                    logprobs=self._fill_logprobs(job))))
                 continue
             assert slot.sample and sampled is not None
             token = int(sampled[i])
@@ -253,6 +265,29 @@ class Scheduler:
                 feed.tokens[0] = token
                 job.pending = []  # the ahead step feeds it
         return outputs
+
+    def _score(self, job: Job, slot: Slot) -> None:
+        """Keep the logprobs a step computed for a fill's tokens (by position: a preempted fill that feeds
+        them again overwrites them)."""
+        assert slot.targets is not None and slot.scores is not None and job.texts is not None
+        for i, (target, score) in enumerate(zip(slot.targets, slot.scores, strict=True)):
+            if score is not None and target >= 0:
+                index = slot.start + 1 + i - job.base_len
+                job.prompt_logprobs[index] = job.texts.logprob(target, score, job.fill_logprobs or 0)
+
+    def _fill_logprobs(self, job: Job) -> list[TokenLogprob] | None:
+        """A finished fill's logprobs, one per filled token (a context's first token has none)."""
+        if job.fill_logprobs is None:
+            return None
+        assert job.texts is not None
+        out = []
+        for i, token in enumerate(job.fill_tokens):
+            lp = job.prompt_logprobs.get(i)
+            if lp is None:
+                assert job.base_len + i == 0, f"fill token {i} of context {job.context_id!r} was not scored"
+                lp = job.texts.unpredicted(token)
+            out.append(lp)
+        return out
 
     def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None) -> JobOutput:
         """Apply a generate's sampled token: its grammar advances (a rejected token fails the job alone), a
@@ -492,6 +527,12 @@ class Scheduler:
             tokens.extend(job.fill_tokens)
         kv_len = self.kv.get(ctx_id).num_tokens
         job.pending = tokens[kv_len:]
+        if job.kind is JobKind.FILL and job.fill_logprobs is not None and 0 < kv_len == job.base_len:
+            # the first filled token's logprob needs the logits of the token before it: feed that one again
+            copy = self.kv.truncate(ctx_id, kv_len - 1)
+            if copy is not None:
+                plan.copies.append(copy)
+            job.pending = tokens[kv_len - 1 :]
         if job.kind is JobKind.GENERATE and not job.pending:
             if kv_len == 0:
                 raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")

@@ -55,6 +55,8 @@ class Job:
     context_tokens: list[int] = field(default_factory=list)  # the context's token list (the scheduler's, growing)
     texts: TokenTexts | None = None  # token texts for logprobs (set at submit when they are asked for)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    fill_logprobs: int | None = None  # a fill asked for its tokens' logprobs, with this many alternatives
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # fill token index -> its logprob
     forced: bool = False  # `pending` holds tokens the grammar forced after the last sampled one
     parent_num_tokens: int | None = None  # a new context forks this many of the parent's tokens (None: all)
 

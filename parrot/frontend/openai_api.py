@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -68,7 +69,7 @@ from parrot.frontend.openai_tools import (
 )
 from parrot.protocol import SamplingParams
 from parrot.serve import constraints
-from parrot.serve.core import CompletionResult, ParrotServeCore, TokenLogprobs
+from parrot.serve.core import CompletionResult, ParrotServeCore, PromptLogprobs, TokenLogprobs
 from parrot.serve.sampling_defaults import SamplingDefaults, model_sampling_defaults
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class _Choice:
         self.text = ""
         self.result: CompletionResult | None = None
         self.pending_logprobs: list[Any] = []  # token logprobs not sent with a delta yet
+        self.prompt_logprobs: list[Any] | None = None  # the prompt's token logprobs (echo with logprobs)
 
     def take_logprobs(self) -> list[Any]:
         out, self.pending_logprobs = self.pending_logprobs, []
@@ -148,7 +150,7 @@ class _Events:
         while True:
             item = await choice.queue.get()
             self.merged.put_nowait((choice, item))
-            if not isinstance(item, str | TokenLogprobs):
+            if not isinstance(item, str | TokenLogprobs | PromptLogprobs):
                 return
 
     async def _next(self) -> tuple[_Choice, str | CompletionResult] | None:
@@ -157,6 +159,9 @@ class _Events:
             self.held = None
             if isinstance(item, TokenLogprobs):
                 choice.pending_logprobs.extend(item.items)
+                continue
+            if isinstance(item, PromptLogprobs):
+                choice.prompt_logprobs = item.items
                 continue
             if isinstance(item, str):
                 if not item:
@@ -182,6 +187,8 @@ class _Events:
                 choice, item = await self.merged.get()
                 if isinstance(item, TokenLogprobs):
                     choice.pending_logprobs.extend(item.items)
+                elif isinstance(item, PromptLogprobs):
+                    choice.prompt_logprobs = item.items
                 elif not (isinstance(item, str) and not item):
                     self.held = (choice, item)
             if isinstance(self.held[1], BaseException):
@@ -282,6 +289,13 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _prompt_only(result: CompletionResult) -> CompletionResult:
+    """A completion asked for with max_tokens 0 (echo): the generated token (one, for the engine's sake)
+    left out."""
+    return dataclasses.replace(result, text="", token_ids=[], finish_reason="length",
+                               logprobs=None if result.logprobs is None else [])
+
+
 def _rest(c: _Choice, result: CompletionResult) -> str:
     """Text of the result the deltas have not shown yet (normally none)."""
     return result.text[len(c.text):] if result.text.startswith(c.text) else ""
@@ -325,7 +339,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         return [body.sampling(fields, i) for i in range(body.n)]  # all validated before anything runs
 
     def submit(pieces_list: list[tuple[list[str], int]], body: SamplingRequest, params: list[SamplingParams],
-               endpoint: str, start: float) -> list[_Choice]:
+               endpoint: str, start: float, prompt_logprobs: int | None = None) -> list[_Choice]:
         limits = [e.max_context_len for e in core.engines.live_engines()]
         if limits:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
@@ -339,7 +353,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
-                queue = core.complete(pieces, params[i], "latency", shared)
+                queue = core.complete(pieces, params[i], "latency", shared, prompt_logprobs)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer))
         return choices
@@ -368,21 +382,33 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
     async def completions(body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
         prompts = body.check()
-        params = samplings(body, body.max_tokens or 16, body.logprob_fields())
+        prompt_only = body.max_tokens == 0  # echo: the prompt (and its logprobs); the engine generates one token
+        params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
         await constraints.validate(params[0])
-        choices = submit([([p], 0) for p in prompts], body, params, "completions", start)
+        choices = submit([([p], 0) for p in prompts], body, params, "completions", start, body.prompt_logprobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
         top_n = body.logprobs or 0
         want_logprobs = body.logprobs is not None
 
+        def prompt_logprobs(c: _Choice) -> dict | None:
+            """The echoed prompt's logprobs (OpenAI's completion shape), or None without logprobs."""
+            if not want_logprobs:
+                return None
+            return completion_logprobs(c.prompt_logprobs or [], top_n)
+
         if not body.stream:
             await _collect(choices, core, request)
             out = []
             for c in choices:
+                if prompt_only:
+                    c.result = _prompt_only(c.result)
                 r = c.result
                 prefix = prompts[c.index // body.n] if body.echo else ""
                 logprobs = completion_logprobs(r.logprobs or [], top_n, len(prefix)) if want_logprobs else None
+                if logprobs is not None and body.echo:
+                    echoed = prompt_logprobs(c)
+                    logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
                 out.append({"index": c.index, "text": prefix + r.text, "logprobs": logprobs,
                             "finish_reason": r.finish_reason})
             return {**base, "choices": out, "usage": _usage(choices, body.n)}
@@ -405,9 +431,14 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                     echoed.add(c.index)
                     prompt = prompts[c.index // body.n]
                     offsets[c.index] += len(prompt)
-                    yield _sse({**base, "choices": [{"index": c.index, "text": prompt, "logprobs": None,
-                                                     "finish_reason": None}]})
-                if isinstance(item, str):
+                    yield _sse({**base, "choices": [{"index": c.index, "text": prompt,
+                                                     "logprobs": prompt_logprobs(c), "finish_reason": None}]})
+                if prompt_only:  # nothing generated to show: the end
+                    c.take_logprobs()
+                    if isinstance(item, CompletionResult):
+                        c.result = _prompt_only(item)
+                        yield chunk(c, "", "length")
+                elif isinstance(item, str):
                     yield chunk(c, item, None)
                 else:
                     yield chunk(c, _rest(c, item), item.finish_reason)

@@ -2,7 +2,9 @@
 
 Chat: `choice.logprobs = {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}]}], "refusal": null}`. Completions: `choice.logprobs = {"tokens", "token_logprobs",
-"top_logprobs": [{token: logprob}], "text_offset"}`, offsets counted in the choice's text.
+"top_logprobs": [{token: logprob}], "text_offset"}`, offsets counted in the choice's text. With `echo` the
+prompt's tokens come first; the first has no logprob (`null` in `token_logprobs` and `top_logprobs`, as
+OpenAI and vLLM answer).
 
 The logprobs are the model's raw distribution (log-softmax of the logits), taken before temperature,
 penalties, logit_bias and constraint masks, as vLLM reports them by default.
@@ -34,7 +36,7 @@ def completion_logprobs(items: Sequence[TokenLogprob], top_n: int, offset: int =
     for t in items:
         tokens.append(t.token)
         lps.append(t.logprob)
-        tops.append({a.token: a.logprob for a in t.top[:top_n]} if top_n else {})
+        tops.append(None if t.logprob is None else {a.token: a.logprob for a in t.top[:top_n]} if top_n else {})
         offsets.append(offset)
         offset += len(decoder.decode(bytes(t.bytes)))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -274,6 +274,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] = Field(description="a string, or a list of strings (n choices each)")
+    max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, scored")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -287,8 +288,9 @@ class CompletionRequest(SamplingRequest):
             raise unsupported("best_of", "best_of other than n")
         if self.logprobs is not None:
             require("logprobs", "logprobs")
-            if self.echo:  # the engine gives prompt logprobs only for the tokens a generate feeds itself
-                raise unsupported("echo", "echo with logprobs (prompt logprobs through the shared prefix cache)")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)",
+                              param="max_tokens")
         prompts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
         if not prompts:
             raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
@@ -300,6 +302,11 @@ class CompletionRequest(SamplingRequest):
 
     def logprob_fields(self) -> dict[str, Any]:
         return {} if self.logprobs is None else {"logprobs": self.logprobs}
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs`: the prompt tokens' logprobs too (what loglikelihood evaluations read)."""
+        return self.logprobs if self.echo else None
 
 
 Modality = Literal["text"]

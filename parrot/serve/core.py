@@ -30,6 +30,7 @@ from parrot.errors import (
     AbortedError,
     EngineOverloadedError,
     EngineUnavailableError,
+    GenerationFailedError,
     InvalidRequestError,
     NotFoundError,
     ParrotError,
@@ -80,6 +81,7 @@ class _TaskRecord:
     ended: bool = False  # finished, failed or cancelled for good
     clock: TaskClock = field(default_factory=TaskClock)  # the serve layer's own time (serve_time.py)
     fills: list[asyncio.Future] = field(default_factory=list)  # fills this run sent or forks, not awaited
+    prompt_logprobs: int | None = None  # the prompt's token logprobs too, with this many alternatives each
 
     app_started: float | None = None  # app-aware: when its app's current run began (app-FIFO in the engine)
 
@@ -100,6 +102,7 @@ class _TaskRecord:
 
     def on_text(self, delta: str) -> None: ...
     def on_logprob(self, position: int, logprob: TokenLogprob) -> None: ...
+    def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None: ...
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
     def failed(self, reason: str, error: ParrotError | None = None) -> None: ...
 
@@ -156,11 +159,20 @@ class CompletionResult:
     prompt_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
+    prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: one per prompt token
 
 
 @dataclass(eq=False)
 class TokenLogprobs:
     """Queue item of a plain completion with sampling.logprobs: the logprobs of tokens whose text comes next."""
+
+    items: list[TokenLogprob]
+
+
+@dataclass(eq=False)
+class PromptLogprobs:
+    """Queue item of a plain completion with prompt_logprobs, before any text: one per prompt token (the
+    first has none)."""
 
     items: list[TokenLogprob]
 
@@ -173,12 +185,18 @@ class _PlainRecord(_TaskRecord):
     queue: asyncio.Queue | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     _sent_logprobs: int = 0  # logprobs already queued (kept across retries on another engine)
+    prompt_items: list[TokenLogprob] | None = None  # the prompt's logprobs (queued once, at the first attempt)
 
     def on_text(self, delta: str) -> None:
         if len(self.logprobs) > self._sent_logprobs:
             self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
             self._sent_logprobs = len(self.logprobs)
         self.queue.put_nowait(delta)
+
+    def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None:
+        if self.prompt_items is None:
+            self.queue.put_nowait(PromptLogprobs(items))
+        self.prompt_items = items
 
     def on_logprob(self, position: int, logprob: TokenLogprob) -> None:
         """The logprob of this attempt's token `position` (a retry elsewhere generates the same positions)."""
@@ -192,7 +210,8 @@ class _PlainRecord(_TaskRecord):
             self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
             self._sent_logprobs = len(self.logprobs)
         logprobs = self.logprobs[:len(token_ids)] if self.sampling.logprobs is not None else None
-        self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens, logprobs))
+        self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens, logprobs,
+                                               self.prompt_items))
 
     def failed(self, reason: str, error: ParrotError | None = None) -> None:
         if self.cancelled:
@@ -750,6 +769,8 @@ class ParrotServeCore:
         itself (found cached, or filled once for several tasks by another of them)."""
         engine = client.name
         rec: _TaskRecord = task.payload
+        if rec.prompt_logprobs is not None:
+            return await self._scored_prompt(client, task), 0
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
@@ -819,6 +840,28 @@ class ParrotServeCore:
         assert parent is not None
         self.contexts.record_lookup(n, n - computed)
         return parent, n - computed
+
+    async def _scored_prompt(self, client: EngineClient, task: CompletionTask) -> CachedContext:
+        """The prompt of a task that asks for its logprobs (a completion's `echo` with `logprobs`): filled whole
+        into a fresh context whose Fill computes every token's logprob. A cached prefix would have none (its
+        tokens were computed by earlier requests, which kept no logits), so no cached context is read, and
+        this one is the task's own (freed with it). The logprobs go to the record before the generate starts."""
+        rec: _TaskRecord = task.payload
+        self.contexts.record_lookup(len(task.tokens), 0)
+        owner = rec.owner if self.prefix_sharing else task.task_id
+        ctx_id = self.contexts.new_id(owner)
+        req = FillRequest(context_id=ctx_id, token_ids=task.tokens, logprobs=rec.prompt_logprobs,
+                          waited_s=rec.waited(), priority=rec.priority)
+        self.serve_time.sending(rec.clock)
+        try:
+            resp = await client.fill(req)
+        finally:
+            self.serve_time.done(rec.clock)
+        ctx = self.contexts.register(client.name, ctx_id, task.tokens, None, owner)
+        if resp.logprobs is None or len(resp.logprobs) != len(task.tokens):
+            raise GenerationFailedError(f"engine {client.name!r} answered a fill without its prompt logprobs")
+        rec.on_prompt_logprobs(resp.logprobs)
+        return ctx
 
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
                            owner: str | None, rec: _TaskRecord) -> tuple[CachedContext, int]:
@@ -894,13 +937,15 @@ class ParrotServeCore:
 
     # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
     def complete(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
-                 shared: int = 1) -> asyncio.Queue:
+                 shared: int = 1, prompt_logprobs: int | None = None) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
         pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
         the whole prompt (and its block checkpoints) stays cached too, evicted least recently used;
-        without, the rest is freed when the completion ends.
-        Returns a queue receiving text deltas, then a CompletionResult or an error."""
+        without, the rest is freed when the completion ends. With `prompt_logprobs` (n alternatives) the
+        prompt is computed afresh instead, for its tokens' logprobs (`_scored_prompt`).
+        Returns a queue receiving text deltas (with prompt_logprobs, a PromptLogprobs first), then a
+        CompletionResult or an error."""
         clock = TaskClock()
         if not "".join(pieces):
             raise InvalidRequestError("the prompt is empty")
@@ -923,7 +968,7 @@ class ParrotServeCore:
                 owners.append(None if i < shared or self.prefix_sharing else owner)
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(sampling, owners, owner, created=clock.ready, clock=clock, queue=queue,
-                           priority=self._priority(criterion))
+                           priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
         task = CompletionTask(owner, tokens, boundaries, criterion, payload=rec)
         self._completions[queue] = task
         self.scheduler.submit(task)

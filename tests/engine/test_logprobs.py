@@ -1,11 +1,17 @@
-"""TokenTexts: each token's bytes and printable text, and TokenLogprob from the sampler's output."""
+"""TokenTexts: each token's bytes and printable text, and TokenLogprob from the sampler's output; prompt
+logprobs: a Fill with `logprobs` scores its tokens like the model run on each prefix."""
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Iterator
 
-from parrot.engine.logprobs import SampledLogprob, TokenTexts
-from tests.conftest import tiny_tokenizer
+import numpy as np
+import pytest
+
+from parrot.engine.engine import LLMEngine
+from parrot.engine.logprobs import SampledLogprob, TokenTexts, token_logprobs
+from parrot.protocol import MAX_LOGPROBS, FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
 
 
 def test_token_bytes_and_text() -> None:
@@ -27,3 +33,78 @@ def test_token_logprob_with_alternatives() -> None:
     assert (lp.token_id, lp.token, lp.bytes, lp.logprob) == (b, "b", [98], -0.25)
     assert [(t.token_id, t.token, t.logprob) for t in lp.top] == [(b, "b", -0.25), (a, "a", -1.5)]
     assert texts.logprob(b, sampled, 0).top == []
+
+
+def test_token_logprobs_are_the_log_softmax_at_the_targets() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, 300)).astype(np.float32) * 4
+    targets = np.array([3, 0, 299, 17, 42], np.int32)
+    chosen, top_ids, top_lp = (np.asarray(a) for a in token_logprobs(logits, targets))
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    np.testing.assert_allclose(chosen, ref[np.arange(5), targets], atol=1e-5)
+    assert top_ids.shape == (5, MAX_LOGPROBS)
+    np.testing.assert_array_equal(top_ids[:, 0], ref.argmax(-1))
+    np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, -1), atol=1e-5)
+
+
+# ---- prompt logprobs: a Fill with `logprobs` scores its tokens --------------------------------------
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LLMEngine]:
+    """Chunks of at most 32 tokens, so a prompt of 70 spans three steps (and the row buckets 16 and 32)."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(kv_memory_mb=8, max_num_batched_tokens=32,
+                                                     token_buckets=[4, 8, 16, 32])).start(precompile=False)
+    yield eng
+    eng.shutdown()
+
+
+def _reference(eng: LLMEngine, ids: list[int]) -> np.ndarray:
+    """log_softmax of the logits after each prefix of `ids` ([len - 1, vocab]): one whole-prefix model call
+    each, into scratch pages no context holds (before the test's contexts exist)."""
+    runner = eng.runner
+    pages = list(range(runner.num_pages - (len(ids) + runner.page_size - 1) // runner.page_size, runner.num_pages))
+    rows = [np.asarray(runner.prefill_logits(ids[:k], 0, pages))[0] for k in range(1, len(ids))]
+    logits = np.stack(rows).astype(np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+
+
+def test_fill_logprobs_equal_the_whole_prompt_logits(engine: LLMEngine) -> None:
+    """A 70-token fill scored in three chunks, two fills of one context (the second feeds the first's last
+    token again) and a fork, two scored fills in one step: every token's logprob and top tokens are those
+    of the model run on the prefix before it; only a context's first token has none."""
+    tok = engine.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs!")[:70]
+    ref = _reference(engine, ids)
+
+    def check(lps: list, first: int) -> None:  # lps: the logprobs of ids[first:first + len(lps)]
+        for i, lp in enumerate(lps, start=first):
+            assert lp.token_id == ids[i] and lp.token == tok.decode([ids[i]])
+            if i == 0:
+                assert lp.logprob is None and lp.top == []
+                continue
+            assert abs(lp.logprob - ref[i - 1, ids[i]]) < 1e-4, i
+            assert [t.token_id for t in lp.top][:1] == [int(ref[i - 1].argmax())]
+            assert len(lp.top) == 3 and all(abs(t.logprob - ref[i - 1, t.token_id]) < 1e-4 for t in lp.top)
+
+    whole = engine.fill_future(FillRequest(context_id="whole", token_ids=ids, logprobs=3)).result(300)
+    assert whole.num_tokens == len(ids) and len(whole.logprobs) == len(ids)
+    check(whole.logprobs, 0)
+    head = engine.fill_future(FillRequest(context_id="parts", token_ids=ids[:21], logprobs=3)).result(300)
+    tail = engine.fill_future(FillRequest(context_id="parts", token_ids=ids[21:], logprobs=3)).result(300)
+    check(head.logprobs, 0)
+    check(tail.logprobs, 21)
+    fork = engine.fill_future(FillRequest(context_id="fork", parent_context_id="whole", parent_num_tokens=40,
+                                          token_ids=ids[40:], logprobs=3)).result(300)
+    check(fork.logprobs, 40)
+    futures = [engine.fill_future(FillRequest(context_id=f"batch{i}", token_ids=ids[: 30 + i], logprobs=3))
+               for i in range(2)]
+    for fut in futures:
+        check(fut.result(300).logprobs, 0)
+    assert engine.fill_future(FillRequest(context_id="plain", token_ids=ids)).result(300).logprobs is None
+    # the scored context generates as any other
+    gen = engine.generate_future(GenerateRequest(context_id="whole", sampling=SamplingParams(
+        max_tokens=3, ignore_eos=True))).result(300)
+    plain = engine.generate_future(GenerateRequest(context_id="plain", sampling=SamplingParams(
+        max_tokens=3, ignore_eos=True))).result(300)
+    assert gen.token_ids == plain.token_ids

@@ -14,6 +14,7 @@ from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import ModelRunner
 from parrot.engine.sampling import SamplingParams
+from parrot.protocol import FillRequest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -101,6 +102,24 @@ def test_split_prefill_logits_match_transformers(smollm: LoadedModel, smollm_eng
     diff = float(np.abs(ours - _hf_last_logits(hf_model, ids)).max())
     print(f"split prefill: max |logit diff| = {diff:.2e}")
     assert diff < LOGIT_TOLERANCE
+
+
+def test_prompt_logprobs_match_transformers(smollm: LoadedModel, smollm_engine: LLMEngine, hf_model: Any) -> None:
+    """A Fill's prompt logprobs (the prompt in two fills, as loglikelihood requests send context and
+    continuation) are transformers' log-softmax at each position before the token, top tokens included."""
+    ids = _prompt(smollm, "plain")
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    split = 20
+    lps = [lp for part in (ids[:split], ids[split:]) for lp in smollm_engine.fill_future(
+        FillRequest(context_id="scored", token_ids=part, logprobs=5)).result(300).logprobs]
+    smollm_engine.free_future("scored").result(60)
+    assert [lp.token_id for lp in lps] == ids and lps[0].logprob is None
+    diff = max(abs(lp.logprob - ref[i - 1, ids[i]]) for i, lp in enumerate(lps) if i)
+    top_diff = max(abs(t.logprob - ref[i - 1, t.token_id]) for i, lp in enumerate(lps) if i for t in lp.top)
+    print(f"prompt logprobs: {len(ids)} tokens, max |diff| = {diff:.2e}, top tokens {top_diff:.2e}")
+    assert diff < LOGIT_TOLERANCE and top_diff < LOGIT_TOLERANCE
+    assert all(lp.top[0].token_id == int(ref[i - 1].argmax()) for i, lp in enumerate(lps) if i)
 
 
 @pytest.mark.parametrize("name", ["chat", "code"])

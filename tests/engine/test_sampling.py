@@ -195,8 +195,6 @@ def test_logprobs_align_with_the_tokens(engine: LLMEngine) -> None:
 def test_sampling_values_the_model_bounds(engine: LLMEngine) -> None:
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         engine.generate_future(GenerateRequest(context_id="x", sampling=SamplingParams(logit_bias={100000: 1.0})))
-    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
-        engine.generate_future(GenerateRequest(context_id="x", sampling=SamplingParams(prompt_logprobs=1)))
 
 
 def test_greedy_output_is_the_same_beside_constrained_and_penalized_requests(smollm_engine: LLMEngine) -> None:

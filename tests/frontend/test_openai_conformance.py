@@ -193,7 +193,7 @@ def test_chat_refused(client: openai.OpenAI, param: str, value: object) -> None:
 
 def test_completion_refused(client: openai.OpenAI) -> None:
     refused(comp, "suffix", client=client, suffix="end")
-    refused(comp, "echo", client=client, echo=True, logprobs=1)  # prompt logprobs: see docs/openai-api.md
+    refused(comp, "max_tokens", client=client, max_tokens=0)  # without echo there is nothing to answer
 
 
 @pytest.mark.parametrize("name", ["ebnf", "guided_decoding_backend", "use_beam_search", "bad_words",
@@ -208,6 +208,43 @@ def test_echo(client: openai.OpenAI) -> None:
     assert r.choices[0].text == PROMPT + "AAA"
     chunks = list(comp(client, echo=True, logit_bias={str(A): 100}, max_tokens=3, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == PROMPT + "AAA"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI) -> None:
+    """What loglikelihood evaluations send (lm-eval-harness: echo, logprobs, max_tokens 0 or 1): the prompt's
+    tokens with their logprobs (the first has none), then the generated ones. The prompt's are computed by
+    the engine's Fill, the generated ones by the sampler: a generated continuation, echoed back as prompt,
+    gets the logprobs it was generated with."""
+    gen = comp(client, logprobs=2, max_tokens=3, logit_bias={str(A): 100}).choices[0]  # raw logprobs of "AAA"
+    assert gen.text == "AAA"
+    r = comp(client, prompt=PROMPT + gen.text, echo=True, logprobs=2, max_tokens=0)
+    choice, n = r.choices[0], len(PROMPT + gen.text)  # byte-level tokens: one per character
+    assert choice.text == PROMPT + gen.text and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and lp.text_offset == list(range(n))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.tokens[-3:] == gen.logprobs.tokens
+    assert lp.token_logprobs[-3:] == pytest.approx(gen.logprobs.token_logprobs, abs=1e-4)
+    assert [sorted(t) for t in lp.top_logprobs[-3:]] == [sorted(t) for t in gen.logprobs.top_logprobs]
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 0
+    # with max_tokens: the prompt's logprobs, then the generated tokens' (offsets after the prompt)
+    r = comp(client, echo=True, logprobs=1, max_tokens=3, logit_bias={str(A): 100})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == PROMPT + gen.text and "".join(lp.tokens) == PROMPT + gen.text
+    assert lp.text_offset == list(range(n)) and lp.token_logprobs[-3:] == pytest.approx(
+        gen.logprobs.token_logprobs, abs=1e-4)
+    assert r.usage.completion_tokens == 3
+    # streamed: the prompt with its logprobs first
+    chunks = [c.choices[0] for c in comp(client, echo=True, logprobs=1, max_tokens=3, stream=True,
+                                         logit_bias={str(A): 100})]
+    assert chunks[0].text == PROMPT and chunks[0].logprobs.token_logprobs[0] is None
+    assert [t for c in chunks for t in c.logprobs.tokens] == lp.tokens
+    streamed = [x for c in chunks for x in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    chunks = [c.choices[0] for c in comp(client, echo=True, logprobs=1, max_tokens=0, stream=True)]
+    assert "".join(c.text for c in chunks) == PROMPT and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.logprobs.tokens] == list(PROMPT)
 
 
 def test_chat_logprobs_shape(client: openai.OpenAI) -> None:

@@ -97,6 +97,10 @@ def test_logprob_fields() -> None:
     with pytest.raises(OpenAIError):
         _chat(top_logprobs=2).check()  # without logprobs: true
     assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).logprob_fields() == {"logprobs": 2}
+    echo = CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "echo": True, "max_tokens": 0})
+    echo.check()
+    assert echo.prompt_logprobs == 2 and echo.logprob_fields() == {"logprobs": 2}
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 2}).prompt_logprobs is None
     with pytest.raises(OpenAIError) as info:
-        CompletionRequest.model_validate({"prompt": "x", "logprobs": 2, "echo": True}).check()
-    assert info.value.param == "echo"
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).check()  # nothing to answer
+    assert info.value.param == "max_tokens"
