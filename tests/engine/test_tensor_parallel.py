@@ -108,6 +108,8 @@ def test_greedy_outputs_equal_on_virtual_devices(single_device: dict, tp: int) -
     assert got["tokens"] == single_device["tokens"]
     assert all(len(t) > 3 for t in got["tokens"])
     assert got["logits"] == single_device["logits"]  # bit for bit
+    assert got["prompt_logprobs"][0] is None and len(got["prompt_logprobs"]) == len(single_device["prompt_logprobs"])
+    np.testing.assert_allclose(got["prompt_logprobs"][1:], single_device["prompt_logprobs"][1:], rtol=0, atol=1e-5)
 
 
 def test_megatron_mode_matches_to_rounding(single_device: dict) -> None:

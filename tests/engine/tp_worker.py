@@ -3,6 +3,7 @@ virtual CPU devices (a separate process: the device count is fixed when JAX star
 
     python tests/engine/tp_worker.py N [MODE]
     -> prints {"tokens": one token list per prompt, "logits": the first prompt's next-token logits,
+               "prompt_logprobs": the first prompt's token logprobs from a Fill (the first token's null),
                "prefill_dtype": the weight dtype of prefill products (bfloat16 on CPUs with bf16 matrix units)}
 """
 
@@ -25,6 +26,7 @@ def main() -> None:
     from parrot.engine.engine import LLMEngine
     from parrot.engine.loader import load_model
     from parrot.engine.sampling import SamplingParams
+    from parrot.protocol import FillRequest
 
     model = load_model(progress=False)
     tok = model.tokenizer
@@ -37,11 +39,13 @@ def main() -> None:
     try:
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # decoded in one batch
             outs = list(pool.map(lambda ids: engine.complete(ids, params), prompts))
+        scored = engine.fill_future(FillRequest(context_id="scored", token_ids=prompts[0], logprobs=2)).result(600)
     finally:
         engine.shutdown()
     pages = list(range(1, 1 + -(-len(prompts[0]) // cfg.page_size)))  # the engine is stopped: any pages do
     logits = engine.runner.prefill_logits(prompts[0], 0, pages)[0]
     print(json.dumps({"tokens": [o.response.token_ids for o in outs], "logits": [float(x) for x in logits],
+                      "prompt_logprobs": [lp.logprob for lp in scored.logprobs],
                       "prefill_dtype": str(engine.runner.prefill_dtype)}))
 
 
