@@ -95,3 +95,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # "no tests ran" (exit 5, e.g. a -k filter matching nothing) is not a failure of the code under test
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
         session.exitstatus = pytest.ExitCode.OK
+
+
+def grammar_rejects(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """Make every constraint's matcher be fed, as its `at`-th token, a token its grammar rejects ("z" in the
+    tiny vocabulary; the grammars these tests use never allow it) instead of the sampled one: what a
+    matcher whose mask allowed a token it then refuses would do mid-generation. The matcher is llguidance's
+    own and raises its own error; only the token it is fed changes."""
+    from parrot.engine.structured import Constraint
+
+    real = Constraint.consume
+    rejected = tiny_tokenizer().encode("z")[0]
+
+    def consume(self: Constraint, token: int) -> None:
+        real(self, rejected if len(self.consumed) == at else token)
+
+    monkeypatch.setattr(Constraint, "consume", consume)

@@ -3,8 +3,9 @@
 Bodies are the pydantic schemas of `parrot.protocol`. Every error answers `{"detail": "<message>", "code":
 "<code>"}` with the stable codes of `parrot.errors`:
   InvalidRequestError 400 invalid_request, NotFoundError 404 not_found, ConflictError 409 conflict,
-  request validation 422 invalid_request, AbortedError 499 aborted, OutOfPages 507 kv_cache_full (the KV
-  pool is full; free contexts or retry), EngineDeadError 503 engine_unavailable.
+  request validation 422 invalid_request, GenerationFailedError 422 generation_failed (this primitive
+  failed, e.g. its grammar rejected a token; the engine serves on), AbortedError 499 aborted, OutOfPages
+  507 kv_cache_full (the KV pool is full; free contexts or retry), EngineDeadError 503 engine_unavailable.
 `/generate_stream` is Server-Sent Events: `data: <StreamChunk json>` per chunk, the last chunk carries
 `finish_reason`, then `data: [DONE]`. Errors known before the first chunk (unknown context, bad tokens,
 ...) are plain HTTP errors; an error after the stream started is sent as `event: error` with
@@ -43,6 +44,7 @@ from parrot.engine.structured import Constraint
 from parrot.errors import (
     AbortedError,
     ConflictError,
+    GenerationFailedError,
     InvalidRequestError,
     ModelLoadError,
     NotFoundError,
@@ -75,6 +77,9 @@ _ERROR_STATUS: list[tuple[type[ParrotError], int]] = [
     (ConflictError, 409),
     (InvalidRequestError, 400),
     (ModelLoadError, 400),
+    # this one primitive failed (e.g. its grammar rejected the sampled token); the engine serves on: not a 5xx,
+    # which tells a serve core the engine is gone
+    (GenerationFailedError, 422),
 ]
 
 

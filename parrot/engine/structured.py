@@ -139,7 +139,10 @@ class Constraint:
     def consume(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar rejects raises ConstraintError."""
         if not self.matcher.consume_token(token):
-            raise ConstraintError(f"the output left its grammar at token {token}: {self.matcher.get_error().strip()}")
+            # llguidance's error is a line, then its state and the whole grammar: the line is the message
+            reason = (self.matcher.get_error().strip().splitlines() or ["rejected"])[0]
+            text = self.grammars.tokenizer.decode([token], skip_special_tokens=False)
+            raise ConstraintError(f"the output left its grammar at token {token} ({text!r}): {reason}")
         self.consumed.append(token)
 
     @property

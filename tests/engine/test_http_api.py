@@ -31,7 +31,7 @@ from parrot.engine.kv_cache import OutOfPages
 from parrot.engine.loader import default_model_path
 from parrot.errors import ConflictError, ModelLoadError, ParrotError
 from parrot.protocol import EngineRegistration, GenerateResponse, RuntimeInfo, StreamChunk
-from tests.conftest import tiny_engine_config, tiny_model
+from tests.conftest import grammar_rejects, tiny_engine_config, tiny_model
 from tests.servers import free_port
 
 VOCAB = 260
@@ -143,8 +143,8 @@ def test_health_and_ping(client: httpx.Client) -> None:
 
 
 def test_fill_generate_round_trip(client: httpx.Client) -> None:
-    assert fill(client, "rt", PROMPT[:20]) == {"context_id": "rt", "num_tokens": 20}
-    assert fill(client, "rt", PROMPT[20:]) == {"context_id": "rt", "num_tokens": len(PROMPT)}
+    assert fill(client, "rt", PROMPT[:20]) == {"context_id": "rt", "num_tokens": 20, "logprobs": None}
+    assert fill(client, "rt", PROMPT[20:]) == {"context_id": "rt", "num_tokens": len(PROMPT), "logprobs": None}
     r = client.post("/generate", json={"context_id": "rt", "sampling": sampling(max_tokens=10)})
     assert r.status_code == 200, r.text
     out = GenerateResponse.model_validate(r.json())
@@ -154,6 +154,13 @@ def test_fill_generate_round_trip(client: httpx.Client) -> None:
     # the generated tokens are in the context: a further fill and generate continue after them
     assert fill(client, "rt", [65])["num_tokens"] == len(PROMPT) + 11
     free(client, "rt")
+    # prompt logprobs: one per filled token, the context's first without one
+    r = client.post("/fill", json={"context_id": "rt-scored", "token_ids": PROMPT[:6], "logprobs": 2})
+    assert r.status_code == 200, r.text
+    lps = r.json()["logprobs"]
+    assert [lp["token_id"] for lp in lps] == PROMPT[:6] and lps[0]["logprob"] is None and lps[0]["top"] == []
+    assert all(lp["logprob"] <= 0 and len(lp["top"]) == 2 for lp in lps[1:])
+    free(client, "rt-scored")
 
 
 def test_fork_then_generate(client: httpx.Client) -> None:
@@ -235,6 +242,40 @@ def test_constrained_generate_and_stream(client: httpx.Client) -> None:
         expect_error(r, 400, "invalid regex")
     for ctx in ("c-a", "c-b", "c-base"):
         free(client, ctx)
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_token_the_grammar_rejects_fails_that_generate_alone(client: httpx.Client, server: EngineServer,
+                                                               monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+    """A matcher that rejects the token it is fed fails that generate with 422 generation_failed (at its
+    first token) or an `event: error` with that code (later), never a 5xx (which tells a serve core the
+    engine is gone); a generate running beside it completes, and the engine serves on."""
+    grammar_rejects(monkeypatch, at)
+    fill(client, "g-base", PROMPT)
+    body = {"parent_context_id": "g-base", "sampling": sampling(max_tokens=8, regex="[a-y]+")}
+    plain: dict[str, Any] = {}
+
+    def beside() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            plain["r"] = c.post("/generate", json={"context_id": "g-plain", "parent_context_id": "g-base",
+                                                   "sampling": sampling(max_tokens=24)})
+
+    thread = threading.Thread(target=beside)
+    thread.start()
+    if at == 0:
+        for i, path in enumerate(("/generate", "/generate_stream")):
+            r = client.post(path, json={"context_id": f"g-{i}", **body})
+            assert r.status_code == 422 and r.json()["code"] == "generation_failed", r.text
+            assert "left its grammar" in r.json()["detail"]
+    else:
+        chunks, events = stream(client, {"context_id": "g-0", **body})
+        assert len([c for c in chunks if c.token_id is not None]) == at
+        assert events[-1][0] == "error" and '"generation_failed"' in events[-1][1]
+    thread.join(60)
+    assert plain["r"].status_code == 200 and len(plain["r"].json()["token_ids"]) == 24
+    assert client.get("/health").json()["status"] == "ok"
+    for ctx in ("g-plain", "g-base", "g-0", "g-1"):
+        client.post("/free_context", json={"context_id": ctx})
 
 
 def test_free_context_updates_ping(client: httpx.Client) -> None:

@@ -4,15 +4,20 @@ SmolLM2 model)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import openai
 import pytest
 
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
+from parrot.engine.http_api import EngineServer
+from parrot.frontend.http_api import create_app
 from parrot.frontend.openai_api import chat_pieces
-from tests.conftest import batch_invariant_mode, tiny_engine_config, tiny_model, tiny_tokenizer
-from tests.servers import serving_core
+from parrot.serve.engines import HttpEngineClient
+from tests.conftest import batch_invariant_mode, grammar_rejects, tiny_engine_config, tiny_model, tiny_tokenizer
+from tests.servers import free_port, make_core, running, serving_core
 
 PROMPT = "The quick brown fox jumps over"
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
@@ -292,3 +297,44 @@ def _wait_until(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
     deadline = time.time() + timeout
     while not cond() and time.time() < deadline:
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def http_engine_server():
+    """The serve core with the tiny engine behind its own HTTP server (as `parrot serve --engines N` runs them)."""
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    srv = EngineServer(engine, "127.0.0.1", free_port(), log_level="warning").start_in_thread()
+    core = make_core(None, "tiny", tiny_tokenizer())
+    core.engines.register(HttpEngineClient("remote", srv.url, "tiny", 512))
+    with running(create_app(core)) as url:
+        yield url, core
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_grammar_failure_fails_that_request_alone(http_engine_server, monkeypatch: pytest.MonkeyPatch,
+                                                    at: int) -> None:
+    """A constrained request whose grammar rejects its token (the first, or a later one) gets a 400
+    `generation_failed` with the matcher's reason; a request beside it completes; the engine stays live
+    (before, the engine answered 500 and the serve core took it for dead)."""
+    url, core = http_engine_server
+    grammar_rejects(monkeypatch, at)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, temperature=0, max_tokens=24,
+                             extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"regex": "[a-y]+"})
+        assert info.value.code == "generation_failed"
+        assert "left its grammar at token" in info.value.message and "<state>" not in info.value.message
+        assert beside.result(60).usage.completion_tokens == 24
+        assert [e.name for e in core.engines.live_engines()] == ["remote"]
+        # streamed: a failure before the first token is the response's status, a later one the stream's last event
+        with pytest.raises(openai.BadRequestError if at == 0 else openai.APIError) as info:
+            list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                stream=True, max_tokens=8, extra_body={"regex": "[a-y]+"}))
+        assert "left its grammar at token" in info.value.message
+        monkeypatch.undo()
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"regex": "[a-y]+"})
+        assert r.choices[0].text and set(r.choices[0].text) <= set("abcdefghijklmnopqrstuvwxy")

@@ -46,7 +46,7 @@ from parrot.serve.engines import (
     LocalEngineClient,
     engine_routes,
 )
-from tests.conftest import tiny_engine_config, tiny_model
+from tests.conftest import grammar_rejects, tiny_engine_config, tiny_model
 from tests.servers import free_port
 
 PROMPT = list(b"The quick brown fox jumps over the lazy dog.")
@@ -150,6 +150,37 @@ def test_errors_map_to_parrot_errors(kind: str, engine: LLMEngine, server: Engin
                 await client.free_context(f"{kind}-busy")
             await gen
             await client.free_context(f"{kind}-busy")
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["local", "http"])
+@pytest.mark.parametrize("at", [0, 2])
+def test_a_token_the_grammar_rejects_is_a_generation_failure(kind: str, at: int, engine: LLMEngine,
+                                                             server: EngineServer,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generate whose grammar rejects its token (the first: before the stream starts; a later one: mid
+    stream) is a GenerationFailedError over both clients, never EngineUnavailableError (which would make
+    the serve core take the engine for dead)."""
+    grammar_rejects(monkeypatch, at)
+
+    async def main() -> None:
+        client = make_client(kind, engine, server)
+        base = f"{kind}-rej{at}"
+        sp = SamplingParams(max_tokens=8, regex="[a-y]+")
+        try:
+            await client.fill(FillRequest(context_id=base, token_ids=PROMPT))
+            with pytest.raises(GenerationFailedError, match="left its grammar at token"):
+                await client.generate(GenerateRequest(context_id=f"{base}-a", parent_context_id=base, sampling=sp))
+            chunks: list[StreamChunk] = []
+            with pytest.raises(GenerationFailedError, match="left its grammar at token"):
+                async for c in client.generate_stream(GenerateRequest(context_id=f"{base}-b", parent_context_id=base,
+                                                                      sampling=sp)):
+                    chunks.append(c)
+            assert len([c for c in chunks if c.token_id is not None]) == at
+            assert (await client.ping()).running == 0
         finally:
             await client.close()
 
