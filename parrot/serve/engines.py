@@ -300,7 +300,7 @@ class HttpEngineClient(EngineClient):
     def _coded_error(self, code: str | None, detail: str, status: int | None = None) -> ParrotError:
         if code in (KVCacheFullError.code, EngineOverloadedError.code):
             return error_for_code(code, f"engine {self.name!r}: {detail}", self.name)
-        if code == GenerationFailedError.code:  # this primitive failed (a grammar left mid-output); the engine serves on
+        if code == GenerationFailedError.code:  # this primitive failed (its grammar rejected a token); it serves on
             return GenerationFailedError(f"engine {self.name!r}: generation failed: {detail}")
         if code == EngineUnavailableError.code or (status is not None and status >= 500):
             return self._unavailable(f"HTTP {status}: {detail}" if status is not None else detail)
