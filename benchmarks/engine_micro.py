@@ -17,6 +17,7 @@ from benchmarks import floors
 from benchmarks.report import write_json
 from parrot import procinfo
 from parrot.config import EngineConfig
+from parrot.engine import kernels
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
 from parrot.engine.runner import ModelRunner, Shape
@@ -33,8 +34,11 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool) -> str:
+def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
+          matmul: str = "auto") -> str:
     name = f"weights_{weights}"
+    if matmul != "auto":
+        name += f"_matmul_{matmul}"
     if several_layers:
         name += "_fused" if layers_per_call == 0 else f"_layers_per_call_{layers_per_call}"
     if several_attention:
@@ -43,12 +47,16 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
-        layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None) -> dict:
+        layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
+        matmuls: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
     runners = {}
     load_s = {}
+    # the CPU kernels' quantized product per configuration: one runner serves both (the compiled steps
+    # call the same FFI target; kernels.use_amx switches the code behind it before each call)
+    matmul: dict[str, str] = {}
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
@@ -56,10 +64,17 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                 t = time.perf_counter()
                 cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
                                    layers_per_call=lpc or None, weights=w, decode_attention=att)
-                name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1)
-                runners[name] = r = ModelRunner(loaded.config, loaded.weights, cfg)
+                r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
-                load_s[name] = t_read + time.perf_counter() - t
+                for mm in matmuls or ["auto"]:
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm)
+                    runners[name], matmul[name] = r, mm
+                    load_s[name] = t_read + time.perf_counter() - t
+    default_amx = kernels.matmul_path() == "amx-bf16"
+
+    def select(name: str) -> None:
+        if kernels.available():
+            kernels.use_amx(default_amx if matmul[name] == "auto" else matmul[name] == "amx")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -68,6 +83,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "prefill_weight_dtype": str(runner.prefill_dtype), "activation_dtype": str(runner.act_dtype),
         "load_s": t_load, "load_s_by_config": load_s, "load_read_s": t_read,
         "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
+        "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,
@@ -78,7 +94,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         batch = jax.device_put(build_batch(seqs, ps, shape.tokens, shape.batch, shape.q_len, shape.pages))
         fns = {}
         for name, r in runners.items():
-            def go(r: ModelRunner = r) -> None:
+            def go(r: ModelRunner = r, name: str = name) -> None:
+                select(name)
                 np.asarray(r.sample(r.forward(batch), None))  # forward + greedy sample, host sync
 
             t = time.perf_counter()
@@ -106,6 +123,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         shape = runner.decode_shape(b, decode_ctx)
         for name, t in _time_interleaved(steps(shape, seqs), repeats * 2).items():
             ms = t * 1e3
+            select(name)
             piped = _pipelined_ms(runners[name], build_batch(seqs, ps, shape.tokens, shape.batch, 1, shape.pages))
             result["decode"][name][f"batch_{b}"] = {"context": decode_ctx, "ms_per_step": ms,
                                                     "tokens_per_s": b * 1e3 / ms, "pipelined_ms_per_step": piped}
@@ -128,7 +146,13 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     first = result["configs"][0]
     for k in ("prefill", "decode", "ratios"):
         result[k] = result[k][first]
+    kernels.use_amx(default_amx)
     return result
+
+
+def _matmul_path(name: str, select: object) -> str | None:
+    select(name)  # type: ignore[operator]
+    return kernels.matmul_path()
 
 
 def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
@@ -163,6 +187,7 @@ def report(r: dict) -> str:
         + f"; resident after the run {r['rss_gb']:.2f} GB",
         "weights a decode step reads: " + ", ".join(
             f"{k} {v / 1e6:.0f} MB ({r['weights_by_config'][k]})" for k, v in r["weight_bytes_by_config"].items()),
+        "quantized products: " + ", ".join(f"{k} {v or 'XLA'}" for k, v in r["cpu_matmul_by_config"].items()),
     ]
     lines += [f"compile {k}: {v:.2f} s" for k, v in r["compile_s"].items()]
     for name, c in r["by_config"].items():
@@ -197,10 +222,13 @@ def main() -> None:
                          "or a directory with a config.json)")
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
+    ap.add_argument("--cpu-matmul", nargs="+", default=["auto"], choices=["auto", "amx", "avx2"],
+                    help="the native kernels' quantized product, side by side (amx: the tile unit where the CPU has "
+                         "AMX-BF16; avx2: the vector code)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
-            args.weights, args.load_format, args.decode_attention)
+            args.weights, args.load_format, args.decode_attention, args.cpu_matmul)
     print(report(r))
     write_json(r, args.out)
 

@@ -68,3 +68,46 @@ def test_kernel_and_xla_paths_agree(qtype: str) -> None:
     w = quant.dequantize(jnp.asarray(q.data), qtype, 576)
     xla = np.asarray(jnp.dot(x, w.T, precision="highest"))
     np.testing.assert_allclose(native, xla, rtol=1e-5, atol=2e-6)
+
+
+AMX = kernels.available() and kernels.matmul_path() == "amx-bf16"
+
+
+@pytest.fixture(params=["amx", "avx2"])
+def native_path(request: pytest.FixtureRequest):  # noqa: ANN201
+    """Each native product path this CPU has, switched on for the test (the AMX one where the CPU has it)."""
+    if not kernels.available():
+        pytest.skip("native CPU kernels unavailable")
+    if request.param == "amx" and not AMX:
+        pytest.skip("this CPU (or this build) has no AMX-BF16")
+    before = kernels.matmul_path() == "amx-bf16"
+    kernels.use_amx(request.param == "amx")
+    yield request.param
+    kernels.use_amx(before)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 70])
+def test_native_paths_equal_float_product(native_path: str, qtype: str, rows: int) -> None:
+    """Both native paths compute the float32 product with the exactly dequantized matrix (widths that are
+    not multiples of 16, several chunks of blocks: K = 576 is 18 blocks)."""
+    q = quant.quantize(_random(576, 200), qtype)
+    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))(x, jnp.asarray(q.data)))
+    ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_row_is_the_same_alone_and_in_any_batch(native_path: str, qtype: str) -> None:
+    """A row's product is bit for bit the same whatever rows share the call: on the AMX path for any
+    number of rows, on the AVX2 path up to 16 (above that its panel kernel sums in another order)."""
+    q = quant.quantize(_random(576, 80), qtype)
+    x = np.random.default_rng(7).standard_normal((70, 576)).astype(np.float32)
+    f = jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))
+    d = jnp.asarray(q.data)
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
+    sizes = [2, 5, 16] + ([17, 70] if native_path == "amx" else [])
+    for size in sizes:
+        for start in range(0, len(x) - size + 1, size):
+            np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])

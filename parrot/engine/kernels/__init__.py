@@ -6,6 +6,10 @@ The shared library is built with the system's C++ compiler (`-O3 -march=native`)
 version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU builds anew. Where
 they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
+
+On CPUs with AMX-BF16 the quantized product runs on the tile unit (amx_matmul.h) unless `PARROT_AMX=0`;
+`matmul_path()` says which path runs, and `use_amx()` switches between them at run time (the compiled
+steps call the same FFI target either way).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+HEADERS = (Path(__file__).with_name("amx_matmul.h"),)
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode"}
 
@@ -44,7 +49,7 @@ def _cpu_flags() -> str:
 
 def source_hash() -> str:
     """Identifies the kernels' code and ABI (part of the compilation-cache namespace)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))).hexdigest()[:12]
 
 
 def _library_path() -> Path:
@@ -89,6 +94,8 @@ def _load() -> None:
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     _state["lib"] = lib
+    lib.parrot_amx_enable.argtypes = [ctypes.c_int]
+    _state["amx"] = bool(lib.parrot_amx_enable(0 if os.environ.get("PARROT_AMX", "1") == "0" else 1))
 
 
 def available() -> bool:
@@ -106,6 +113,23 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return None if available() else str(_state.get("why"))
+
+
+def matmul_path() -> str | None:
+    """Which code multiplies quantized matrices: "amx-bf16" (the tile unit), "avx2", or None (XLA)."""
+    if not available():
+        return None
+    return "amx-bf16" if _state.get("amx") else "avx2"
+
+
+def use_amx(on: bool) -> bool:
+    """Turn the AMX path on or off for this process; returns whether it is on (False where the CPU or
+    this build has none)."""
+    if not available():
+        return False
+    with _lock:
+        _state["amx"] = bool(_state["lib"].parrot_amx_enable(1 if on else 0))
+        return bool(_state["amx"])
 
 
 # ---- calls (inside jitted functions) --------------------------------------------------------------

@@ -8,6 +8,10 @@
 // order of the additions), while the weights are read in their quantized size. Output rows are split
 // into chunks that XLA's intra-op threads take in turn.
 //
+// On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) the same product runs on the tile unit instead,
+// for any number of rows (amx_matmul.h), once `parrot_amx_enable(1)` has obtained the tile state from the
+// kernel; `parrot_amx_enable(0)` goes back to the AVX2 code.
+//
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
 // from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
 // through the same pages (the cascade layout of parrot/engine/batch.py). Online softmax in float32.
@@ -24,6 +28,14 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512VL__)
+#define PARROT_AMX 1
+#include "amx_matmul.h"
+#else
+#define PARROT_AMX 0
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -354,6 +366,17 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
   }
 }
 
+std::atomic<bool> g_amx{false};  // products on the AMX tiles (see parrot_amx_enable)
+
+#if PARROT_AMX
+template <int Q>
+void amx_rows(const amx::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if constexpr (Q == kQ8_0) amx::rows<34, 2, true, 0>(xp, w, n0, n1, y, N);
+  else if constexpr (Q == kQ4_0) amx::rows<18, 2, false, 2>(xp, w, n0, n1, y, N);
+  else amx::rows<20, 4, false, 1>(xp, w, n0, n1, y, N);
+}
+#endif
+
 template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N) {
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
@@ -364,6 +387,22 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   int64_t rows = std::max<int64_t>(16, N / (threads * PARROT_CPT));
   rows = (rows + kNR - 1) / kNR * kNR;
   const int64_t chunks = (N + rows - 1) / rows;
+#if PARROT_AMX
+  if (g_amx.load(std::memory_order_relaxed) && Q == kQ8_0) {
+    thread_local amx::XPack8 packed;  // as below
+    const amx::XPack8* xp = &packed;
+    amx::pack_x8(x, T, K, packed);
+    parallel_chunks(pool, chunks, [&](int64_t c) { amx::rows_q8(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
+    return;
+  }
+  if (g_amx.load(std::memory_order_relaxed)) {
+    thread_local amx::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
+    const amx::XPack* xp = &packed;
+    amx::pack_x(x, T, K, packed);
+    parallel_chunks(pool, chunks, [&](int64_t c) { amx_rows<Q>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
+    return;
+  }
+#endif
   parallel_chunks(pool, chunks, [&](int64_t c) {
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
   });
@@ -614,6 +653,17 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 }
 
 }  // namespace
+
+// Turns the AMX path of parrot_qmatmul on (asking the kernel for the tile state) or off. Returns whether
+// it is on: 0 where this build or this CPU has no AMX-BF16, or the kernel refused.
+extern "C" int parrot_amx_enable(int on) {
+#if PARROT_AMX
+  g_amx.store(on != 0 && amx::request_permission());
+#else
+  (void)on;
+#endif
+  return g_amx.load() ? 1 : 0;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                               ffi::Ffi::Bind()
