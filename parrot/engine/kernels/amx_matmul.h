@@ -230,6 +230,7 @@ struct XPack8 {
   int64_t T = 0, tn = 0, tiles = 0, K = 0, blocks = 0;
   std::vector<uint32_t> b;     // [tiles][blocks][3 limbs][8 quads][tn]: four limb bytes per entry
   std::vector<float> scales;   // [tiles][blocks][16]: s per token
+  std::vector<int32_t> limb_sums;  // one row only: [blocks][3] sums of its limbs
 };
 
 inline void pack_x8(const float* x, int64_t T, int64_t K, XPack8& p) {
@@ -238,6 +239,7 @@ inline void pack_x8(const float* x, int64_t T, int64_t K, XPack8& p) {
   p.tiles = (T + p.tn - 1) / p.tn;
   p.b.assign(p.tiles * p.blocks * 3 * 8 * p.tn, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
+  p.limb_sums.assign(T == 1 ? p.blocks * 3 : 0, 0);
   const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
   alignas(64) uint32_t limb[3][8];
   for (int64_t t = 0; t < T; ++t) {
@@ -262,6 +264,13 @@ inline void pack_x8(const float* x, int64_t T, int64_t K, XPack8& p) {
       uint32_t* dst = p.b.data() + (tile * p.blocks + b) * 3 * 8 * p.tn + col;
       for (int l = 0; l < 3; ++l)
         for (int r = 0; r < 8; ++r) dst[(l * 8 + r) * p.tn] = limb[l][r];
+      if (T == 1) {
+        for (int l = 0; l < 3; ++l) {
+          int32_t sum = 0;
+          for (int k = 0; k < 32; ++k) sum += reinterpret_cast<const int8_t*>(limb[l])[k];
+          p.limb_sums[b * 3 + l] = sum;
+        }
+      }
     }
   }
 }
@@ -282,8 +291,64 @@ inline __m512 limb_sum(const int32_t* c0, const int32_t* c1, const int32_t* c2) 
   return _mm512_fmadd_ps(s0, _mm512_set1_ps(65536.f), _mm512_fmadd_ps(s1, _mm512_set1_ps(256.f), s2));
 }
 
+// One activation row (decode at batch 1): the same exact integer sums with AVX-512 VNNI instead of the
+// tiles, which at one row spend more on tile loads and stores than on products. vpdpbusd multiplies
+// unsigned by signed bytes, so the weights go in as w + 128 and 128 times the limbs' sum is taken off
+// again. The float32 steps are those of rows_q8: the results are bit for bit the tiles' ones.
+inline __m512i row_sums(const __m512i p[8]) {  // p[i]: rows 2i (low half) and 2i + 1 (high half), 8 partials each
+  __m512i q[4], r[2];
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    r[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(q[2 * i], q[2 * i + 1]), _mm512_unpackhi_epi64(q[2 * i], q[2 * i + 1]));
+  // r[i]'s 128-bit lanes: rows 8i + (0, 2, 4, 6) first and second halves, rows 8i + (1, 3, 5, 7) likewise
+  const __m512i f = _mm512_add_epi32(_mm512_shuffle_i32x4(r[0], r[1], 0x88), _mm512_shuffle_i32x4(r[0], r[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+  return _mm512_permutexvar_epi32(order, f);
+}
+
+inline void rows_q8_one(const XPack8& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y) {
+  constexpr int64_t kBytes = 34;
+  const int64_t blocks = xp.blocks, ldw = blocks * kBytes;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(static_cast<int>(ldw)));
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+    __m512 acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = w + n * ldw + b * kBytes;
+      if (n + 16 < n1) prefetch_slice(w + (n + 16) * ldw, 16 * ldw, b, blocks);
+      __m512i wz[8];
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* r0 = 2 * i < rows_here ? blk + 2 * i * ldw + 2 : kZeros;
+        const uint8_t* r1 = 2 * i + 1 < rows_here ? blk + (2 * i + 1) * ldw + 2 : kZeros;
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0))),
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)), 1);
+        wz[i] = _mm512_xor_si512(v, flip);
+      }
+      const uint32_t* xb = xp.b.data() + b * 3 * 8;
+      __m512i S[3];
+      for (int l = 0; l < 3; ++l) {
+        const __m512i limbs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * l)));
+        __m512i p[8];
+        for (int i = 0; i < 8; ++i) p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[i], limbs);
+        S[l] = _mm512_sub_epi32(row_sums(p), _mm512_set1_epi32(128 * xp.limb_sums[b * 3 + l]));
+      }
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rowmask, offsets, blk, 1);
+      const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)), _mm512_set1_ps(xp.scales[b * 16]));
+      alignas(64) int32_t c[3][16];
+      for (int l = 0; l < 3; ++l) _mm512_store_si512(c[l], S[l]);
+      acc1 = _mm512_fmadd_ps(limb_sum(c[0], c[1], c[2]), scale, acc1);
+    }
+    _mm512_mask_storeu_ps(y + n, rowmask, acc1);
+  }
+}
+
 // Output columns [n0, n1) of every activation row for a Q8_0 matrix (34-byte blocks: f16 d, 32 int8).
 inline void rows_q8(const XPack8& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (xp.T == 1) return rows_q8_one(xp, w, n0, n1, y);
   constexpr int64_t kBytes = 34;
   const int64_t blocks = xp.blocks, ldw = blocks * kBytes, tn = xp.tn, T = xp.T;
   configure8(static_cast<int>(tn));
