@@ -228,7 +228,8 @@ class RuntimeInfo(BaseModel):
     warmup_s: float | None = None  # engine start to every shape compiled (None while warming up)
     process_uptime_s: float | None = None  # at warm-up end: process start to every shape compiled
     rss_bytes: int | None = None  # the engine process's resident memory
-    constrained_steps: int = 0  # sampler calls with a constraint mask
+    constrained_steps: int = 0  # steps whose sampling had constraint work (masks, or checks of greedy tokens)
+    unmasked_tokens: int = 0  # greedy constrained tokens their grammar accepted unmasked: masks not computed
     fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
     mask_ms_mean: float | None = None  # host time to compute a batch's constraint masks, recent steps
     mask_ms_p99: float | None = None

@@ -52,8 +52,16 @@ from parrot.engine.models.llama import (
 )
 from parrot.engine.multihost import Mirror
 from parrot.engine.quant import QuantizedTensor
-from parrot.engine.sampling import SamplerExtras, SamplingBatch, greedy_sample, processed_sampler, sample
+from parrot.engine.sampling import (
+    SamplerExtras,
+    SamplingBatch,
+    greedy_sample,
+    lazily_constrained,
+    processed_sampler,
+    sample,
+)
 from parrot.engine.scheduler import Slot, StepPlan
+from parrot.engine.structured import check_greedy
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +177,9 @@ class ModelRunner:
         self._serial = self.mesh is not None and jax.default_backend() == "cpu"
         self._replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
         self._masks_first = jax.default_backend() == "cpu"  # see _run_slots
+        # greedy constrained rows sample unmasked and are checked after (structured.check_greedy) on a CPU,
+        # where every mask costs the cores the step needs; an accelerator computes masks beside the step
+        self._lazy_masks = self._masks_first
         self.model_cfg = cfg
         if self.mesh is not None:
             self.model_cfg = tensor_parallel.padded_config(cfg, self.tp, self.weights_mode == "quantized")
@@ -402,7 +413,8 @@ class ModelRunner:
 
         def extras_of() -> tuple[SamplerExtras, np.ndarray | None] | None:
             """Constraint masks, penalty counts (None: no job needs them)."""
-            return SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size)
+            return SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size,
+                                       lazy=self._lazy_masks)
 
         # on a CPU the masks are computed before the step (computed while it runs, llguidance and XLA only
         # take turns on the same cores); on an accelerator while the device runs it
@@ -418,12 +430,24 @@ class ModelRunner:
             return None
         if not self._masks_first:
             extras = extras_of()
+        checks = [(s.job.constraint, i) for i, s in enumerate(slots)
+                  if s.sample and self._lazy_masks and lazily_constrained(s.job)]
+        tokens = self._sample_slots(slots, logits, extras, shape.batch)
+        if checks:  # greedy constrained rows sampled unmasked: their grammars check the tokens now
+            tokens = np.array(np.asarray(tokens)[: len(slots)])
+            check_greedy(checks, tokens, lambda: np.asarray(logits), self.cfg.vocab_size)
+        return tokens
+
+    def _sample_slots(self, slots: list[Slot], logits: jax.Array, extras: tuple | None,
+                      batch: int) -> jax.Array | np.ndarray:
+        """The sampled tokens of a batch: greedy argmax, the plain sampler, or the processed one (`extras`)."""
+        sampling = [s.job.sampling for s in slots if s.sample]
         if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
         # the sampler's step counter (its random stream) counts the job's tokens, the PENDING one included
         steps = [len(s.job.output_ids) + (s.source >= 0) for s in slots]
-        sb = SamplingBatch.build(params, steps, shape.batch, [p.seed or 0 for p in params])
+        sb = SamplingBatch.build(params, steps, batch, [p.seed or 0 for p in params])
         if extras is None:
             return self.sample(logits, sb)
         tokens, chosen, top_ids, top_lp = self.sample_processed(logits, sb, *extras)

@@ -41,15 +41,27 @@ def check_sampling(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
 
 
-def needs_processing(job: Job) -> bool:
+def needs_processing(job: Job, lazy: bool = False) -> bool:
     """True when the job's next token needs `sample_processed`: a constraint, logprobs, logit_bias,
     penalties, or stop tokens still suppressed by min_tokens. (Temperature, top-k, top-p and min-p run in
     the plain sampler, on the device: an OpenAI request with llama.cpp's default min-p 0.05 keeps the
-    fast path and the engine's overlap.)"""
+    fast path and the engine's overlap.) With `lazy`, a `lazily_constrained` job does not: its grammar is
+    checked on the host after sampling."""
     p = job.sampling
     assert p is not None
-    return (job.constraint is not None or p.logprobs is not None or bool(p.logit_bias) or p.penalized
+    constrained = job.constraint is not None and not (lazy and lazily_constrained(job))
+    return (constrained or p.logprobs is not None or bool(p.logit_bias) or p.penalized
             or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
+
+
+def lazily_constrained(job: Job) -> bool:
+    """A greedy constrained job whose logits nothing else changes (no logprobs, logit_bias, penalties or
+    suppressed stop tokens): its token can be the unmasked argmax, checked against its grammar afterwards
+    (`structured.check_greedy`), which is the masked argmax whenever the grammar accepts it."""
+    p = job.sampling
+    assert p is not None
+    return (job.constraint is not None and p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
+            and not (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
 @jax.tree_util.register_dataclass
@@ -103,16 +115,18 @@ class SamplerExtras:
                    np.ones(batch_size, np.float32), np.zeros(batch_size, np.float32), np.zeros(batch_size, bool))
 
     @classmethod
-    def build(cls, jobs: list[Job | None], batch_size: int,
-              vocab_size: int) -> tuple[SamplerExtras, np.ndarray | None] | None:
+    def build(cls, jobs: list[Job | None], batch_size: int, vocab_size: int,
+              lazy: bool = False) -> tuple[SamplerExtras, np.ndarray | None] | None:
         """For the jobs sampling in a batch (None: a row that does not sample): the extras and, when some
         job has a penalty, the token counts `[B, V]` int32 (2 x times generated + 1 if in the context), or
-        None when no job needs `sample_processed`. Constraint masks are computed here, on the host."""
-        live = [(i, j) for i, j in enumerate(jobs) if j is not None and needs_processing(j)]
+        None when no job needs `sample_processed`. Constraint masks are computed here, on the host; with
+        `lazy`, not for `lazily_constrained` jobs (their rows stay all-allowed)."""
+        live = [(i, j) for i, j in enumerate(jobs) if j is not None and needs_processing(j, lazy)]
         if not live:
             return None
         ex = cls.neutral(batch_size, vocab_size)
-        fill_masks([(j.constraint, i) for i, j in live if j.constraint is not None], ex.mask)
+        fill_masks([(j.constraint, i) for i, j in live if j.constraint is not None
+                    and not (lazy and lazily_constrained(j))], ex.mask)
         counts = None
         for i, job in live:
             p = job.sampling

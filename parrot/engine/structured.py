@@ -19,6 +19,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -77,7 +78,8 @@ class Grammars:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="parrot-grammar")
         self.mask_ms: collections.deque[float] = collections.deque(maxlen=4096)  # host time per batch mask
         self.compiles = 0
-        self.masked_steps = 0  # batches whose masks were computed
+        self.masked_steps = 0  # batches with constraint work: masks computed, or greedy tokens checked
+        self.unmasked_tokens = 0  # greedy tokens their grammar accepted without a mask (check_greedy)
 
     def mask_stats(self) -> dict[str, float | None]:
         """Host time to compute a batch's masks over the recent steps: mean and p99, in ms."""
@@ -150,6 +152,12 @@ class Constraint:
         """Equal keys mean equal matcher states, hence equal masks (the grammar and the tokens consumed)."""
         return self.grammar, tuple(self.consumed)
 
+    def accepts(self, token: int) -> bool:
+        """Whether the mask would allow `token`, known without computing it: the grammar takes the token here
+        and forces nothing. (Where bytes are forced, llguidance's mask allows only their canonical tokens,
+        which validating a token does not check: there the answer is False and the mask decides.)"""
+        return not self.matcher.compute_ff_bytes() and self.matcher.validate_tokens([token]) == 1
+
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (none when it allows a choice)."""
         return list(self.matcher.compute_ff_tokens())
@@ -178,9 +186,10 @@ def _llexecutor() -> llguidance.LLExecutor:
         return _executor
 
 
-def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> None:
+def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray, record: bool = True) -> None:
     """Write each constraint's allowed tokens into row `index` of `bitmask` ([batch, words] int32,
-    C-contiguous), the rows in parallel threads without the GIL. Other rows are left as they are."""
+    C-contiguous), the rows in parallel threads without the GIL. Other rows are left as they are. The time
+    counts in `mask_ms` unless `record` is False (the caller counts it)."""
     if not rows:
         return
     import llguidance.numpy
@@ -200,6 +209,32 @@ def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray) -> None:
     llguidance.numpy.fill_next_token_bitmask_par(_llexecutor(), unique, bitmask)
     for i, j in copies:
         bitmask[i] = bitmask[j]
+    if not record:
+        return
     grammars = rows[0][0].grammars
     grammars.mask_ms.append((time.perf_counter() - t0) * 1e3)
     grammars.masked_steps += 1
+
+
+def check_greedy(rows: list[tuple[Constraint, int]], tokens: np.ndarray, logits: Callable[[], np.ndarray],
+                 vocab_size: int) -> None:
+    """Greedy rows sampled without their masks (`sampling.lazily_constrained`; `tokens[i]` is row i's
+    argmax): where the grammar accepts the token it stands, the argmax over the allowed tokens too; the other
+    rows get their masks computed now (in parallel) and `tokens[i]` becomes the argmax of `logits()[i]` over
+    their allowed tokens. The host time (checks, masks, argmaxes) counts in `mask_ms` as one batch's masks:
+    most steps of a model that follows its prompt compute no mask at all."""
+    if not rows:
+        return
+    t0 = time.perf_counter()
+    redo = [(c, i) for c, i in rows if not c.accepts(int(tokens[i]))]
+    if redo:
+        masks = np.zeros((len(tokens), mask_words(vocab_size)), np.int32)
+        fill_masks(redo, masks, record=False)
+        host = logits()
+        for _, i in redo:
+            allowed = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+            tokens[i] = int(np.argmax(np.where(allowed, host[i], -np.inf)))
+    grammars = rows[0][0].grammars
+    grammars.mask_ms.append((time.perf_counter() - t0) * 1e3)
+    grammars.masked_steps += 1
+    grammars.unmasked_tokens += len(rows) - len(redo)

@@ -124,3 +124,64 @@ def test_max_tokens_first_gives_length_and_the_partial_text(engine: LLMEngine) -
     assert r.finish_reason == "length" and re.fullmatch("[ab]{5}", r.text)
     r = _generate(engine, "ff", regex="x{50}", max_tokens=7)  # all forced: fast-forward stops at max_tokens too
     assert r.finish_reason == "length" and r.text == "x" * 7 and len(r.token_ids) == 7
+
+
+# ---- greedy rows sampled unmasked and checked after (CPUs) ---------------------------------------------
+LAZY_CASES = [dict(regex="[0-9]{3}-[a-z]{2}"), dict(choice=["alpha", "beta", "gamma"]),
+              dict(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                                 "name": {"type": "string", "maxLength": 6}},
+                                "required": ["ok", "name"], "additionalProperties": False}),
+              dict(grammar='start: "call(" NAME ")"\nNAME: /[a-z]+/')]
+
+
+def _eager_and_lazy(eng: LLMEngine, prompts: list[list[int]], cases: list[dict]) -> tuple[list, list, list]:
+    """Each (prompt, constraint) greedily, all at once, with masks computed before sampling, then with greedy
+    rows checked after: (eager outputs, lazy outputs, tokens taken without a mask in each mode)."""
+    import concurrent.futures as cf
+
+    def run(i: int, prompt: list[int], case: dict) -> list[int]:
+        ctx = f"lazy-{i}-{eng.runner._lazy_masks}"
+        eng.fill_future(FillRequest(context_id=ctx, token_ids=prompt)).result(TIMEOUT)
+        sp = SamplingParams(max_tokens=40, **case)
+        try:
+            return eng.generate_future(GenerateRequest(context_id=ctx, sampling=sp)).result(TIMEOUT).token_ids
+        finally:
+            eng.free_future(ctx).result(TIMEOUT)
+
+    jobs = [(p, c) for p in prompts for c in cases]
+    outs, unmasked = [], []
+    for lazy in (False, True):
+        eng.runner._lazy_masks = lazy
+        before = eng.grammars.unmasked_tokens
+        with cf.ThreadPoolExecutor(len(jobs)) as ex:
+            outs.append(list(ex.map(lambda a: run(a[0], *a[1]), enumerate(jobs))))
+        unmasked.append(eng.grammars.unmasked_tokens - before)
+    eng.runner._lazy_masks = eng.runner._masks_first
+    return outs[0], outs[1], unmasked
+
+
+def test_greedy_rows_checked_after_sampling_equal_masked_sampling(engine: LLMEngine) -> None:
+    """A random model's argmax almost never fits the grammar: nearly every row falls back to its mask, and
+    the outputs are the masked argmaxes, token for token, in batches of eight."""
+    if not engine.runner._masks_first:
+        pytest.skip("greedy rows are checked after sampling on CPUs only")
+    eager, lazy, unmasked = _eager_and_lazy(engine, [list(b"Answer: "), list(b"Q: 1+1? A: ")], LAZY_CASES)
+    assert lazy == eager
+    assert all(len(t) > 2 for t in eager)
+    print(f"tiny model: {unmasked[1]} of {sum(map(len, lazy))} tokens unmasked")
+    assert unmasked[0] == 0 and unmasked[1] < sum(map(len, lazy)) // 2
+
+
+def test_real_model_greedy_json_is_the_same_checked_or_masked(smollm_engine: LLMEngine) -> None:
+    """The default model mostly writes what its schema allows: its argmax stands without a mask, and the
+    outputs equal the masked ones."""
+    eng = smollm_engine
+    if not eng.runner._masks_first:
+        pytest.skip("greedy rows are checked after sampling on CPUs only")
+    tok = eng.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in (
+        "Describe a baker in Vienna as JSON with the keys ok and name.", "Give me a product code.")]
+    eager, lazy, unmasked = _eager_and_lazy(eng, prompts, LAZY_CASES)
+    assert lazy == eager
+    print(f"default model: {unmasked[1]} of {sum(map(len, lazy))} tokens unmasked")
+    assert unmasked[1] > 0
