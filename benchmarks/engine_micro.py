@@ -70,7 +70,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                     name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm)
                     runners[name], matmul[name] = r, mm
                     load_s[name] = t_read + time.perf_counter() - t
-    default_amx = kernels.matmul_path() == "amx-bf16"
+    default_amx = kernels.matmul_path() == "amx-int8"
 
     def select(name: str) -> None:
         if kernels.available():
@@ -224,7 +224,7 @@ def main() -> None:
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
     ap.add_argument("--cpu-matmul", nargs="+", default=["auto"], choices=["auto", "amx", "avx2"],
                     help="the native kernels' quantized product, side by side (amx: the tile unit where the CPU has "
-                         "AMX-BF16; avx2: the vector code)")
+                         "AMX-INT8; avx2: the vector code)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,

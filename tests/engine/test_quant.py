@@ -70,7 +70,7 @@ def test_kernel_and_xla_paths_agree(qtype: str) -> None:
     np.testing.assert_allclose(native, xla, rtol=1e-5, atol=2e-6)
 
 
-AMX = kernels.available() and kernels.matmul_path() == "amx-bf16"
+AMX = kernels.available() and kernels.matmul_path() == "amx-int8"
 
 
 @pytest.fixture(params=["amx", "avx2"])
@@ -79,8 +79,8 @@ def native_path(request: pytest.FixtureRequest):  # noqa: ANN201
     if not kernels.available():
         pytest.skip("native CPU kernels unavailable")
     if request.param == "amx" and not AMX:
-        pytest.skip("this CPU (or this build) has no AMX-BF16")
-    before = kernels.matmul_path() == "amx-bf16"
+        pytest.skip("this CPU (or this build) has no AMX-INT8")
+    before = kernels.matmul_path() == "amx-int8"
     kernels.use_amx(request.param == "amx")
     yield request.param
     kernels.use_amx(before)

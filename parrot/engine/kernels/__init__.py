@@ -7,7 +7,8 @@ version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU
 they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
-On CPUs with AMX-BF16 the quantized product runs on the tile unit (amx_matmul.h) unless `PARROT_AMX=0`;
+On CPUs with AMX-INT8 the quantized product runs on the integer tile unit and AVX-512 VNNI (amx_matmul.h)
+unless `PARROT_AMX=0`;
 `matmul_path()` says which path runs, and `use_amx()` switches between them at run time (the compiled
 steps call the same FFI target either way).
 """
@@ -116,10 +117,10 @@ def unavailable_reason() -> str | None:
 
 
 def matmul_path() -> str | None:
-    """Which code multiplies quantized matrices: "amx-bf16" (the tile unit), "avx2", or None (XLA)."""
+    """Which code multiplies quantized matrices: "amx-int8" (tiles and VNNI), "avx2", or None (XLA)."""
     if not available():
         return None
-    return "amx-bf16" if _state.get("amx") else "avx2"
+    return "amx-int8" if _state.get("amx") else "avx2"
 
 
 def use_amx(on: bool) -> bool:

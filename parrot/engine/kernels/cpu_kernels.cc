@@ -8,9 +8,10 @@
 // order of the additions), while the weights are read in their quantized size. Output rows are split
 // into chunks that XLA's intra-op threads take in turn.
 //
-// On CPUs with AMX-BF16 (Intel Sapphire Rapids and later) the same product runs on the tile unit instead,
-// for any number of rows (amx_matmul.h), once `parrot_amx_enable(1)` has obtained the tile state from the
-// kernel; `parrot_amx_enable(0)` goes back to the AVX2 code.
+// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the product runs on the integer tile unit for
+// several rows and on AVX-512 VNNI for one (amx_matmul.h: the same exact integer sums, so the same results
+// for any number of rows), once `parrot_amx_enable(1)` has obtained the tile state from the kernel;
+// `parrot_amx_enable(0)` goes back to the AVX2 code.
 //
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
 // from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
@@ -29,7 +30,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && \
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VL__)
 #define PARROT_AMX 1
 #include "amx_matmul.h"
@@ -371,9 +372,9 @@ std::atomic<bool> g_amx{false};  // products on the AMX tiles (see parrot_amx_en
 #if PARROT_AMX
 template <int Q>
 void amx_rows(const amx::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if constexpr (Q == kQ8_0) amx::rows<34, 2, true, 0>(xp, w, n0, n1, y, N);
-  else if constexpr (Q == kQ4_0) amx::rows<18, 2, false, 2>(xp, w, n0, n1, y, N);
-  else amx::rows<20, 4, false, 1>(xp, w, n0, n1, y, N);
+  if constexpr (Q == kQ8_0) amx::rows<amx::Q8_0>(xp, w, n0, n1, y, N);
+  else if constexpr (Q == kQ4_0) amx::rows<amx::Q4_0>(xp, w, n0, n1, y, N);
+  else amx::rows<amx::Q4_1>(xp, w, n0, n1, y, N);
 }
 #endif
 
@@ -388,13 +389,6 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   rows = (rows + kNR - 1) / kNR * kNR;
   const int64_t chunks = (N + rows - 1) / rows;
 #if PARROT_AMX
-  if (g_amx.load(std::memory_order_relaxed) && Q == kQ8_0) {
-    thread_local amx::XPack8 packed;  // as below
-    const amx::XPack8* xp = &packed;
-    amx::pack_x8(x, T, K, packed);
-    parallel_chunks(pool, chunks, [&](int64_t c) { amx::rows_q8(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
-    return;
-  }
   if (g_amx.load(std::memory_order_relaxed)) {
     thread_local amx::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const amx::XPack* xp = &packed;
@@ -655,7 +649,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 }  // namespace
 
 // Turns the AMX path of parrot_qmatmul on (asking the kernel for the tile state) or off. Returns whether
-// it is on: 0 where this build or this CPU has no AMX-BF16, or the kernel refused.
+// it is on: 0 where this build or this CPU has no AMX-INT8, or the kernel refused.
 extern "C" int parrot_amx_enable(int on) {
 #if PARROT_AMX
   g_amx.store(on != 0 && amx::request_permission());
