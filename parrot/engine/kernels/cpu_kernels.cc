@@ -586,6 +586,119 @@ void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const K
   }
 }
 
+#ifdef __AVX512F__
+// The same attention with 16-wide vectors, for CPUs with AVX-512 and head sizes that are multiples of 16.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 exp512(__m512 x) {  // exp256's polynomial, 16 lanes
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504019f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// Sixteen dot products of one query row with sixteen key rows (stride D) as one vector: sixteen
+// independent accumulators, reduced by a transposing tree of adds.
+inline __m512 dot16(const float* q, const float* k, int64_t D) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 x = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k + j * D + i), a[j]);
+  }
+  __m512 b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)  // lanes: pairs of keys (2j, 2j + 1) interleaved
+    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[j]: per 128-bit lane L, keys 4j..4j+3 summed over that lane's dimensions
+  for (int j = 0; j < 2; ++j)
+    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88), _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+  // d[j]'s 128-bit lanes: keys 8j..8j+3 (over lanes 0, 1 of c), the same (lanes 2, 3), keys 8j+4..8j+7 likewise
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+template <typename KV>
+void attend_pages512(const float* q, int group, int64_t D, const KV* kbase, const KV* vbase, const int32_t* pages,
+                     int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
+  alignas(64) float s[HeadState::kMaxGroup][64];
+  alignas(64) float qs[HeadState::kMaxGroup * 256];
+  alignas(64) float kbuf[64 * 256], vbuf[64 * 256];
+  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
+  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
+  for (int64_t start = 0; start < n; start += page_size) {
+    const int64_t page = pages[start / page_size];
+    const int64_t cnt = std::min(page_size, n - start);
+    for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
+      if (start + ahead * page_size >= n) break;
+      const int64_t next = pages[start / page_size + ahead];
+      prefetch_rows(kbase + next * page_size * D, page_bytes);
+      prefetch_rows(vbase + next * page_size * D, page_bytes);
+    }
+    const KV* kp = kbase + page * page_size * D;
+    const KV* vp = vbase + page * page_size * D;
+    const int64_t padded = (cnt + 15) / 16 * 16;  // rows past cnt: zeros (their scores are masked)
+    for (int64_t i = 0; i < cnt * D; i += 16) {
+      _mm512_store_ps(kbuf + i, load16(kp + i));
+      _mm512_store_ps(vbuf + i, load16(vp + i));
+    }
+    for (int64_t i = cnt * D; i < padded * D; i += 16) _mm512_store_ps(kbuf + i, _mm512_setzero_ps());
+    for (int h = 0; h < group; ++h) {
+      const float* qh = qs + h * D;
+      float mx = st.m[h];
+      for (int64_t t = 0; t < padded; t += 16) {
+        const __mmask16 valid = static_cast<__mmask16>(cnt - t >= 16 ? 0xFFFF : (1u << (cnt - t)) - 1);
+        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dot16(qh, kbuf + t * D, D));
+        _mm512_store_ps(s[h] + t, sc);
+        mx = std::max(mx, _mm512_reduce_max_ps(sc));
+      }
+      const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+      st.m[h] = mx;
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[h] + t), _mm512_set1_ps(mx)));
+        _mm512_store_ps(s[h] + t, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(sum);
+      float* a = acc + h * D;
+      const __m512 c = _mm512_set1_ps(corr);
+      for (int64_t i = 0; i < D; i += 64) {  // 64 dimensions at a time in four registers
+        const int64_t w = std::min<int64_t>(64, D - i);
+        __m512 o[4];
+        for (int r = 0; r < 4; ++r) o[r] = r * 16 < w ? _mm512_mul_ps(_mm512_loadu_ps(a + i + 16 * r), c) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < cnt; ++t) {
+          const __m512 pw = _mm512_set1_ps(s[h][t]);
+          const float* row = vbuf + t * D + i;
+          for (int r = 0; r < 4; ++r)
+            if (r * 16 < w) o[r] = _mm512_fmadd_ps(pw, _mm512_loadu_ps(row + 16 * r), o[r]);
+        }
+        for (int r = 0; r < 4; ++r)
+          if (r * 16 < w) _mm512_storeu_ps(a + i + 16 * r, o[r]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename KV>
 void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV* vc, const int32_t* bt,
                   const int32_t* off, const int32_t* lens, const int32_t* pp, int64_t plen, const int32_t* inp,
@@ -604,9 +717,17 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
     const float* qh = qp + (b * H + g * group) * D;
     const KV* kb = kc + g * head_stride;
     const KV* vb = vc + g * head_stride;
-    if (plen > 0 && inp[b]) attend_pages(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
     const int64_t own = std::min<int64_t>(len - off[b], maxp * S);
-    if (own > 0) attend_pages(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+      if (plen > 0 && inp[b]) attend_pages512(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
+      if (own > 0) attend_pages512(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
+    } else
+#endif
+    {
+      if (plen > 0 && inp[b]) attend_pages(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
+      if (own > 0) attend_pages(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
+    }
     for (int h = 0; h < group; ++h) {
       const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
       for (int64_t i = 0; i < D; ++i) acc[h * D + i] *= inv;
