@@ -315,7 +315,8 @@ class LLMEngine:
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
-                "native_kernels": kernels.available(), "tensor_parallel_size": r.tp,
+                "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
+                "tensor_parallel_size": r.tp,
                 "tensor_parallel_mode": ("exact" if r.tp_exact else "megatron") if r.tp > 1 else None}
 
     @property

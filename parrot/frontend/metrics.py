@@ -175,9 +175,9 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                 "ran (overlap).", labels=["engine"])
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
-                                         "max_num_batched_tokens", "overlap", "tensor_parallel_size"])
+                                         "max_num_batched_tokens", "overlap", "tensor_parallel_size", "cpu_matmul"])
     keys = ("platform", "weights", "kv_dtype", "kv_pages", "max_batch_size", "max_num_batched_tokens", "overlap",
-            "tensor_parallel_size")
+            "tensor_parallel_size", "cpu_matmul")
     for name, info in _runtimes(core):
         step.add_metric([name], info.recent_step_ms)
         host.add_metric([name], info.recent_host_ms)

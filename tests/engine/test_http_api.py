@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from parrot.cli import build_parser, engine_config_from_args, main
+from parrot.engine import kernels
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.http_api import EngineServer, serve_core_link
 from parrot.engine.kv_cache import OutOfPages
@@ -136,6 +137,7 @@ def test_health_and_ping(client: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok"
     settings = r.json()["settings"]  # what the engine chose for its device
     assert settings["platform"] == jax.default_backend() and settings["kv_pages"] > 0 and settings["overlap"] is True
+    assert settings["cpu_matmul"] == kernels.matmul_path()  # "amx-int8", "avx2" or None (XLA)
     info = ping(client)
     assert info.model == "tiny-random" and info.max_context_len == MAX_LEN and info.page_size == 16
     assert info.settings == settings
