@@ -153,10 +153,15 @@ class Constraint:
         return self.grammar, tuple(self.consumed)
 
     def accepts(self, token: int) -> bool:
-        """Whether the mask would allow `token`, known without computing it: the grammar takes the token here
-        and forces nothing. (Where bytes are forced, llguidance's mask allows only their canonical tokens,
-        which validating a token does not check: there the answer is False and the mask decides.)"""
-        return not self.matcher.compute_ff_bytes() and self.matcher.validate_tokens([token]) == 1
+        """Whether the mask would allow `token`, known without computing it: the grammar takes the token here,
+        and where it forces bytes the token holds them all. (llguidance's mask leaves out tokens that stop
+        inside forced bytes unless they are the canonical ones, which validating a token does not see: for
+        such a token the answer is False and the mask decides. Checked against the masks over whole
+        vocabularies: JSON-schema, regex and choice states, none accepted that a mask refused.)"""
+        forced = self.matcher.compute_ff_bytes()
+        if forced and not self.grammars.ll_tokenizer.decode_bytes([token]).startswith(bytes(forced)):
+            return False
+        return self.matcher.validate_tokens([token]) == 1
 
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (none when it allows a choice)."""
