@@ -87,7 +87,7 @@ def native_path(request: pytest.FixtureRequest):  # noqa: ANN201
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 16, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 33, 70])  # AMX: VNNI up to 16 rows, tiles above
 def test_native_paths_equal_float_product(native_path: str, qtype: str, rows: int) -> None:
     """Both native paths compute the float32 product with the exactly dequantized matrix (widths that are
     not multiples of 16, several chunks of blocks: K = 576 is 18 blocks)."""
@@ -107,7 +107,7 @@ def test_a_row_is_the_same_alone_and_in_any_batch(native_path: str, qtype: str) 
     f = jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))
     d = jnp.asarray(q.data)
     alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
-    sizes = [2, 5, 16] + ([17, 70] if native_path == "amx" else [])
+    sizes = [2, 3, 9, 16] + ([17, 33, 70] if native_path == "amx" else [])
     for size in sizes:
         for start in range(0, len(x) - size + 1, size):
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])

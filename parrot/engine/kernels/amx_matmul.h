@@ -1,5 +1,6 @@
-// The block-quantized product on Intel AMX's integer tiles (several rows) and AVX-512 VNNI (one row), for
-// CPUs with AMX-INT8. Included by cpu_kernels.cc; see parrot_qmatmul there for the operands.
+// The block-quantized product on AVX-512 VNNI (up to kVnniRows activation rows) and Intel AMX's integer
+// tiles (more rows), for CPUs with AMX-INT8. Included by cpu_kernels.cc; see parrot_qmatmul there for the
+// operands.
 //
 // Numbers. The weights are the blocks' integers as the file stores them (Q4: 0..15, Q8_0: -128..127).
 // Each block of 32 activations is written as x = s * (65536 l0 + 256 l1 + l2), s = max|x| / 2^22, with
@@ -7,15 +8,16 @@
 // error). The integer sums S_l = sum_k w_k l_k are exact in int32, whatever computes them and in whatever
 // order; float32 then computes, block after block, acc += (65536 S0 + 256 S1 + S2) * (d * s), and
 // acc += m * sum(x) for the blocks with a minimum (Q4_1's m, Q4_0's -8 d). These float32 steps are the
-// same for every row count, so a row's result is bit for bit the same alone (VNNI) and in any batch
-// (tiles), decode or prefill. Compared with the float32 product with the dequantized matrix, the error is
-// of the order of float32 rounding (tests: rtol 1e-5; the model's logits within 1e-4 of transformers').
+// same on both paths, so a row's result is bit for bit the same alone and in any batch, decode or
+// prefill. Compared with the float32 product with the dequantized matrix, the error is of the order of
+// float32 rounding (tests: rtol 1e-5; the model's logits within 1e-4 of transformers').
 //
-// Tiles (T >= 2 rows). A: 16 weight rows x one block (32 bytes; Q8_0 read in place at the row stride, Q4's
-// nibbles unpacked to bytes); B: a token tile's limb l for the block, [8 groups of 4 weights, tn tokens x
-// 4 bytes]; C: three int32 tiles [16 weight rows, tn tokens], one per limb.
-// One row. vpdpbusd multiplies unsigned by signed bytes: Q4's nibbles are unsigned already; Q8_0's weights
-// go in as w + 128, and 128 times the limbs' sum is taken off again.
+// VNNI. Each 32-bit lane is one of 16 weight rows; vpdpbusd multiplies four of its weights (unsigned
+// bytes: Q4's nibbles as they are, Q8_0's plus 128, taken off again as 128 times the limbs' sum) by four
+// limb bytes broadcast to every lane. The weights are read once per block for all the rows.
+// Tiles. A: 16 weight rows x one block (32 bytes; Q8_0 read in place at the row stride, Q4's nibbles
+// unpacked to bytes); B: a token tile's limb l for the block, [8 groups of 4 weights, tn tokens x 4 bytes];
+// C: three int32 tiles [16 weight rows, tn tokens], one per limb.
 #pragma once
 
 #include <immintrin.h>
@@ -25,12 +27,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace amx {
 
 constexpr int64_t kChunk = 16;     // blocks prepared before the tile unit runs over them
 constexpr int64_t kTileGroup = 8;  // token tiles (16 tokens each) whose sums are held at once
+constexpr int kVnniRows = 16;  // up to this many activation rows: VNNI (as fast per row as the tiles, up to 16)
 
 // Linux hands a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 inline bool request_permission() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
@@ -48,7 +52,9 @@ struct XPack {
   std::vector<uint32_t> b;         // [tiles][blocks][3 limbs][8 groups][tn]: four limb bytes each
   std::vector<float> scales;       // [tiles][blocks][16]: s per token
   std::vector<float> sums;         // [tiles][blocks][16]: sum(x) per token
-  std::vector<int32_t> limb_sums;  // one row only: [blocks][3]
+  // up to kVnniRows rows, for VNNI: each row's limbs contiguous, and their sums
+  std::vector<uint32_t> rows;      // [T][blocks][3 limbs][8 groups]
+  std::vector<int32_t> limb_sums;  // [T][blocks][3]
 };
 
 inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
@@ -58,7 +64,9 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
   p.b.assign(p.tiles * p.blocks * 3 * 8 * p.tn, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
   p.sums.assign(p.tiles * p.blocks * 16, 0.f);
-  p.limb_sums.assign(T == 1 ? p.blocks * 3 : 0, 0);
+  const bool vnni = T <= kVnniRows;
+  p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
+  p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
   const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
   alignas(64) uint32_t limb[3][8];
   for (int64_t t = 0; t < T; ++t) {
@@ -85,10 +93,11 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
       uint32_t* dst = p.b.data() + (tile * p.blocks + b) * 3 * 8 * p.tn + col;
       for (int l = 0; l < 3; ++l) {
         for (int r = 0; r < 8; ++r) dst[(l * 8 + r) * p.tn] = limb[l][r];
-        if (T == 1) {
+        if (vnni) {
+          std::memcpy(p.rows.data() + (t * p.blocks + b) * 24 + l * 8, limb[l], 32);
           int32_t sum = 0;
           for (int k = 0; k < 32; ++k) sum += reinterpret_cast<const int8_t*>(limb[l])[k];
-          p.limb_sums[b * 3 + l] = sum;
+          p.limb_sums[(t * p.blocks + b) * 3 + l] = sum;
         }
       }
     }
@@ -138,60 +147,85 @@ inline __m512i q4_pair(const uint8_t* qa, const uint8_t* qb) {
   return _mm512_shuffle_i64x2(z, z, 0xD8);
 }
 
-// ---- one activation row: AVX-512 VNNI --------------------------------------------------------------
-// p[i]: rows 2i (low half) and 2i + 1 (high half), 8 partial sums each -> the 16 rows' sums, in order
-inline __m512i row_sums(const __m512i p[8]) {
-  __m512i q[4], r[2];
-  for (int i = 0; i < 4; ++i)
-    q[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_epi32(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    r[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(q[2 * i], q[2 * i + 1]), _mm512_unpackhi_epi64(q[2 * i], q[2 * i + 1]));
-  // r[i]'s 128-bit lanes: rows 8i + (0, 2, 4, 6) first and second halves, rows 8i + (1, 3, 5, 7) likewise
-  const __m512i f = _mm512_add_epi32(_mm512_shuffle_i32x4(r[0], r[1], 0x88), _mm512_shuffle_i32x4(r[0], r[1], 0xDD));
-  const __m512i order = _mm512_set_epi32(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
-  return _mm512_permutexvar_epi32(order, f);
+// ---- a few activation rows: AVX-512 VNNI ------------------------------------------------------------
+// Each 32-bit lane is one of 16 weight rows and takes four of its weights per vpdpbusd, against four limb
+// bytes broadcast to every lane: the rows' 4-byte groups are transposed once per block (lane p holds row
+// 4 (p % 4) + p / 4, its own inverse), and no lane ever needs adding to another.
+inline __m512i lane_rows() { return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); }
+
+// 16 rows x 16 bytes -> g[c]: the rows' 4-byte group c, lane p from row 4 (p % 4) + p / 4
+inline void transpose16x4(const uint8_t* const rows[16], __m512i g[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j])));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 1])), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 2])), 2);
+    z[j] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 3])), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  g[0] = _mm512_unpacklo_epi64(t0, t2), g[1] = _mm512_unpackhi_epi64(t0, t2);
+  g[2] = _mm512_unpacklo_epi64(t1, t3), g[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
-template <class F>
-void rows_one(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y) {
+template <class F, int TT>
+void rows_vnni(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), offsets = row_offsets(ldw);
+  const __m512i perm = lane_rows(), offsets = _mm512_mullo_epi32(perm, _mm512_set1_epi32(static_cast<int>(ldw)));
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t n = n0; n < n1; n += 16) {
     const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
-    __m512 acc = _mm512_setzero_ps();
+    const __mmask16 lanes = _mm512_cmplt_epi32_mask(perm, _mm512_set1_epi32(rows_here));
+    __m512 acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = w + n * ldw + b * F::kBytes;
       if (n + 16 < n1) prefetch_slice(w + (n + 16) * ldw, 16 * ldw, b, blocks);
-      __m512i wz[8];
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t* ra = 2 * i < rows_here ? blk + 2 * i * ldw + F::kQs : kZeros;
-        const uint8_t* rb = 2 * i + 1 < rows_here ? blk + (2 * i + 1) * ldw + F::kQs : kZeros;
-        if constexpr (F::kSigned) {
-          const __m512i v = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb)), 1);
-          wz[i] = _mm512_xor_si512(v, flip);
-        } else {
-          wz[i] = q4_pair(ra, rb);
+      const uint8_t* rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = i < rows_here ? blk + i * ldw + F::kQs : kZeros;
+      __m512i wg[8];  // weights 4c..4c+3 of every row, as unsigned bytes
+      __m512i g[4];
+      transpose16x4(rows, g);
+      if constexpr (F::kSigned) {
+        for (int c = 0; c < 4; ++c) wg[c] = _mm512_xor_si512(g[c], flip);
+        for (int i = 0; i < 16; ++i) rows[i] += 16;
+        transpose16x4(rows, g);
+        for (int c = 0; c < 4; ++c) wg[4 + c] = _mm512_xor_si512(g[c], flip);
+      } else {  // bytes 4c..4c+3: low nibbles are weights 4c.., high ones 16 + 4c..
+        for (int c = 0; c < 4; ++c) {
+          wg[c] = _mm512_and_si512(g[c], nib);
+          wg[4 + c] = _mm512_and_si512(_mm512_srli_epi16(g[c], 4), nib);
         }
       }
-      const uint32_t* xb = xp.b.data() + b * 3 * 8;
-      __m512i S[3];
-      for (int l = 0; l < 3; ++l) {
-        const __m512i limbs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * l)));
-        __m512i p[8];
-        for (int i = 0; i < 8; ++i) p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[i], limbs);
-        S[l] = row_sums(p);
-        if constexpr (F::kSigned) S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[b * 3 + l]));
-      }
       __m512 d, m;
-      scales<F>(blk, offsets, rowmask, d, m);
-      acc = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[b * 16])), acc);
-      if constexpr (F::kMin != 0) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[b * 16]), acc);
+      scales<F>(blk, offsets, lanes, d, m);
+      for (int t = 0; t < TT; ++t) {
+        const uint32_t* xb = xp.rows.data() + (t * blocks + b) * 24;
+        __m512i S[3];
+        for (int l = 0; l < 3; ++l) {
+          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains
+          for (int c = 0; c < 8; c += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+            s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
+          }
+          S[l] = _mm512_add_epi32(s0, s1);
+          if constexpr (F::kSigned)
+            S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[(t * blocks + b) * 3 + l]));
+        }
+        const int64_t at = b * 16 + t;  // one token tile
+        acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+        if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
+      }
     }
-    _mm512_mask_storeu_ps(y + n, rowmask, acc);
+    const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+    for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + t * N + n, rowmask, _mm512_permutexvar_ps(perm, acc[t]));
   }
+}
+
+template <class F, int... I>
+void vnni_dispatch(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N,
+                   std::integer_sequence<int, I...>) {
+  ((xp.T == I + 1 ? rows_vnni<F, I + 1>(xp, w, n0, n1, y, N) : void()), ...);
 }
 
 // ---- several activation rows: the tiles -------------------------------------------------------------
@@ -232,7 +266,7 @@ inline void tile_products(const uint32_t* xt, int64_t tn) {
 // (3) vector code adds them up in block order.
 template <class F>
 void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if (xp.T == 1) return rows_one<F>(xp, w, n0, n1, y);
+  if (xp.T <= kVnniRows) return vnni_dispatch<F>(xp, w, n0, n1, y, N, std::make_integer_sequence<int, kVnniRows>{});
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, tn = xp.tn, T = xp.T;
   configure(static_cast<int>(tn));
   alignas(64) uint8_t A[kChunk][16 * 32];
