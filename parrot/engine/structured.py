@@ -154,13 +154,13 @@ class Constraint:
 
     def accepts(self, token: int) -> bool:
         """Whether the mask would allow `token`, known without computing it: the grammar takes the token here,
-        and where it forces bytes the token holds them all. (llguidance's mask leaves out tokens that stop
-        inside forced bytes unless they are the canonical ones, which validating a token does not see: for
-        such a token the answer is False and the mask decides. Checked against the masks over whole
-        vocabularies: JSON-schema, regex and choice states, none accepted that a mask refused.)"""
+        and where it forces bytes the token holds them all or is the first of their canonical tokens.
+        (llguidance's mask leaves out other tokens that stop inside forced bytes, which validating a token
+        does not see: for those the answer is False and the mask decides. Checked against the masks over
+        whole vocabularies in JSON-schema, regex and choice states: none accepted that a mask refused.)"""
         forced = self.matcher.compute_ff_bytes()
         if forced and not self.grammars.ll_tokenizer.decode_bytes([token]).startswith(bytes(forced)):
-            return False
+            return token in self.matcher.compute_ff_tokens()[:1]
         return self.matcher.validate_tokens([token]) == 1
 
     def forced(self) -> list[int]:
