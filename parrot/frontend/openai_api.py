@@ -54,6 +54,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from parrot.errors import ParrotError
+from parrot.frontend import openai_functions as legacy_functions
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, from_exception, unsupported
@@ -453,10 +454,14 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         start = time.perf_counter()
         body.check()
         tok = core.tokenizers.get(core.model)
+        legacy = body.functions is not None or body.function_call is not None  # openai_functions.py
         try:
-            tools = parse_tools(body.tools)
-            choice = parse_tool_choice(body.tool_choice, tools)
-            messages = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in body.messages]
+            raw_tools, raw_choice = legacy_functions.tools_of(body.functions, body.function_call, body.tools,
+                                                              body.tool_choice)
+            tools = parse_tools(raw_tools)
+            choice = parse_tool_choice(raw_choice, tools)
+            raw_messages = legacy_functions.messages_of(body.messages)
+            messages = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in raw_messages]
             if any(m is None for m in messages):
                 raise ToolError("every message must be an object with a role", "messages")
             render, native = renderer(tok, tools, choice)
@@ -484,7 +489,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
         await constraints.validate(params[0])
         choices = submit([(pieces, shared)], body, params, "chat", start)
-        answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False) for c in choices}
+        answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)
+                   for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": core.model,
                 "system_fingerprint": None}
@@ -497,6 +503,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             out = []
             for c in choices:
                 message, finish = answers[c.index].message(c.result.text, c.result.finish_reason)
+                if legacy:
+                    message, finish = legacy_functions.message(message, finish)
                 out.append({"index": c.index, "message": message, "logprobs": logprobs_of(c.result.logprobs or []),
                             "finish_reason": finish})
             return {**base, "choices": out, "usage": _usage(choices, body.n)}
@@ -504,8 +512,10 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         chunk = {**base, "object": "chat.completion.chunk"}
         events = _Events(choices, core)
 
-        def event(c: _Choice, delta: dict, finish: str | None, logprobs: list[Any] | None = None) -> str:
+        def event(c: _Choice, delta: dict | None, finish: str | None, logprobs: list[Any] | None = None) -> str:
             lp = logprobs_of(logprobs) if logprobs else None
+            if legacy:
+                delta, finish = legacy_functions.delta(delta) or {}, legacy_functions.finish_reason(finish)
             return _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                "finish_reason": finish}]})
 

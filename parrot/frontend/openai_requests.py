@@ -338,9 +338,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.logprobs:
             require("logprobs", "logprobs")
-        if self.functions or self.function_call is not None:
-            raise unsupported("functions" if self.functions else "function_call",
-                              "functions / function_call (deprecated; use tools / tool_choice)")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", f"modalities {self.modalities} (text only)")
         for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity", "moderation",

@@ -11,6 +11,11 @@
   constrained by the function's parameter schema). Constrained arguments are always valid JSON.
 - Earlier turns: assistant messages with `tool_calls` and `tool` messages are rendered by a template that
   knows tools; otherwise as `<tool_call>` text and as user turns holding `<tool_response>` blocks.
+- "auto" answers are read in the formats models are trained to write (`parse_tool_calls`): Hermes / Qwen
+  `<tool_call>` blocks anywhere in the text, or an answer that is only calls: Mistral's `[TOOL_CALLS]`
+  followed by a JSON list, Llama 3.1's `<|python_tag|>` followed by call objects (`;`-separated), a JSON
+  call object or list of them, or one of those in a ```json fence. A call object is `{"name", "arguments"}`
+  (or "parameters", Llama's key), its arguments an object or JSON text.
 
 The OpenAI shapes: a call is `{"id", "type": "function", "function": {"name", "arguments"}}` with the
 arguments a JSON string; streamed calls arrive as `delta.tool_calls` entries with an `index`.
@@ -218,10 +223,45 @@ def _as_call(text: str, names: set[str]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+WHOLE_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")  # an answer opening with one of these is calls only
+_FENCE_RE = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```\s*)?\Z", re.DOTALL)
+
+
+def _whole_answer_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls of an answer that is nothing but calls (Mistral's `[TOOL_CALLS] [...]`, Llama's
+    `<|python_tag|>{...}; {...}`, a call object or a list of them, or either in a ```json fence), or None
+    when it is not one, or names an unknown tool."""
+    body = text.strip()
+    for marker in WHOLE_MARKERS:
+        if body.startswith(marker):
+            body = body[len(marker):].strip()
+            break
+    fence = _FENCE_RE.match(body) if body.startswith("```") else None
+    if fence is not None:
+        body = fence.group(1)
+    if not body.startswith(("{", "[")):
+        return None
+    try:
+        value = json.loads(body)
+    except ValueError:  # Llama 3.1 writes several objects separated by ";"
+        parts = [p.strip() for p in body.split(";") if p.strip()]
+        calls = [_as_call(p, names) for p in parts]
+        return None if len(parts) < 2 or any(c is None for c in calls) else calls  # type: ignore[return-value]
+    items = value if isinstance(value, list) else [value]
+    calls = [_as_call(json.dumps(item), names) for item in items]
+    return None if not calls or any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+def could_be_whole_calls(text: str) -> bool:
+    """Whether an answer beginning with `text` may turn out to be nothing but calls (a stream holds it)."""
+    head = text.lstrip()
+    return bool(head) and (head[0] in "{[`" or any(m.startswith(head[:len(m)]) for m in WHOLE_MARKERS))
+
+
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """Split a model answer into (content, calls): `<tool_call>` blocks holding a call of a known tool
-    (a last block may be unterminated), or the whole answer being one such call object. Blocks that do
-    not parse stay in the content. Content is None when nothing but calls was said."""
+    (a last block may be unterminated), or an answer that is only calls (`_whole_answer_calls`). Blocks
+    that do not parse stay in the content. Content is None when nothing but calls was said."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
@@ -234,10 +274,8 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
         pos = m.end()
     kept.append(text[pos:])
     if not calls:
-        whole = _as_call(text.strip(), names) if text.strip().startswith("{") else None
-        if whole is not None:
-            return None, [whole]
-        return text, []
+        whole = _whole_answer_calls(text, names)
+        return (None, whole) if whole else (text, [])
     content = "".join(kept).strip()
     return content or None, calls
 
@@ -260,8 +298,18 @@ class AutoToolStream:
         self.names = names
         self.buf = ""
         self.calls: list[ToolCall] = []
+        self.started = False  # some content went out: the answer is not calls only
+        self.whole = ""  # an answer that may be calls only (`could_be_whole_calls`), held to its end
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
+        if not self.started:
+            self.whole += delta
+            if not self.whole.strip() or could_be_whole_calls(self.whole):
+                return []
+            delta, self.whole, self.started = self.whole, "", True  # plain text: stream it from the start
+        return self._feed(delta)
+
+    def _feed(self, delta: str) -> list[tuple[str, Any]]:
         self.buf += delta
         events: list[tuple[str, Any]] = []
         while self.buf:
@@ -292,7 +340,13 @@ class AutoToolStream:
         return [("call", call)]
 
     def finish(self) -> list[tuple[str, Any]]:
-        """The end of the answer: a held unterminated block is a call if it parses, else content."""
+        """The end of the answer: a held unterminated block is a call if it parses, else content; a held
+        answer is read whole, as `parse_tool_calls` reads it."""
+        if not self.started and self.whole:
+            whole, self.whole = self.whole, ""
+            content, calls = parse_tool_calls(whole, self.names)
+            self.calls.extend(calls)
+            return [("content", content)] * (content is not None) + [("call", c) for c in calls]
         rest, self.buf = self.buf, ""
         if not rest:
             return []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 
 import httpx
 import openai
@@ -185,7 +186,6 @@ def test_accepted_without_effect_on_the_output(client: openai.OpenAI) -> None:
     ("web_search_options", {}), ("verbosity", "low"), ("moderation", {"type": "auto"}),
     ("prompt_cache_options", {"x": 1}), ("prompt_cache_retention", "24h"), ("service_tier", "flex"),
     ("store", True), ("metadata", {"k": "v"}),
-    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
 ])
 def test_chat_refused(client: openai.OpenAI, param: str, value: object) -> None:
     refused(chat, param, client=client, **{param: value})
@@ -388,6 +388,69 @@ def test_auto_parses_the_models_tool_calls(client: openai.OpenAI) -> None:
     calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert content.strip() == "Checking." and [(c.index, c.function.name) for c in calls] == [(0, "get_time")]
     assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+def literal(text: str) -> str:
+    """A regular expression (llguidance's Rust syntax) matching exactly `text`."""
+    return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", text).replace("\n", "\\n")
+
+
+@pytest.mark.parametrize("said", [
+    '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+    '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}]',
+    '```json\n[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]\n```',
+])
+def test_auto_reads_other_tool_call_formats(client: openai.OpenAI, said: str) -> None:
+    """Mistral's `[TOOL_CALLS]`, Llama 3.1's `<|python_tag|>` (";"-separated, "parameters"), a JSON list of
+    calls, a fenced one: the same two calls, whole and streamed (the stream holds such an answer to its end)."""
+    kw = {"tools": [WEATHER, TIME], "max_tokens": 160, "extra_body": {"regex": literal(said)}}
+    r = chat(client, **kw)
+    msg = r.choices[0].message
+    want = [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == want
+    stream = list(chat(client, stream=True, **kw))
+    calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (i, n, a) for i, (n, a) in enumerate(want)]
+    assert not "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
+
+
+# ---- honoured: legacy functions ------------------------------------------------------------------------
+def test_legacy_functions_and_function_call(client: openai.OpenAI) -> None:
+    """`functions` / `function_call` (deprecated, still in OpenAI's API): the tools machinery underneath, the
+    answer as `message.function_call` with finish_reason "function_call"; history with `function_call` and
+    `role: "function"` turns."""
+    functions = [WEATHER["function"], TIME["function"]]
+    r = chat(client, functions=functions, function_call={"name": "get_weather"}, max_tokens=40, temperature=1.0,
+             seed=1)
+    choice = r.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    assert set(json.loads(choice.message.function_call.arguments)) == {"city"}
+    stream = list(chat(client, functions=functions, function_call={"name": "get_weather"}, max_tokens=40,
+                       temperature=1.0, seed=1, stream=True))
+    deltas = [c.choices[0].delta.function_call for c in stream if c.choices and c.choices[0].delta.function_call]
+    assert deltas[0].name == "get_weather"
+    assert "".join(d.arguments or "" for d in deltas) == choice.message.function_call.arguments
+    assert stream[-1].choices[0].finish_reason == "function_call"
+    r = chat(client, functions=functions, function_call="none", logit_bias={str(A): 100}, max_tokens=3)
+    assert r.choices[0].message.content == "AAA" and r.choices[0].message.function_call is None
+    said = '{"name": "get_time", "arguments": {}}'  # "auto" (the default): the model's call is read
+    r = chat(client, functions=functions, max_tokens=60, extra_body={"regex": literal(said)})
+    assert r.choices[0].finish_reason == "function_call" and r.choices[0].message.function_call.name == "get_time"
+    history = [*MSGS, {"role": "assistant", "content": None,
+                       "function_call": {"name": "get_time", "arguments": "{}"}},
+               {"role": "function", "name": "get_time", "content": "12:00"}]
+    assert chat(client, messages=history, functions=functions).choices[0].message.role == "assistant"
+    refused(chat, "function_call", client=client, functions=functions, function_call={"name": "nope"})
+    refused(chat, "functions", client=client, functions=functions, tools=[WEATHER])
+    refused(chat, "function_call", client=client, function_call="auto")
+    refused(chat, "functions.0.name", client=client, functions=[{"name": "has space"}])
+    refused(chat, "messages.1.role", client=client, functions=functions,
+            messages=[*MSGS, {"role": "function", "name": "get_time", "content": "12:00"}])
 
 
 def test_tool_history_is_accepted(client: openai.OpenAI) -> None:

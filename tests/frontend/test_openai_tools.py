@@ -102,6 +102,40 @@ def test_parse_tool_calls() -> None:
     assert parse_tool_calls("Just prose.", names) == ("Just prose.", [])
 
 
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+    '[{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}, {"name": "get_time", "arguments": {}}]',
+    '```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]\n```',
+    '```\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time"}]',  # unclosed fence
+])
+def test_other_tool_call_formats(text: str) -> None:
+    """Mistral, Llama 3.1, a JSON list, a fence: the same calls, whole and streamed a few characters at a time."""
+    names = {"get_weather", "get_time"}
+    content, calls = parse_tool_calls(text, names)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    stream = AutoToolStream(names)
+    events = [e for i in range(0, len(text), 3) for e in stream.feed(text[i:i + 3])] + stream.finish()
+    assert [(k, v.name) for k, v in events] == [("call", "get_weather"), ("call", "get_time")]
+
+
+@pytest.mark.parametrize("text", ['[1] A footnote.', '{"name": "rm", "arguments": {}}', '[TOOL_CALLS] oops',
+                                  '<|python_tag|>{"name": "get_time"}; not json', "```python\nprint(1)\n```"])
+def test_answers_that_only_look_like_calls_stay_content(text: str) -> None:
+    names = {"get_time"}
+    assert parse_tool_calls(text, names) == (text, [])
+    stream = AutoToolStream(names)
+    events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
+    assert events == [("content", text)]  # held to the end, then sent as it was
+
+
+def test_plain_text_streams_at_once() -> None:
+    stream = AutoToolStream({"get_time"})
+    assert stream.feed("  ") == [] and stream.feed("Hel") == [("content", "  Hel")] and stream.feed("lo") == [
+        ("content", "lo")]
+
+
 def test_auto_stream_holds_tool_calls_back() -> None:
     stream = AutoToolStream({"get_time"})
     text = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call> Done <tool'
