@@ -8,7 +8,10 @@ llama.cpp's `llama-server` (parrot/bench/peers/install_llama_server.sh). With th
 Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are measured in the same run
 (the float32 decode floor: the model's float32 weights over the measured read bandwidth).
 
-    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--out benchmarks/results/serve_stream.json]
+    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too] [--out benchmarks/results/serve_stream.json]
+
+`--avx2-too` adds a second `parrot serve` with `PARROT_AMX=0`: on a CPU with AMX, the AVX2 products side
+by side with the default AMX-INT8 / VNNI ones.
 
 Every server is started and stopped here (SIGINT to its own PID).
 """
@@ -69,13 +72,15 @@ def _wait(url: str, proc: subprocess.Popen, ready: Callable[[dict], bool], timeo
 
 class Server:
     def __init__(self, name: str, cmd: list[str], port: int, health: str, ready: Callable[[dict], bool],
-                 log: Path) -> None:
+                 log: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.cmd, self.port, self.health, self.ready, self.log = name, cmd, port, health, ready, log
+        self.env = env
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+            env = os.environ | self.env if self.env else None
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         _wait(f"http://127.0.0.1:{self.port}{self.health}", self.proc, self.ready, timeout=1800)
         return self
 
@@ -142,6 +147,8 @@ def main() -> None:
     ap.add_argument("--parrot-args", default="--max-model-len 2048",
                     help="extra `parrot serve` arguments (quoted), e.g. '--weights f32'")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server even if installed")
+    ap.add_argument("--avx2-too", action="store_true",
+                    help="also a `parrot serve` with PARROT_AMX=0 (on a CPU with AMX: its AVX2 products, side by side)")
     ap.add_argument("--out", default="benchmarks/results/serve_stream.json")
     args = ap.parse_args()
     gguf = str(default_model_path())
@@ -150,9 +157,12 @@ def main() -> None:
     fl = floors.measure()
     result: dict = {"machine": procinfo.cpu_name(), "model": gguf, "tokens": args.tokens, "floors": fl,
                     "decode_floor_fp32_ms": SMOLLM2_PARAMS * 4 / (fl["memory_read_gbs"] * 1e9) * 1e3, "systems": {}}
-    servers = [Server("parrot", [sys.executable, "-m", "parrot.cli", "serve", "--port", str(ports[0]),
-                                 *args.parrot_args.split()], ports[0], "/health",
-                      lambda h: h.get("status") == "ok", logs / "parrot.log")]
+    parrot_cmd = [sys.executable, "-m", "parrot.cli", "serve", "--port", str(ports[0]), *args.parrot_args.split()]
+    healthy: Callable[[dict], bool] = lambda h: h.get("status") == "ok"  # noqa: E731
+    servers = [Server("parrot", parrot_cmd, ports[0], "/health", healthy, logs / "parrot.log")]
+    if args.avx2_too:
+        servers.append(Server("parrot-avx2", parrot_cmd, ports[0], "/health", healthy, logs / "parrot-avx2.log",
+                              env={"PARROT_AMX": "0"}))
     if LLAMA_SERVER.is_file() and not args.no_peer:
         servers.append(Server("llama-server", [str(LLAMA_SERVER), "-m", gguf, "--port", str(ports[1]), "-t", "2",
                                                "-np", str(max(args.concurrency)), "-c", "32768", "--cont-batching"],
