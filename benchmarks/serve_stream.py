@@ -8,7 +8,8 @@ llama.cpp's `llama-server` (parrot/bench/peers/install_llama_server.sh). With th
 Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are measured in the same run
 (the float32 decode floor: the model's float32 weights over the measured read bandwidth).
 
-    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too] [--out benchmarks/results/serve_stream.json]
+    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too]
+        [--out benchmarks/results/serve_stream.json]
 
 `--avx2-too` adds a second `parrot serve` with `PARROT_AMX=0`: on a CPU with AMX, the AVX2 products side
 by side with the default AMX-INT8 / VNNI ones.
