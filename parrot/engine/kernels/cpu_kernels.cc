@@ -426,25 +426,46 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
 // ---- paged decode attention ----------------------------------------------------------------------
 // exp(x) for float32 lanes (Cephes' polynomial after range reduction by ln 2; ~1 ulp); lanes below
-// -87.3 give 0.
-inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504019f);
-  const __m256 zero_below = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), zero_below);
+// -87.3 give 0. One body for 8 lanes (AVX2) and 16 (AVX-512), through these overloads.
+inline __m256 vset(__m256, float a) { return _mm256_set1_ps(a); }
+inline __m256 vmul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 vadd(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+inline __m256 vfma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 vfnma(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+inline __m256 vround(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m256 vclamp(__m256 a, __m256 lo, __m256 hi) { return _mm256_min_ps(_mm256_max_ps(a, lo), hi); }
+inline __m256 vpow2(__m256 fx) {  // 2^fx for integral fx
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23));
 }
+inline __m256 vzero_below(__m256 y, __m256 x, __m256 lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ)); }
+#ifdef __AVX512F__
+inline __m512 vset(__m512, float a) { return _mm512_set1_ps(a); }
+inline __m512 vmul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 vadd(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 vfma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 vfnma(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+inline __m512 vround(__m512 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline __m512 vclamp(__m512 a, __m512 lo, __m512 hi) { return _mm512_min_ps(_mm512_max_ps(a, lo), hi); }
+inline __m512 vpow2(__m512 fx) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23));
+}
+inline __m512 vzero_below(__m512 y, __m512 x, __m512 lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
+#endif
+
+template <typename V>
+inline V vexp(V x) {
+  const V hi = vset(x, 88.3762626647949f), lo = vset(x, -87.3365447504019f), in = x;
+  x = vclamp(x, lo, hi);
+  const V fx = vround(vmul(x, vset(x, 1.44269504088896341f)));
+  x = vfnma(fx, vset(x, 0.693359375f), x);
+  x = vfnma(fx, vset(x, -2.12194440e-4f), x);
+  V y = vset(x, 1.9875691500E-4f);
+  for (float c : {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f})
+    y = vfma(y, x, vset(x, c));
+  y = vfma(y, vmul(x, x), vadd(x, vset(x, 1.0f)));
+  return vzero_below(vmul(y, vpow2(fx)), in, lo);
+}
+inline __m256 exp256(__m256 x) { return vexp(x); }
 
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -532,6 +553,24 @@ inline void weighted_rows(const float* p, const float* v, int64_t cnt, int64_t D
   }
 }
 
+// Calls page(k, v, cnt) for each page of the tokens [0, n) in order (its keys and values, cnt tokens).
+// Pages lie anywhere in the pool, so the next pages' keys and values are fetched while one is read.
+template <typename KV, typename F>
+inline void for_each_page(const KV* kbase, const KV* vbase, const int32_t* pages, int64_t n, int64_t page_size,
+                          int64_t D, F&& page) {
+  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
+  for (int64_t start = 0; start < n; start += page_size) {
+    for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
+      if (start + ahead * page_size >= n) break;
+      const int64_t next = pages[start / page_size + ahead];
+      prefetch_rows(kbase + next * page_size * D, page_bytes);
+      prefetch_rows(vbase + next * page_size * D, page_bytes);
+    }
+    const int64_t at = pages[start / page_size] * page_size * D;
+    page(kbase + at, vbase + at, std::min(page_size, n - start));
+  }
+}
+
 // Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows).
 // Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is
 // read; each page is widened to float32 once for all the `group` query heads that read it.
@@ -542,18 +581,9 @@ void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const K
   alignas(32) float qs[HeadState::kMaxGroup * 256];  // the queries, scaled
   alignas(32) float kbuf[64 * 256], vbuf[64 * 256];  // one page (page_size <= 64, D <= 256)
   for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
-  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
-  for (int64_t start = 0; start < n; start += page_size) {
-    const int64_t page = pages[start / page_size];
-    const int64_t cnt = std::min(page_size, n - start);
-    for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
-      if (start + ahead * page_size >= n) break;
-      const int64_t next = pages[start / page_size + ahead];
-      prefetch_rows(kbase + next * page_size * D, page_bytes);
-      prefetch_rows(vbase + next * page_size * D, page_bytes);
-    }
-    const float* kp = rows_f32(kbase + page * page_size * D, cnt, D, kbuf);
-    const float* vp = rows_f32(vbase + page * page_size * D, cnt, D, vbuf);
+  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kpage, const KV* vpage, int64_t cnt) {
+    const float* kp = rows_f32(kpage, cnt, D, kbuf);
+    const float* vp = rows_f32(vpage, cnt, D, vbuf);
     for (int h = 0; h < group; ++h) {
       const float* qh = qs + h * D;
       int64_t t = 0;
@@ -583,7 +613,7 @@ void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const K
         _mm256_storeu_ps(a + i, o);
       }
     }
-  }
+  });
 }
 
 #ifdef __AVX512F__
@@ -594,24 +624,7 @@ inline __m512 load16(const uint16_t* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-inline __m512 exp512(__m512 x) {  // exp256's polynomial, 16 lanes
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504019f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
+inline __m512 exp512(__m512 x) { return vexp(x); }
 
 // Sixteen dot products of one query row with sixteen key rows (stride D) as one vector: sixteen
 // independent accumulators, reduced by a transposing tree of adds.
@@ -643,18 +656,7 @@ void attend_pages512(const float* q, int group, int64_t D, const KV* kbase, cons
   alignas(64) float qs[HeadState::kMaxGroup * 256];
   alignas(64) float kbuf[64 * 256], vbuf[64 * 256];
   for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
-  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
-  for (int64_t start = 0; start < n; start += page_size) {
-    const int64_t page = pages[start / page_size];
-    const int64_t cnt = std::min(page_size, n - start);
-    for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
-      if (start + ahead * page_size >= n) break;
-      const int64_t next = pages[start / page_size + ahead];
-      prefetch_rows(kbase + next * page_size * D, page_bytes);
-      prefetch_rows(vbase + next * page_size * D, page_bytes);
-    }
-    const KV* kp = kbase + page * page_size * D;
-    const KV* vp = vbase + page * page_size * D;
+  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kp, const KV* vp, int64_t cnt) {
     const int64_t padded = (cnt + 15) / 16 * 16;  // rows past cnt: zeros (their scores are masked)
     for (int64_t i = 0; i < cnt * D; i += 16) {
       _mm512_store_ps(kbuf + i, load16(kp + i));
@@ -695,7 +697,7 @@ void attend_pages512(const float* q, int group, int64_t D, const KV* kbase, cons
           if (r * 16 < w) _mm512_storeu_ps(a + i + 16 * r, o[r]);
       }
     }
-  }
+  });
 }
 #endif
 
