@@ -254,7 +254,7 @@ def test_a_token_the_grammar_rejects_fails_that_generate_alone(client: httpx.Cli
     engine is gone); a generate running beside it completes, and the engine serves on."""
     grammar_rejects(monkeypatch, at)
     fill(client, "g-base", PROMPT)
-    body = {"parent_context_id": "g-base", "sampling": sampling(max_tokens=8, regex="[a-y]+")}
+    body = {"parent_context_id": "g-base", "sampling": sampling(max_tokens=8, regex="[a-y]{8}")}
     plain: dict[str, Any] = {}
 
     def beside() -> None:

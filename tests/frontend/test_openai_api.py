@@ -317,7 +317,8 @@ def test_a_grammar_failure_fails_that_request_alone(http_engine_server, monkeypa
                                                     at: int) -> None:
     """A constrained request whose grammar rejects its token (the first, or a later one) gets a 400
     `generation_failed` with the matcher's reason; a request beside it completes; the engine stays live
-    (before, the engine answered 500 and the serve core took it for dead)."""
+    (before, the engine answered 500 and the serve core took it for dead). Greedy, and a grammar that
+    cannot end before the rejected token, so the generation always reaches it."""
     url, core = http_engine_server
     grammar_rejects(monkeypatch, at)
     with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client, \
@@ -325,16 +326,18 @@ def test_a_grammar_failure_fails_that_request_alone(http_engine_server, monkeypa
         beside = pool.submit(client.completions.create, model="tiny", prompt=PROMPT, temperature=0, max_tokens=24,
                              extra_body={"ignore_eos": True})
         with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, extra_body={"regex": "[a-y]+"})
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"regex": "[a-y]{8}"})
         assert info.value.code == "generation_failed"
         assert "left its grammar at token" in info.value.message and "<state>" not in info.value.message
         assert beside.result(60).usage.completion_tokens == 24
         assert [e.name for e in core.engines.live_engines()] == ["remote"]
         # streamed: a failure before the first token is the response's status, a later one the stream's last event
         with pytest.raises(openai.BadRequestError if at == 0 else openai.APIError) as info:
-            list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                stream=True, max_tokens=8, extra_body={"regex": "[a-y]+"}))
+            list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], stream=True,
+                                                max_tokens=8, temperature=0, extra_body={"regex": "[a-y]{8}"}))
         assert "left its grammar at token" in info.value.message
         monkeypatch.undo()
-        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body={"regex": "[a-y]+"})
+        r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"regex": "[a-y]{8}"})
         assert r.choices[0].text and set(r.choices[0].text) <= set("abcdefghijklmnopqrstuvwxy")

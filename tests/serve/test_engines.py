@@ -169,7 +169,7 @@ def test_a_token_the_grammar_rejects_is_a_generation_failure(kind: str, at: int,
     async def main() -> None:
         client = make_client(kind, engine, server)
         base = f"{kind}-rej{at}"
-        sp = SamplingParams(max_tokens=8, regex="[a-y]+")
+        sp = SamplingParams(max_tokens=8, regex="[a-y]{8}")
         try:
             await client.fill(FillRequest(context_id=base, token_ids=PROMPT))
             with pytest.raises(GenerationFailedError, match="left its grammar at token"):
