@@ -663,38 +663,56 @@ void attend_pages512(const float* q, int group, int64_t D, const KV* kbase, cons
       _mm512_store_ps(vbuf + i, load16(vp + i));
     }
     for (int64_t i = cnt * D; i < padded * D; i += 16) _mm512_store_ps(kbuf + i, _mm512_setzero_ps());
-    for (int h = 0; h < group; ++h) {
-      const float* qh = qs + h * D;
-      float mx = st.m[h];
+    // In phases over all the heads, so that their dependency chains (scores -> maximum -> exponentials ->
+    // sums) overlap instead of running one head after the other.
+    for (int h = 0; h < group; ++h) {  // scores
       for (int64_t t = 0; t < padded; t += 16) {
         const __mmask16 valid = static_cast<__mmask16>(cnt - t >= 16 ? 0xFFFF : (1u << (cnt - t)) - 1);
-        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dot16(qh, kbuf + t * D, D));
-        _mm512_store_ps(s[h] + t, sc);
-        mx = std::max(mx, _mm512_reduce_max_ps(sc));
+        _mm512_store_ps(s[h] + t, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dot16(qs + h * D, kbuf + t * D, D)));
       }
-      const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+    }
+    alignas(64) float corr[HeadState::kMaxGroup];
+    for (int h = 0; h < group; ++h) {  // maxima; the running sums rescaled where the maximum grew
+      __m512 m = _mm512_load_ps(s[h]);
+      for (int64_t t = 16; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_load_ps(s[h] + t));
+      const float mx = std::max(st.m[h], _mm512_reduce_max_ps(m));
+      corr[h] = mx == st.m[h] ? 1.f : std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
       st.m[h] = mx;
+    }
+    for (int h = 0; h < group; ++h) {  // probabilities
+      const __m512 mx = _mm512_set1_ps(st.m[h]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t t = 0; t < padded; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[h] + t), _mm512_set1_ps(mx)));
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[h] + t), mx));
         _mm512_store_ps(s[h] + t, e);
         sum = _mm512_add_ps(sum, e);
       }
-      st.l[h] = st.l[h] * corr + _mm512_reduce_add_ps(sum);
-      float* a = acc + h * D;
-      const __m512 c = _mm512_set1_ps(corr);
-      for (int64_t i = 0; i < D; i += 64) {  // 64 dimensions at a time in four registers
+      st.l[h] = st.l[h] * corr[h] + _mm512_reduce_add_ps(sum);
+    }
+    // values: up to four heads at a time over each 64 dimensions, each value row loaded once for them
+    for (int h0 = 0; h0 < group; h0 += 4) {
+      const int hn = std::min(4, group - h0);
+      for (int64_t i = 0; i < D; i += 64) {
         const int64_t w = std::min<int64_t>(64, D - i);
-        __m512 o[4];
-        for (int r = 0; r < 4; ++r) o[r] = r * 16 < w ? _mm512_mul_ps(_mm512_loadu_ps(a + i + 16 * r), c) : _mm512_setzero_ps();
-        for (int64_t t = 0; t < cnt; ++t) {
-          const __m512 pw = _mm512_set1_ps(s[h][t]);
-          const float* row = vbuf + t * D + i;
+        __m512 o[4][4];
+        for (int k = 0; k < 4; ++k)
           for (int r = 0; r < 4; ++r)
-            if (r * 16 < w) o[r] = _mm512_fmadd_ps(pw, _mm512_loadu_ps(row + 16 * r), o[r]);
+            o[k][r] = k < hn && r * 16 < w ? _mm512_mul_ps(_mm512_loadu_ps(acc + (h0 + k) * D + i + 16 * r),
+                                                           _mm512_set1_ps(corr[h0 + k]))
+                                           : _mm512_setzero_ps();
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float* row = vbuf + t * D + i;
+          __m512 v[4];
+          for (int r = 0; r < 4; ++r) v[r] = r * 16 < w ? _mm512_loadu_ps(row + 16 * r) : _mm512_setzero_ps();
+          for (int k = 0; k < 4; ++k) {
+            if (k >= hn) break;
+            const __m512 pw = _mm512_set1_ps(s[h0 + k][t]);
+            for (int r = 0; r < 4; ++r) o[k][r] = _mm512_fmadd_ps(pw, v[r], o[k][r]);
+          }
         }
-        for (int r = 0; r < 4; ++r)
-          if (r * 16 < w) _mm512_storeu_ps(a + i + 16 * r, o[r]);
+        for (int k = 0; k < hn; ++k)
+          for (int r = 0; r < 4; ++r)
+            if (r * 16 < w) _mm512_storeu_ps(acc + (h0 + k) * D + i + 16 * r, o[k][r]);
       }
     }
   });
