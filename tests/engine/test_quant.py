@@ -111,3 +111,20 @@ def test_a_row_is_the_same_alone_and_in_any_batch(native_path: str, qtype: str) 
     for size in sizes:
         for start in range(0, len(x) - size + 1, size):
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
+
+
+@pytest.mark.parametrize("rows", [1, 17])  # VNNI, tiles
+def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, rows: int) -> None:
+    """Activations far below float32's normal range count as zero (their products are below it too), and a
+    NaN or an infinity in a row makes that row's products NaN, as in float32; other rows are unaffected."""
+    q = quant.quantize(_random(96, 40), "q4_1")
+    x = np.random.default_rng(3).standard_normal((rows, 96)).astype(np.float32)
+    x[0, :32] = 1e-35  # a whole block of tiny values
+    if rows > 1:
+        x[1, 40] = np.nan
+    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q4_1"))(x, jnp.asarray(q.data)))
+    ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    if rows > 1:
+        assert np.isnan(got[1]).all()
+        np.testing.assert_allclose(got[2:], ref[2:], rtol=1e-5, atol=1e-5)

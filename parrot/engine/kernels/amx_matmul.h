@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -49,7 +50,7 @@ struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static conste
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
 struct XPack {
   int64_t T = 0, tn = 0, tiles = 0, K = 0, blocks = 0;
-  std::vector<uint32_t> b;         // [tiles][blocks][3 limbs][8 groups][tn]: four limb bytes each
+  std::vector<uint32_t> b;         // more than kVnniRows rows: [tiles][blocks][3 limbs][8 groups][tn]
   std::vector<float> scales;       // [tiles][blocks][16]: s per token
   std::vector<float> sums;         // [tiles][blocks][16]: sum(x) per token
   // up to kVnniRows rows, for VNNI: each row's limbs contiguous, and their sums
@@ -61,10 +62,10 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
   p.T = T, p.K = K, p.blocks = K / 32;
   p.tn = std::min<int64_t>(T, 16);
   p.tiles = (T + p.tn - 1) / p.tn;
-  p.b.assign(p.tiles * p.blocks * 3 * 8 * p.tn, 0);
+  const bool vnni = T <= kVnniRows;  // VNNI reads `rows`; the tiles read `b`
+  p.b.assign(vnni ? 0 : p.tiles * p.blocks * 3 * 8 * p.tn, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
   p.sums.assign(p.tiles * p.blocks * 16, 0.f);
-  const bool vnni = T <= kVnniRows;
   p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
   p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
   const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
@@ -77,7 +78,11 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
       const int64_t at = (tile * p.blocks + b) * 16 + col;
       p.sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
       const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      if (!(a > 0.f)) continue;  // all zero: limbs and scale stay zero
+      if (!(a <= 3.4e38f)) {  // NaN or infinity: the products become NaN, as in float32
+        p.scales[at] = NAN;
+        continue;
+      }
+      if (!(a >= 1e-30f)) continue;  // zero (or too small to scale to 2^22): limbs and scale stay zero
       p.scales[at] = a / 4194304.f;
       const __m512 inv = _mm512_set1_ps(4194304.f / a);
       for (int h = 0; h < 2; ++h) {
@@ -90,10 +95,11 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[1] + 4 * h), _mm512_cvtepi32_epi8(l1));
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[2] + 4 * h), _mm512_cvtepi32_epi8(l2));
       }
-      uint32_t* dst = p.b.data() + (tile * p.blocks + b) * 3 * 8 * p.tn + col;
       for (int l = 0; l < 3; ++l) {
-        for (int r = 0; r < 8; ++r) dst[(l * 8 + r) * p.tn] = limb[l][r];
-        if (vnni) {
+        if (!vnni) {
+          uint32_t* dst = p.b.data() + ((tile * p.blocks + b) * 3 + l) * 8 * p.tn + col;
+          for (int r = 0; r < 8; ++r) dst[r * p.tn] = limb[l][r];
+        } else {
           std::memcpy(p.rows.data() + (t * p.blocks + b) * 24 + l * 8, limb[l], 32);
           int32_t sum = 0;
           for (int k = 0; k < 32; ++k) sum += reinterpret_cast<const int8_t*>(limb[l])[k];
