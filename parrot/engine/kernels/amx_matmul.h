@@ -49,7 +49,7 @@ struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static conste
 // ---- activations ----------------------------------------------------------------------------------
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
 struct XPack {
-  int64_t T = 0, tn = 0, tiles = 0, K = 0, blocks = 0;
+  int64_t T = 0, tn = 0, tiles = 0, blocks = 0;
   std::vector<uint32_t> b;         // more than kVnniRows rows: [tiles][blocks][3 limbs][8 groups][tn]
   std::vector<float> scales;       // [tiles][blocks][16]: s per token
   std::vector<float> sums;         // [tiles][blocks][16]: sum(x) per token
@@ -59,7 +59,7 @@ struct XPack {
 };
 
 inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
-  p.T = T, p.K = K, p.blocks = K / 32;
+  p.T = T, p.blocks = K / 32;
   p.tn = std::min<int64_t>(T, 16);
   p.tiles = (T + p.tn - 1) / p.tn;
   const bool vnni = T <= kVnniRows;  // VNNI reads `rows`; the tiles read `b`
