@@ -8,9 +8,9 @@
 // order of the additions), while the weights are read in their quantized size. Output rows are split
 // into chunks that XLA's intra-op threads take in turn.
 //
-// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the product runs on the integer tile unit for
-// several rows and on AVX-512 VNNI for one (amx_matmul.h: the same exact integer sums, so the same results
-// for any number of rows), once `parrot_amx_enable(1)` has obtained the tile state from the kernel;
+// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the product runs on AVX-512 VNNI up to 16 rows
+// and on the integer tile unit above (amx_matmul.h: the same exact integer sums, so the same results for
+// any number of rows), once `parrot_amx_enable(1)` has obtained the tile state from the kernel;
 // `parrot_amx_enable(0)` goes back to the AVX2 code.
 //
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
@@ -367,7 +367,7 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
   }
 }
 
-std::atomic<bool> g_amx{false};  // products on the AMX tiles (see parrot_amx_enable)
+std::atomic<bool> g_amx{false};  // products through amx_matmul.h (see parrot_amx_enable)
 
 #if PARROT_AMX
 template <int Q>
