@@ -8,8 +8,8 @@ they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
 On CPUs with AMX-INT8 the quantized product runs on AVX-512 VNNI and the integer tile unit (amx_matmul.h)
-unless `PARROT_AMX=0`; `matmul_path()` says which path runs, and `use_amx()` switches between them at run time (the compiled
-steps call the same FFI target either way).
+unless `PARROT_AMX=0`; `matmul_path()` says which path runs, and `use_amx()` switches between them at
+run time (the compiled steps call the same FFI target either way).
 """
 
 from __future__ import annotations
