@@ -72,9 +72,12 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                     load_s[name] = t_read + time.perf_counter() - t
     default_amx = kernels.matmul_path() == "amx-int8"
 
+    default_bf16 = kernels.bf16_tiles()
+
     def select(name: str) -> None:
         if kernels.available():
-            kernels.use_amx(default_amx if matmul[name] == "auto" else matmul[name] == "amx")
+            kernels.use_amx(default_amx if matmul[name] == "auto" else matmul[name] in ("amx", "amx-int8"))
+            kernels.use_bf16_tiles(default_bf16 if matmul[name] == "auto" else matmul[name] == "amx")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -147,12 +150,14 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     for k in ("prefill", "decode", "ratios"):
         result[k] = result[k][first]
     kernels.use_amx(default_amx)
+    kernels.use_bf16_tiles(default_bf16)
     return result
 
 
 def _matmul_path(name: str, select: object) -> str | None:
     select(name)  # type: ignore[operator]
-    return kernels.matmul_path()
+    path = kernels.matmul_path()
+    return f"{path}, fills on amx-bf16" if kernels.bf16_tiles() else path
 
 
 def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
@@ -222,9 +227,10 @@ def main() -> None:
                          "or a directory with a config.json)")
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
-    ap.add_argument("--cpu-matmul", nargs="+", default=["auto"], choices=["auto", "amx", "avx2"],
-                    help="the native kernels' quantized product, side by side (amx: the tile unit where the CPU has "
-                         "AMX-INT8; avx2: the vector code)")
+    ap.add_argument("--cpu-matmul", nargs="+", default=["auto"], choices=["auto", "amx", "amx-int8", "avx2"],
+                    help="the native kernels' quantized product, side by side (amx: VNNI and the tile units where "
+                         "the CPU has AMX, prompt fills on the bf16 tiles where it has AMX-BF16; amx-int8: every "
+                         "step on the exact integer path; avx2: the vector code)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,

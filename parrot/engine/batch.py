@@ -35,6 +35,7 @@ class ForwardBatch:
     prefix_pages: jax.Array  # [Pp] int32 pages of the shared prefix (Pp = 0: no shared prefix)
     prefix_len: jax.Array  # [] int32 tokens in the shared prefix
     in_prefix: jax.Array  # [B] bool sequence b reads the shared prefix
+    fill_rows: jax.Array  # [T] int32 1 where the token is a prompt's (a fill's), 0 for generated and padding
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +81,7 @@ class SequenceSlice:
     start: int  # position of tokens[0] (= tokens already in the sequence's KV)
     pages: Sequence[int]
     shared_pages: int = 0
+    fill: bool = False  # the tokens are a prompt's (a fill's), not generated ones
 
 
 def build_batch(
@@ -109,6 +111,7 @@ def build_batch(
     prefix = np.zeros(prefix_pages, np.int32)
     prefix_len = 0
     in_prefix = np.zeros(batch_size, bool)
+    fill_rows = np.zeros(num_tokens, np.int32)
     off = 0
     for b, s in enumerate(seqs):
         n = len(s.tokens)
@@ -137,9 +140,10 @@ def build_batch(
         kv_offset[b] = shared * page_size
         kv_lens[b] = s.start + n
         logits_index[b] = off + n - 1
+        fill_rows[off : off + n] = s.fill
         off += n
     return ForwardBatch(input_ids, positions, slot_mapping, q_index, block_tables, kv_offset, kv_lens,
-                        logits_index, prefix, np.int32(prefix_len), in_prefix)
+                        logits_index, prefix, np.int32(prefix_len), in_prefix, fill_rows)
 
 
 def find_shared_prefix(page_lists: Sequence[Sequence[int]], min_members: int = 2) -> tuple[list[int], int]:

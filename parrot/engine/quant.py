@@ -8,7 +8,9 @@ weight is `d * q (+ m)` with the block's float16 scale `d` (and minimum `m`), co
 `linear(x, data, qtype)` multiplies activations by such a matrix inside jitted code:
 - where the native CPU kernel runs (kernels/cpu_kernels.cc), up to `KERNEL_MAX_ROWS` rows: it
   dequantizes each block in registers (decode) or 16 rows at a time into a small panel (several rows),
-  so a step reads the weights in their quantized size (Q4_1: 5 bits a weight, not 32);
+  so a step reads the weights in their quantized size (Q4_1: 5 bits a weight, not 32); an engine that
+  fills prompts in bfloat16 multiplies prompt tokens' rows on AMX's bf16 tiles where the CPU has them
+  (kernels/amx_bf16.h);
 - otherwise: dequantized by XLA to `dtype` and multiplied by XLA's dot.
 Both compute the product with the same dequantized matrix; they differ only in summation order.
 """
@@ -94,11 +96,16 @@ def dequantize_rows(data: jax.Array, rows: jax.Array, qtype: str, k: int, dtype:
     return dequantize(data[rows], qtype, k, dtype)
 
 
-def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in."""
+def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32,
+           fill: jax.Array | None = None) -> jax.Array:
+    """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
+    `fill` ([T], nonzero for a prompt token's row): where `dtype` is bfloat16, the native path multiplies
+    those rows in bfloat16 on AMX's bf16 tiles where the CPU has them; other rows (generated tokens) and
+    other CPUs multiply exactly."""
     t, k = x.shape
     if t <= KERNEL_MAX_ROWS and kernels.available():
-        return kernels.qmatmul(x, data, qtype).astype(x.dtype)
+        rows = fill if jnp.dtype(dtype) == jnp.bfloat16 else None
+        return kernels.qmatmul(x, data, qtype, rows).astype(x.dtype)
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

@@ -61,6 +61,7 @@ from parrot.engine.sampling import (
     sample,
 )
 from parrot.engine.scheduler import Slot, StepPlan
+from parrot.engine.sequence import JobKind
 from parrot.engine.structured import check_greedy
 
 log = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ class ModelRunner:
 
     def _run_slots(self, slots: list[Slot], decode: bool,
                    prev: Launched | None = None) -> jax.Array | np.ndarray | None:
-        seqs = [SequenceSlice(s.tokens, s.start, s.pages) for s in slots]
+        seqs = [SequenceSlice(s.tokens, s.start, s.pages, fill=s.job.kind is JobKind.FILL) for s in slots]
         shape = self._cascade(seqs) if decode and self.ecfg.shared_prefix_attention and len(slots) > 1 else None
         if shape is None:
             kv_len = max(s.start + len(s.tokens) for s in slots)
@@ -516,8 +517,9 @@ class ModelRunner:
             part = tokens[off : off + chunk]
             pos = start + off
             shape = self.prefill_shape(1, len(part), pos + len(part))
-            logits = self.forward(build_batch([SequenceSlice(part, pos, pages)], self.page_size, shape.tokens,
-                                              shape.batch, shape.q_len, shape.pages))
+            seq = SequenceSlice(part, pos, pages, fill=True)
+            logits = self.forward(build_batch([seq], self.page_size, shape.tokens, shape.batch, shape.q_len,
+                                              shape.pages))
         if logits is None:
             raise ValueError("no tokens to feed")
         return logits

@@ -157,6 +157,8 @@ class Scheduler:
                     continue  # others progress this step and free pages
             n = self._align(self.kv.get(job.context_id).num_tokens, min(len(job.pending), budget,
                                                                          self._room(job.context_id)))
+            if len(job.pending) - n == 1 and n > 1:  # leave no single token: it would go in a decode batch,
+                n -= 1  # whose attention differs from a fill's (results would depend on how others cut chunks)
             if plan.prefill:
                 count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
                 if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:

@@ -128,3 +128,70 @@ def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, row
     if rows > 1:
         assert np.isnan(got[1]).all()
         np.testing.assert_allclose(got[2:], ref[2:], rtol=1e-5, atol=1e-5)
+
+
+BF16_TILES = kernels.available() and kernels.bf16_tiles()
+
+
+@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 4, 17, 33, 70])
+def test_bf16_tiles_equal_the_bf16_product(qtype: str, rows: int) -> None:
+    """A product asked for in bfloat16 (prompt fills) is the product of the dequantized weights and the
+    activations, both rounded to bfloat16, summed in float32 (widths not multiples of 16 or 32)."""
+    import ml_dtypes
+
+    q = quant.quantize(_random(576, 200), qtype)
+    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    fill = jnp.ones(rows, jnp.int32)
+    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype, fill))(x, jnp.asarray(q.data)))
+
+    def bf(a: np.ndarray) -> np.ndarray:
+        return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+    ref = bf(x) @ bf(q.dequantize())
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    exact = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    assert np.abs(got - exact).max() > 1e-4  # it did round to bfloat16 (the exact path is within 1e-5)
+
+
+@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+def test_bf16_tiles_give_a_row_the_same_result_in_any_batch() -> None:
+    q = quant.quantize(_random(576, 80), "q4_1")
+    x = np.random.default_rng(7).standard_normal((70, 576)).astype(np.float32)
+    f = jax.jit(lambda x, d: kernels.qmatmul(x, d, "q4_1", jnp.ones(x.shape[0], jnp.int32)))
+    d = jnp.asarray(q.data)
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
+    for size in [2, 3, 9, 16, 17, 33, 70]:
+        for start in range(0, len(x) - size + 1, size):
+            np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
+
+
+@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+def test_bf16_tiles_switch_off_to_the_exact_path() -> None:
+    q = quant.quantize(_random(96, 40), "q8_0")
+    x = np.random.default_rng(5).standard_normal((20, 96)).astype(np.float32)
+    d = jnp.asarray(q.data)
+    exact = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q8_0"))(x, d))
+    try:
+        assert not kernels.use_bf16_tiles(False)
+        off = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q8_0", jnp.ones(x.shape[0], jnp.int32)))(x, d))
+    finally:
+        kernels.use_bf16_tiles(True)
+    np.testing.assert_array_equal(off, exact)
+
+
+@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+@pytest.mark.parametrize("rows", [2, 5, 40])
+def test_each_kind_of_row_is_computed_apart(rows: int) -> None:
+    """In a call with prompt rows and generated rows, each row is what a call of its kind alone gives."""
+    q = quant.quantize(_random(576, 120), "q4_1")
+    x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+    fill = (np.arange(rows) % 3 == 1).astype(np.int32)
+    d = jnp.asarray(q.data)
+    f = jax.jit(lambda x, d, fill: kernels.qmatmul(x, d, "q4_1", fill))
+    mixed = np.asarray(f(x, d, fill))
+    for i in range(rows):
+        alone = np.asarray(f(x[i:i + 1], d, fill[i:i + 1]))
+        np.testing.assert_array_equal(mixed[i], alone[0])
+    exact = np.asarray(f(x, d, np.zeros(rows, np.int32)))
+    np.testing.assert_array_equal(mixed[fill == 0], exact[fill == 0])

@@ -9,7 +9,10 @@ they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend
 
 On CPUs with AMX-INT8 the quantized product runs on AVX-512 VNNI and the integer tile unit (amx_matmul.h)
 unless `PARROT_AMX=0`; `matmul_path()` says which path runs, and `use_amx()` switches between them at
-run time (the compiled steps call the same FFI target either way).
+run time (the compiled steps call the same FFI target either way). The rows asked for in bfloat16
+(`qmatmul(..., fill=...)`: prompt tokens, where the engine fills prompts in bfloat16) run on
+AMX's bf16 tiles (amx_bf16.h) where the AMX path is on and the CPU has AMX-BF16 (`bf16_tiles()`),
+unless `PARROT_AMX_BF16=0` (or `use_bf16_tiles(False)`): then it runs exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-HEADERS = (Path(__file__).with_name("amx_matmul.h"),)
+HEADERS = (Path(__file__).with_name("amx_matmul.h"), Path(__file__).with_name("amx_bf16.h"))
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode"}
 
@@ -96,6 +99,8 @@ def _load() -> None:
     _state["lib"] = lib
     lib.parrot_amx_enable.argtypes = [ctypes.c_int]
     _state["amx"] = bool(lib.parrot_amx_enable(0 if os.environ.get("PARROT_AMX", "1") == "0" else 1))
+    lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
+    _state["amx_bf16"] = bool(lib.parrot_bf16_enable(0 if os.environ.get("PARROT_AMX_BF16", "1") == "0" else 1))
 
 
 def available() -> bool:
@@ -122,6 +127,21 @@ def matmul_path() -> str | None:
     return "amx-int8" if _state.get("amx") else "avx2"
 
 
+def bf16_tiles() -> bool:
+    """Whether products asked for in bfloat16 run on AMX's bf16 tiles (else they take the exact path)."""
+    return matmul_path() == "amx-int8" and bool(_state.get("amx_bf16"))
+
+
+def use_bf16_tiles(on: bool) -> bool:
+    """Turn the bf16 tiles on or off for products asked for in bfloat16 (off: they run exactly, as decode
+    steps do); returns whether they are on (False where this build has no AMX-BF16)."""
+    if not available():
+        return False
+    with _lock:
+        _state["amx_bf16"] = bool(_state["lib"].parrot_bf16_enable(1 if on else 0))
+    return bf16_tiles()
+
+
 def use_amx(on: bool) -> bool:
     """Turn the AMX path on or off for this process; returns whether it is on (False where the CPU or
     this build has none)."""
@@ -136,10 +156,14 @@ def use_amx(on: bool) -> bool:
 QTYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 
-def qmatmul(x: jax.Array, w: jax.Array, qtype: str) -> jax.Array:
-    """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes])."""
+def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = None) -> jax.Array:
+    """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes]).
+    `fill` ([T], nonzero: a prompt token's row): those rows with the weights and activations rounded to
+    bfloat16 and the products summed in float32, on AMX's bf16 tiles where `bf16_tiles()` (decided at run
+    time: elsewhere every row is exact). Each kind of row is computed apart from the other."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, qtype=np.int32(QTYPES[qtype]))
+    fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
+    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]))
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

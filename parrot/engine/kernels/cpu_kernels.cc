@@ -11,7 +11,9 @@
 // On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the product runs on AVX-512 VNNI up to 16 rows
 // and on the integer tile unit above (amx_matmul.h: the same exact integer sums, so the same results for
 // any number of rows), once `parrot_amx_enable(1)` has obtained the tile state from the kernel;
-// `parrot_amx_enable(0)` goes back to the AVX2 code.
+// `parrot_amx_enable(0)` goes back to the AVX2 code. The rows the `fill` operand flags (prompt tokens, in
+// an engine that fills prompts in bfloat16) run on the bf16 tiles instead where the CPU has AMX-BF16
+// (amx_bf16.h; `parrot_bf16_enable(0)` keeps them exact).
 //
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
 // from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
@@ -34,7 +36,14 @@
     defined(__AVX512VL__)
 #define PARROT_AMX 1
 #include "amx_matmul.h"
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PARROT_AMX_BF16 1
+#include "amx_bf16.h"
 #else
+#define PARROT_AMX_BF16 0
+#endif
+#else
+#define PARROT_AMX_BF16 0
 #define PARROT_AMX 0
 #endif
 
@@ -368,6 +377,7 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
 }
 
 std::atomic<bool> g_amx{false};  // products through amx_matmul.h (see parrot_amx_enable)
+std::atomic<bool> g_bf16{true};  // products asked for in bf16 through amx_bf16.h (see parrot_bf16_enable)
 
 #if PARROT_AMX
 template <int Q>
@@ -378,10 +388,21 @@ void amx_rows(const amx::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, fl
 }
 #endif
 
+#if PARROT_AMX_BF16
+template <int Q>
+void bf16_rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
+               int64_t N) {
+  if constexpr (Q == kQ8_0) amxbf16::rows<amx::Q8_0>(xb, T, K, w, n0, n1, y, N);
+  else if constexpr (Q == kQ4_0) amxbf16::rows<amx::Q4_0>(xb, T, K, w, n0, n1, y, N);
+  else amxbf16::rows<amx::Q4_1>(xb, T, K, w, n0, n1, y, N);
+}
+#endif
+
+// The exact product of rows x [T, K] (every row the same whatever rows share the call on the AMX path).
 template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N) {
-  // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
 #ifndef PARROT_CPT
 #define PARROT_CPT 8
 #endif
@@ -402,8 +423,54 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   });
 }
 
+#if PARROT_AMX_BF16
+// The product in bfloat16 on the bf16 tiles: panels of 32 weight rows, taken in turn.
+template <int Q>
+void qmatmul_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
+                  int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  thread_local std::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
+  amxbf16::pack_x(x, T, K, packed);
+  const uint16_t* xb = packed.data();
+  const int64_t cols = 32 * std::max<int64_t>(1, N / (32 * threads * 4));
+  parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
+    bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+  });
+}
+#endif
+
+// Rows with fill[t] != 0 in bfloat16 where the bf16 tiles are on, the others exactly: each kind gathered
+// into a call of its own, so a row's result depends only on its own kind.
+template <int Q>
+void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
+                          const uint8_t* w, float* y, int64_t N) {
+#if PARROT_AMX_BF16
+  int64_t nfill = 0;
+  if (g_amx.load(std::memory_order_relaxed) && g_bf16.load(std::memory_order_relaxed))
+    for (int64_t t = 0; t < T; ++t) nfill += fill[t] != 0;
+  if (nfill == T) return qmatmul_bf16<Q>(pool, x, T, K, w, y, N);
+  if (nfill > 0) {
+    thread_local std::vector<float> xs, ys;
+    for (int kind = 0; kind < 2; ++kind) {
+      const int64_t n = kind ? nfill : T - nfill;
+      xs.resize(n * K), ys.resize(n * N);
+      for (int64_t t = 0, i = 0; t < T; ++t)
+        if ((fill[t] != 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
+      if (kind) qmatmul_bf16<Q>(pool, xs.data(), n, K, w, ys.data(), N);
+      else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N);
+      for (int64_t t = 0, i = 0; t < T; ++t)
+        if ((fill[t] != 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
+    }
+    return;
+  }
+#else
+  (void)fill;
+#endif
+  qmatmul<Q>(pool, x, T, K, w, y, N);
+}
+
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
@@ -413,13 +480,16 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
   if (bytes < 0) return ffi::Error::InvalidArgument("qmatmul: unknown block type");
   if (wd[1] != blocks * bytes) return ffi::Error::InvalidArgument("qmatmul: weight row size does not match K");
+  if (fill.element_count() != static_cast<size_t>(T))
+    return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
+  const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   switch (qtype) {
-    case kQ8_0: qmatmul<kQ8_0>(pool, xp, T, K, wp, yp, N); break;
-    case kQ4_0: qmatmul<kQ4_0>(pool, xp, T, K, wp, yp, N); break;
-    default: qmatmul<kQ4_1>(pool, xp, T, K, wp, yp, N); break;
+    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, yp, N); break;
+    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, yp, N); break;
+    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, yp, N); break;
   }
   return ffi::Error::Success();
 }
@@ -800,11 +870,19 @@ extern "C" int parrot_amx_enable(int on) {
   return g_amx.load() ? 1 : 0;
 }
 
+// Products asked for in bf16 (the rows parrot_qmatmul's `fill` operand flags) on AMX's bf16 tiles while
+// the AMX path is on (1), or on the exact path (0). Returns whether they will be: 0 where this build has no AMX-BF16.
+extern "C" int parrot_bf16_enable(int on) {
+  g_bf16.store(on != 0 && PARROT_AMX_BF16);
+  return g_bf16.load() ? 1 : 0;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype"));
 

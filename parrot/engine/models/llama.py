@@ -81,26 +81,29 @@ def _fuse(parts: list[Weight]) -> Weight:
     return np.concatenate([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts], axis=1)
 
 
-def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
+            fill: jax.Array | None = None) -> jax.Array:
     """x @ W for a float [in, out] matrix, or a block-quantized one (`dtype`: what a dequantized matrix is
-    multiplied in when XLA does the product)."""
+    multiplied in when XLA does the product, and by the native kernel for prompt tokens' rows: `fill`,
+    see quant.linear)."""
     if qtype is None:
         return matmul(x, w)
-    return quant.linear(x, w, qtype, dtype)
+    return quant.linear(x, w, qtype, dtype, fill)
 
 
-def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool) -> jax.Array:
+def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
+                fill: jax.Array | None = None) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
     columns). Megatron: `w` holds the matching input rows and the partial products are summed over
     the devices (one all-reduce; the order of the sum changes with tp). `exact`: `w` holds all input rows
     of this device's output columns, `x` is gathered first and the outputs after (two all-gathers;
     each output is computed as on one device, so greedy outputs do not change with tp)."""
     if tp == 1:
-        return project(x, w, qtype, dtype)
+        return project(x, w, qtype, dtype, fill)
     if not exact:
-        return jax.lax.psum(project(x, w, qtype, dtype), TP_AXIS)
+        return jax.lax.psum(project(x, w, qtype, dtype, fill), TP_AXIS)
     full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
-    return jax.lax.all_gather(project(full, w, qtype, dtype), TP_AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(project(full, w, qtype, dtype, fill), TP_AXIS, axis=1, tiled=True)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -120,8 +123,22 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept) by the same additions whatever the number of rows: halves added
+    elementwise while the width is even, then the remaining columns in order. (XLA's CPU reduction of a
+    single row sums in another order than that of several rows, so a sequence's norms, and then its
+    greedy tokens, changed with the size of its decode batch.)"""
+    while x.shape[-1] % 2 == 0 and x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    total = x[..., :1]
+    for i in range(1, x.shape[-1]):
+        total = total + x[..., i : i + 1]
+    return total
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    var = row_sum(jnp.square(x)) * (1.0 / x.shape[-1])
     return x * jax.lax.rsqrt(var + eps) * weight
 
 
@@ -159,7 +176,8 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype)
+        fill = batch.fill_rows
+        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill)
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         heads, kv_heads = cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp
@@ -170,7 +188,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel)
-        out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact)
+        out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill)
         return out, k_cache, v_cache
 
 
@@ -184,11 +202,11 @@ class MLP(nnx.Module):
         self.w_gate_up, self.w_gate_up_q = _matrix(_fuse([w["w_gate"], w["w_up"]]), dtype)
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype)
+    def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
+        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill)
         f = gu.shape[-1] // 2
         return row_project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype,
-                           self.tp, self.tp_exact)
+                           self.tp, self.tp_exact, fill)
 
 
 class DecoderLayer(nnx.Module):
@@ -202,7 +220,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
         a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
         x = x + a
-        return x + self.mlp(self.ffn_norm(x)), k_cache, v_cache
+        return x + self.mlp(self.ffn_norm(x), batch.fill_rows), k_cache, v_cache
 
 
 class Llama(nnx.Module):
