@@ -8,11 +8,12 @@ llama.cpp's `llama-server` (parrot/bench/peers/install_llama_server.sh). With th
 Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are measured in the same run
 (the float32 decode floor: the model's float32 weights over the measured read bandwidth).
 
-    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too]
+    python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too] [--exact-fills-too]
         [--out benchmarks/results/serve_stream.json]
 
 `--avx2-too` adds a second `parrot serve` with `PARROT_AMX=0`: on a CPU with AMX, the AVX2 products side
-by side with the default AMX-INT8 / VNNI ones.
+by side with the default AMX-INT8 / VNNI ones. `--exact-fills-too` adds one with `PARROT_AMX_BF16=0`:
+prompt tokens on the exact integer path instead of the bf16 tiles.
 
 Every server is started and stopped here (SIGINT to its own PID).
 """
@@ -150,6 +151,9 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server even if installed")
     ap.add_argument("--avx2-too", action="store_true",
                     help="also a `parrot serve` with PARROT_AMX=0 (on a CPU with AMX: its AVX2 products, side by side)")
+    ap.add_argument("--exact-fills-too", action="store_true",
+                    help="also a `parrot serve` with PARROT_AMX_BF16=0 (on a CPU with AMX-BF16: prompts multiplied "
+                         "on the exact integer path instead of the bf16 tiles, side by side)")
     ap.add_argument("--out", default="benchmarks/results/serve_stream.json")
     args = ap.parse_args()
     gguf = str(default_model_path())
@@ -164,6 +168,9 @@ def main() -> None:
     if args.avx2_too:
         servers.append(Server("parrot-avx2", parrot_cmd, ports[0], "/health", healthy, logs / "parrot-avx2.log",
                               env={"PARROT_AMX": "0"}))
+    if args.exact_fills_too:
+        servers.append(Server("parrot-exact-fills", parrot_cmd, ports[0], "/health", healthy,
+                              logs / "parrot-exact-fills.log", env={"PARROT_AMX_BF16": "0"}))
     if LLAMA_SERVER.is_file() and not args.no_peer:
         servers.append(Server("llama-server", [str(LLAMA_SERVER), "-m", gguf, "--port", str(ports[1]), "-t", "2",
                                                "-np", str(max(args.concurrency)), "-c", "32768", "--cont-batching"],
