@@ -113,7 +113,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     prompt = rng.integers(100, loaded.config.vocab_size, prompt_len).tolist()
     pages = list(range(1, 1 + -(-prompt_len // ps)))
     t_prefill = _time_interleaved(steps(runner.prefill_shape(1, prompt_len, prompt_len),
-                                        [SequenceSlice(prompt, 0, pages)]), repeats)
+                                        [SequenceSlice(prompt, 0, pages, fill=True)]), repeats)
     result["prefill"] = {name: {"tokens": prompt_len, "median_s": t, "tokens_per_s": prompt_len / t}
                          for name, t in t_prefill.items()}
 

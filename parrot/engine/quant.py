@@ -100,12 +100,13 @@ def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.flo
            fill: jax.Array | None = None) -> jax.Array:
     """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
     `fill` ([T], nonzero for a prompt token's row): where `dtype` is bfloat16, the native path multiplies
-    those rows in bfloat16 on AMX's bf16 tiles where the CPU has them; other rows (generated tokens) and
-    other CPUs multiply exactly."""
+    those rows in bfloat16 on AMX's bf16 tiles where the CPU has them, and the other rows (generated
+    tokens) with activations to 15 bits (2 limbs on the AMX-INT8 path); other dtypes and other CPUs
+    multiply exactly."""
     t, k = x.shape
     if t <= KERNEL_MAX_ROWS and kernels.available():
-        rows = fill if jnp.dtype(dtype) == jnp.bfloat16 else None
-        return kernels.qmatmul(x, data, qtype, rows).astype(x.dtype)
+        bf16 = jnp.dtype(dtype) == jnp.bfloat16
+        return kernels.qmatmul(x, data, qtype, fill if bf16 else None, 2 if bf16 else 3).astype(x.dtype)
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

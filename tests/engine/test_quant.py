@@ -195,3 +195,26 @@ def test_each_kind_of_row_is_computed_apart(rows: int) -> None:
         np.testing.assert_array_equal(mixed[i], alone[0])
     exact = np.asarray(f(x, d, np.zeros(rows, np.int32)))
     np.testing.assert_array_equal(mixed[fill == 0], exact[fill == 0])
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU (or this build) has no AMX-INT8")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(qtype: str) -> None:
+    """The bfloat16 mode's generated rows: activations to 15 bits below their block's largest (2 limbs),
+    so within sum over blocks of max|x| / 2^15 * sum|w| of the float product, and a row's result the same
+    alone and in any batch (VNNI up to 16 rows, the tiles above)."""
+    q = quant.quantize(_random(576, 80), qtype)
+    x = np.random.default_rng(11).standard_normal((70, 576)).astype(np.float32)
+    d = jnp.asarray(q.data)
+    f = jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype, None, 2))
+    ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    got = np.asarray(f(x, d))
+    w = np.abs(q.dequantize().astype(np.float64)).reshape(18, 32, 80).sum(axis=1)  # [blocks, N]
+    bound = (np.abs(x).reshape(70, 18, 32).max(axis=2) / 2**15) @ w
+    assert (np.abs(got - ref) <= bound + 1e-5 * np.abs(ref) + 1e-6).all()
+    three = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))(x, d))
+    assert not np.array_equal(got, three)
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
+    for size in [3, 16, 17, 70]:
+        for start in range(0, len(x) - size + 1, size):
+            np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])

@@ -50,6 +50,7 @@ struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static conste
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
 struct XPack {
   int64_t T = 0, tn = 0, tiles = 0, blocks = 0;
+  int limbs = 3;                   // 2: the last limb is zero and skipped (15 bits below the block's largest)
   std::vector<uint32_t> b;         // more than kVnniRows rows: [tiles][blocks][3 limbs][8 groups][tn]
   std::vector<float> scales;       // [tiles][blocks][16]: s per token
   std::vector<float> sums;         // [tiles][blocks][16]: sum(x) per token
@@ -58,8 +59,8 @@ struct XPack {
   std::vector<int32_t> limb_sums;  // [T][blocks][3]
 };
 
-inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
-  p.T = T, p.blocks = K / 32;
+inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3) {
+  p.T = T, p.blocks = K / 32, p.limbs = limbs;
   p.tn = std::min<int64_t>(T, 16);
   p.tiles = (T + p.tn - 1) / p.tn;
   const bool vnni = T <= kVnniRows;  // VNNI reads `rows`; the tiles read `b`
@@ -84,11 +85,14 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p) {
       }
       if (!(a >= 1e-30f)) continue;  // zero (or too small to scale to 2^22): limbs and scale stay zero
       p.scales[at] = a / 4194304.f;
-      const __m512 inv = _mm512_set1_ps(4194304.f / a);
+      // two limbs: x rounded to 2^14 steps of the block's largest, written as 256 times that integer
+      // (limbs 0 and 1 as three limbs would have them, limb 2 zero), so the sums and scales are the same
+      const __m512 inv = _mm512_set1_ps((limbs == 2 ? 16384.f : 4194304.f) / a);
       for (int h = 0; h < 2; ++h) {
         const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, inv));  // |xi| <= 2^22 + 1
-        const __m512i l2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, c128), c255), c128);
-        const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, l2), 8);
+        __m512i l2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, c128), c255), c128);
+        __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, l2), 8);
+        if (limbs == 2) r = xi, l2 = _mm512_setzero_si512();
         const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
         const __m512i l0 = _mm512_srai_epi32(_mm512_sub_epi32(r, l1), 8);  // |l0| <= 64
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[0] + 4 * h), _mm512_cvtepi32_epi8(l0));
@@ -207,8 +211,8 @@ void rows_vnni(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float*
       scales<F>(blk, offsets, lanes, d, m);
       for (int t = 0; t < TT; ++t) {
         const uint32_t* xb = xp.rows.data() + (t * blocks + b) * 24;
-        __m512i S[3];
-        for (int l = 0; l < 3; ++l) {
+        __m512i S[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int l = 0; l < xp.limbs; ++l) {
           __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains
           for (int c = 0; c < 8; c += 2) {
             s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
@@ -254,7 +258,7 @@ inline void configure(int tn) {
 }
 
 template <bool kSigned>
-inline void tile_products(const uint32_t* xt, int64_t tn) {
+inline void tile_products(const uint32_t* xt, int64_t tn, int limbs) {
   _tile_zero(0);
   _tile_zero(3);
   _tile_zero(4);
@@ -262,6 +266,7 @@ inline void tile_products(const uint32_t* xt, int64_t tn) {
   if constexpr (kSigned) _tile_dpbssd(0, 1, 2); else _tile_dpbusd(0, 1, 2);
   _tile_loadd(2, xt + 8 * tn, 4 * tn);
   if constexpr (kSigned) _tile_dpbssd(3, 1, 2); else _tile_dpbusd(3, 1, 2);
+  if (limbs == 2) return;  // the third limb is zero: its sums stay zero
   _tile_loadd(2, xt + 16 * tn, 4 * tn);
   if constexpr (kSigned) _tile_dpbssd(4, 1, 2); else _tile_dpbusd(4, 1, 2);
 }
@@ -317,10 +322,10 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
           for (int64_t j = 0; j < nb; ++j) {  // (2)
             if (F::kSigned && rows_here == 16) _tile_loadd(1, w + n * ldw + (b0 + j) * F::kBytes + F::kQs, ldw);
             else _tile_loadd(1, A[j], 32);
-            tile_products<F::kSigned>(xt + j * 3 * 8 * tn, tn);
+            tile_products<F::kSigned>(xt + j * 3 * 8 * tn, tn, xp.limbs);
             _tile_stored(0, C[j][0], 64);
             _tile_stored(3, C[j][1], 64);
-            _tile_stored(4, C[j][2], 64);
+            if (xp.limbs == 3) _tile_stored(4, C[j][2], 64);  // two limbs: C[j][2] stays zero (memset)
           }
           const float* sb = xp.scales.data() + (tt * blocks + b0) * 16;
           const float* xs = xp.sums.data() + (tt * blocks + b0) * 16;

@@ -400,7 +400,8 @@ void bf16_rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64
 
 // The exact product of rows x [T, K] (every row the same whatever rows share the call on the AMX path).
 template <int Q>
-void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N) {
+void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N,
+             int limbs) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
 #ifndef PARROT_CPT
@@ -413,11 +414,12 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   if (g_amx.load(std::memory_order_relaxed)) {
     thread_local amx::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const amx::XPack* xp = &packed;
-    amx::pack_x(x, T, K, packed);
+    amx::pack_x(x, T, K, packed, limbs);
     parallel_chunks(pool, chunks, [&](int64_t c) { amx_rows<Q>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
     return;
   }
 #endif
+  (void)limbs;
   parallel_chunks(pool, chunks, [&](int64_t c) {
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
   });
@@ -443,7 +445,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, c
 // into a call of its own, so a row's result depends only on its own kind.
 template <int Q>
 void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
-                          const uint8_t* w, float* y, int64_t N) {
+                          const uint8_t* w, float* y, int64_t N, int limbs) {
 #if PARROT_AMX_BF16
   int64_t nfill = 0;
   if (g_amx.load(std::memory_order_relaxed) && g_bf16.load(std::memory_order_relaxed))
@@ -457,7 +459,7 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] != 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
       if (kind) qmatmul_bf16<Q>(pool, xs.data(), n, K, w, ys.data(), N);
-      else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N);
+      else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N, limbs);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] != 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
     }
@@ -466,11 +468,11 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
 #else
   (void)fill;
 #endif
-  qmatmul<Q>(pool, x, T, K, w, y, N);
+  qmatmul<Q>(pool, x, T, K, w, y, N, limbs);
 }
 
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
@@ -479,6 +481,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t blocks = K / 32;
   const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
   if (bytes < 0) return ffi::Error::InvalidArgument("qmatmul: unknown block type");
+  if (limbs != 2 && limbs != 3) return ffi::Error::InvalidArgument("qmatmul: limbs must be 2 or 3");
   if (wd[1] != blocks * bytes) return ffi::Error::InvalidArgument("qmatmul: weight row size does not match K");
   if (fill.element_count() != static_cast<size_t>(T))
     return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
@@ -487,9 +490,9 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   switch (qtype) {
-    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, yp, N); break;
-    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, yp, N); break;
-    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, yp, N); break;
+    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
+    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
+    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
   }
   return ffi::Error::Success();
 }
@@ -884,7 +887,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("qtype"));
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("limbs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
