@@ -21,8 +21,10 @@ plain names) are honoured. Left-out sampling settings take the model's recommend
 defaults (serve/sampling_defaults.py, shown in /v1/models). Output constraints (response_format,
 extensions) are validated before any engine work (serve/constraints.py) and enforced by the engine; tools
 are rendered and parsed by `chat_prompt.py` / `openai_tools.py`; logprobs come back in OpenAI's shapes
-(`openai_logprobs.py`). `prompt` is a string or a list of strings (one set of n choices per prompt;
-choice index = prompt index * n + i).
+(`openai_logprobs.py`). `prompt` is a string, a list of strings, a list of token ids or a list of lists
+of token ids (one set of n choices per prompt; choice index = prompt index * n + i). Token ids go to the
+engine as given (never decoded and re-encoded), through the same prefix cache as text; `echo` shows their
+decoded text.
 
 `model`: one model is served; any name is accepted and responses name the served model (clients often
 hard-code a model name). `GET /v1/models/{id}` is 404 for other names.
@@ -339,13 +341,16 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         fields.update(extra)
         return [body.sampling(fields, i) for i in range(body.n)]  # all validated before anything runs
 
-    def submit(pieces_list: list[tuple[list[str], int]], body: SamplingRequest, params: list[SamplingParams],
-               endpoint: str, start: float, prompt_logprobs: int | None = None) -> list[_Choice]:
+    def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
+               params: list[SamplingParams], endpoint: str, start: float,
+               prompt_logprobs: int | None = None) -> list[_Choice]:
+        """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`)."""
         limits = [e.max_context_len for e in core.engines.live_engines()]
         if limits:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
             for pieces, _ in pieces_list:
-                n_prompt = len(core.tokenizers.encode(core.model, "".join(pieces)))
+                n_prompt = (sum(len(p) for p in pieces) if pieces and isinstance(pieces[0], list)
+                            else len(core.tokenizers.encode(core.model, "".join(pieces))))  # type: ignore[arg-type]
                 if n_prompt + params[0].max_tokens > min(limits):
                     raise OpenAIError(
                         400, f"this model's maximum context length is {min(limits)} tokens; the {param} has "
@@ -382,7 +387,10 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
     @router.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
-        prompts = body.check()
+        prompts = body.check(vocab_size())
+        # what echo shows: the text, or the token ids' text (special tokens included, as they are in the prompt)
+        texts = [p if isinstance(p, str) else core.tokenizers.decode(core.model, p, skip_special_tokens=False)
+                 for p in prompts] if body.echo else []
         prompt_only = body.max_tokens == 0  # echo: the prompt (and its logprobs); the engine generates one token
         params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
         await constraints.validate(params[0])
@@ -405,7 +413,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 if prompt_only:
                     c.result = _prompt_only(c.result)
                 r = c.result
-                prefix = prompts[c.index // body.n] if body.echo else ""
+                prefix = texts[c.index // body.n] if body.echo else ""
                 logprobs = completion_logprobs(r.logprobs or [], top_n, len(prefix)) if want_logprobs else None
                 if logprobs is not None and body.echo:
                     echoed = prompt_logprobs(c)
@@ -430,7 +438,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             async for c, item in events:
                 if body.echo and c.index not in echoed:  # the prompt first
                     echoed.add(c.index)
-                    prompt = prompts[c.index // body.n]
+                    prompt = texts[c.index // body.n]
                     offsets[c.index] += len(prompt)
                     yield _sse({**base, "choices": [{"index": c.index, "text": prompt,
                                                      "logprobs": prompt_logprobs(c), "finish_reason": None}]})

@@ -15,7 +15,8 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from parrot.frontend.openai_errors import OpenAIError, unsupported
 from parrot.frontend.strict_schema import strict_schema
@@ -272,15 +273,46 @@ class SamplingRequest(BaseModel):
             raise OpenAIError(400, f"invalid sampling parameters: {problems}") from None
 
 
+Prompt = str | list[int]  # text, or token ids given as they are
+
+
+def _prompt_shape(value: Any) -> Any:
+    """`prompt`'s four shapes (a string, strings, token ids, lists of token ids), checked before pydantic's
+    union so a wrong one gets one clear message instead of one per union member."""
+    if isinstance(value, str) or not isinstance(value, list) or not value:
+        return value  # a string; not a list (pydantic says so); [] (check() says so)
+
+    def is_id(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if all(isinstance(x, str) for x in value) or all(is_id(x) for x in value):
+        return value
+    if all(isinstance(x, list) for x in value):
+        for i, ids in enumerate(value):
+            if not all(is_id(x) for x in ids):
+                raise PydanticCustomError("prompt", "prompt {i} must be a list of integer token ids", {"i": i})
+        return value
+    kinds = ", ".join(dict.fromkeys("token id" if is_id(x) else type(x).__name__ for x in value))
+    raise PydanticCustomError(
+        "prompt", "prompt must be a string, a list of strings, a list of token ids (integers) or a list of lists "
+        "of token ids; this list holds {kinds}", {"kinds": kinds})
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] = Field(description="a string, or a list of strings (n choices each)")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, token ids (one prompt) or lists of token ids (several prompts); "
+                    "n choices each")
     max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, scored")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
-    def check(self) -> list[str]:
+    _prompt_shape = field_validator("prompt", mode="before")(_prompt_shape)
+
+    def check(self, vocab_size: int | None = None) -> list[Prompt]:
+        """The prompts, each a string or a list of token ids (sent to the engine as given: they must lie in
+        [0, vocab_size) when the vocabulary's size is known)."""
         self.check_common()
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion)")
@@ -291,13 +323,28 @@ class CompletionRequest(SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise OpenAIError(400, "max_tokens 0 needs echo: true (the prompt and its logprobs, nothing generated)",
                               param="max_tokens")
-        prompts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        prompt = self.prompt
+        prompts: list[Prompt]
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            prompts = [list(prompt)]  # type: ignore[arg-type] - one prompt of token ids
+        else:
+            prompts = [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
         if not prompts:
             raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
         if len(prompts) * self.n > MAX_N * 4:
             raise OpenAIError(400, f"at most {MAX_N * 4} choices (prompts x n) per request", param="n")
-        if any(not p for p in prompts):
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
+        for i, p in enumerate(prompts):
+            if not p:
+                which = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+                raise OpenAIError(400, f"{which} is empty" if isinstance(p, str) else
+                                  f"{which} is an empty list of token ids", param="prompt")
+            if isinstance(p, list) and vocab_size is not None:
+                bad = [t for t in p if not 0 <= t < vocab_size]
+                if bad:
+                    raise OpenAIError(400, f"token ids {bad[:5]} are outside the vocabulary (ids 0 to "
+                                      f"{vocab_size - 1})", param="prompt")
         return prompts
 
     def logprob_fields(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -936,18 +936,21 @@ class ParrotServeCore:
             self.contexts.discard(ctx)
 
     # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
-    def complete(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
-                 shared: int = 1, prompt_logprobs: int | None = None) -> asyncio.Queue:
+    def complete(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,
+                 criterion: Criterion = "latency", shared: int = 1,
+                 prompt_logprobs: int | None = None) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
         pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
         the whole prompt (and its block checkpoints) stays cached too, evicted least recently used;
         without, the rest is freed when the completion ends. With `prompt_logprobs` (n alternatives) the
         prompt is computed afresh instead, for its tokens' logprobs (`_scored_prompt`).
-        Returns a queue receiving text deltas (with prompt_logprobs, a PromptLogprobs first), then a
-        CompletionResult or an error."""
+        The pieces are all text (tokenized together, `encode_pieces`) or all token ids (lists of ints: the
+        prompt is their concatenation exactly as given, no BOS added; the prefix cache matches them as it
+        does any tokens). Returns a queue receiving text deltas (with prompt_logprobs, a PromptLogprobs
+        first), then a CompletionResult or an error."""
         clock = TaskClock()
-        if not "".join(pieces):
+        if not any(pieces):
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
             raise EngineUnavailableError("no engine is live: start one (parrot engine --serve-core URL) or wait")
@@ -955,7 +958,7 @@ class ParrotServeCore:
         if pending >= self.config.max_queued_completions:
             raise RateLimitError(f"{pending} completions are waiting for an engine (limit "
                                  f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
-        token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
+        token_pieces = self.prompt_tokens(pieces)
         tokens = [t for piece in token_pieces for t in piece]
         owner = f"completion-{uuid.uuid4().hex[:12]}"
         boundaries, owners, n = [], [], 0
@@ -975,13 +978,35 @@ class ParrotServeCore:
         self._dispatch()
         return queue
 
+    def prompt_tokens(self, pieces: Sequence[str] | Sequence[list[int]]) -> list[list[int]]:
+        """The token ids of each piece of a plain completion's prompt: text pieces tokenized together
+        (`encode_pieces`), token-id pieces as given (checked against the vocabulary, never re-encoded).
+        Raises InvalidRequestError for an empty prompt, pieces mixing text and ids, or ids outside the
+        vocabulary."""
+        if all(isinstance(p, str) for p in pieces):
+            if not "".join(pieces):  # type: ignore[arg-type]
+                raise InvalidRequestError("the prompt is empty")
+            return self.tokenizers.encode_pieces(self.model, pieces)  # type: ignore[arg-type]
+        if not all(isinstance(p, list | tuple) for p in pieces):
+            raise InvalidRequestError("a prompt's pieces are all text or all token ids, not both")
+        token_pieces = [list(p) for p in pieces]
+        if not any(token_pieces):
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.tokenizers.get(self.model).backend.get_vocab_size()
+        bad = [t for p in token_pieces for t in p
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (ids 0 to {vocab - 1})")
+        return token_pieces
+
     def cancel_completion(self, queue: asyncio.Queue, why: str = "the client disconnected") -> bool:
         """Cancel the plain completion feeding `queue` (from `complete`) unless it is over: it leaves the
         queue, or is aborted on its engine. True when it was cancelled."""
         task = self._completions.get(queue)
         return task is not None and self._cancel_task(task, f"aborted: {why}")
 
-    async def run_completion(self, pieces: list[str], sampling: SamplingParams, criterion: Criterion = "latency",
+    async def run_completion(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,
+                             criterion: Criterion = "latency",
                              shared: int = 1) -> AsyncIterator[str | CompletionResult]:
         """Yield text deltas, then the CompletionResult; raises the ParrotError of a failure."""
         queue = self.complete(pieces, sampling, criterion, shared)

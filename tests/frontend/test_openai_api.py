@@ -13,6 +13,7 @@ import pytest
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.http_api import EngineServer
+from parrot.errors import InvalidRequestError
 from parrot.frontend.http_api import create_app
 from parrot.frontend.openai_api import chat_pieces
 from parrot.serve.engines import HttpEngineClient
@@ -75,6 +76,37 @@ def test_default_max_tokens_and_prompt_list(client: openai.OpenAI) -> None:
                                   extra_body={"ignore_eos": True})
     assert [c.index for c in r.choices] == [0, 1]
     assert r.usage.completion_tokens == 2 * 16  # the OpenAI default for completions
+
+
+def test_token_id_prompts(client: openai.OpenAI, server) -> None:
+    """Token ids go to the engine as given: the same greedy completion as the text they encode, one set of n
+    choices per prompt of a list, usage counting the ids, and the prefix cache shared with the text."""
+    ids = server[1].tokenizers.encode("tiny", PROMPT)
+    text = client.completions.create(model="tiny", prompt=PROMPT, **GREEDY)
+    r = client.completions.create(model="tiny", prompt=ids, **GREEDY)
+    assert r.choices[0].text == text.choices[0].text and r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16  # the text's prompt, cached: the same tokens
+    other = server[1].tokenizers.encode("tiny", "Hello there")
+    r = client.completions.create(model="tiny", prompt=[ids, other], n=2, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text == text.choices[0].text
+    alone = client.completions.create(model="tiny", prompt="Hello there", **GREEDY).choices[0].text
+    assert r.choices[2].text == r.choices[3].text == alone
+    assert r.usage.prompt_tokens == len(ids) + len(other) and r.usage.completion_tokens == 4 * 8
+    stream = client.completions.create(model="tiny", prompt=ids, stream=True, echo=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    streamed, finish, usage = _stream_text(stream, chat=False)
+    assert streamed == PROMPT + text.choices[0].text and usage.prompt_tokens == len(ids)
+
+
+def test_core_prompt_tokens(server) -> None:
+    """The serve core's plain completion prompt: text pieces are tokenized together, token-id pieces kept."""
+    core = server[1]
+    assert core.prompt_tokens(["ab", "c"]) == core.tokenizers.encode_pieces("tiny", ["ab", "c"])
+    assert core.prompt_tokens([[7, 8], [], [9]]) == [[7, 8], [], [9]]
+    for pieces in (["a", [1]], [[1], [2, 260]], [[-1]], [[], []], [""]):
+        with pytest.raises(InvalidRequestError):
+            core.prompt_tokens(pieces)
 
 
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
@@ -188,6 +220,22 @@ def test_bad_input(client: openai.OpenAI, server) -> None:
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = httpx.post(f"{server[0]}/v1/completions", json={"prompt": 3}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # token-id prompts: empty, outside the vocabulary (260 tokens), mixed with text, too long
+    for prompt, says in (([], "empty"), ([[]], "empty"), ([[5, 6], []], "prompt 1 is an empty"),
+                         ([-1, 5], "vocabulary"), ([5, 260], "vocabulary"), ([[5], [10**12]], "vocabulary"),
+                         ([5, "x"], "token ids"), (["x", [5]], "token ids"), ([[5, "x"]], "token ids"),
+                         ([5, True], "token ids"), ([5, 1.5], "token ids")):
+        for stream in (False, True):
+            r = httpx.post(f"{server[0]}/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "stream": stream})
+            assert r.status_code == 400, (prompt, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "prompt" and says in error["message"], (prompt, error)
+            assert error["type"] == "invalid_request_error"
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt=[65] * 600, max_tokens=4)
+    assert e.code == "context_length_exceeded" and e.param == "prompt" and "600 tokens" in e.message
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt=[[65], [65] * 510], max_tokens=4, stream=True)
+    assert e.code == "context_length_exceeded" and e.param == "max_tokens"
 
 
 # ---- the real default model -----------------------------------------------------------------------
@@ -209,6 +257,26 @@ def test_smollm_knows_the_capital_of_france(smollm_server: str) -> None:
         r = c.chat.completions.create(model="smollm2", temperature=0, max_tokens=10,
                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
+
+
+@pytest.mark.model
+def test_smollm_token_id_prompt_equals_its_text(smollm_server: str, smollm) -> None:  # noqa: ANN001
+    """A BPE vocabulary: the ids of a text (the server's tokenizer) complete as the text does, and score the
+    same when echoed with logprobs (lm-eval-harness's loglikelihood request)."""
+    text = "The capital of France is"
+    ids = smollm.tokenizer.encode(text)
+    with openai.OpenAI(base_url=f"{smollm_server}/v1", api_key="x", max_retries=0, timeout=300) as c:
+        def run(prompt: str | list[int], **kw):  # noqa: ANN202
+            return c.completions.create(model="smollm2", prompt=prompt, temperature=0, **kw)
+
+        by_text, by_ids = run(text, max_tokens=6), run(ids, max_tokens=6)
+        assert by_ids.choices[0].text == by_text.choices[0].text and "Paris" in by_ids.choices[0].text
+        assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+        scored_text, scored = run(text, echo=True, logprobs=1, max_tokens=0), run(ids, echo=True, logprobs=1,
+                                                                                   max_tokens=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == text and len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(scored_text.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
 
 
 CHUNKS = [

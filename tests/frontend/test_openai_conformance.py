@@ -193,6 +193,7 @@ def test_chat_refused(client: openai.OpenAI, param: str, value: object) -> None:
 
 def test_completion_refused(client: openai.OpenAI) -> None:
     refused(comp, "suffix", client=client, suffix="end")
+    refused(comp, "prompt", client=client, prompt=[EOS + 3])  # token ids outside the vocabulary
     refused(comp, "max_tokens", client=client, max_tokens=0)  # without echo there is nothing to answer
 
 
@@ -245,6 +246,27 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI) -> None:
     chunks = [c.choices[0] for c in comp(client, echo=True, logprobs=1, max_tokens=0, stream=True)]
     assert "".join(c.text for c in chunks) == PROMPT and chunks[-1].finish_reason == "length"
     assert [t for c in chunks for t in c.logprobs.tokens] == list(PROMPT)
+
+
+def test_token_id_prompts_echo_and_score(client: openai.OpenAI, server) -> None:
+    """`prompt` as token ids (lm-eval-harness's local-completions sends them): the ids go to the engine as
+    given; echo shows their text, and with logprobs (max_tokens 0) the same prompt logprobs as the text."""
+    ids = server[1].tokenizers.encode("tiny", PROMPT)
+    by_text = comp(client, echo=True, logprobs=2, max_tokens=0)
+    by_ids = comp(client, prompt=ids, echo=True, logprobs=2, max_tokens=0)
+    choice, lp = by_ids.choices[0], by_ids.choices[0].logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length" and len(lp.tokens) == len(ids)
+    assert lp.tokens == by_text.choices[0].logprobs.tokens and lp.text_offset == list(range(len(ids)))
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(by_text.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
+    assert by_ids.usage.prompt_tokens == len(ids) and by_ids.usage.completion_tokens == 0
+    # several prompts of ids, streamed: each echoed with its own logprobs
+    two = [ids, ids[:5]]
+    chunks = [c.choices[0] for c in comp(client, prompt=two, echo=True, logprobs=0, max_tokens=0, stream=True)]
+    for i, p in enumerate(two):
+        mine = [c for c in chunks if c.index == i]
+        assert "".join(c.text for c in mine) == PROMPT[:len(p)]
+        assert len([t for c in mine for t in c.logprobs.tokens]) == len(p)
 
 
 def test_chat_logprobs_shape(client: openai.OpenAI) -> None:

@@ -104,3 +104,28 @@ def test_logprob_fields() -> None:
     with pytest.raises(OpenAIError) as info:
         CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0}).check()  # nothing to answer
     assert info.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([5, 6, 7], [[5, 6, 7]]), ([[5], [6, 7]], [[5], [6, 7]]),
+    ([0, 999], [[0, 999]]),
+])
+def test_prompt_shapes(prompt, prompts) -> None:  # noqa: ANN001
+    """A string, strings, one prompt of token ids, or several: each is one prompt, token ids kept as given."""
+    assert CompletionRequest.model_validate({"prompt": prompt}).check(vocab_size=1000) == prompts
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([], "empty list"), ([[]], "empty list of token ids"), ([[1], []], "prompt 1 is an empty list"), ([""], "empty"),
+    ([1000], "outside the vocabulary"), ([-1, 2], "outside the vocabulary"), ([[1], [2, 10**12]], "outside"),
+])
+def test_bad_prompts_are_refused_by_check(prompt, says: str) -> None:  # noqa: ANN001
+    with pytest.raises(OpenAIError) as info:
+        CompletionRequest.model_validate({"prompt": prompt}).check(vocab_size=1000)
+    assert info.value.status == 400 and info.value.param == "prompt" and says in info.value.message
+
+
+@pytest.mark.parametrize("prompt", [[1, "a"], ["a", [1]], [[1], 2], [[1, "a"]], [True, 1], [1.5], [None], 3])
+def test_mixed_or_malformed_prompts_are_invalid(prompt) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="prompt"):
+        CompletionRequest.model_validate({"prompt": prompt})
