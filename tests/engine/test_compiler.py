@@ -66,7 +66,9 @@ def test_a_failed_shape_fails_its_waiters_and_not_the_others() -> None:
     c.submit([1, 2, 3])
     with pytest.raises(RuntimeError, match="cannot compile 2"):
         c.get(2)
-    assert c.get(3) == ("exe-3", False) and c.ready(1) and not c.ready(2)
+    assert c.get(3) == ("exe-3", False) and not c.ready(2)
+    c.wait([1])  # its worker may still be finishing it on a loaded machine
+    assert c.ready(1)
 
 
 def test_queued_shapes_wait_while_the_engine_serves() -> None:
