@@ -310,8 +310,8 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "the largest token padding)")
     e.add_argument("--prefill-tokens-beside-decodes", type=int, default=None, metavar="N",
                    help="prefill tokens in a step that also decodes (default "
-                        f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators; smaller: lower "
-                        "inter-token latency while prompts arrive)")
+                        f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators and on CPUs whose "
+                        "AMX bf16 tiles fill prompts; smaller: lower inter-token latency while prompts arrive)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

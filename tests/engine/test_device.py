@@ -36,7 +36,8 @@ def test_weights_that_leave_no_room_fail_clearly() -> None:
 
 
 def test_accelerator_buckets_keep_what_the_user_set() -> None:
-    assert for_device(EngineConfig(), "cpu") == EngineConfig()
+    cpu = for_device(EngineConfig(), "cpu")
+    assert cpu.bs_buckets == EngineConfig().bs_buckets and cpu.max_num_batched_tokens == 512
     gpu = for_device(EngineConfig(), "gpu")
     assert gpu.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"] and gpu.max_batch_size == 256
     assert gpu.max_num_batched_tokens == 2048 and max(gpu.token_buckets) == 2048
@@ -51,3 +52,16 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     assert fixed.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"]
     with pytest.raises(ValueError, match="explicit names fields"):
         EngineConfig(explicit=("max_batch",))
+
+
+def test_a_cpu_whose_bf16_tiles_fill_prompts_takes_longer_chunks_beside_decodes() -> None:
+    from parrot.engine import kernels
+
+    fast = kernels.available() and kernels.bf16_tiles()
+    assert for_device(EngineConfig(), "cpu").prefill_tokens_beside_decodes == (512 if fast else 128)
+    # float32 mode, or a value the user gave (even the default), keeps its chunk
+    assert for_device(EngineConfig(dtype="float32"), "cpu").prefill_tokens_beside_decodes == 128
+    given = EngineConfig(prefill_tokens_beside_decodes=128, explicit=("prefill_tokens_beside_decodes",))
+    assert for_device(given, "cpu").prefill_tokens_beside_decodes == 128
+    small = EngineConfig(max_num_batched_tokens=256, token_buckets=[16, 32, 64, 128, 256])
+    assert for_device(small, "cpu").prefill_tokens_beside_decodes == (256 if fast else 128)
