@@ -11,9 +11,11 @@ the prefix keys/values are gathered once and all member queries are stacked into
 against them; each sequence's own suffix is attended separately; the two partial results are merged
 exactly through their log-sum-exp (flash-attention style), so the output equals ordinary attention.
 
-Decode steps on a CPU with the native kernels (kernels/cpu_kernels.cc) skip the gathers altogether:
-each sequence's keys and values are read in place from its pages (the shared prefix through the same
-pages), with an online softmax, and nothing is copied. On GPUs plain decode steps over a bfloat16 cache
+Steps on a CPU with the native kernels (kernels/cpu_kernels.cc) skip the gathers altogether: each
+sequence's keys and values are read in place from its pages (a decode batch's shared prefix through the
+same pages), with an online softmax, and nothing is copied. Prefill steps there go through
+kernels/prefill_attention.h: causal, up to each query's own position only (half the padded square), and
+each token's result the same whatever chunk or batch it is filled in. On GPUs plain decode steps over a bfloat16 cache
 do the same through a Pallas kernel (gpu_attention.py).
 """
 
@@ -63,6 +65,12 @@ def _partial(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
     return m, e, jnp.sum(e, axis=-1, keepdims=True)
 
 
+def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
+    """Whether attention over a cache of this storage dtype reads the pages in place through the native CPU
+    kernels (decode steps, and prefill steps without a shared prefix) instead of gathering them."""
+    return jnp.dtype(cache_dtype) in (jnp.float32, jnp.uint16) and head_dim % 8 == 0 and kernels.available()
+
+
 def paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float,
     gpu_kernel: bool = False,
@@ -73,8 +81,13 @@ def paged_attention(
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
-    if qlen == 1 and k_cache.dtype in (jnp.float32, jnp.uint16) and kernels.available():
-        return _decode_in_place(q, k_cache, v_cache, batch, scale)
+    if in_place(k_cache.dtype, d):
+        if qlen == 1:
+            return _decode_in_place(q, k_cache, v_cache, batch, scale)
+        if batch.prefix_pages.shape[0] == 0:
+            o = kernels.paged_prefill(q, k_cache, v_cache, batch.q_index, batch.positions, batch.block_tables,
+                                      batch.kv_offset, batch.kv_lens, scale)
+            return o.astype(q.dtype)
     if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
         return _decode_gpu(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale

@@ -33,6 +33,7 @@ from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
 from parrot.engine.scheduler import Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
 from parrot.engine.tokenizer import IncrementalDetokenizer
 from parrot.errors import ConflictError, EngineUnavailableError, InvalidRequestError, NotFoundError, ParrotError
@@ -78,7 +79,9 @@ class LLMEngine:
         self.runner.mirror = mirror
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
-        self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len)
+        self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
+                                   align_chunks=not self.runner.prefill_in_place)
+        self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.token_texts = TokenTexts(self.tokenizer)
@@ -136,6 +139,7 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.runner.close()  # the other processes of a multi-process engine stop too
+        self.trace.close()
 
     # ---- submitting (any thread) --------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -399,6 +403,7 @@ class LLMEngine:
             self._step_ms.append(wall * 1e3)
             device = self.runner.wait_s + self.runner.dispatch_s - device0
             self._host_ms.append((wall - device) * 1e3)
+            self.trace.step(plan, wall, ahead is not None)
 
     @staticmethod
     def _deliver(outputs: list[JobOutput]) -> None:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import gpu_attention, kernels, tensor_parallel
+from parrot.engine import attention, gpu_attention, kernels, tensor_parallel
 from parrot.engine.batch import (
     ForwardBatch,
     SequenceSlice,
@@ -318,12 +318,22 @@ class ModelRunner:
             self._blocks[n] = jax.jit(fn, donate_argnums=(5, 6))
         return self._blocks[n]
 
+    @property
+    def kv_storage_dtype(self) -> jnp.dtype:
+        """The cache arrays' dtype: on a CPU a bfloat16 cache is held as uint16 bit patterns (attention.write_kv)."""
+        cpu = jax.default_backend() == "cpu"
+        return jnp.dtype(jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype)
+
+    @property
+    def prefill_in_place(self) -> bool:
+        """Whether prefill attention reads the KV pages in place (its cost then grows with the positions a
+        chunk attends to, not with its padded attention length)."""
+        return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
+
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
-        # on a CPU a bfloat16 cache is held as uint16 bit patterns (see attention.write_kv)
-        cpu = jax.default_backend() == "cpu"
-        n, dtype = mcfg.num_layers, jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype
+        n, dtype = mcfg.num_layers, self.kv_storage_dtype
         out = None if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),

@@ -79,10 +79,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int) -> None:
+    def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, align_chunks: bool = True) -> None:
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
+        self.align_chunks = align_chunks  # cut prefill chunks at attention-length buckets (see `_align`)
         self.max_prefill_batch = max(cfg.prefill_bs_buckets)
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
         self.waiting: deque[Job] = deque()
@@ -212,7 +213,11 @@ class Scheduler:
     def _align(self, start: int, n: int) -> int:
         """Cut a prefill chunk starting at `start` at the end of the attention-length bucket `start` lies
         in, when that keeps at least half of it: the chunk then attends over the shorter padded length
-        (a 512-token chunk after a 31-token cached prefix would otherwise pay for 1024 keys)."""
+        (a 512-token chunk after a 31-token cached prefix would otherwise pay for 1024 keys). Not where
+        attention reads the pages in place (`align_chunks` False): its cost does not depend on the bucket,
+        and a cut would only add a step."""
+        if not self.align_chunks:
+            return n
         for bucket in self.cfg.kv_buckets:
             if bucket > start:
                 if start + n > bucket and 2 * (bucket - start) >= n:

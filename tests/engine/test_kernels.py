@@ -71,6 +71,48 @@ def test_decode_with_shared_prefix_equals_gather_path() -> None:
     np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
 
 
+def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array, vc: jax.Array, q_len: int,
+             batch_size: int, num_pages: int, num_tokens: int) -> tuple[np.ndarray, object]:
+    q = jnp.pad(jnp.asarray(q), ((0, num_tokens - q.shape[0]), (0, 0), (0, 0)))  # the step's padding tokens
+    batch = jax.device_put(build_batch(seqs, PS, num_tokens=num_tokens, batch_size=batch_size, q_len=q_len,
+                                       num_pages=num_pages))
+    return np.asarray(jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5))(q, kc, vc, batch)), batch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
+    rng = np.random.default_rng(2)
+    kc, vc = _cache(rng, 64, dtype)
+    # a chunk after a cached prefix not on a page boundary, a whole prompt, a chunk of one page, and a padding
+    # sequence (batch bucket 4, query bucket 64)
+    seqs = [SequenceSlice(list(range(50)), 37, list(range(1, 7))),
+            SequenceSlice(list(range(61)), 0, list(range(10, 14))),
+            SequenceSlice(list(range(16)), 64, list(range(20, 25)))]
+    q = jnp.asarray(rng.standard_normal((256, HKV * G, D)).astype(np.float32))
+    native, batch = _prefill(seqs, q, kc, vc, q_len=64, batch_size=4, num_pages=8, num_tokens=256)
+    np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
+    assert np.all(native[50 + 61 + 16:] == 0)  # tokens no query names
+
+
+def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch() -> None:
+    """A token's attention depends only on its query, position and keys: filling a prompt whole, in two
+    chunks, or beside another sequence gives the same bits (the fill path is chunking invariant)."""
+    rng = np.random.default_rng(3)
+    kc, vc = _cache(rng, 64, "bfloat16")
+    pages = list(range(1, 9))
+    q = rng.standard_normal((120, HKV * G, D)).astype(np.float32)
+    whole, _ = _prefill([SequenceSlice(list(range(120)), 0, pages)], q, kc, vc, 128, 1, 8, 128)
+    head, _ = _prefill([SequenceSlice(list(range(45)), 0, pages[:3])], q[:45], kc, vc, 64, 1, 8, 64)
+    tail, _ = _prefill([SequenceSlice(list(range(75)), 45, pages)], q[45:], kc, vc, 128, 1, 8, 128)
+    other = rng.standard_normal((30, HKV * G, D)).astype(np.float32)
+    mixed, _ = _prefill([SequenceSlice(list(range(30)), 10, list(range(30, 33))),
+                         SequenceSlice(list(range(75)), 45, pages)],
+                        np.concatenate([other, q[45:]]), kc, vc, 128, 2, 8, 256)
+    np.testing.assert_array_equal(head[:45], whole[:45])
+    np.testing.assert_array_equal(tail[:75], whole[45:120])
+    np.testing.assert_array_equal(mixed[30:105], whole[45:120])
+
+
 def test_turned_off_gives_the_reason() -> None:
     code = "from parrot.engine import kernels; print(kernels.available(), kernels.unavailable_reason())"
     env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu")

@@ -35,9 +35,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-HEADERS = (Path(__file__).with_name("amx_matmul.h"), Path(__file__).with_name("amx_bf16.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("amx_matmul.h", "amx_bf16.h", "prefill_attention.h"))
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
-_TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode"}
+_TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
+            "parrot_paged_prefill": "ParrotPagedPrefill"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -167,6 +168,21 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]),
                                                    limbs=np.int32(limbs))
+
+
+def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index: jax.Array, positions: jax.Array,
+                  block_tables: jax.Array, kv_offset: jax.Array, kv_lens: jax.Array, scale: float) -> jax.Array:
+    """The query tokens of a prefill step (q [T, H, D] flat; `q_index` [B, Q]: sequence b's query tokens, T
+    where none) attending causally to their sequences' keys and values read in place from the paged caches
+    ([Hkv, pages, page_size, D], float32 or bfloat16): key l of sequence b is at position kv_offset[b] + l
+    (pages `block_tables[b]`), seen by a query at position p when it is <= p and < kv_lens[b]. Each token's
+    result is the same whatever chunk or batch it is computed in. Returns [T, H, D], zeros for tokens no
+    query names."""
+    i32 = jnp.int32
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("parrot_paged_prefill", out)(
+        q.astype(jnp.float32), k_cache, v_cache, q_index.astype(i32), positions.astype(i32),
+        block_tables.astype(i32), kv_offset.astype(i32), kv_lens.astype(i32), scale=np.float32(scale))
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

@@ -18,6 +18,9 @@
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
 // from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
 // through the same pages (the cascade layout of parrot/engine/batch.py). Online softmax in float32.
+//
+// parrot_paged_prefill: a prefill step's query tokens attending causally to their sequences' keys and
+// values read in place from the same caches (prefill_attention.h).
 
 #include <immintrin.h>
 
@@ -828,6 +831,8 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
   });
 }
 
+#include "prefill_attention.h"
+
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
@@ -856,6 +861,34 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     paged_decode(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
                  static_cast<const uint16_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
                  args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
+                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_offset,
+                            ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions(), id = q_index.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || id.size() != 2)
+    return ffi::Error::InvalidArgument("paged_prefill: q [T,H,D], caches [Hkv,P,S,D], q_index [B,Q], block_tables [B,P]");
+  const int64_t T = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], B = id[0], Q = id[1];
+  if (kd[3] != D || D % 8 || H % Hkv || bd[0] != B || positions.dimensions()[0] != T)
+    return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");
+  const auto kt = k_cache.element_type();
+  if (kt != v_cache.element_type() ||
+      (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16))
+    return ffi::Error::InvalidArgument("paged_prefill: the KV caches must both be float32 or bfloat16");
+  if (kt == ffi::DataType::F32) {
+    paged_prefill(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
+                  static_cast<const float*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
+                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
+                  D, Hkv, P, S, B, Q, bd[1], scale);
+  } else {
+    paged_prefill(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
+                  static_cast<const uint16_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
+                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
+                  D, Hkv, P, S, B, Q, bd[1], scale);
   }
   return ffi::Error::Success();
 }
@@ -903,4 +936,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // prefix_len [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // in_prefix [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, H, D]
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_cache [Hkv, P, S, D], f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_index [B, Q]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, Pmax]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_offset [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H, D]
                                   .Attr<float>("scale"));
