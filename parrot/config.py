@@ -129,10 +129,12 @@ class ServeConfig:
     max_cached_contexts: int = 1024  # global prefix contexts at most: beyond, the least recently used go now
     # automatic prefix caching (prefix_sharing): every prompt is cached, matched block by block
     prefix_block_tokens: int = 16  # block of the prefix index (the engines' page size)
-    prefix_checkpoint_tokens: int = 256  # a prompt also keeps a context every this many tokens (0: none)
-    # ... and one at the last block boundary this many tokens before its end (prompts of 4x that or more; 0:
-    # none): a later prompt that shares all but a last question of up to this many tokens forks it
-    prefix_tail_checkpoint_tokens: int = 64
+    # Extra contexts kept inside a prompt: one every this many tokens, and one at the last block boundary this
+    # many tokens before its end (prompts of 4x that or more). 0: none (the default). Later prompts match
+    # any block of any cached prompt anyway (the radix view, `ContextManager.holder`); each such cut costs
+    # an engine step of its own on every prompt (chain 4.5 s with none vs 5.5 s at 256 / 64: docs/benchmarks).
+    prefix_checkpoint_tokens: int = 0
+    prefix_tail_checkpoint_tokens: int = 0
     global_idle_s: float = 30.0  # a global context used this recently is never dropped
     dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)
     evict_every_s: float = 5.0  # how often cold global contexts are dropped

@@ -71,8 +71,8 @@ def test_completions_share_prefixes_and_greedy_outputs_are_unchanged(engine: LLM
 
 
 def test_a_second_prompt_diverging_near_the_end_finds_most_of_it_cached() -> None:
-    """A long document and a question, then the same document and another question: the second finds the
-    first's tail checkpoint (its last block boundary 64 tokens before its end)."""
+    """A long document and a question, then the same document and another question: the second forks the
+    blocks it shares with the first out of the first's context (the radix view)."""
     config = dataclasses.replace(TINY, max_position=2048)
     model = LoadedModel(config, random_weights(config, seed=1), tiny_tokenizer(), "tiny-long")
     engine = LLMEngine(model, tiny_engine_config(kv_buckets=[256, 512, 1024, 2048])).start(precompile=False)
