@@ -157,6 +157,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     beside = args.prefill_tokens_beside_decodes or EngineConfig.prefill_tokens_beside_decodes
     return _engine_config(args, max_batch_size=max_batch, prefill_tokens_beside_decodes=beside,
                           max_num_batched_tokens=max_tokens,
+                          prefill_tokens_beside_latency=(args.prefill_tokens_beside_latency
+                                                         or EngineConfig.prefill_tokens_beside_latency),
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                           decode_attention=args.decode_attention, explicit=tuple(
@@ -164,7 +166,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
                                   ("token_buckets", args.precompile_token_paddings),
-                                  ("prefill_tokens_beside_decodes", args.prefill_tokens_beside_decodes))
+                                  ("prefill_tokens_beside_decodes", args.prefill_tokens_beside_decodes),
+                                  ("prefill_tokens_beside_latency", args.prefill_tokens_beside_latency))
                               if given is not None))
 
 
@@ -255,6 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                 ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
+                                ("--prefill-tokens-beside-latency", args.prefill_tokens_beside_latency),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
@@ -312,6 +316,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                    help="prefill tokens in a step that also decodes (default "
                         f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators and on CPUs whose "
                         "AMX bf16 tiles fill prompts; smaller: lower inter-token latency while prompts arrive)")
+    e.add_argument("--prefill-tokens-beside-latency", type=int, default=None, metavar="N",
+                   help="prefill tokens of throughput work (semantic calls read as throughput-critical) in a step "
+                        "that decodes latency-critical work (default "
+                        f"{EngineConfig.prefill_tokens_beside_latency} on a CPU, 512 on accelerators)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

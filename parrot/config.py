@@ -28,6 +28,10 @@ class EngineConfig:
     # prefill tokens in a step that also decodes (each decoding sequence waits for them: inter-token
     # latency); None: max_num_batched_tokens
     prefill_tokens_beside_decodes: int | None = 128
+    # ... and of throughput work (priority > 0) in a step that decodes latency-critical work (priority 0):
+    # what an app-aware server (Parrot's semantic calls) trades for a chat's inter-token latency while a
+    # batch job's prompts fill; None: prefill_tokens_beside_decodes. Plain calls are all priority 0.
+    prefill_tokens_beside_latency: int | None = 64
     # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths
     # (from 4: a short fill or a grammar's forced tokens padded to 16 rows cost 4x a decode step on a CPU)
     token_buckets: list[int] = field(default_factory=lambda: _pow2(4, 512))
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError("max_batch_size must not exceed the largest batch-size bucket")
         if self.prefill_tokens_beside_decodes is not None and self.prefill_tokens_beside_decodes <= 0:
             raise ValueError("prefill_tokens_beside_decodes must be positive")
+        if self.prefill_tokens_beside_latency is not None and self.prefill_tokens_beside_latency <= 0:
+            raise ValueError("prefill_tokens_beside_latency must be positive")
         if self.max_num_batched_tokens > self.token_buckets[-1]:
             raise ValueError("max_num_batched_tokens must not exceed the largest token bucket")
         if any(b % self.page_size for b in self.kv_buckets + self.cascade_suffix_buckets):

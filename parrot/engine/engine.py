@@ -80,7 +80,7 @@ class LLMEngine:
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
-                                   align_chunks=not self.runner.prefill_in_place)
+                                   attention_in_place=self.runner.prefill_in_place)
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)

@@ -343,9 +343,16 @@ class ModelRunner:
     def kv_pages_bucket(self, kv_len: int) -> int:
         return pick_bucket(kv_len, self.kv_buckets) // self.page_size
 
-    def prefill_shape(self, batch: int, q_len: int, kv_len: int) -> Shape:
-        """`batch` sequences of up to `q_len` new tokens each, attending to up to `kv_len` tokens."""
+    def prefill_shape(self, batch: int, q_len: int, kv_len: int, tokens: int | None = None) -> Shape:
+        """`batch` sequences of up to `q_len` new tokens each (`tokens` in all), attending to up to `kv_len`
+        tokens. Where attention reads the pages in place (`prefill_in_place`), several sequences are padded
+        to the bucket of their total tokens (the products' rows), each allowed up to all of them; elsewhere
+        every sequence is padded to the longest chunk's bucket (the gathered attention's shape)."""
         b = pick_bucket(batch, self.ecfg.prefill_bs_buckets)
+        if b > 1 and self.prefill_in_place:
+            t = pick_bucket(max(tokens if tokens is not None else batch * q_len, q_len, MIN_BATCHED_Q),
+                            self.ecfg.token_buckets)
+            return Shape(t, b, t, self.kv_pages_bucket(max(kv_len, t)))
         q = pick_bucket(q_len if b == 1 else max(q_len, MIN_BATCHED_Q), self.ecfg.token_buckets)
         return Shape(b * q, b, q, self.kv_pages_bucket(max(kv_len, q)))
 
@@ -366,9 +373,11 @@ class ModelRunner:
         token bucket each, within max_num_batched_tokens) and decode batches."""
         budget = self.ecfg.max_num_batched_tokens
         max_q = min(self.max_len, pick_bucket(budget, self.ecfg.token_buckets))
-        shapes = [Shape(b * q, b, q, kv // self.page_size)
+        flat = self.prefill_in_place  # several sequences share one token bucket (see prefill_shape)
+        shapes = [Shape(q if flat else b * q, b, q, kv // self.page_size)
                   for q in self.ecfg.token_buckets if q <= max_q
-                  for b in self.ecfg.prefill_bs_buckets if b == 1 or (MIN_BATCHED_Q <= q and b * q <= budget)
+                  for b in self.ecfg.prefill_bs_buckets
+                  if b == 1 or (MIN_BATCHED_Q <= q and (flat or b * q <= budget))
                   for kv in self.kv_buckets if kv >= q]
         max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
         decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
@@ -412,7 +421,8 @@ class ModelRunner:
         if shape is None:
             kv_len = max(s.start + len(s.tokens) for s in slots)
             shape = (self.decode_shape(len(slots), kv_len) if decode
-                     else self.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len))
+                     else self.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len,
+                                             sum(len(s.tokens) for s in slots)))
         batch = build_batch(seqs, self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
                             shape.prefix_pages)
         splice = None

@@ -79,11 +79,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, align_chunks: bool = True) -> None:
+    def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False) -> None:
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
-        self.align_chunks = align_chunks  # cut prefill chunks at attention-length buckets (see `_align`)
+        # the runner's prefill attention reads KV pages in place: no cuts at attention-length buckets (`_align`),
+        # and chunks of several sequences padded by their total tokens (ModelRunner.prefill_shape)
+        self.attention_in_place = attention_in_place
         self.max_prefill_batch = max(cfg.prefill_bs_buckets)
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
         self.waiting: deque[Job] = deque()
@@ -145,6 +147,10 @@ class Scheduler:
         budget = self.cfg.max_num_batched_tokens
         if plan.decode:  # running decodes wait for the prefill chunk beside them: keep it short
             budget = min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
+        # throughput work's share beside latency-critical decodes (a chat's next token waits for it)
+        background = budget
+        if self.cfg.prefill_tokens_beside_latency and any(s.job.priority == 0 for s in plan.decode):
+            background = min(budget, self.cfg.prefill_tokens_beside_latency)
         longest = 0
         for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
@@ -153,14 +159,17 @@ class Scheduler:
                 continue  # a step that decodes anyway feeds forced tokens in its decode batch (below)
             if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
                 break
+            limit = budget if job.priority == 0 else min(budget, background)
+            if limit <= 0:
+                continue
             if self._room(job.context_id) <= 0:
                 if plan.decode or plan.prefill or not self._make_room(job, 1, scheduled, plan):
                     continue  # others progress this step and free pages
-            n = self._align(self.kv.get(job.context_id).num_tokens, min(len(job.pending), budget,
+            n = self._align(self.kv.get(job.context_id).num_tokens, min(len(job.pending), limit,
                                                                          self._room(job.context_id)))
             if len(job.pending) - n == 1 and n > 1:  # leave no single token: it would go in a decode batch,
                 n -= 1  # whose attention differs from a fill's (results would depend on how others cut chunks)
-            if plan.prefill:
+            if plan.prefill and not self.attention_in_place:
                 count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
                 if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:
                     break
@@ -170,6 +179,7 @@ class Scheduler:
             if job.forced:
                 self.fast_forward_tokens += n - 1
             budget -= n
+            background -= n
             longest = max(longest, n)
         # grammar-forced tokens: as one chunk only in a step with no decode batch (one prefill pass instead
         # of a decode step per token); a step that decodes anyway takes them in its decode batch, one per
@@ -214,9 +224,9 @@ class Scheduler:
         """Cut a prefill chunk starting at `start` at the end of the attention-length bucket `start` lies
         in, when that keeps at least half of it: the chunk then attends over the shorter padded length
         (a 512-token chunk after a 31-token cached prefix would otherwise pay for 1024 keys). Not where
-        attention reads the pages in place (`align_chunks` False): its cost does not depend on the bucket,
+        attention reads the pages in place (`attention_in_place`): its cost does not depend on the bucket,
         and a cut would only add a step."""
-        if not self.align_chunks:
+        if self.attention_in_place:
             return n
         for bucket in self.cfg.kv_buckets:
             if bucket > start:

@@ -435,3 +435,30 @@ def test_prefill_beside_decodes_is_kept_short() -> None:
     s.add(_fill("b", 100))
     plan = s.schedule()
     assert plan.decode and sum(len(slot.tokens) for slot in plan.prefill) <= 16
+
+
+def test_throughput_prefill_beside_latency_critical_decodes_is_shorter() -> None:
+    """Beside a latency-critical decode (priority 0), throughput work's prompt (priority 1) fills at most
+    `prefill_tokens_beside_latency` tokens a step, and latency-critical prompts the usual chunk; beside
+    throughput decodes only, both take the usual chunk."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], prefill_tokens_beside_decodes=48,
+                             prefill_tokens_beside_latency=16)
+
+    def with_decoding(priority: int) -> Scheduler:
+        s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+        gen = _gen("chat", 20)
+        s.add(_fill("chat", 10))
+        gen.priority = priority
+        s.add(gen)
+        for _ in range(3):
+            plan = s.schedule()
+            s.update(plan, _sampled(plan))
+        return s
+
+    for decoding, filling, chunk in ((0, 1, 16), (0, 0, 48), (1, 1, 48), (1, 0, 48)):
+        s = with_decoding(decoding)
+        job = _fill("batch", 100)
+        job.priority = filling
+        s.add(job)
+        plan = s.schedule()
+        assert plan.decode and [len(slot.tokens) for slot in plan.prefill] == [chunk], (decoding, filling)
