@@ -318,8 +318,7 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "AMX bf16 tiles fill prompts; smaller: lower inter-token latency while prompts arrive)")
     e.add_argument("--prefill-tokens-beside-latency", type=int, default=None, metavar="N",
                    help="prefill tokens of throughput work (semantic calls read as throughput-critical) in a step "
-                        "that decodes latency-critical work (default "
-                        f"{EngineConfig.prefill_tokens_beside_latency} on a CPU, 512 on accelerators)")
+                        "that decodes latency-critical work (default: as --prefill-tokens-beside-decodes)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

@@ -30,8 +30,11 @@ class EngineConfig:
     prefill_tokens_beside_decodes: int | None = 128
     # ... and of throughput work (priority > 0) in a step that decodes latency-critical work (priority 0):
     # what an app-aware server (Parrot's semantic calls) trades for a chat's inter-token latency while a
-    # batch job's prompts fill; None: prefill_tokens_beside_decodes. Plain calls are all priority 0.
-    prefill_tokens_beside_latency: int | None = 64
+    # batch job's prompts fill. None (the default): prefill_tokens_beside_decodes. Plain calls are all
+    # priority 0. Measured on a 2-core Xeon at 64 (docs/benchmarks.md): each such step still pays a prefill
+    # pass of its own (~50 ms beside a 10 ms decode), so the chat gained little and map-reduce under load
+    # lost 1.3x; a long chunk finishes the batch job's backlog first and the chat then decodes alone.
+    prefill_tokens_beside_latency: int | None = None
     # padding buckets (the JAX global-JIT design): flat token counts, batch sizes, attended KV lengths
     # (from 4: a short fill or a grammar's forced tokens padded to 16 rows cost 4x a decode step on a CPU)
     token_buckets: list[int] = field(default_factory=lambda: _pow2(4, 512))

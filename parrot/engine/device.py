@@ -36,7 +36,6 @@ ACCELERATOR_BUCKETS = {
     "token_buckets": [16, 32, 64, 128, 256, 512, 1024, 2048],
     "max_num_batched_tokens": 2048,
     "prefill_tokens_beside_decodes": 512,  # a 512-token chunk of an 8B model is ~16 ms on an H100
-    "prefill_tokens_beside_latency": 512,  # ... short enough beside a chat's decodes too
 }
 
 
