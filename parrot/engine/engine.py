@@ -320,6 +320,10 @@ class LLMEngine:
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
+                "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
+                "prefill_attention": "in place" if r.prefill_in_place else "gathered",
+                "prefill_tokens_beside_decodes": c.prefill_tokens_beside_decodes,
+                "prefill_tokens_beside_latency": c.prefill_tokens_beside_latency,
                 "tensor_parallel_size": r.tp,
                 "tensor_parallel_mode": ("exact" if r.tp_exact else "megatron") if r.tp > 1 else None}
 

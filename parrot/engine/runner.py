@@ -196,7 +196,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
         bytes_per_page *= self.kv_dtype.itemsize
         if ecfg.weights == "bf16":
-            prefill_dtype = self.dtype = jnp.dtype(jnp.bfloat16)
+            prefill_dtype = self.dtype = self.prefill_dtype = jnp.dtype(jnp.bfloat16)
         # page 0 is a scratch page: padding tokens write there, never handed to a context
         self.kv_bytes = (kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype) // self.tp,
                                          arrays=2 * mcfg.num_layers) if not ecfg.kv_pages else 0)
