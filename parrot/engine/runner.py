@@ -324,7 +324,7 @@ class ModelRunner:
         cpu = jax.default_backend() == "cpu"
         return jnp.dtype(jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype)
 
-    @property
+    @functools.cached_property
     def prefill_in_place(self) -> bool:
         """Whether prefill attention reads the KV pages in place (its cost then grows with the positions a
         chunk attends to, not with its padded attention length)."""
