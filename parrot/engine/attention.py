@@ -73,10 +73,11 @@ def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
 
 def paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float,
-    gpu_kernel: bool = False,
+    gpu_kernel: bool = False, bf16_prefill: bool = False,
 ) -> jax.Array:
     """q: [T, H, D] (flat). Returns [T, H, D]; tokens not in `q_index` get zeros. `gpu_kernel`: plain
-    decode steps over a bfloat16 cache go through gpu_attention's kernel."""
+    decode steps over a bfloat16 cache go through gpu_attention's kernel. `bf16_prefill`: prefill steps
+    (in place on a CPU) may multiply in bfloat16 on AMX's bf16 tiles (`kernels.paged_prefill`)."""
     t, h, d = q.shape
     hkv = k_cache.shape[0]
     group = h // hkv
@@ -86,7 +87,7 @@ def paged_attention(
             return _decode_in_place(q, k_cache, v_cache, batch, scale)
         if batch.prefix_pages.shape[0] == 0:
             o = kernels.paged_prefill(q, k_cache, v_cache, batch.q_index, batch.positions, batch.block_tables,
-                                      batch.kv_offset, batch.kv_lens, scale)
+                                      batch.kv_offset, batch.kv_lens, scale, bf16_prefill)
             return o.astype(q.dtype)
     if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
         return _decode_gpu(q, k_cache, v_cache, batch, scale)

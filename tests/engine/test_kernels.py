@@ -72,11 +72,12 @@ def test_decode_with_shared_prefix_equals_gather_path() -> None:
 
 
 def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array, vc: jax.Array, q_len: int,
-             batch_size: int, num_pages: int, num_tokens: int) -> tuple[np.ndarray, object]:
+             batch_size: int, num_pages: int, num_tokens: int, bf16: bool = False) -> tuple[np.ndarray, object]:
     q = jnp.pad(jnp.asarray(q), ((0, num_tokens - q.shape[0]), (0, 0), (0, 0)))  # the step's padding tokens
     batch = jax.device_put(build_batch(seqs, PS, num_tokens=num_tokens, batch_size=batch_size, q_len=q_len,
                                        num_pages=num_pages))
-    return np.asarray(jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5))(q, kc, vc, batch)), batch
+    attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16_prefill=bf16))
+    return np.asarray(attend(q, kc, vc, batch)), batch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -94,20 +95,52 @@ def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
     assert np.all(native[50 + 61 + 16:] == 0)  # tokens no query names
 
 
-def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch() -> None:
+@pytest.mark.skipif(not kernels.bf16_tiles(), reason="no AMX bf16 tiles")
+def test_prefill_on_bf16_tiles_is_the_bf16_rounded_attention() -> None:
+    """Prompts of the bfloat16 mode over a bfloat16 cache: the scaled queries and the probabilities rounded
+    to bfloat16, sums in float32 (the reference rounds the same operands)."""
+    rng = np.random.default_rng(4)
+    kc, vc = _cache(rng, 64, "bfloat16")
+    seqs = [SequenceSlice(list(range(50)), 37, list(range(1, 7))),
+            SequenceSlice(list(range(61)), 0, list(range(10, 14)))]
+    q = rng.standard_normal((111, HKV * G, D)).astype(np.float32)
+    tiles, _ = _prefill(seqs, q, kc, vc, 64, 4, 8, 256, bf16=True)
+    exact, _ = _prefill(seqs, q, kc, vc, 64, 4, 8, 256)
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64) for c in (kc, vc))
+    want = np.zeros((111, HKV * G, D))
+    for i, (start, pages, off) in enumerate(((37, list(range(1, 7)), 0), (0, list(range(10, 14)), 50))):
+        n = len(seqs[i].tokens)
+        keys, vals = k[:, pages].reshape(HKV, -1, D), v[:, pages].reshape(HKV, -1, D)
+        for j in range(n):
+            for h in range(HKV * G):
+                s = keys[h // G, : start + j + 1] @ bf16(q[off + j, h] * D**-0.5)
+                e = np.exp(s - s.max())
+                want[off + j, h] = bf16(e) @ vals[h // G, : start + j + 1] / e.sum()
+    np.testing.assert_allclose(tiles[:111], want, atol=2e-3)
+    assert np.abs(tiles[:111] - exact[:111]).max() > 1e-5  # measurably not the float32 path
+    assert np.all(tiles[111:] == 0)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool) -> None:
     """A token's attention depends only on its query, position and keys: filling a prompt whole, in two
-    chunks, or beside another sequence gives the same bits (the fill path is chunking invariant)."""
+    chunks, or beside another sequence gives the same bits (the fill path is chunking invariant), on the
+    float32 path and on the bf16 tiles alike."""
     rng = np.random.default_rng(3)
     kc, vc = _cache(rng, 64, "bfloat16")
     pages = list(range(1, 9))
     q = rng.standard_normal((120, HKV * G, D)).astype(np.float32)
-    whole, _ = _prefill([SequenceSlice(list(range(120)), 0, pages)], q, kc, vc, 128, 1, 8, 128)
-    head, _ = _prefill([SequenceSlice(list(range(45)), 0, pages[:3])], q[:45], kc, vc, 64, 1, 8, 64)
-    tail, _ = _prefill([SequenceSlice(list(range(75)), 45, pages)], q[45:], kc, vc, 128, 1, 8, 128)
+    whole, _ = _prefill([SequenceSlice(list(range(120)), 0, pages)], q, kc, vc, 128, 1, 8, 128, bf16)
+    head, _ = _prefill([SequenceSlice(list(range(45)), 0, pages[:3])], q[:45], kc, vc, 64, 1, 8, 64, bf16)
+    tail, _ = _prefill([SequenceSlice(list(range(75)), 45, pages)], q[45:], kc, vc, 128, 1, 8, 128, bf16)
     other = rng.standard_normal((30, HKV * G, D)).astype(np.float32)
     mixed, _ = _prefill([SequenceSlice(list(range(30)), 10, list(range(30, 33))),
                          SequenceSlice(list(range(75)), 45, pages)],
-                        np.concatenate([other, q[45:]]), kc, vc, 128, 2, 8, 256)
+                        np.concatenate([other, q[45:]]), kc, vc, 128, 2, 8, 256, bf16)
     np.testing.assert_array_equal(head[:45], whole[:45])
     np.testing.assert_array_equal(tail[:75], whole[45:120])
     np.testing.assert_array_equal(mixed[30:105], whole[45:120])

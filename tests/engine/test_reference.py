@@ -214,7 +214,7 @@ def test_capital_of_france_is_paris(smollm: LoadedModel, smollm_engine: LLMEngin
     assert out.finish_reason == "stop"  # ends with <|im_end|>, not by running out of tokens
 
 
-MIXED_TOLERANCE = 1.0  # bf16 weights in prefill steps; measured ~0.23
+MIXED_TOLERANCE = 1.0  # bf16 products and prefill attention in prefill steps; measured 0.13-0.31 (Xeon, AMX)
 
 
 @pytest.mark.parametrize("name", ["chat", "plain"])

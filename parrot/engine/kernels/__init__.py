@@ -171,18 +171,22 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
 
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index: jax.Array, positions: jax.Array,
-                  block_tables: jax.Array, kv_offset: jax.Array, kv_lens: jax.Array, scale: float) -> jax.Array:
+                  block_tables: jax.Array, kv_offset: jax.Array, kv_lens: jax.Array, scale: float,
+                  bf16: bool = False) -> jax.Array:
     """The query tokens of a prefill step (q [T, H, D] flat; `q_index` [B, Q]: sequence b's query tokens, T
     where none) attending causally to their sequences' keys and values read in place from the paged caches
     ([Hkv, pages, page_size, D], float32 or bfloat16): key l of sequence b is at position kv_offset[b] + l
     (pages `block_tables[b]`), seen by a query at position p when it is <= p and < kv_lens[b]. Each token's
     result is the same whatever chunk or batch it is computed in. Returns [T, H, D], zeros for tokens no
-    query names."""
+    query names. `bf16` (prompts of the engine's bfloat16 mode): over a bfloat16 cache, with head sizes
+    that are multiples of 32, the queries and probabilities are rounded to bfloat16 and multiplied on AMX's
+    bf16 tiles where `bf16_tiles()` (decided at run time); elsewhere in float32."""
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("parrot_paged_prefill", out)(
         q.astype(jnp.float32), k_cache, v_cache, q_index.astype(i32), positions.astype(i32),
-        block_tables.astype(i32), kv_offset.astype(i32), kv_lens.astype(i32), scale=np.float32(scale))
+        block_tables.astype(i32), kv_offset.astype(i32), kv_lens.astype(i32), scale=np.float32(scale),
+        bf16=np.int32(1 if bf16 else 0))
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,

@@ -868,7 +868,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                             ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> positions,
                             ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_offset,
-                            ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::F32> out, float scale) {
+                            ffi::Buffer<ffi::S32> kv_lens, ffi::ResultBuffer<ffi::F32> out, float scale,
+                            int32_t bf16) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions(), id = q_index.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || id.size() != 2)
     return ffi::Error::InvalidArgument("paged_prefill: q [T,H,D], caches [Hkv,P,S,D], q_index [B,Q], block_tables [B,P]");
@@ -888,7 +889,8 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     paged_prefill(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
                   static_cast<const uint16_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
                   block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
-                  D, Hkv, P, S, B, Q, bd[1], scale);
+                  D, Hkv, P, S, B, Q, bd[1], scale,
+                  bf16 != 0 && g_amx.load(std::memory_order_relaxed) && g_bf16.load(std::memory_order_relaxed));
   }
   return ffi::Error::Success();
 }
@@ -950,4 +952,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_offset [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H, D]
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("bf16"));         // 1: in bfloat16 on the bf16 tiles where on

@@ -13,6 +13,9 @@
 //  * softmax: per row, the running maximum and sum are updated by the tile's masked scores;
 //  * values: four rows x up to 4W dimensions in registers, one value row loaded for the four.
 //
+// Prompts of the engine's bfloat16 mode over a bfloat16 cache take the same structure on AMX's bf16 tiles
+// where the CPU has them (`prefill_block_tiles` below: queries and probabilities rounded to bfloat16).
+//
 // Numbers. Every row's arithmetic depends only on its own query, position and keys: tiles start at key 0
 // and go in order, a tile past the row's position leaves it alone, masked scores give exact zeros. So a
 // token's attention is the same bits whatever chunk or batch it is filled in, and whichever other rows
@@ -175,6 +178,122 @@ void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, cons
   }
 }
 
+#if PARROT_AMX_BF16
+// ---- the bfloat16 variant on AMX's bf16 tiles ------------------------------------------------------
+// For prompts the engine multiplies in bfloat16 (its bfloat16 mode), over a bfloat16 cache: the scaled
+// queries and the probabilities are rounded to bfloat16, the products summed in float32 on the tiles.
+// Keys go in blocks of 32 positions. Per block: the keys as B tiles of 16 keys x 16 pairs of dimensions
+// (a 16 x 16 transpose of 32-bit pairs), the values as B tiles of 16 pairs of keys x 16 dimensions (two
+// value rows interleaved); per 16 rows: scores C = Q x K^T (D / 32 products per 16 keys), read out to the
+// same per-row softmax, then P (32 keys, bf16) x V into a fresh C tile per 16 dimensions, added to the
+// float32 output as o * corr + c. Tile rows are independent, so every row's result is still its own.
+struct PrefillTiles {
+  std::vector<uint16_t> qb;  // [rows padded to 16][D]: scaled queries in bfloat16
+  std::vector<uint32_t> bk;  // [2 halves][D / 32][16 pairs][16 keys]
+  std::vector<uint32_t> bv;  // [D / 16][16 pairs of keys][16 dimensions]
+  alignas(64) float sc[2][256];
+  alignas(64) uint16_t pb[16 * 32];
+  alignas(64) float pv[256];
+  alignas(64) float corr[16];
+};
+
+inline void prefill_tiles_configure() {
+  amx::TileConfig cfg;  // tmm0 scores, tmm1 queries, tmm2 keys, tmm3 probabilities, tmm4 values, tmm5 P x V
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // see amx::configure
+  _tile_loadconfig(&cfg);
+}
+
+// dst[p][n] = rows[n][off + p] for 16 rows (null: zeros) x 16 words
+inline void transpose16_words(const uint32_t* const rows[16], int64_t off, uint32_t* dst) {
+  for (int r0 = 0; r0 < 16; r0 += 8)
+    for (int c0 = 0; c0 < 16; c0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i)
+        r[i] = rows[r0 + i] ? _mm256_castsi256_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(rows[r0 + i] + off + c0)))
+                            : _mm256_setzero_ps();
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c0 + i) * 16 + r0), r[i]);
+    }
+}
+
+void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64_t D, const uint16_t* kb,
+                         const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
+                         int64_t cnt) {
+  using L = Lanes<16>;
+  const uint16_t* krow[32];
+  const uint16_t* vrow[32];
+  for (int i = 0; i < 32; ++i) {
+    const int64_t l = l0 + i;
+    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
+    krow[i] = at >= 0 ? kb + at : nullptr;
+    vrow[i] = at >= 0 ? vb + at : nullptr;
+  }
+  const int64_t chunks = D / 32;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t* kr[16];
+    for (int n = 0; n < 16; ++n) kr[n] = reinterpret_cast<const uint32_t*>(krow[16 * h + n]);
+    for (int64_t c = 0; c < chunks; ++c) transpose16_words(kr, c * 16, t.bk.data() + (h * chunks + c) * 256);
+  }
+  for (int64_t j = 0; j < D / 16; ++j)
+    for (int p = 0; p < 16; ++p) {
+      const __m256i a = vrow[2 * p] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p] + 16 * j))
+                                    : _mm256_setzero_si256();
+      const __m256i b = vrow[2 * p + 1]
+                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p + 1] + 16 * j))
+                            : _mm256_setzero_si256();
+      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+      uint32_t* dst = t.bv.data() + (j * 16 + p) * 16;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int h = 0; h < 2; ++h) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, t.qb.data() + r0 * D + c * 32, D * 2);
+        _tile_loadd(2, t.bk.data() + (h * chunks + c) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, t.sc[h], 64);
+    }
+    bool any = false;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t row = r0 + r;
+      const float lim = row < rows ? s.lim[row] - static_cast<float>(l0) : -1.f;
+      uint16_t* prow = t.pb + 32 * r;
+      if (lim < 0.f) {  // past this row's position (or a padding row): nothing to add
+        _mm512_storeu_si512(prow, _mm512_setzero_si512());
+        t.corr[r] = 1.f;
+        continue;
+      }
+      any = true;
+      const __m512 s0 = L::keep_upto(_mm512_load_ps(t.sc[0] + 16 * r), lim);
+      const __m512 s1 = L::keep_upto(_mm512_load_ps(t.sc[1] + 16 * r), lim - 16.f);
+      const float old = s.m[row], mx = std::max(old, std::max(L::max(s0), L::max(s1)));
+      const float corr = mx == old ? 1.f : std::exp(old - mx);
+      const __m512 e0 = vexp(L::sub(s0, L::set1(mx))), e1 = vexp(L::sub(s1, L::set1(mx)));
+      s.m[row] = mx, t.corr[r] = corr;
+      s.l[row] = s.l[row] * corr + (L::sum(e0) + L::sum(e1));
+      _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+    }
+    if (!any) continue;
+    _tile_loadd(3, t.pb, 64);
+    for (int64_t j = 0; j < D / 16; ++j) {
+      _tile_zero(5);
+      _tile_loadd(4, t.bv.data() + j * 256, 64);
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_stored(5, t.pv, 64);
+      for (int r = 0; r < 16 && r0 + r < rows; ++r) {
+        float* o = s.o.data() + (r0 + r) * D + 16 * j;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(t.corr[r]), _mm512_load_ps(t.pv + 16 * r)));
+      }
+    }
+  }
+}
+#endif
+
 // q [T, H, D]; q_index [B, Q] (flat token of query j of sequence b, T where none); positions [T];
 // block_tables [B, maxp]; the sequence's key l is at position kv_offset[b] + l, seen by a query at
 // position p when kv_offset[b] + l <= p and < kv_lens[b]. out [T, H, D]: zeros for tokens no query names.
@@ -182,8 +301,12 @@ template <typename KV>
 void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV* vc, const int32_t* qidx,
                    const int32_t* pos, const int32_t* bt, const int32_t* off, const int32_t* lens, float* out,
                    int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t B, int64_t Q,
-                   int64_t maxp, float scale) {
+                   int64_t maxp, float scale, bool tiles = false) {
   constexpr int W = kPrefillLanes;
+#if !PARROT_AMX_BF16
+  tiles = false;
+#endif
+  tiles = tiles && std::is_same<KV, uint16_t>::value && D % 32 == 0;
   const int64_t group = H / Hkv, head_stride = P * S * D;
   const int64_t per = std::max<int64_t>(1, std::min(kPrefillQueries, kPrefillMaxRows / group));
   const int64_t blocks = (Q + per - 1) / per;
@@ -213,6 +336,22 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     const KV* kb = kc + g * head_stride;
     const KV* vb = vc + g * head_stride;
     const int64_t end = std::min<int64_t>(static_cast<int64_t>(last) + 1, npos);
+#if PARROT_AMX_BF16
+    if (tiles) {
+      thread_local PrefillTiles t;
+      const int64_t padded = (rows + 15) / 16 * 16;
+      t.qb.assign(padded * D, 0);
+      for (int64_t i = 0; i < rows * D; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.qb.data() + i),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.qs.data() + i))));
+      t.bk.resize(2 * (D / 32) * 256), t.bv.resize(D / 16 * 256);
+      prefill_tiles_configure();
+      for (int64_t l0 = 0; l0 < end; l0 += 32)
+        prefill_block_tiles(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
+                            bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
+      _tile_release();
+    } else
+#endif
     for (int64_t l0 = 0; l0 < end; l0 += W)
       prefill_tile<W>(s, rows, D, kb, vb, bt + b * maxp, npos, S, l0, std::min<int64_t>(W, end - l0));
     for (int64_t j = 0; j < nq; ++j) {
