@@ -56,12 +56,16 @@ def kernel_times(step, steps: int = 5) -> dict:  # noqa: ANN001
             "top": sorted(([k, round(v[0], 1), round(v[1], 1)] for k, v in agg.items()), key=lambda r: -r[1])[:25]}
 
 
-def profile(runner: ModelRunner, batch_size: int, context: int) -> dict:
+def profile(runner: ModelRunner, batch_size: int, context: int, fill: int = 0) -> dict:
+    """One decode step of `batch_size` sequences at `context`, or (`fill` > 0) one prefill step of
+    `fill` prompt tokens per sequence after `context` - `fill` cached ones."""
     ps = runner.page_size
     per = -(-context // ps)
-    seqs = [SequenceSlice([100 + i], context - 1, list(range(1 + i * per, 1 + (i + 1) * per)))
+    n = fill or 1
+    seqs = [SequenceSlice([100 + i] * n, context - n, list(range(1 + i * per, 1 + (i + 1) * per)), fill=fill > 0)
             for i in range(batch_size)]
-    shape = runner.decode_shape(batch_size, context)
+    shape = (runner.prefill_shape(batch_size, fill, context, fill * batch_size) if fill
+             else runner.decode_shape(batch_size, context))
     batch = build_batch(seqs, ps, shape.tokens, shape.batch, shape.q_len, shape.pages)
 
     def step() -> None:
@@ -77,7 +81,7 @@ def profile(runner: ModelRunner, batch_size: int, context: int) -> dict:
     jax.block_until_ready([runner.sample(runner.forward(batch), None) for _ in range(20)])
     pipelined = (time.perf_counter() - t) / 20 * 1e3
     dispatch = (runner.dispatch_s - d0) / 20 * 1e3
-    return {"batch": batch_size, "context": context, "synced_ms": synced, "pipelined_ms": pipelined,
+    return {"batch": batch_size, "context": context, "fill": fill, "synced_ms": synced, "pipelined_ms": pipelined,
             "host_dispatch_ms": dispatch, **kernel_times(step)}
 
 
@@ -87,6 +91,8 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--fill", type=int, default=0,
+                    help="profile a prefill step of this many prompt tokens per sequence (ending at --context)")
     ap.add_argument("--layers-per-call", type=int, default=1, help="0: the whole model in one call")
     ap.add_argument("--decode-attention", choices=["auto", "xla", "kernel"], default="auto")
     ap.add_argument("--kv-memory-mb", type=int, default=2048)
@@ -100,9 +106,10 @@ def main() -> None:
               "cpu": procinfo.cpu_name(), "jax": jax.__version__, "decode_kernel": runner.decode_kernel,
               "layers_per_call": args.layers_per_call, "steps": []}
     for b in args.batch:
-        r = profile(runner, b, args.context)
+        r = profile(runner, b, args.context, args.fill)
         result["steps"].append(r)
-        print(f"batch {b}, context {args.context}: synced {r['synced_ms']:.2f} ms, pipelined "
+        what = f"fill {args.fill} tokens" if args.fill else "decode"
+        print(f"batch {b} {what}, context {args.context}: synced {r['synced_ms']:.2f} ms, pipelined "
               f"{r['pipelined_ms']:.2f} ms, host dispatch {r['host_dispatch_ms']:.2f} ms; kernels busy "
               f"{r['busy_us'] / 1e3:.2f} ms in {r['kernels_per_step']:.0f} kernels per step")
         for name, us, n in r["top"][:15]:

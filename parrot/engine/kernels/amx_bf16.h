@@ -43,10 +43,13 @@ inline __m512i block_bf16(const uint8_t* blk) {
 // B[pair p][row r] = (w[r][2p], w[r][2p + 1]). The rows' 32-bit pairs are transposed four at a time by
 // amx::transpose16x4, whose lane order (lane p from row 4 (p % 4) + p / 4) is its own inverse: taking
 // the rows in that order puts row p in lane p.
+// The next panel's rows (when there is one) are fetched a slice per block meanwhile.
 template <class F>
 void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_t n1, uint32_t* panel) {
   alignas(64) uint8_t rowbuf[16][64];
+  const int64_t ahead = std::min<int64_t>(32, n1 - (n + 32));
   for (int64_t b = 0; b < blocks; ++b) {
+    if (ahead > 0) amx::prefetch_slice(w + (n + 32) * ldw, ahead * ldw, b, blocks);
     for (int half = 0; half < 2; ++half) {
       const int64_t r0 = n + 16 * half;
       for (int i = 0; i < 16; ++i) {
