@@ -158,8 +158,28 @@ def _clear_bits(row: np.ndarray, tokens: frozenset[int], keep_one: bool) -> None
         row[:] = before
 
 
+ARGMAX_SPAN = 512  # the vocabulary's spans in `argmax`
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis ([B, V] -> [B] int32, the first of equal maxima; a row with NaNs gets
+    some position in range, as a vectorized maximum does not reliably carry NaN), in two levels: each span's maximum (a plain vectorized reduction), the first span holding the
+    largest, then the first position of it in that span. XLA's CPU backend compiles a one-level argmax
+    into a scalar loop over (value, index) pairs: 4.6 ms for 64 rows of a 49,152-token vocabulary against
+    0.5 ms this way."""
+    batch, vocab = logits.shape
+    c = min(ARGMAX_SPAN, vocab)
+    spans = -(-vocab // c)
+    if spans * c != vocab:  # pad with -inf, which is never the first maximum unless everything is -inf
+        logits = jnp.pad(logits, ((0, 0), (0, spans * c - vocab)), constant_values=-jnp.inf)
+    r = logits.reshape(batch, spans, c)
+    span = jnp.argmax(jnp.max(r, axis=-1), axis=-1)
+    row = jnp.take_along_axis(r, span[:, None, None], axis=1)[:, 0]
+    return (span * c + jnp.argmax(row, axis=-1)).astype(jnp.int32)
+
+
 def greedy_sample(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
 
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
@@ -210,7 +230,7 @@ def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> ja
     row's cut-off is the same whichever way its batch took."""
     batch, vocab = logits.shape
     head = min(FAST_TOP_K, vocab)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     scaled = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
     top = jnp.max(scaled, axis=-1, keepdims=True)
     norm = jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True)

@@ -15,6 +15,7 @@ from parrot.engine.sampling import (
     SamplerExtras,
     SamplingBatch,
     _clear_bits,
+    argmax,
     greedy_sample,
     processed_sampler,
     sample,
@@ -25,6 +26,20 @@ from tests.conftest import tiny_engine_config, tiny_model
 
 TIMEOUT = 300
 V = 100
+
+
+@pytest.mark.parametrize("vocab", [7, 512, 1000, 49152])
+def test_argmax_equals_numpy_first_maximum(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, :] = 3.0  # all equal: the first
+    x[2, vocab // 3] = x[2, vocab - 1] = 50.0  # a tie across spans: the first
+    x[3, :] = -np.inf  # nothing finite: 0, as numpy
+    x[4, vocab - 1] = 1e30  # the last position, in a padded span when vocab % 512 != 0
+    x[5, vocab // 2] = np.nan  # a NaN row: some position in range
+    got = np.asarray(jax.jit(argmax)(x))
+    np.testing.assert_array_equal(got[:5], np.argmax(x[:5], axis=-1))
+    assert got.dtype == np.int32 and 0 <= got[5] < vocab
 
 
 def _logits(batch: int, seed: int = 0) -> np.ndarray:
