@@ -71,6 +71,28 @@ def test_decode_with_shared_prefix_equals_gather_path() -> None:
     np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> None:
+    """Ten forks of a 3-page prefix (more than one group of members reading a prefix page in turn): each
+    sequence's output is the same bits as with the prefix pages read as its own."""
+    rng = np.random.default_rng(5)
+    kc, vc = _cache(rng, 64, dtype)
+    prefix = [1, 2, 3]
+    own = [[10 + 2 * i, 11 + 2 * i] for i in range(10)]
+    lens = [48 + 1 + 3 * i for i in range(10)]  # 1-28 tokens of their own, the last one the step's
+
+    def step(shared: bool) -> np.ndarray:
+        seqs = [SequenceSlice([5], n - 1, prefix + o, shared_pages=3 if shared else 0) for n, o in zip(lens, own)]
+        batch = jax.device_put(build_batch(seqs, PS, num_tokens=16, batch_size=16, q_len=1,
+                                           num_pages=2 if shared else 8, prefix_pages=4 if shared else 0))
+        return np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
+
+    q = jnp.asarray(rng.standard_normal((16, HKV * G, D)).astype(np.float32))
+    cascade, plain = step(True), step(False)
+    np.testing.assert_array_equal(cascade[:10], plain[:10])
+    assert np.abs(cascade[:10]).max() > 0
+
+
 def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array, vc: jax.Array, q_len: int,
              batch_size: int, num_pages: int, num_tokens: int, bf16: bool = False) -> tuple[np.ndarray, object]:
     q = jnp.pad(jnp.asarray(q), ((0, num_tokens - q.shape[0]), (0, 0), (0, 0)))  # the step's padding tokens

@@ -647,48 +647,56 @@ inline void for_each_page(const KV* kbase, const KV* vbase, const int32_t* pages
   }
 }
 
-// Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows).
-// Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is
-// read; each page is widened to float32 once for all the `group` query heads that read it.
-template <typename KV>
-void attend_pages(const float* q, int group, int64_t D, const KV* kbase, const KV* vbase, const int32_t* pages,
-                  int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
+// One page's update of a sequence's `group` query heads (scaled queries `qs`) against its keys and values
+// `kp`, `vp` ([cnt, D] float32): scores, the running maximum and sum, the weighted values into `acc`.
+inline void page_update(const float* qs, int group, int64_t D, const float* kp, const float* vp, int64_t cnt,
+                        HeadState& st, float* acc) {
   alignas(32) float s[HeadState::kMaxGroup][64];
-  alignas(32) float qs[HeadState::kMaxGroup * 256];  // the queries, scaled
+  for (int h = 0; h < group; ++h) {
+    const float* qh = qs + h * D;
+    int64_t t = 0;
+    for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, dot8(qh, kp + t * D, D));
+    for (; t < cnt; ++t) s[h][t] = dot(qh, kp + t * D, D);
+    float mx = st.m[h];
+    for (t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
+    const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+    st.m[h] = mx;
+    // probabilities of this page, eight at a time
+    t = 0;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx)));
+    for (; t < cnt; ++t) s[h][t] = std::exp(s[h][t] - mx);
+    float sum = 0.f;
+    for (t = 0; t < cnt; ++t) sum += s[h][t];
+    st.l[h] = st.l[h] * corr + sum;
+    float* a = acc + h * D;
+    if (D % 64 == 0) {
+      weighted_rows(s[h], vp, cnt, D, corr, a);
+      continue;
+    }
+    const __m256 vc = _mm256_set1_ps(corr);
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 o = _mm256_mul_ps(_mm256_loadu_ps(a + i), vc);
+      for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_broadcast_ss(s[h] + t), _mm256_loadu_ps(vp + t * D + i), o);
+      _mm256_storeu_ps(a + i, o);
+    }
+  }
+}
+
+// Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows) for
+// `members` sequences at once (their scaled queries `qs[j]`, states `st[j]` and outputs `acc[j]`): a
+// sequence's own pages (one member), or a shared prefix read once for all the sequences forked from it.
+// Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is read;
+// each page is widened to float32 once for every head that reads it. Each member's arithmetic is the
+// same whatever the other members are.
+template <typename KV>
+void attend_pages(const float* const* qs, int members, int group, int64_t D, const KV* kbase, const KV* vbase,
+                  const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
   alignas(32) float kbuf[64 * 256], vbuf[64 * 256];  // one page (page_size <= 64, D <= 256)
-  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
   for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kpage, const KV* vpage, int64_t cnt) {
     const float* kp = rows_f32(kpage, cnt, D, kbuf);
     const float* vp = rows_f32(vpage, cnt, D, vbuf);
-    for (int h = 0; h < group; ++h) {
-      const float* qh = qs + h * D;
-      int64_t t = 0;
-      for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, dot8(qh, kp + t * D, D));
-      for (; t < cnt; ++t) s[h][t] = dot(qh, kp + t * D, D);
-      float mx = st.m[h];
-      for (t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
-      const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
-      st.m[h] = mx;
-      // probabilities of this page, eight at a time
-      t = 0;
-      const __m256 vmx = _mm256_set1_ps(mx);
-      for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx)));
-      for (; t < cnt; ++t) s[h][t] = std::exp(s[h][t] - mx);
-      float sum = 0.f;
-      for (t = 0; t < cnt; ++t) sum += s[h][t];
-      st.l[h] = st.l[h] * corr + sum;
-      float* a = acc + h * D;
-      if (D % 64 == 0) {
-        weighted_rows(s[h], vp, cnt, D, corr, a);
-        continue;
-      }
-      const __m256 vc = _mm256_set1_ps(corr);
-      for (int64_t i = 0; i < D; i += 8) {
-        __m256 o = _mm256_mul_ps(_mm256_loadu_ps(a + i), vc);
-        for (t = 0; t < cnt; ++t) o = _mm256_fmadd_ps(_mm256_broadcast_ss(s[h] + t), _mm256_loadu_ps(vp + t * D + i), o);
-        _mm256_storeu_ps(a + i, o);
-      }
-    }
+    for (int j = 0; j < members; ++j) page_update(qs[j], group, D, kp, vp, cnt, *st[j], acc[j]);
   });
 }
 
@@ -725,76 +733,101 @@ inline __m512 dot16(const float* q, const float* k, int64_t D) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
-template <typename KV>
-void attend_pages512(const float* q, int group, int64_t D, const KV* kbase, const KV* vbase, const int32_t* pages,
-                     int64_t n, int64_t page_size, float scale, HeadState& st, float* acc) {
+// One page's update (as page_update, 16 lanes): `kbuf`, `vbuf` hold its keys and values in float32, the
+// key rows past cnt up to a multiple of 16 zero.
+inline void page_update512(const float* qs, int group, int64_t D, const float* kbuf, const float* vbuf, int64_t cnt,
+                           HeadState& st, float* acc) {
   alignas(64) float s[HeadState::kMaxGroup][64];
-  alignas(64) float qs[HeadState::kMaxGroup * 256];
+  const int64_t padded = (cnt + 15) / 16 * 16;  // rows past cnt: zeros (their scores are masked)
+  // In phases over all the heads, so that their dependency chains (scores -> maximum -> exponentials ->
+  // sums) overlap instead of running one head after the other.
+  for (int h = 0; h < group; ++h) {  // scores
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(cnt - t >= 16 ? 0xFFFF : (1u << (cnt - t)) - 1);
+      _mm512_store_ps(s[h] + t, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dot16(qs + h * D, kbuf + t * D, D)));
+    }
+  }
+  alignas(64) float corr[HeadState::kMaxGroup];
+  for (int h = 0; h < group; ++h) {  // maxima; the running sums rescaled where the maximum grew
+    __m512 m = _mm512_load_ps(s[h]);
+    for (int64_t t = 16; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_load_ps(s[h] + t));
+    const float mx = std::max(st.m[h], _mm512_reduce_max_ps(m));
+    corr[h] = mx == st.m[h] ? 1.f : std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+    st.m[h] = mx;
+  }
+  for (int h = 0; h < group; ++h) {  // probabilities
+    const __m512 mx = _mm512_set1_ps(st.m[h]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[h] + t), mx));
+      _mm512_store_ps(s[h] + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    st.l[h] = st.l[h] * corr[h] + _mm512_reduce_add_ps(sum);
+  }
+  // values: up to four heads at a time over each 64 dimensions, each value row loaded once for them
+  for (int h0 = 0; h0 < group; h0 += 4) {
+    const int hn = std::min(4, group - h0);
+    for (int64_t i = 0; i < D; i += 64) {
+      const int64_t w = std::min<int64_t>(64, D - i);
+      __m512 o[4][4];
+      for (int k = 0; k < 4; ++k)
+        for (int r = 0; r < 4; ++r)
+          o[k][r] = k < hn && r * 16 < w ? _mm512_mul_ps(_mm512_loadu_ps(acc + (h0 + k) * D + i + 16 * r),
+                                                         _mm512_set1_ps(corr[h0 + k]))
+                                         : _mm512_setzero_ps();
+      for (int64_t t = 0; t < cnt; ++t) {
+        const float* row = vbuf + t * D + i;
+        __m512 v[4];
+        for (int r = 0; r < 4; ++r) v[r] = r * 16 < w ? _mm512_loadu_ps(row + 16 * r) : _mm512_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+          if (k >= hn) break;
+          const __m512 pw = _mm512_set1_ps(s[h0 + k][t]);
+          for (int r = 0; r < 4; ++r) o[k][r] = _mm512_fmadd_ps(pw, v[r], o[k][r]);
+        }
+      }
+      for (int k = 0; k < hn; ++k)
+        for (int r = 0; r < 4; ++r)
+          if (r * 16 < w) _mm512_storeu_ps(acc + (h0 + k) * D + i + 16 * r, o[k][r]);
+    }
+  }
+}
+
+template <typename KV>
+void attend_pages512(const float* const* qs, int members, int group, int64_t D, const KV* kbase, const KV* vbase,
+                     const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
   alignas(64) float kbuf[64 * 256], vbuf[64 * 256];
-  for (int64_t i = 0; i < group * D; ++i) qs[i] = q[i] * scale;
   for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kp, const KV* vp, int64_t cnt) {
-    const int64_t padded = (cnt + 15) / 16 * 16;  // rows past cnt: zeros (their scores are masked)
+    const int64_t padded = (cnt + 15) / 16 * 16;
     for (int64_t i = 0; i < cnt * D; i += 16) {
       _mm512_store_ps(kbuf + i, load16(kp + i));
       _mm512_store_ps(vbuf + i, load16(vp + i));
     }
     for (int64_t i = cnt * D; i < padded * D; i += 16) _mm512_store_ps(kbuf + i, _mm512_setzero_ps());
-    // In phases over all the heads, so that their dependency chains (scores -> maximum -> exponentials ->
-    // sums) overlap instead of running one head after the other.
-    for (int h = 0; h < group; ++h) {  // scores
-      for (int64_t t = 0; t < padded; t += 16) {
-        const __mmask16 valid = static_cast<__mmask16>(cnt - t >= 16 ? 0xFFFF : (1u << (cnt - t)) - 1);
-        _mm512_store_ps(s[h] + t, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, dot16(qs + h * D, kbuf + t * D, D)));
-      }
-    }
-    alignas(64) float corr[HeadState::kMaxGroup];
-    for (int h = 0; h < group; ++h) {  // maxima; the running sums rescaled where the maximum grew
-      __m512 m = _mm512_load_ps(s[h]);
-      for (int64_t t = 16; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_load_ps(s[h] + t));
-      const float mx = std::max(st.m[h], _mm512_reduce_max_ps(m));
-      corr[h] = mx == st.m[h] ? 1.f : std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
-      st.m[h] = mx;
-    }
-    for (int h = 0; h < group; ++h) {  // probabilities
-      const __m512 mx = _mm512_set1_ps(st.m[h]);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < padded; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(s[h] + t), mx));
-        _mm512_store_ps(s[h] + t, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      st.l[h] = st.l[h] * corr[h] + _mm512_reduce_add_ps(sum);
-    }
-    // values: up to four heads at a time over each 64 dimensions, each value row loaded once for them
-    for (int h0 = 0; h0 < group; h0 += 4) {
-      const int hn = std::min(4, group - h0);
-      for (int64_t i = 0; i < D; i += 64) {
-        const int64_t w = std::min<int64_t>(64, D - i);
-        __m512 o[4][4];
-        for (int k = 0; k < 4; ++k)
-          for (int r = 0; r < 4; ++r)
-            o[k][r] = k < hn && r * 16 < w ? _mm512_mul_ps(_mm512_loadu_ps(acc + (h0 + k) * D + i + 16 * r),
-                                                           _mm512_set1_ps(corr[h0 + k]))
-                                           : _mm512_setzero_ps();
-        for (int64_t t = 0; t < cnt; ++t) {
-          const float* row = vbuf + t * D + i;
-          __m512 v[4];
-          for (int r = 0; r < 4; ++r) v[r] = r * 16 < w ? _mm512_loadu_ps(row + 16 * r) : _mm512_setzero_ps();
-          for (int k = 0; k < 4; ++k) {
-            if (k >= hn) break;
-            const __m512 pw = _mm512_set1_ps(s[h0 + k][t]);
-            for (int r = 0; r < 4; ++r) o[k][r] = _mm512_fmadd_ps(pw, v[r], o[k][r]);
-          }
-        }
-        for (int k = 0; k < hn; ++k)
-          for (int r = 0; r < 4; ++r)
-            if (r * 16 < w) _mm512_storeu_ps(acc + (h0 + k) * D + i + 16 * r, o[k][r]);
-      }
-    }
+    for (int j = 0; j < members; ++j) page_update512(qs[j], group, D, kbuf, vbuf, cnt, *st[j], acc[j]);
   });
 }
 #endif
 
+#ifndef PARROT_PREFIX_MEMBERS
+#define PARROT_PREFIX_MEMBERS 8
+#endif
+constexpr int kPrefixMembers = PARROT_PREFIX_MEMBERS;  // sequences that read one widened prefix page in turn
+
+// Pages [0, n) for `members` sequences (see attend_pages), on 16 lanes where the CPU and D allow.
+template <typename KV>
+void attend(const float* const* qs, int members, int group, int64_t D, const KV* kb, const KV* vb,
+            const int32_t* pages, int64_t n, int64_t S, HeadState* const* st, float* const* acc) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) return attend_pages512(qs, members, group, D, kb, vb, pages, n, S, st, acc);
+#endif
+  attend_pages(qs, members, group, D, kb, vb, pages, n, S, st, acc);
+}
+
+// Two phases. (1) The shared prefix, per KV head and up to kPrefixMembers of the sequences in it: each
+// page is read and widened once for all of them. (2) Each sequence's own pages, per (sequence, KV head),
+// from the state the prefix left. A sequence's arithmetic is the same whether or not others share its
+// prefix: the same page updates in the same order.
 template <typename KV>
 void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV* vc, const int32_t* bt,
                   const int32_t* off, const int32_t* lens, const int32_t* pp, int64_t plen, const int32_t* inp,
@@ -802,30 +835,45 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
                   float scale) {
   const int group = static_cast<int>(H / Hkv);
   const int64_t head_stride = P * S * D;
+  thread_local std::vector<float> qbuf;  // the queries, scaled (64-byte aligned: dot8 loads them aligned)
+  qbuf.resize(B * H * D + 16);
+  float* qs = qbuf.data() + (16 - reinterpret_cast<uintptr_t>(qbuf.data()) / 4 % 16) % 16;
+  for (int64_t i = 0; i < B * H * D; ++i) qs[i] = qp[i] * scale;
+  std::vector<HeadState> states(B * Hkv);
+  for (HeadState& st : states)
+    for (int h = 0; h < group; ++h) st.m[h] = -INFINITY, st.l[h] = 0.f;
+  std::fill(op, op + B * H * D, 0.f);
+  std::vector<int64_t> members;  // the sequences that read the prefix
+  for (int64_t b = 0; b < B && plen > 0; ++b)
+    if (inp[b] && lens[b] > 0) members.push_back(b);
+  const int64_t member_chunks = (static_cast<int64_t>(members.size()) + kPrefixMembers - 1) / kPrefixMembers;
+  if (member_chunks > 0) {
+    parallel_chunks(pool, member_chunks * Hkv, [&](int64_t task) {
+      const int64_t g = task % Hkv, c = task / Hkv;
+      const int m = static_cast<int>(std::min<int64_t>(kPrefixMembers, members.size() - c * kPrefixMembers));
+      const float* q[kPrefixMembers];
+      HeadState* st[kPrefixMembers];
+      float* acc[kPrefixMembers];
+      for (int j = 0; j < m; ++j) {
+        const int64_t b = members[c * kPrefixMembers + j];
+        q[j] = qs + (b * H + g * group) * D;
+        st[j] = &states[b * Hkv + g];
+        acc[j] = op + (b * H + g * group) * D;
+      }
+      attend(q, m, group, D, kc + g * head_stride, vc + g * head_stride, pp, plen, S, st, acc);
+    });
+  }
   parallel_chunks(pool, B * Hkv, [&](int64_t task) {
     const int64_t b = task / Hkv, g = task % Hkv;
     float* acc = op + (b * H + g * group) * D;
-    std::fill(acc, acc + group * D, 0.f);
     const int64_t len = lens[b];
     if (len <= 0) return;
-    HeadState st;
-    for (int h = 0; h < group; ++h) st.m[h] = -INFINITY, st.l[h] = 0.f;
-    const float* qh = qp + (b * H + g * group) * D;
-    const KV* kb = kc + g * head_stride;
-    const KV* vb = vc + g * head_stride;
+    HeadState* st = &states[b * Hkv + g];
+    const float* q = qs + (b * H + g * group) * D;
     const int64_t own = std::min<int64_t>(len - off[b], maxp * S);
-#ifdef __AVX512F__
-    if (D % 16 == 0) {
-      if (plen > 0 && inp[b]) attend_pages512(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
-      if (own > 0) attend_pages512(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
-    } else
-#endif
-    {
-      if (plen > 0 && inp[b]) attend_pages(qh, group, D, kb, vb, pp, plen, S, scale, st, acc);
-      if (own > 0) attend_pages(qh, group, D, kb, vb, bt + b * maxp, own, S, scale, st, acc);
-    }
+    if (own > 0) attend(&q, 1, group, D, kc + g * head_stride, vc + g * head_stride, bt + b * maxp, own, S, &st, &acc);
     for (int h = 0; h < group; ++h) {
-      const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+      const float inv = st->l[h] > 0.f ? 1.f / st->l[h] : 0.f;
       for (int64_t i = 0; i < D; ++i) acc[h * D + i] *= inv;
     }
   });
