@@ -82,7 +82,8 @@ def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> No
     lens = [48 + 1 + 3 * i for i in range(10)]  # 1-28 tokens of their own, the last one the step's
 
     def step(shared: bool) -> np.ndarray:
-        seqs = [SequenceSlice([5], n - 1, prefix + o, shared_pages=3 if shared else 0) for n, o in zip(lens, own)]
+        seqs = [SequenceSlice([5], n - 1, prefix + o, shared_pages=3 if shared else 0)
+                for n, o in zip(lens, own, strict=True)]
         batch = jax.device_put(build_batch(seqs, PS, num_tokens=16, batch_size=16, q_len=1,
                                            num_pages=2 if shared else 8, prefix_pages=4 if shared else 0))
         return np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
