@@ -35,7 +35,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("amx_matmul.h", "amx_bf16.h", "prefill_attention.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "amx_matmul.h", "amx_bf16.h",
+                                                     "prefill_attention.h"))
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
             "parrot_paged_prefill": "ParrotPagedPrefill"}

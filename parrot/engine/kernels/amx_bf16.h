@@ -69,7 +69,7 @@ void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_
 }
 
 // x [T, K] float32 -> bfloat16 rows, T rounded up to 32 with zero rows.
-inline void pack_x(const float* x, int64_t T, int64_t K, std::vector<uint16_t>& out) {
+inline void pack_x(const float* x, int64_t T, int64_t K, aligned::vector<uint16_t>& out) {
   const int64_t Tp = (T + 31) / 32 * 32;
   out.assign(Tp * K, 0);
   for (int64_t t = 0; t < T; ++t)
@@ -110,7 +110,7 @@ inline void store(int c, float* y, int64_t N, int64_t T, int64_t t, int64_t n, i
 template <class F>
 void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = K / 32, ldw = blocks * F::kBytes, Tp = (T + 31) / 32 * 32, lda = 2 * K;
-  thread_local std::vector<uint32_t> panelbuf;
+  thread_local aligned::vector<uint32_t> panelbuf;
   panelbuf.resize(blocks * 2 * 256);
   uint32_t* panel = panelbuf.data();
   configure();

@@ -35,6 +35,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "aligned.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VL__)
 #define PARROT_AMX 1
@@ -361,7 +363,7 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
     for (int64_t n = n0; n < n1; ++n) gemv_multi_rows<Q>(x, T, K, w + n * ldw, blocks, y + n, N);
     return;
   }
-  thread_local std::vector<float> panel;
+  thread_local aligned::vector<float> panel;
   panel.resize(K * kNR);
   for (int64_t n = n0; n < n1; n += kNR) {
     const int cols = static_cast<int>(std::min<int64_t>(kNR, n1 - n));
@@ -434,7 +436,7 @@ template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  thread_local std::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
+  thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
   amxbf16::pack_x(x, T, K, packed);
   const uint16_t* xb = packed.data();
   const int64_t cols = 32 * std::max<int64_t>(1, N / (32 * threads * 4));
@@ -455,7 +457,7 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
     for (int64_t t = 0; t < T; ++t) nfill += fill[t] != 0;
   if (nfill == T) return qmatmul_bf16<Q>(pool, x, T, K, w, y, N);
   if (nfill > 0) {
-    thread_local std::vector<float> xs, ys;
+    thread_local aligned::vector<float> xs, ys;
     for (int kind = 0; kind < 2; ++kind) {
       const int64_t n = kind ? nfill : T - nfill;
       xs.resize(n * K), ys.resize(n * N);
@@ -835,9 +837,9 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
                   float scale) {
   const int group = static_cast<int>(H / Hkv);
   const int64_t head_stride = P * S * D;
-  thread_local std::vector<float> qbuf;  // the queries, scaled (64-byte aligned: dot8 loads them aligned)
-  qbuf.resize(B * H * D + 16);
-  float* qs = qbuf.data() + (16 - reinterpret_cast<uintptr_t>(qbuf.data()) / 4 % 16) % 16;
+  thread_local aligned::vector<float> qbuf;  // the queries, scaled (dot8 loads them aligned)
+  qbuf.resize(B * H * D);
+  float* qs = qbuf.data();
   for (int64_t i = 0; i < B * H * D; ++i) qs[i] = qp[i] * scale;
   std::vector<HeadState> states(B * Hkv);
   for (HeadState& st : states)

@@ -77,8 +77,8 @@ constexpr int64_t kPrefillMaxRows = 128;  // query tokens x group heads per task
 
 // The scratch of one task, per thread.
 struct PrefillScratch {
-  std::vector<float> qs, o, p, kt, vt, m, l, corr, lim;
-  std::vector<int32_t> active;
+  aligned::vector<float> qs, o, p, kt, vt, m, l, corr, lim;
+  aligned::vector<int32_t> active;
   void size(int64_t rows, int64_t D, int W) {
     const int64_t padded = (rows + 7) / 8 * 8;
     qs.assign(padded * D, 0.f), o.assign(rows * D, 0.f), p.assign(rows * W, 0.f);
@@ -188,9 +188,9 @@ void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, cons
 // same per-row softmax, then P (32 keys, bf16) x V into a fresh C tile per 16 dimensions, added to the
 // float32 output as o * corr + c. Tile rows are independent, so every row's result is still its own.
 struct PrefillTiles {
-  std::vector<uint16_t> qb;  // [rows padded to 16][D]: scaled queries in bfloat16
-  std::vector<uint32_t> bk;  // [2 halves][D / 32][16 pairs][16 keys]
-  std::vector<uint32_t> bv;  // [D / 16][16 pairs of keys][16 dimensions]
+  aligned::vector<uint16_t> qb;  // [rows padded to 16][D]: scaled queries in bfloat16
+  aligned::vector<uint32_t> bk;  // [2 halves][D / 32][16 pairs][16 keys]
+  aligned::vector<uint32_t> bv;  // [D / 16][16 pairs of keys][16 dimensions]
   alignas(64) float sc[2][256];
   alignas(64) uint16_t pb[16 * 32];
   alignas(64) float pv[256];
