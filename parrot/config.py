@@ -144,6 +144,10 @@ class ServeConfig:
     # an engine step of its own on every prompt (chain 4.5 s with none vs 5.5 s at 256 / 64: docs/benchmarks).
     prefix_checkpoint_tokens: int = 0
     prefix_tail_checkpoint_tokens: int = 0
+    # No context is kept inside a prompt before this many tokens (the whole prompt always is): a short global
+    # text or a short shared boundary saves less prefill than the engine step of its own fill costs
+    # (~15-30 ms on a 2-core CPU: the bench's reduce prompt was filled as 7 + 12 + 405 tokens).
+    min_prefix_cut_tokens: int = 32
     global_idle_s: float = 30.0  # a global context used this recently is never dropped
     dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)
     evict_every_s: float = 5.0  # how often cold global contexts are dropped
@@ -170,6 +174,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive")
         if self.prefix_checkpoint_tokens < 0 or self.prefix_checkpoint_tokens % self.prefix_block_tokens:
             raise ValueError("prefix_checkpoint_tokens must be a multiple of prefix_block_tokens (or 0)")
+        if self.min_prefix_cut_tokens < 0:
+            raise ValueError("min_prefix_cut_tokens must not be negative")
         if self.prefix_tail_checkpoint_tokens < 0:
             raise ValueError("prefix_tail_checkpoint_tokens must not be negative")
         if self.api_key is not None and not self.api_key.strip():

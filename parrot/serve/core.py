@@ -760,7 +760,8 @@ class ParrotServeCore:
 
     async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
         """Fork the longest cached context whose tokens begin the prompt on this engine and fill the rest,
-        stopping (and caching a context) where later work can share a prefix: global text, prefixes
+        stopping (and caching a context) where later work can share a prefix (none before
+        `min_prefix_cut_tokens`, but the whole prompt): global text, prefixes
         another live task shares (semantic boundaries or full blocks), the full blocks a cached longer
         context shares with this prompt, every `prefix_checkpoint_tokens`, the last block boundary
         `prefix_tail_checkpoint_tokens` before the end, and the whole prompt.
@@ -797,8 +798,9 @@ class ParrotServeCore:
         keep = self.scheduler.shared_boundaries(task)
         last = len(task.boundaries) - 1
         cuts: dict[int, str | None] = {}  # prompt length -> owner of the context kept there
+        least = self.config.min_prefix_cut_tokens
         for i, b in enumerate(task.boundaries):
-            if i == last or rec.owners[i] is None or b in keep:
+            if i == last or ((rec.owners[i] is None or b in keep) and b >= least):
                 cuts[b] = rec.owners[i]
 
         def owner_at(c: int) -> str | None:  # the owner of the variable a block boundary lies in
@@ -811,7 +813,7 @@ class ParrotServeCore:
         if tail and n >= 4 * tail:  # where a prompt sharing all but a last question diverges
             blocks.add((n - tail) // block * block)
         for c in blocks:
-            if 0 < c < n and c not in cuts:
+            if least <= c < n and c > 0 and c not in cuts:
                 cuts[c] = owner_at(c)
         computed = 0
         held = parent  # a context this task forks next is in use: it is not evicted meanwhile
@@ -821,7 +823,7 @@ class ParrotServeCore:
             while True:
                 start = parent.num_tokens if parent is not None else 0
                 shared = self.scheduler.shared_blocks(task) * block  # a task that arrived since shares more
-                if start < shared < n and shared not in cuts:
+                if start < shared < n and shared not in cuts and shared >= least:
                     cuts[shared] = owner_at(shared)
                 c = min((c for c in cuts if c > start), default=None)
                 if c is None:

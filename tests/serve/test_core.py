@@ -224,3 +224,49 @@ def test_an_apps_later_steps_keep_its_place_in_the_engine_queue() -> None:
     assert aware[0] < 0.05 and aware[1] >= 0.1 and aware[2] >= 0.2
     plain = _chain_of_three(False)
     assert max(plain) < 0.05
+
+
+class FillRecordingEngine(ScriptedEngine):
+    """Records how many tokens each fill carried."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.fills: list[int] = []
+
+    async def fill(self, req: FillRequest) -> FillResponse:
+        self.fills.append(len(req.token_ids))
+        return await super().fill(req)
+
+
+@pytest.mark.parametrize(("system", "least", "pieces"), [
+    ("Sys: ", 32, 1),  # a short global text: filled with the rest of the prompt, one engine step
+    ("Sys: ", 0, 2),  # no minimum: a context kept after it, a fill of its own
+    ("You are a helpful assistant. " * 4, 32, 2),  # long enough to be worth a context of its own
+])
+def test_no_context_is_kept_inside_a_prompt_before_min_prefix_cut_tokens(system: str, least: int, pieces: int) -> None:
+    engine = FillRecordingEngine()
+
+    async def run() -> None:
+        core = make_core(config=ServeConfig(model="tiny", min_prefix_cut_tokens=least))
+        core.engines.register(engine)
+        await core.start()
+        try:
+            s = core.create_session()
+            out = core.semantic_call(s, SemanticCallRequest(
+                session_id=s.session_id, template=system + "Q: {{q}} A: {{a}}",
+                parameters=[SemanticCallParameter(name="q", value="hi"),
+                            SemanticCallParameter(name="a", is_output=True)]))
+            var_id = next(p.var_id for p in out.param_info if p.name == "a")
+            assert await core.get_var(s, var_id, "latency", 5) == "AB"
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+    assert len(engine.fills) == pieces
+    if pieces == 2:  # the leading constant text (up to the first variable) had a context of its own
+        assert engine.fills[0] == len(tiny_tokenizer().encode(system + "Q: "))
+
+
+def test_min_prefix_cut_tokens_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="min_prefix_cut_tokens"):
+        ServeConfig(model="tiny", min_prefix_cut_tokens=-1)
