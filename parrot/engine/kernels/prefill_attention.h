@@ -271,11 +271,11 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
       any = true;
       const __m512 s0 = L::keep_upto(_mm512_load_ps(t.sc[0] + 16 * r), lim);
       const __m512 s1 = L::keep_upto(_mm512_load_ps(t.sc[1] + 16 * r), lim - 16.f);
-      const float old = s.m[row], mx = std::max(old, std::max(L::max(s0), L::max(s1)));
+      const float old = s.m[row], mx = std::max(old, L::max(_mm512_max_ps(s0, s1)));  // one reduction each
       const float corr = mx == old ? 1.f : std::exp(old - mx);
       const __m512 e0 = vexp(L::sub(s0, L::set1(mx))), e1 = vexp(L::sub(s1, L::set1(mx)));
       s.m[row] = mx, t.corr[r] = corr;
-      s.l[row] = s.l[row] * corr + (L::sum(e0) + L::sum(e1));
+      s.l[row] = s.l[row] * corr + L::sum(_mm512_add_ps(e0, e1));
       _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
     }
     if (!any) continue;
