@@ -798,7 +798,7 @@ class ParrotServeCore:
         keep = self.scheduler.shared_boundaries(task)
         last = len(task.boundaries) - 1
         cuts: dict[int, str | None] = {}  # prompt length -> owner of the context kept there
-        least = self.config.min_prefix_cut_tokens
+        least = max(1, self.config.min_prefix_cut_tokens)  # the first position a context may be kept at
         for i, b in enumerate(task.boundaries):
             if i == last or ((rec.owners[i] is None or b in keep) and b >= least):
                 cuts[b] = rec.owners[i]
@@ -813,7 +813,7 @@ class ParrotServeCore:
         if tail and n >= 4 * tail:  # where a prompt sharing all but a last question diverges
             blocks.add((n - tail) // block * block)
         for c in blocks:
-            if least <= c < n and c > 0 and c not in cuts:
+            if least <= c < n and c not in cuts:
                 cuts[c] = owner_at(c)
         computed = 0
         held = parent  # a context this task forks next is in use: it is not evicted meanwhile
@@ -823,7 +823,7 @@ class ParrotServeCore:
             while True:
                 start = parent.num_tokens if parent is not None else 0
                 shared = self.scheduler.shared_blocks(task) * block  # a task that arrived since shares more
-                if start < shared < n and shared not in cuts and shared >= least:
+                if max(start + 1, least) <= shared < n and shared not in cuts:
                     cuts[shared] = owner_at(shared)
                 c = min((c for c in cuts if c > start), default=None)
                 if c is None:

@@ -52,13 +52,13 @@ struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static conste
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
 struct XPack {
   int64_t T = 0, tn = 0, tiles = 0, blocks = 0;
-  int limbs = 3;                   // 2: the last limb is zero and skipped (15 bits below the block's largest)
-  aligned::vector<uint32_t> b;         // more than kVnniRows rows: [tiles][blocks][3 limbs][8 groups][tn]
-  aligned::vector<float> scales;       // [tiles][blocks][16]: s per token
-  aligned::vector<float> sums;         // [tiles][blocks][16]: sum(x) per token
+  int limbs = 3;                        // 2: the last limb is zero and skipped (15 bits below the block's largest)
+  aligned::vector<uint32_t> b;          // more than kVnniRows rows: [tiles][blocks][3 limbs][8 groups][tn]
+  aligned::vector<float> scales;        // [tiles][blocks][16]: s per token
+  aligned::vector<float> sums;          // [tiles][blocks][16]: sum(x) per token
   // up to kVnniRows rows, for VNNI: each row's limbs contiguous, and their sums
-  aligned::vector<uint32_t> rows;      // [T][blocks][3 limbs][8 groups]
-  aligned::vector<int32_t> limb_sums;  // [T][blocks][3]
+  aligned::vector<uint32_t> rows;       // [T][blocks][3 limbs][8 groups]
+  aligned::vector<int32_t> limb_sums;   // [T][blocks][3]
 };
 
 inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3) {
