@@ -55,7 +55,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     runners = {}
     load_s = {}
     # the CPU kernels' quantized product per configuration: one runner serves both (the compiled steps
-    # call the same FFI target; kernels.use_amx switches the code behind it before each call)
+    # call the same FFI target; kernels.use_matmul switches the code behind it before each call)
     matmul: dict[str, str] = {}
     attention = attention or ["auto"]
     for w in weights:
@@ -70,14 +70,14 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                     name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm)
                     runners[name], matmul[name] = r, mm
                     load_s[name] = t_read + time.perf_counter() - t
-    default_amx = kernels.matmul_path() == "amx-int8"
-
+    default_path = kernels.matmul_path()
     default_bf16 = kernels.bf16_tiles()
 
     def select(name: str) -> None:
         if kernels.available():
-            kernels.use_amx(default_amx if matmul[name] == "auto" else matmul[name] in ("amx", "amx-int8"))
-            kernels.use_bf16_tiles(default_bf16 if matmul[name] == "auto" else matmul[name] == "amx")
+            mm = matmul[name]
+            kernels.use_matmul(default_path if mm == "auto" else "amx-int8" if mm == "amx" else mm)
+            kernels.use_bf16_tiles(default_bf16 if mm == "auto" else mm == "amx")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -149,7 +149,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     first = result["configs"][0]
     for k in ("prefill", "decode", "ratios"):
         result[k] = result[k][first]
-    kernels.use_amx(default_amx)
+    if default_path:
+        kernels.use_matmul(default_path)
     kernels.use_bf16_tiles(default_bf16)
     return result
 
@@ -227,10 +228,12 @@ def main() -> None:
                          "or a directory with a config.json)")
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
-    ap.add_argument("--cpu-matmul", nargs="+", default=["auto"], choices=["auto", "amx", "amx-int8", "avx2"],
+    ap.add_argument("--cpu-matmul", nargs="+", default=["auto"],
+                    choices=["auto", "amx", "amx-int8", "avx512-vnni", "avx2"],
                     help="the native kernels' quantized product, side by side (amx: VNNI and the tile units where "
                          "the CPU has AMX, prompt fills on the bf16 tiles where it has AMX-BF16; amx-int8: every "
-                         "step on the exact integer path; avx2: the vector code)")
+                         "step on the exact integer path; avx512-vnni: exact integer sums on AVX-512 VNNI; "
+                         "avx2: the vector code); a code the CPU lacks runs as the best it has")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,

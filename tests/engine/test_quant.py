@@ -70,24 +70,32 @@ def test_kernel_and_xla_paths_agree(qtype: str) -> None:
     np.testing.assert_allclose(native, xla, rtol=1e-5, atol=2e-6)
 
 
-AMX = kernels.available() and kernels.matmul_path() == "amx-int8"
-
-
-@pytest.fixture(params=["amx", "avx2"])
+@pytest.fixture(params=kernels.MATMUL_PATHS)
 def native_path(request: pytest.FixtureRequest):  # noqa: ANN201
-    """Each native product path this CPU has, switched on for the test (the AMX one where the CPU has it)."""
+    """Each native product code this CPU has, switched on for the test."""
     if not kernels.available():
         pytest.skip("native CPU kernels unavailable")
-    if request.param == "amx" and not AMX:
-        pytest.skip("this CPU (or this build) has no AMX-INT8")
-    before = kernels.matmul_path() == "amx-int8"
-    kernels.use_amx(request.param == "amx")
+    if request.param not in kernels.matmul_paths():
+        pytest.skip(f"this CPU (or this build) cannot run {request.param}")
+    before = kernels.matmul_path()
+    assert kernels.use_matmul(request.param) == request.param
     yield request.param
-    kernels.use_amx(before)
+    kernels.use_matmul(before)
+
+
+def test_the_best_code_the_cpu_has_runs_by_default() -> None:
+    if not kernels.available():
+        pytest.skip("native CPU kernels unavailable")
+    flags = open("/proc/cpuinfo").read()
+    paths = kernels.matmul_paths()
+    assert paths[0] == "avx2"
+    assert ("avx512-vnni" in paths) == ("avx512_vnni" in flags and "avx512bw" in flags and "avx512vl" in flags)
+    assert kernels.use_matmul("auto") == paths[-1]
+    assert kernels.use_matmul("no such code") == paths[-1]  # unchanged
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 33, 70])  # AMX: VNNI up to 16 rows, tiles above
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 33, 70])  # VNNI: token groups of 16; AMX: tiles above 16
 def test_native_paths_equal_float_product(native_path: str, qtype: str, rows: int) -> None:
     """Both native paths compute the float32 product with the exactly dequantized matrix (widths that are
     not multiples of 16, several chunks of blocks: K = 576 is 18 blocks)."""
@@ -100,20 +108,21 @@ def test_native_paths_equal_float_product(native_path: str, qtype: str, rows: in
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_a_row_is_the_same_alone_and_in_any_batch(native_path: str, qtype: str) -> None:
-    """A row's product is bit for bit the same whatever rows share the call: on the AMX path for any
-    number of rows, on the AVX2 path up to 16 (above that its panel kernel sums in another order)."""
+    """A row's product is bit for bit the same whatever rows share the call: on the integer paths (VNNI,
+    AMX) for any number of rows, on the AVX2 path up to 16 (above that its panel kernel sums in another
+    order)."""
     q = quant.quantize(_random(576, 80), qtype)
     x = np.random.default_rng(7).standard_normal((70, 576)).astype(np.float32)
     f = jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))
     d = jnp.asarray(q.data)
     alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
-    sizes = [2, 3, 9, 16] + ([17, 33, 70] if native_path == "amx" else [])
+    sizes = [2, 3, 9, 16] + ([17, 33, 70] if native_path != "avx2" else [])
     for size in sizes:
         for start in range(0, len(x) - size + 1, size):
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
 
 
-@pytest.mark.parametrize("rows", [1, 17])  # VNNI, tiles
+@pytest.mark.parametrize("rows", [1, 17])  # one token group; two (VNNI) or the tiles (AMX)
 def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, rows: int) -> None:
     """Activations far below float32's normal range count as zero (their products are below it too), and a
     NaN or an infinity in a row makes that row's products NaN, as in float32; other rows are unaffected."""
@@ -197,12 +206,14 @@ def test_each_kind_of_row_is_computed_apart(rows: int) -> None:
     np.testing.assert_array_equal(mixed[fill == 0], exact[fill == 0])
 
 
-@pytest.mark.skipif(not AMX, reason="this CPU (or this build) has no AMX-INT8")
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(qtype: str) -> None:
-    """The bfloat16 mode's generated rows: activations to 15 bits below their block's largest (2 limbs),
-    so within sum over blocks of max|x| / 2^15 * sum|w| of the float product, and a row's result the same
-    alone and in any batch (VNNI up to 16 rows, the tiles above)."""
+def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_path: str, qtype: str) -> None:
+    """The bfloat16 mode's generated rows on the integer paths: activations to 15 bits below their block's
+    largest (2 limbs), so within sum over blocks of max|x| / 2^15 * sum|w| of the float product, and a
+    row's result the same alone and in any batch (VNNI in token groups of 16; AMX: VNNI up to 16 rows, the
+    tiles above)."""
+    if native_path == "avx2":
+        pytest.skip("the AVX2 code is exact: it has no limbs")
     q = quant.quantize(_random(576, 80), qtype)
     x = np.random.default_rng(11).standard_normal((70, 576)).astype(np.float32)
     d = jnp.asarray(q.data)

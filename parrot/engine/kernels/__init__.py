@@ -7,9 +7,12 @@ version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU
 they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
-On CPUs with AMX-INT8 the quantized product runs on AVX-512 VNNI and the integer tile unit (amx_matmul.h)
-unless `PARROT_AMX=0`; `matmul_path()` says which path runs, and `use_amx()` switches between them at
-run time (the compiled steps call the same FFI target either way). The rows asked for in bfloat16
+The quantized product has three codes: "avx2" (vector code, every CPU the kernels run on), "avx512-vnni"
+(exact integer sums on AVX-512 VNNI for any number of rows, vnni_matmul.h: Intel since Cascade Lake, AMD
+since Zen 4) and "amx-int8" (VNNI for a few rows, AMX's integer tiles for more, amx_matmul.h: Intel since
+Sapphire Rapids). The best the CPU has runs unless `PARROT_CPU_MATMUL` names another; `matmul_path()`
+says which runs, `matmul_paths()` which the CPU can run, and `use_matmul()` switches at run time (the
+compiled steps call the same FFI target either way). The rows asked for in bfloat16
 (`qmatmul(..., fill=...)`: prompt tokens, where the engine fills prompts in bfloat16) run on
 AMX's bf16 tiles (amx_bf16.h) where the AMX path is on and the CPU has AMX-BF16 (`bf16_tiles()`),
 unless `PARROT_AMX_BF16=0` (or `use_bf16_tiles(False)`): then it runs exactly.
@@ -35,8 +38,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "amx_matmul.h", "amx_bf16.h",
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
                                                      "prefill_attention.h"))
+MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
             "parrot_paged_prefill": "ParrotPagedPrefill"}
@@ -99,8 +103,16 @@ def _load() -> None:
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     _state["lib"] = lib
-    lib.parrot_amx_enable.argtypes = [ctypes.c_int]
-    _state["amx"] = bool(lib.parrot_amx_enable(0 if os.environ.get("PARROT_AMX", "1") == "0" else 1))
+    lib.parrot_matmul_select.argtypes = [ctypes.c_int]
+    wanted = os.environ.get("PARROT_CPU_MATMUL", "auto")
+    if wanted != "auto" and wanted not in MATMUL_PATHS:
+        raise RuntimeError(f"PARROT_CPU_MATMUL={wanted!r} is not one of auto, {', '.join(MATMUL_PATHS)}")
+    best = lib.parrot_matmul_select(-1)
+    _state["paths"] = [p for i, p in enumerate(MATMUL_PATHS) if i <= best and (i != 2 or best == 2)]
+    if wanted != "auto" and wanted not in _state["paths"]:
+        log.warning("PARROT_CPU_MATMUL=%s: this CPU cannot run it; using %s", wanted, MATMUL_PATHS[best])
+    elif wanted != "auto":
+        lib.parrot_matmul_select(MATMUL_PATHS.index(wanted))
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
     _state["amx_bf16"] = bool(lib.parrot_bf16_enable(0 if os.environ.get("PARROT_AMX_BF16", "1") == "0" else 1))
 
@@ -123,10 +135,16 @@ def unavailable_reason() -> str | None:
 
 
 def matmul_path() -> str | None:
-    """Which code multiplies quantized matrices: "amx-int8" (tiles and VNNI), "avx2", or None (XLA)."""
+    """Which code multiplies quantized matrices: "amx-int8" (tiles and VNNI), "avx512-vnni", "avx2", or None
+    (XLA)."""
     if not available():
         return None
-    return "amx-int8" if _state.get("amx") else "avx2"
+    return MATMUL_PATHS[_state["lib"].parrot_matmul_select(-2)]
+
+
+def matmul_paths() -> list[str]:
+    """The codes this CPU can multiply quantized matrices with (none where the kernels are unavailable)."""
+    return list(_state["paths"]) if available() else []
 
 
 def bf16_tiles() -> bool:
@@ -144,14 +162,15 @@ def use_bf16_tiles(on: bool) -> bool:
     return bf16_tiles()
 
 
-def use_amx(on: bool) -> bool:
-    """Turn the AMX path on or off for this process; returns whether it is on (False where the CPU or
-    this build has none)."""
+def use_matmul(path: str) -> str | None:
+    """Multiply quantized matrices with `path` ("auto": the best this CPU has) from now on, in this process;
+    returns the code in use (unchanged where the CPU cannot run `path`)."""
     if not available():
-        return False
+        return None
     with _lock:
-        _state["amx"] = bool(_state["lib"].parrot_amx_enable(1 if on else 0))
-        return bool(_state["amx"])
+        lib = _state["lib"]
+        lib.parrot_matmul_select(-1 if path == "auto" else MATMUL_PATHS.index(path) if path in _state["paths"] else -2)
+    return matmul_path()
 
 
 # ---- calls (inside jitted functions) --------------------------------------------------------------
@@ -163,8 +182,8 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     `fill` ([T], nonzero: a prompt token's row): those rows with the weights and activations rounded to
     bfloat16 and the products summed in float32, on AMX's bf16 tiles where `bf16_tiles()` (decided at run
     time: elsewhere every row is exact). Each kind of row is computed apart from the other. `limbs` (the
-    AMX-INT8 path): 3 writes each activation to 23 bits below its block's largest, 2 to 15 bits, which
-    saves a third of the integer products (the engine's bfloat16 mode; float32 mode keeps 3)."""
+    integer paths, VNNI and AMX-INT8): 3 writes each activation to 23 bits below its block's largest, 2 to
+    15 bits, which saves a third of the integer products (the engine's bfloat16 mode; float32 mode keeps 3)."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]),

@@ -8,10 +8,12 @@
 // order of the additions), while the weights are read in their quantized size. Output rows are split
 // into chunks that XLA's intra-op threads take in turn.
 //
-// On CPUs with AMX-INT8 (Intel Sapphire Rapids and later) the product runs on AVX-512 VNNI up to 16 rows
-// and on the integer tile unit above (amx_matmul.h: the same exact integer sums, so the same results for
-// any number of rows), once `parrot_amx_enable(1)` has obtained the tile state from the kernel;
-// `parrot_amx_enable(0)` goes back to the AVX2 code. The rows the `fill` operand flags (prompt tokens, in
+// Three codes multiply (`parrot_matmul_select` chooses; the best the CPU has by default): the AVX2 code
+// below (every x86-64 CPU with AVX2/FMA/F16C), AVX-512 VNNI for any number of rows (vnni_matmul.h: exact
+// integer sums of the weights' integers and the activations' byte limbs, so a row's result is the same bits
+// in any batch; Intel since Cascade Lake, AMD since Zen 4), and on CPUs with AMX-INT8 (Intel Sapphire
+// Rapids and later) VNNI up to 16 rows and the integer tile unit above (amx_matmul.h: the same integer sums
+// and float32 steps), once the kernel has granted the tile state. The rows the `fill` operand flags (prompt tokens, in
 // an engine that fills prompts in bfloat16) run on the bf16 tiles instead where the CPU has AMX-BF16
 // (amx_bf16.h; `parrot_bf16_enable(0)` keeps them exact).
 //
@@ -37,8 +39,13 @@
 
 #include "aligned.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
-    defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PARROT_VNNI 1
+#include "vnni_matmul.h"
+#else
+#define PARROT_VNNI 0
+#endif
+#if PARROT_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PARROT_AMX 1
 #include "amx_matmul.h"
 #if defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -381,15 +388,48 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
   }
 }
 
-std::atomic<bool> g_amx{false};  // products through amx_matmul.h (see parrot_amx_enable)
-std::atomic<bool> g_bf16{true};  // products asked for in bf16 through amx_bf16.h (see parrot_bf16_enable)
+// The quantized product's code (see parrot_matmul_select) and whether rows asked for in bf16 take AMX's
+// bf16 tiles (see parrot_bf16_enable).
+enum MatmulPath : int { kPathAvx2 = 0, kPathVnni = 1, kPathAmx = 2 };
+std::atomic<int> g_path{kPathAvx2};
+std::atomic<bool> g_bf16{true};
 
+inline bool bf16_tiles_on() {
+  return PARROT_AMX_BF16 && g_path.load(std::memory_order_relaxed) == kPathAmx && g_bf16.load(std::memory_order_relaxed);
+}
+
+// More activation rows than this go to AMX's tiles on the AMX path.
+constexpr int64_t amx_vnni_rows() {
 #if PARROT_AMX
+  return amx::kVnniRows;
+#else
+  return 16;
+#endif
+}
+
+// Linux hands a process AMX's tile data state only on request.
+inline bool request_tiles() {
+#if PARROT_AMX
+  return amx::request_permission();
+#else
+  return false;
+#endif
+}
+
+#if PARROT_VNNI
+template <class F>
+void int8_rows(const vnni::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+#if PARROT_AMX
+  if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
+#endif
+  vnni::rows<F>(xp, w, n0, n1, y, N);
+}
+
 template <int Q>
-void amx_rows(const amx::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if constexpr (Q == kQ8_0) amx::rows<amx::Q8_0>(xp, w, n0, n1, y, N);
-  else if constexpr (Q == kQ4_0) amx::rows<amx::Q4_0>(xp, w, n0, n1, y, N);
-  else amx::rows<amx::Q4_1>(xp, w, n0, n1, y, N);
+void int8_rows(const vnni::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if constexpr (Q == kQ8_0) int8_rows<vnni::Q8_0>(xp, w, n0, n1, y, N);
+  else if constexpr (Q == kQ4_0) int8_rows<vnni::Q4_0>(xp, w, n0, n1, y, N);
+  else int8_rows<vnni::Q4_1>(xp, w, n0, n1, y, N);
 }
 #endif
 
@@ -403,7 +443,7 @@ void bf16_rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64
 }
 #endif
 
-// The exact product of rows x [T, K] (every row the same whatever rows share the call on the AMX path).
+// The exact product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
 template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N,
              int limbs) {
@@ -415,12 +455,13 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   int64_t rows = std::max<int64_t>(16, N / (threads * PARROT_CPT));
   rows = (rows + kNR - 1) / kNR * kNR;
   const int64_t chunks = (N + rows - 1) / rows;
-#if PARROT_AMX
-  if (g_amx.load(std::memory_order_relaxed)) {
-    thread_local amx::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
-    const amx::XPack* xp = &packed;
-    amx::pack_x(x, T, K, packed, limbs);
-    parallel_chunks(pool, chunks, [&](int64_t c) { amx_rows<Q>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
+#if PARROT_VNNI
+  const int path = g_path.load(std::memory_order_relaxed);
+  if (path != kPathAvx2) {
+    thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
+    const vnni::XPack* xp = &packed;
+    vnni::pack_x(x, T, K, packed, limbs, path == kPathAmx && T > amx_vnni_rows());
+    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Q>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
     return;
   }
 #endif
@@ -453,7 +494,7 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
                           const uint8_t* w, float* y, int64_t N, int limbs) {
 #if PARROT_AMX_BF16
   int64_t nfill = 0;
-  if (g_amx.load(std::memory_order_relaxed) && g_bf16.load(std::memory_order_relaxed))
+  if (bf16_tiles_on())
     for (int64_t t = 0; t < T; ++t) nfill += fill[t] != 0;
   if (nfill == T) return qmatmul_bf16<Q>(pool, x, T, K, w, y, N);
   if (nfill > 0) {
@@ -940,22 +981,23 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                   static_cast<const uint16_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
                   block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
                   D, Hkv, P, S, B, Q, bd[1], scale,
-                  bf16 != 0 && g_amx.load(std::memory_order_relaxed) && g_bf16.load(std::memory_order_relaxed));
+                  bf16 != 0 && bf16_tiles_on());
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// Turns the AMX path of parrot_qmatmul on (asking the kernel for the tile state) or off. Returns whether
-// it is on: 0 where this build or this CPU has no AMX-INT8, or the kernel refused.
-extern "C" int parrot_amx_enable(int on) {
-#if PARROT_AMX
-  g_amx.store(on != 0 && amx::request_permission());
-#else
-  (void)on;
-#endif
-  return g_amx.load() ? 1 : 0;
+// Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
+// -1 the best this build and CPU have. Returns the code in use: any other value, a code this build lacks,
+// or AMX where the kernel refuses the tile state leaves the choice as it was.
+extern "C" int parrot_matmul_select(int path) {
+  if (path < -1 || path > kPathAmx) return g_path.load();
+  const int best = PARROT_AMX && request_tiles() ? kPathAmx : PARROT_VNNI ? kPathVnni : kPathAvx2;
+  if (path == -1) path = best;
+  if (path == kPathAvx2 || (path == kPathVnni && PARROT_VNNI) || (path == kPathAmx && best == kPathAmx))
+    g_path.store(path);
+  return g_path.load();
 }
 
 // Products asked for in bf16 (the rows parrot_qmatmul's `fill` operand flags) on AMX's bf16 tiles while

@@ -1,0 +1,242 @@
+// The block-quantized product on AVX-512 VNNI, exact in integers, for any number of activation rows
+// (CPUs with AVX-512 VNNI: Intel since Cascade Lake, AMD since Zen 4). Included by cpu_kernels.cc (and
+// by amx_matmul.h, whose tile path shares the activations' packing and the float32 steps); see
+// parrot_qmatmul there for the operands.
+//
+// Numbers. The weights are the blocks' integers as the file stores them (Q4: 0..15, Q8_0: -128..127).
+// Each block of 32 activations is written as x = s * (65536 l0 + 256 l1 + l2), s = max|x| / 2^22, with
+// three signed byte limbs (the rounding of x to 23 bits below its block's largest activation is the only
+// error). The integer sums S_l = sum_k w_k l_k are exact in int32, whatever computes them and in whatever
+// order; float32 then computes, block after block, acc += (65536 S0 + 256 S1 + S2) * (d * s), and
+// acc += m * sum(x) for the blocks with a minimum (Q4_1's m, Q4_0's -8 d). These float32 steps are the
+// same for every row whatever the others are (and the same on AMX's tiles), so a row's result is bit for
+// bit the same alone and in any batch, decode or prefill. Compared with the float32 product with the
+// dequantized matrix, the error is of the order of float32 rounding (tests: rtol 1e-5; the model's logits
+// within 1e-4 of transformers').
+//
+// VNNI. Each 32-bit lane is one of 16 weight rows; vpdpbusd multiplies four of its weights (unsigned
+// bytes: Q4's nibbles as they are, Q8_0's plus 128, taken off again as 128 times the limbs' sum) by four
+// limb bytes broadcast to every lane. A block's weights are transposed once for up to 16 activation rows
+// (a token group); more rows go in groups of 16 over the same 16 weight rows, which stay in the cache.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "aligned.h"
+
+namespace vnni {
+
+constexpr int kGroupRows = 16;  // activation rows (tokens) multiplied per pass over 16 weight rows
+
+// Block formats: bytes per block, where the 32 weights start, signed (Q8_0) or nibbles, and the minimum
+// (0: none, 1: Q4_1's float16 after d, 2: Q4_0's -8 d).
+struct Q8_0 { static constexpr int kBytes = 34, kQs = 2, kMin = 0; static constexpr bool kSigned = true; };
+struct Q4_0 { static constexpr int kBytes = 18, kQs = 2, kMin = 2; static constexpr bool kSigned = false; };
+struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static constexpr bool kSigned = false; };
+
+// ---- activations ----------------------------------------------------------------------------------
+// Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
+struct XPack {
+  int64_t T = 0, tn = 0, tiles = 0, blocks = 0;
+  int limbs = 3;                        // 2: the last limb is zero and skipped (15 bits below the block's largest)
+  bool for_tiles = false;               // packed for AMX's tiles (`b`) or for VNNI (`rows`, `limb_sums`)
+  aligned::vector<uint32_t> b;          // tiles: [tiles][blocks][3 limbs][8 groups][tn]
+  aligned::vector<float> scales;        // [tiles][blocks][16]: s per token
+  aligned::vector<float> sums;          // [tiles][blocks][16]: sum(x) per token
+  // VNNI: each row's limbs contiguous, and their sums
+  aligned::vector<uint32_t> rows;       // [T][blocks][3 limbs][8 groups]
+  aligned::vector<int32_t> limb_sums;   // [T][blocks][3]
+};
+
+// `tiles`: for AMX's tile unit (`b`), else for VNNI (`rows`); scales and sums are laid out alike for both.
+inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3, bool for_tiles = false) {
+  p.T = T, p.blocks = K / 32, p.limbs = limbs, p.for_tiles = for_tiles;
+  p.tn = std::min<int64_t>(T, 16);
+  p.tiles = (T + p.tn - 1) / p.tn;
+  const bool vnni = !for_tiles;
+  p.b.assign(vnni ? 0 : p.tiles * p.blocks * 3 * 8 * p.tn, 0);
+  p.scales.assign(p.tiles * p.blocks * 16, 0.f);
+  p.sums.assign(p.tiles * p.blocks * 16, 0.f);
+  p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
+  p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
+  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  alignas(64) uint32_t limb[3][8];
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t tile = t / p.tn, col = t % p.tn;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      const float* xb = x + t * K + b * 32;
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      const int64_t at = (tile * p.blocks + b) * 16 + col;
+      p.sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      if (!(a <= 3.4e38f)) {  // NaN or infinity: the products become NaN, as in float32
+        p.scales[at] = NAN;
+        continue;
+      }
+      if (!(a >= 1e-30f)) continue;  // zero (or too small to scale to 2^22): limbs and scale stay zero
+      p.scales[at] = a / 4194304.f;
+      // two limbs: x rounded to 2^14 steps of the block's largest, written as 256 times that integer
+      // (limbs 0 and 1 as three limbs would have them, limb 2 zero), so the sums and scales are the same
+      const __m512 inv = _mm512_set1_ps((limbs == 2 ? 16384.f : 4194304.f) / a);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, inv));  // |xi| <= 2^22 + 1
+        __m512i l2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, c128), c255), c128);
+        __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, l2), 8);
+        if (limbs == 2) r = xi, l2 = _mm512_setzero_si512();
+        const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, c128), c255), c128);
+        const __m512i l0 = _mm512_srai_epi32(_mm512_sub_epi32(r, l1), 8);  // |l0| <= 64
+        _mm_store_si128(reinterpret_cast<__m128i*>(limb[0] + 4 * h), _mm512_cvtepi32_epi8(l0));
+        _mm_store_si128(reinterpret_cast<__m128i*>(limb[1] + 4 * h), _mm512_cvtepi32_epi8(l1));
+        _mm_store_si128(reinterpret_cast<__m128i*>(limb[2] + 4 * h), _mm512_cvtepi32_epi8(l2));
+      }
+      for (int l = 0; l < 3; ++l) {
+        if (!vnni) {
+          uint32_t* dst = p.b.data() + ((tile * p.blocks + b) * 3 + l) * 8 * p.tn + col;
+          for (int r = 0; r < 8; ++r) dst[r * p.tn] = limb[l][r];
+        } else {
+          std::memcpy(p.rows.data() + (t * p.blocks + b) * 24 + l * 8, limb[l], 32);
+          int32_t sum = 0;
+          for (int k = 0; k < 32; ++k) sum += reinterpret_cast<const int8_t*>(limb[l])[k];
+          p.limb_sums[(t * p.blocks + b) * 3 + l] = sum;
+        }
+      }
+    }
+  }
+}
+
+// ---- shared pieces --------------------------------------------------------------------------------
+alignas(64) inline constexpr uint8_t kZeros[32] = {};
+
+// The next 16 weight rows (contiguous: `bytes` from `next`) are fetched into the cache a slice per block
+// while this tile's blocks are read: short rows leave the hardware prefetcher little to go on.
+inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t j, int64_t slices) {
+  const int64_t per = (bytes + 64 * slices - 1) / (64 * slices) * 64;
+  for (int64_t o = j * per; o < std::min(bytes, (j + 1) * per); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
+
+// 16 rows' scales d (and minima m) for one block, from the first 4 bytes of each row's block.
+template <class F>
+inline void scales(const uint8_t* blk, __m512i offsets, __mmask16 rowmask, __m512& d, __m512& m) {
+  const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rowmask, offsets, blk, 1);
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+  if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+  else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+  else m = _mm512_setzero_ps();
+}
+
+inline __m512i row_offsets(int64_t ldw) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(static_cast<int>(ldw)));
+}
+
+// 65536 S0 + 256 S1 + S2 in float32, the same steps in every path
+inline __m512 limb_sum(__m512i s0, __m512i s1, __m512i s2) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(65536.f),
+                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(s2)));
+}
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------------
+// Each 32-bit lane is one of 16 weight rows and takes four of its weights per vpdpbusd, against four limb
+// bytes broadcast to every lane: the rows' 4-byte groups are transposed once per block (lane p holds row
+// 4 (p % 4) + p / 4, its own inverse), and no lane ever needs adding to another.
+inline __m512i lane_rows() { return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0); }
+
+// 16 rows x 16 bytes -> g[c]: the rows' 4-byte group c, lane p from row 4 (p % 4) + p / 4
+inline void transpose16x4(const uint8_t* const rows[16], __m512i g[4]) {
+  __m512i z[4];
+  for (int j = 0; j < 4; ++j) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j])));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 1])), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 2])), 2);
+    z[j] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * j + 3])), 3);
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  g[0] = _mm512_unpacklo_epi64(t0, t2), g[1] = _mm512_unpackhi_epi64(t0, t2);
+  g[2] = _mm512_unpacklo_epi64(t1, t3), g[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+// TT activation rows (tokens 16 g .. 16 g + TT - 1) times the weight rows [n, n + 16) (`rows_here` of them),
+// into y's columns n... The next 16 weight rows are fetched meanwhile where `fetch` (the first token group).
+template <class F, int TT>
+void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here, const uint8_t* fetch,
+                float* y, int64_t N) {
+  const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, t0 = g * 16;
+  const __m512i perm = lane_rows(), offsets = _mm512_mullo_epi32(perm, _mm512_set1_epi32(static_cast<int>(ldw)));
+  const __m512i nib = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __mmask16 lanes = _mm512_cmplt_epi32_mask(perm, _mm512_set1_epi32(rows_here));
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + n * ldw + b * F::kBytes;
+    if (fetch) prefetch_slice(fetch, 16 * ldw, b, blocks);
+    const uint8_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = i < rows_here ? blk + i * ldw + F::kQs : kZeros;
+    __m512i wg[8];  // weights 4c..4c+3 of every row, as unsigned bytes
+    __m512i gr[4];
+    transpose16x4(rows, gr);
+    if constexpr (F::kSigned) {
+      for (int c = 0; c < 4; ++c) wg[c] = _mm512_xor_si512(gr[c], flip);
+      for (int i = 0; i < 16; ++i) rows[i] += 16;
+      transpose16x4(rows, gr);
+      for (int c = 0; c < 4; ++c) wg[4 + c] = _mm512_xor_si512(gr[c], flip);
+    } else {  // bytes 4c..4c+3: low nibbles are weights 4c.., high ones 16 + 4c..
+      for (int c = 0; c < 4; ++c) {
+        wg[c] = _mm512_and_si512(gr[c], nib);
+        wg[4 + c] = _mm512_and_si512(_mm512_srli_epi16(gr[c], 4), nib);
+      }
+    }
+    __m512 d, m;
+    scales<F>(blk, offsets, lanes, d, m);
+    for (int t = 0; t < TT; ++t) {
+      const uint32_t* xb = xp.rows.data() + ((t0 + t) * blocks + b) * 24;
+      __m512i S[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int l = 0; l < xp.limbs; ++l) {
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains
+        for (int c = 0; c < 8; c += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+          s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
+        }
+        S[l] = _mm512_add_epi32(s0, s1);
+        if constexpr (F::kSigned)
+          S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
+      }
+      const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
+      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+      if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
+    }
+  }
+  const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+  for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n, rowmask, _mm512_permutexvar_ps(perm, acc[t]));
+}
+
+template <class F, int... I>
+void group_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here,
+                    const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
+  ((tt == I + 1 ? group_vnni<F, I + 1>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
+}
+
+// Output columns [n0, n1) of every activation row (pack_x's `rows` layout): 16 weight rows at a time, each
+// multiplied by the tokens in groups of 16 (every token by the same steps whatever its group).
+template <class F>
+void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t ldw = xp.blocks * F::kBytes;
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    for (int64_t g = 0; g * 16 < xp.T; ++g) {
+      const uint8_t* fetch = g == 0 && n + 16 < n1 ? w + (n + 16) * ldw : nullptr;
+      const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
+      group_dispatch<F>(tt, xp, g, w, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
+    }
+  }
+}
+
+}  // namespace vnni
