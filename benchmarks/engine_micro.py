@@ -35,10 +35,12 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
-          matmul: str = "auto") -> str:
+          matmul: str = "auto", cpu_attention: str = "auto") -> str:
     name = f"weights_{weights}"
     if matmul != "auto":
         name += f"_matmul_{matmul}"
+    if cpu_attention != "auto":
+        name += f"_decode_attention_{cpu_attention}"
     if several_layers:
         name += "_fused" if layers_per_call == 0 else f"_layers_per_call_{layers_per_call}"
     if several_attention:
@@ -48,7 +50,7 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
-        matmuls: list[str] | None = None) -> dict:
+        matmuls: list[str] | None = None, cpu_attention: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -57,6 +59,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # the CPU kernels' quantized product per configuration: one runner serves both (the compiled steps
     # call the same FFI target; kernels.use_matmul switches the code behind it before each call)
     matmul: dict[str, str] = {}
+    cpu_att: dict[str, str] = {}  # decode attention's products on a CPU: auto, bf16 (where it can) or f32
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
@@ -67,17 +70,20 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                 r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
                 for mm in matmuls or ["auto"]:
-                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm)
-                    runners[name], matmul[name] = r, mm
-                    load_s[name] = t_read + time.perf_counter() - t
+                    for ca in cpu_attention or ["auto"]:
+                        name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca)
+                        runners[name], matmul[name], cpu_att[name] = r, mm, ca
+                        load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
     default_bf16 = kernels.bf16_tiles()
+    default_decode_bf16 = kernels.decode_bf16()
 
     def select(name: str) -> None:
         if kernels.available():
             mm = matmul[name]
             kernels.use_matmul(default_path if mm == "auto" else "amx-int8" if mm == "amx" else mm)
             kernels.use_bf16_tiles(default_bf16 if mm == "auto" else mm == "amx")
+            kernels.use_decode_bf16(default_decode_bf16 if cpu_att[name] == "auto" else cpu_att[name] == "bf16")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -88,6 +94,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
+        "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,
         "backend": jax.default_backend(), "machine": procinfo.cpu_name(), "configs": list(runners),
@@ -152,6 +159,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     if default_path:
         kernels.use_matmul(default_path)
     kernels.use_bf16_tiles(default_bf16)
+    kernels.use_decode_bf16(default_decode_bf16)
     return result
 
 
@@ -159,6 +167,11 @@ def _matmul_path(name: str, select: object) -> str | None:
     select(name)  # type: ignore[operator]
     path = kernels.matmul_path()
     return f"{path}, fills on amx-bf16" if kernels.bf16_tiles() else path
+
+
+def _decode_attention(name: str, select: object) -> str:
+    select(name)  # type: ignore[operator]
+    return "bf16 products" if kernels.decode_bf16() else "float32"
 
 
 def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
@@ -194,6 +207,8 @@ def report(r: dict) -> str:
         "weights a decode step reads: " + ", ".join(
             f"{k} {v / 1e6:.0f} MB ({r['weights_by_config'][k]})" for k, v in r["weight_bytes_by_config"].items()),
         "quantized products: " + ", ".join(f"{k} {v or 'XLA'}" for k, v in r["cpu_matmul_by_config"].items()),
+        "decode attention (bfloat16 mode, bf16 cache): " + ", ".join(
+            f"{k} {v}" for k, v in r["cpu_decode_attention_by_config"].items()),
     ]
     lines += [f"compile {k}: {v:.2f} s" for k, v in r["compile_s"].items()]
     for name, c in r["by_config"].items():
@@ -234,10 +249,13 @@ def main() -> None:
                          "the CPU has AMX, prompt fills on the bf16 tiles where it has AMX-BF16; amx-int8: every "
                          "step on the exact integer path; avx512-vnni: exact integer sums on AVX-512 VNNI; "
                          "avx2: the vector code); a code the CPU lacks runs as the best it has")
+    ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
+                    help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 pairs "
+                         "where the CPU has AVX512-BF16; f32: float32)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
-            args.weights, args.load_format, args.decode_attention, args.cpu_matmul)
+            args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention)
     print(report(r))
     write_json(r, args.out)
 

@@ -11,8 +11,8 @@ Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are mea
     python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too] [--exact-fills-too]
         [--out benchmarks/results/serve_stream.json]
 
-`--avx2-too` adds a second `parrot serve` with `PARROT_AMX=0`: on a CPU with AMX, the AVX2 products side
-by side with the default AMX-INT8 / VNNI ones. `--exact-fills-too` adds one with `PARROT_AMX_BF16=0`:
+`--avx2-too` adds a second `parrot serve` with `PARROT_CPU_MATMUL=avx2`: on a CPU with AVX-512 VNNI or AMX,
+the AVX2 products side by side with the default integer ones. `--exact-fills-too` adds one with `PARROT_AMX_BF16=0`:
 prompt tokens on the exact integer path instead of the bf16 tiles.
 
 Every server is started and stopped here (SIGINT to its own PID).
@@ -150,7 +150,8 @@ def main() -> None:
                     help="extra `parrot serve` arguments (quoted), e.g. '--weights f32'")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server even if installed")
     ap.add_argument("--avx2-too", action="store_true",
-                    help="also a `parrot serve` with PARROT_AMX=0 (on a CPU with AMX: its AVX2 products, side by side)")
+                    help="also a `parrot serve` with PARROT_CPU_MATMUL=avx2 (on a CPU with AVX-512 VNNI or AMX: its "
+                         "AVX2 products, side by side)")
     ap.add_argument("--exact-fills-too", action="store_true",
                     help="also a `parrot serve` with PARROT_AMX_BF16=0 (on a CPU with AMX-BF16: prompts multiplied "
                          "on the exact integer path instead of the bf16 tiles, side by side)")
@@ -167,7 +168,7 @@ def main() -> None:
     servers = [Server("parrot", parrot_cmd, ports[0], "/health", healthy, logs / "parrot.log")]
     if args.avx2_too:
         servers.append(Server("parrot-avx2", parrot_cmd, ports[0], "/health", healthy, logs / "parrot-avx2.log",
-                              env={"PARROT_AMX": "0"}))
+                              env={"PARROT_CPU_MATMUL": "avx2"}))
     if args.exact_fills_too:
         servers.append(Server("parrot-exact-fills", parrot_cmd, ports[0], "/health", healthy,
                               logs / "parrot-exact-fills.log", env={"PARROT_AMX_BF16": "0"}))

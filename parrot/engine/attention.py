@@ -73,21 +73,23 @@ def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
 
 def paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float,
-    gpu_kernel: bool = False, bf16_prefill: bool = False,
+    gpu_kernel: bool = False, bf16: bool = False,
 ) -> jax.Array:
     """q: [T, H, D] (flat). Returns [T, H, D]; tokens not in `q_index` get zeros. `gpu_kernel`: plain
-    decode steps over a bfloat16 cache go through gpu_attention's kernel. `bf16_prefill`: prefill steps
-    (in place on a CPU) may multiply in bfloat16 on AMX's bf16 tiles (`kernels.paged_prefill`)."""
+    decode steps over a bfloat16 cache go through gpu_attention's kernel. `bf16` (the engine's bfloat16
+    mode): where attention reads the pages in place on a CPU, prefill steps may multiply in bfloat16 on
+    AMX's bf16 tiles (`kernels.paged_prefill`) and decode steps with AVX512-BF16's pair products
+    (`kernels.paged_decode`)."""
     t, h, d = q.shape
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
     if in_place(k_cache.dtype, d):
         if qlen == 1:
-            return _decode_in_place(q, k_cache, v_cache, batch, scale)
+            return _decode_in_place(q, k_cache, v_cache, batch, scale, bf16)
         if batch.prefix_pages.shape[0] == 0:
             o = kernels.paged_prefill(q, k_cache, v_cache, batch.q_index, batch.positions, batch.block_tables,
-                                      batch.kv_offset, batch.kv_lens, scale, bf16_prefill)
+                                      batch.kv_offset, batch.kv_lens, scale, bf16)
             return o.astype(q.dtype)
     if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
         return _decode_gpu(q, k_cache, v_cache, batch, scale)
@@ -113,13 +115,13 @@ def paged_attention(
 
 
 def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
-                     scale: float) -> jax.Array:
+                     scale: float, bf16: bool = False) -> jax.Array:
     """One query per sequence, through the native kernel that reads the KV pages where they are."""
     t, h, d = q.shape
     rows = batch.q_index[:, 0]
     qb = q.at[rows].get(mode="fill", fill_value=0)  # [B, H, D]
     o = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
-                             batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale)
+                             batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale, bf16)
     return jnp.zeros((t, h, d), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")
 
 

@@ -94,12 +94,75 @@ def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> No
     assert np.abs(cascade[:10]).max() > 0
 
 
+DECODE_BF16 = kernels.available() and kernels.decode_bf16()
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _decode(q: jax.Array, kc: jax.Array, vc: jax.Array, batch: object, bf16: bool) -> np.ndarray:
+    return np.asarray(jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16=bf16))(q, kc, vc, batch))
+
+
+@pytest.mark.skipif(not DECODE_BF16, reason="this CPU (or this build) has no AVX512-BF16")
+def test_decode_in_bf16_is_the_bf16_rounded_attention() -> None:
+    """Decode steps of the bfloat16 mode over a bfloat16 cache: the scaled queries and the probabilities
+    rounded to bfloat16, sums in float32 (the reference rounds the same operands)."""
+    rng = np.random.default_rng(6)
+    kc, vc = _cache(rng, 64, "bfloat16")
+    lens = [37, 64, 1, 100, 17]  # inside a page, a page boundary, one token, several pages
+    seqs = [SequenceSlice([1], n - 1, list(range(1 + 8 * i, 1 + 8 * i + -(-n // PS)))) for i, n in enumerate(lens)]
+    batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=8))
+    q = rng.standard_normal((8, HKV * G, D)).astype(np.float32)
+    got, exact = _decode(jnp.asarray(q), kc, vc, batch, True), _decode(jnp.asarray(q), kc, vc, batch, False)
+    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64) for c in (kc, vc))
+    want = np.zeros((8, HKV * G, D))
+    for i, (s, n) in enumerate(zip(seqs, lens, strict=True)):
+        keys, vals = k[:, s.pages].reshape(HKV, -1, D)[:, :n], v[:, s.pages].reshape(HKV, -1, D)[:, :n]
+        for h in range(HKV * G):
+            e = np.exp((sc := keys[h // G] @ _bf16(q[i, h] * D**-0.5)) - sc.max())
+            want[i, h] = _bf16(e) @ vals[h // G] / _bf16(e).sum()
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    assert np.abs(got - exact).max() > 1e-4  # measurably not the float32 path
+    assert np.all(got[len(lens):] == 0)
+    try:  # switched off, the same call takes the float32 products
+        assert not kernels.use_decode_bf16(False)
+        np.testing.assert_array_equal(_decode(jnp.asarray(q), kc, vc, batch, True), exact)
+    finally:
+        kernels.use_decode_bf16(True)
+
+
+@pytest.mark.skipif(not DECODE_BF16, reason="this CPU (or this build) has no AVX512-BF16")
+def test_decode_in_bf16_is_the_same_bits_alone_in_a_batch_and_with_a_shared_prefix() -> None:
+    """A sequence's bfloat16 decode attention depends only on its own query, keys and values: alone, beside
+    others, and with a 3-page prefix read once for ten forks (two groups of members), the same bits."""
+    rng = np.random.default_rng(7)
+    kc, vc = _cache(rng, 64, "bfloat16")
+    prefix = [1, 2, 3]
+    own = [[10 + 2 * i, 11 + 2 * i] for i in range(10)]
+    lens = [48 + 1 + 3 * i for i in range(10)]
+    q = jnp.asarray(rng.standard_normal((16, HKV * G, D)).astype(np.float32))
+
+    def step(shared: bool, which: list[int]) -> np.ndarray:
+        seqs = [SequenceSlice([5], lens[i] - 1, prefix + own[i], shared_pages=3 if shared else 0) for i in which]
+        batch = jax.device_put(build_batch(seqs, PS, num_tokens=16, batch_size=16, q_len=1,
+                                           num_pages=2 if shared else 8, prefix_pages=4 if shared else 0))
+        return _decode(q[jnp.asarray(which + [0] * (16 - len(which)))], kc, vc, batch, True)[:len(which)]
+
+    plain, cascade = step(False, list(range(10))), step(True, list(range(10)))
+    np.testing.assert_array_equal(cascade, plain)
+    for i in (0, 4, 9):
+        np.testing.assert_array_equal(step(False, [i])[0], plain[i])
+    assert np.abs(plain).max() > 0
+
+
 def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array, vc: jax.Array, q_len: int,
              batch_size: int, num_pages: int, num_tokens: int, bf16: bool = False) -> tuple[np.ndarray, object]:
     q = jnp.pad(jnp.asarray(q), ((0, num_tokens - q.shape[0]), (0, 0), (0, 0)))  # the step's padding tokens
     batch = jax.device_put(build_batch(seqs, PS, num_tokens=num_tokens, batch_size=batch_size, q_len=q_len,
                                        num_pages=num_pages))
-    attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16_prefill=bf16))
+    attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16=bf16))
     return np.asarray(attend(q, kc, vc, batch)), batch
 
 

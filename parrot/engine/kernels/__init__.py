@@ -15,7 +15,9 @@ says which runs, `matmul_paths()` which the CPU can run, and `use_matmul()` swit
 compiled steps call the same FFI target either way). The rows asked for in bfloat16
 (`qmatmul(..., fill=...)`: prompt tokens, where the engine fills prompts in bfloat16) run on
 AMX's bf16 tiles (amx_bf16.h) where the AMX path is on and the CPU has AMX-BF16 (`bf16_tiles()`),
-unless `PARROT_AMX_BF16=0` (or `use_bf16_tiles(False)`): then it runs exactly.
+unless `PARROT_AMX_BF16=0` (or `use_bf16_tiles(False)`): then it runs exactly. Decode attention asked for
+in bfloat16 (`paged_decode(..., bf16=True)`: the engine's bfloat16 mode) multiplies bfloat16 pairs on
+AVX512-BF16 (decode_bf16.h) unless `PARROT_DECODE_BF16=0` (or `use_decode_bf16(False)`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def _load() -> None:
         log.warning("PARROT_CPU_MATMUL=%s: this CPU cannot run it; using %s", wanted, MATMUL_PATHS[best])
     elif wanted != "auto":
         lib.parrot_matmul_select(MATMUL_PATHS.index(wanted))
+    lib.parrot_decode_bf16_enable.argtypes = [ctypes.c_int]
+    lib.parrot_decode_bf16_enable(0 if os.environ.get("PARROT_DECODE_BF16", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
     _state["amx_bf16"] = bool(lib.parrot_bf16_enable(0 if os.environ.get("PARROT_AMX_BF16", "1") == "0" else 1))
 
@@ -150,6 +154,17 @@ def matmul_paths() -> list[str]:
 def bf16_tiles() -> bool:
     """Whether products asked for in bfloat16 run on AMX's bf16 tiles (else they take the exact path)."""
     return matmul_path() == "amx-int8" and bool(_state.get("amx_bf16"))
+
+
+def decode_bf16() -> bool:
+    """Whether decode attention asked for in bfloat16 multiplies bfloat16 pairs (AVX512-BF16; else float32)."""
+    return available() and bool(_state["lib"].parrot_decode_bf16_enable(-1))
+
+
+def use_decode_bf16(on: bool) -> bool:
+    """Turn decode attention's bfloat16 products on or off for this process; returns whether they are on
+    (False where this build has no AVX512-BF16)."""
+    return available() and bool(_state["lib"].parrot_decode_bf16_enable(1 if on else 0))
 
 
 def use_bf16_tiles(on: bool) -> bool:
@@ -211,10 +226,13 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index:
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tables: jax.Array,
                  kv_offset: jax.Array, kv_lens: jax.Array, prefix_pages: jax.Array, prefix_len: jax.Array,
-                 in_prefix: jax.Array, scale: float) -> jax.Array:
+                 in_prefix: jax.Array, scale: float, bf16: bool = False) -> jax.Array:
     """One query per sequence (q [B, H, D]) attending to its KV read in place from the paged caches
     ([Hkv, pages, page_size, D], float32 or bfloat16): own pages `block_tables` from position `kv_offset` up to
-    `kv_lens`, after the shared prefix `prefix_pages[:prefix_len]` where `in_prefix`. Returns [B, H, D]."""
+    `kv_lens`, after the shared prefix `prefix_pages[:prefix_len]` where `in_prefix`. Returns [B, H, D].
+    `bf16` (the engine's bfloat16 mode): over a bfloat16 cache, with head sizes that are multiples of 64, the
+    scaled queries and the probabilities are rounded to bfloat16 and multiplied by AVX512-BF16's pair
+    products where the CPU has them (`decode_bf16()`); elsewhere in float32."""
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if prefix_pages.shape[0] == 0:  # no shared prefix: one unread page (XLA 0.11's CPU compiler crashes on an
@@ -222,4 +240,4 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
     return jax.ffi.ffi_call("parrot_paged_decode", out)(
         q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(i32), kv_offset.astype(i32),
         kv_lens.astype(i32), prefix_pages.astype(i32), jnp.reshape(prefix_len, (1,)).astype(i32),
-        in_prefix.astype(i32), scale=np.float32(scale))
+        in_prefix.astype(i32), scale=np.float32(scale), bf16=np.int32(1 if bf16 else 0))

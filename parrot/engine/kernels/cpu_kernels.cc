@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -393,6 +394,7 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
 enum MatmulPath : int { kPathAvx2 = 0, kPathVnni = 1, kPathAmx = 2 };
 std::atomic<int> g_path{kPathAvx2};
 std::atomic<bool> g_bf16{true};
+std::atomic<bool> g_decode_bf16{true};  // see parrot_decode_bf16_enable
 
 inline bool bf16_tiles_on() {
   return PARROT_AMX_BF16 && g_path.load(std::memory_order_relaxed) == kPathAmx && g_bf16.load(std::memory_order_relaxed);
@@ -857,6 +859,13 @@ void attend_pages512(const float* const* qs, int members, int group, int64_t D, 
 #endif
 constexpr int kPrefixMembers = PARROT_PREFIX_MEMBERS;  // sequences that read one widened prefix page in turn
 
+#include "decode_bf16.h"
+#if PARROT_DECODE_BF16
+inline int bf16_dim_of(int p) { return bf16_dim(p); }
+#else
+inline int bf16_dim_of(int p) { return p; }
+#endif
+
 // Pages [0, n) for `members` sequences (see attend_pages), on 16 lanes where the CPU and D allow.
 template <typename KV>
 void attend(const float* const* qs, int members, int group, int64_t D, const KV* kb, const KV* vb,
@@ -870,22 +879,59 @@ void attend(const float* const* qs, int members, int group, int64_t D, const KV*
 // Two phases. (1) The shared prefix, per KV head and up to kPrefixMembers of the sequences in it: each
 // page is read and widened once for all of them. (2) Each sequence's own pages, per (sequence, KV head),
 // from the state the prefix left. A sequence's arithmetic is the same whether or not others share its
-// prefix: the same page updates in the same order.
+// prefix: the same page updates in the same order. `bf16` (the engine's bfloat16 mode; taken over a
+// bfloat16 cache where D % 64 == 0 and the CPU has AVX512-BF16): products in bfloat16 (decode_bf16.h).
 template <typename KV>
 void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV* vc, const int32_t* bt,
                   const int32_t* off, const int32_t* lens, const int32_t* pp, int64_t plen, const int32_t* inp,
                   float* op, int64_t B, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t maxp,
-                  float scale) {
+                  float scale, bool bf16) {
   const int group = static_cast<int>(H / Hkv);
   const int64_t head_stride = P * S * D;
   thread_local aligned::vector<float> qbuf;  // the queries, scaled (dot8 loads them aligned)
   qbuf.resize(B * H * D);
   float* qs = qbuf.data();
   for (int64_t i = 0; i < B * H * D; ++i) qs[i] = qp[i] * scale;
+  // bf16: the scaled queries rounded to bfloat16, as pairs (this thread's buffer: helpers read it through
+  // `qp2`, as they read `qs`, until every chunk is done)
+  thread_local aligned::vector<uint32_t> qpairs;
+  bf16 = bf16 && PARROT_DECODE_BF16 && std::is_same_v<KV, uint16_t> && D % 64 == 0 && D <= 256;
+  uint32_t* qp2 = nullptr;
+#if PARROT_DECODE_BF16
+  if (bf16) {
+    qpairs.resize(B * H * D / 2);
+    qp2 = qpairs.data();
+    for (int64_t i = 0; i < B * H * D; i += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_load_ps(qs + i + 16), _mm512_load_ps(qs + i));
+      _mm512_store_si512(qp2 + i / 2, (__m512i)v);
+    }
+  }
+#endif
   std::vector<HeadState> states(B * Hkv);
   for (HeadState& st : states)
     for (int h = 0; h < group; ++h) st.m[h] = -INFINITY, st.l[h] = 0.f;
   std::fill(op, op + B * H * D, 0.f);
+  // KV head g's pages [0, n) for the sequences seqs[0..m)
+  auto attend_seqs = [&](const int64_t* seqs, int m, int64_t g, const int32_t* pages, int64_t n) {
+    const float* q[kPrefixMembers];
+    HeadState* st[kPrefixMembers];
+    float* acc[kPrefixMembers];
+    for (int j = 0; j < m; ++j) {
+      q[j] = qs + (seqs[j] * H + g * group) * D;
+      st[j] = &states[seqs[j] * Hkv + g];
+      acc[j] = op + (seqs[j] * H + g * group) * D;
+    }
+#if PARROT_DECODE_BF16
+    if constexpr (std::is_same_v<KV, uint16_t>) {
+      if (bf16) {
+        const uint32_t* qb[kPrefixMembers];
+        for (int j = 0; j < m; ++j) qb[j] = qp2 + (seqs[j] * H + g * group) * D / 2;
+        return attend_bf16(qb, m, group, D, kc + g * head_stride, vc + g * head_stride, pages, n, S, st, acc);
+      }
+    }
+#endif
+    attend(q, m, group, D, kc + g * head_stride, vc + g * head_stride, pages, n, S, st, acc);
+  };
   std::vector<int64_t> members;  // the sequences that read the prefix
   for (int64_t b = 0; b < B && plen > 0; ++b)
     if (inp[b] && lens[b] > 0) members.push_back(b);
@@ -894,16 +940,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
     parallel_chunks(pool, member_chunks * Hkv, [&](int64_t task) {
       const int64_t g = task % Hkv, c = task / Hkv;
       const int m = static_cast<int>(std::min<int64_t>(kPrefixMembers, members.size() - c * kPrefixMembers));
-      const float* q[kPrefixMembers];
-      HeadState* st[kPrefixMembers];
-      float* acc[kPrefixMembers];
-      for (int j = 0; j < m; ++j) {
-        const int64_t b = members[c * kPrefixMembers + j];
-        q[j] = qs + (b * H + g * group) * D;
-        st[j] = &states[b * Hkv + g];
-        acc[j] = op + (b * H + g * group) * D;
-      }
-      attend(q, m, group, D, kc + g * head_stride, vc + g * head_stride, pp, plen, S, st, acc);
+      attend_seqs(members.data() + c * kPrefixMembers, m, g, pp, plen);
     });
   }
   parallel_chunks(pool, B * Hkv, [&](int64_t task) {
@@ -912,12 +949,18 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
     const int64_t len = lens[b];
     if (len <= 0) return;
     HeadState* st = &states[b * Hkv + g];
-    const float* q = qs + (b * H + g * group) * D;
     const int64_t own = std::min<int64_t>(len - off[b], maxp * S);
-    if (own > 0) attend(&q, 1, group, D, kc + g * head_stride, vc + g * head_stride, bt + b * maxp, own, S, &st, &acc);
+    if (own > 0) attend_seqs(&b, 1, g, bt + b * maxp, own);
+    alignas(64) float ordered[256];
     for (int h = 0; h < group; ++h) {
       const float inv = st->l[h] > 0.f ? 1.f / st->l[h] : 0.f;
-      for (int64_t i = 0; i < D; ++i) acc[h * D + i] *= inv;
+      float* a = acc + h * D;
+      if (!bf16) {
+        for (int64_t i = 0; i < D; ++i) a[i] *= inv;
+        continue;
+      }
+      for (int64_t i = 0; i < D; ++i) ordered[(i & ~int64_t{63}) + bf16_dim_of(static_cast<int>(i & 63))] = a[i];
+      for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
     }
   });
 }
@@ -928,7 +971,8 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
                            ffi::Buffer<ffi::S32> prefix_pages, ffi::Buffer<ffi::S32> prefix_len,
-                           ffi::Buffer<ffi::S32> in_prefix, ffi::ResultBuffer<ffi::F32> out, float scale) {
+                           ffi::Buffer<ffi::S32> in_prefix, ffi::ResultBuffer<ffi::F32> out, float scale,
+                           int32_t bf16) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2)
     return ffi::Error::InvalidArgument("paged_decode: q [B,H,D], caches [Hkv,P,S,D], block_tables [B,P]");
@@ -947,11 +991,12 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (k_cache.element_type() == ffi::DataType::F32) {
     paged_decode(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
                  static_cast<const float*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
-                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale);
+                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale, false);
   } else {
     paged_decode(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
                  static_cast<const uint16_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
-                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale);
+                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale,
+                 bf16 != 0 && g_decode_bf16.load(std::memory_order_relaxed));
   }
   return ffi::Error::Success();
 }
@@ -1000,6 +1045,13 @@ extern "C" int parrot_matmul_select(int path) {
   return g_path.load();
 }
 
+// Whether parrot_paged_decode's `bf16` attribute takes the bfloat16 products (decode_bf16.h): on (1) or off
+// (0; -1 leaves it). Returns whether it will: 0 where this build has no AVX512-BF16.
+extern "C" int parrot_decode_bf16_enable(int on) {
+  if (on >= 0) g_decode_bf16.store(on != 0 && PARROT_DECODE_BF16);
+  return g_decode_bf16.load() ? 1 : 0;
+}
+
 // Products asked for in bf16 (the rows parrot_qmatmul's `fill` operand flags) on AMX's bf16 tiles while
 // the AMX path is on (1), or on the exact path (0). Returns whether they will be: 0 where this build has no AMX-BF16.
 extern "C" int parrot_bf16_enable(int on) {
@@ -1030,7 +1082,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // prefix_len [1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // in_prefix [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, H, D]
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("bf16"));        // 1: products in bf16 where the CPU can
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()

@@ -188,7 +188,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel,
-                            bf16_prefill=jnp.dtype(self.qdtype) == jnp.bfloat16)
+                            bf16=jnp.dtype(self.qdtype) == jnp.bfloat16)
         out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill)
         return out, k_cache, v_cache
 
