@@ -250,8 +250,8 @@ def main() -> None:
                          "step on the exact integer path; avx512-vnni: exact integer sums on AVX-512 VNNI; "
                          "avx2: the vector code); a code the CPU lacks runs as the best it has")
     ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
-                    help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 pairs "
-                         "where the CPU has AVX512-BF16; f32: float32)")
+                    help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 "
+                         "pairs where the CPU has AVX512-BF16; f32: float32)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
