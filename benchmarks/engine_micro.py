@@ -75,14 +75,15 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                         runners[name], matmul[name], cpu_att[name] = r, mm, ca
                         load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
-    default_bf16 = kernels.bf16_tiles()
+    default_fills = kernels.bf16_fills() is not None
     default_decode_bf16 = kernels.decode_bf16()
 
     def select(name: str) -> None:
         if kernels.available():
             mm = matmul[name]
-            kernels.use_matmul(default_path if mm == "auto" else "amx-int8" if mm == "amx" else mm)
-            kernels.use_bf16_tiles(default_bf16 if mm == "auto" else mm == "amx")
+            code = {"amx": "amx-int8", "avx512-bf16": "avx512-vnni"}.get(mm, mm)  # with bf16 fills
+            kernels.use_matmul(default_path if mm == "auto" else code)
+            kernels.use_bf16_fills(default_fills if mm == "auto" else mm in ("amx", "avx512-bf16"))
             kernels.use_decode_bf16(default_decode_bf16 if cpu_att[name] == "auto" else cpu_att[name] == "bf16")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
@@ -158,7 +159,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         result[k] = result[k][first]
     if default_path:
         kernels.use_matmul(default_path)
-    kernels.use_bf16_tiles(default_bf16)
+    kernels.use_bf16_fills(default_fills)
     kernels.use_decode_bf16(default_decode_bf16)
     return result
 
@@ -166,7 +167,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
 def _matmul_path(name: str, select: object) -> str | None:
     select(name)  # type: ignore[operator]
     path = kernels.matmul_path()
-    return f"{path}, fills on amx-bf16" if kernels.bf16_tiles() else path
+    fills = kernels.bf16_fills()
+    return f"{path}, fills on {fills}" if fills else path
 
 
 def _decode_attention(name: str, select: object) -> str:
@@ -244,11 +246,12 @@ def main() -> None:
     ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
     ap.add_argument("--cpu-matmul", nargs="+", default=["auto"],
-                    choices=["auto", "amx", "amx-int8", "avx512-vnni", "avx2"],
+                    choices=["auto", "amx", "amx-int8", "avx512-bf16", "avx512-vnni", "avx2"],
                     help="the native kernels' quantized product, side by side (amx: VNNI and the tile units where "
                          "the CPU has AMX, prompt fills on the bf16 tiles where it has AMX-BF16; amx-int8: every "
-                         "step on the exact integer path; avx512-vnni: exact integer sums on AVX-512 VNNI; "
-                         "avx2: the vector code); a code the CPU lacks runs as the best it has")
+                         "row on the integer path; avx512-bf16: VNNI, prompt fills with AVX512-BF16's pair "
+                         "products; avx512-vnni: every row as exact integer sums on VNNI; avx2: the vector "
+                         "code); a code the CPU lacks runs as the best it has")
     ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
                     help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 "
                          "pairs where the CPU has AVX512-BF16; f32: float32)")

@@ -12,8 +12,8 @@ Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are mea
         [--out benchmarks/results/serve_stream.json]
 
 `--avx2-too` adds a second `parrot serve` with `PARROT_CPU_MATMUL=avx2`: on a CPU with AVX-512 VNNI or AMX,
-the AVX2 products side by side with the default integer ones. `--exact-fills-too` adds one with `PARROT_AMX_BF16=0`:
-prompt tokens on the exact integer path instead of the bf16 tiles.
+the AVX2 products side by side with the default integer ones. `--exact-fills-too` adds one with
+`PARROT_BF16_FILLS=0`: prompt tokens on the integer path instead of in bfloat16.
 
 Every server is started and stopped here (SIGINT to its own PID).
 """
@@ -153,8 +153,8 @@ def main() -> None:
                     help="also a `parrot serve` with PARROT_CPU_MATMUL=avx2 (on a CPU with AVX-512 VNNI or AMX: its "
                          "AVX2 products, side by side)")
     ap.add_argument("--exact-fills-too", action="store_true",
-                    help="also a `parrot serve` with PARROT_AMX_BF16=0 (on a CPU with AMX-BF16: prompts multiplied "
-                         "on the exact integer path instead of the bf16 tiles, side by side)")
+                    help="also a `parrot serve` with PARROT_BF16_FILLS=0 (on a CPU with bf16 units: prompts "
+                         "multiplied on the integer path instead of in bfloat16, side by side)")
     ap.add_argument("--out", default="benchmarks/results/serve_stream.json")
     args = ap.parse_args()
     gguf = str(default_model_path())
@@ -171,7 +171,7 @@ def main() -> None:
                               env={"PARROT_CPU_MATMUL": "avx2"}))
     if args.exact_fills_too:
         servers.append(Server("parrot-exact-fills", parrot_cmd, ports[0], "/health", healthy,
-                              logs / "parrot-exact-fills.log", env={"PARROT_AMX_BF16": "0"}))
+                              logs / "parrot-exact-fills.log", env={"PARROT_BF16_FILLS": "0"}))
     if LLAMA_SERVER.is_file() and not args.no_peer:
         servers.append(Server("llama-server", [str(LLAMA_SERVER), "-m", gguf, "--port", str(ports[1]), "-t", "2",
                                                "-np", str(max(args.concurrency)), "-c", "32768", "--cont-batching"],

@@ -330,6 +330,14 @@ class ModelRunner:
         chunk attends to, not with its padded attention length)."""
         return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
 
+    @property
+    def decode_attention_bf16(self) -> bool:
+        """Whether decode attention multiplies in bfloat16 pairs (the bfloat16 mode over a bfloat16 cache read
+        in place, head sizes multiple of 64, a CPU with AVX512-BF16: kernels/decode_bf16.h)."""
+        return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == jnp.uint16
+                and attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
+                and self.model_cfg.head_dim % 64 == 0 and kernels.decode_bf16())
+
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)

@@ -137,8 +137,10 @@ def test_health_and_ping(client: httpx.Client) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok"
     settings = r.json()["settings"]  # what the engine chose for its device
     assert settings["platform"] == jax.default_backend() and settings["kv_pages"] > 0 and settings["overlap"] is True
-    assert settings["cpu_matmul"] == kernels.matmul_path()  # "amx-int8", "avx2" or None (XLA)
+    assert settings["cpu_matmul"] == kernels.matmul_path()  # "amx-int8", "avx512-vnni", "avx2" or None (XLA)
     assert settings["bf16_tiles"] == kernels.bf16_tiles()
+    assert settings["bf16_fills"] in (kernels.bf16_fills(), None)  # None: the engine fills prompts exactly
+    assert settings["decode_attention_bf16"] in (False, kernels.decode_bf16())
     assert settings["prefill_attention"] == ("in place" if kernels.available() else "gathered")
     info = ping(client)
     assert info.model == "tiny-random" and info.max_context_len == MAX_LEN and info.page_size == 16

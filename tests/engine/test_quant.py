@@ -139,15 +139,17 @@ def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, row
         np.testing.assert_allclose(got[2:], ref[2:], rtol=1e-5, atol=1e-5)
 
 
-BF16_TILES = kernels.available() and kernels.bf16_tiles()
+BF16_FILLS = kernels.available() and kernels.bf16_fills() is not None
+NO_BF16 = "this CPU (or this build) has neither AMX-BF16 nor AVX512-BF16"
 
 
-@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("rows", [1, 4, 17, 33, 70])
-def test_bf16_tiles_equal_the_bf16_product(qtype: str, rows: int) -> None:
-    """A product asked for in bfloat16 (prompt fills) is the product of the dequantized weights and the
-    activations, both rounded to bfloat16, summed in float32 (widths not multiples of 16 or 32)."""
+@pytest.mark.parametrize("rows", [1, 4, 13, 17, 33, 70])
+def test_bf16_fills_equal_the_bf16_product(qtype: str, rows: int) -> None:
+    """A product asked for in bfloat16 (prompt fills; AMX's bf16 tiles or AVX512-BF16's pair products) is
+    the product of the dequantized weights and the activations, both rounded to bfloat16, summed in float32
+    (widths not multiples of 16 or 32)."""
     import ml_dtypes
 
     q = quant.quantize(_random(576, 200), qtype)
@@ -163,8 +165,8 @@ def test_bf16_tiles_equal_the_bf16_product(qtype: str, rows: int) -> None:
     assert np.abs(got - exact).max() > 1e-4  # it did round to bfloat16 (the exact path is within 1e-5)
 
 
-@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
-def test_bf16_tiles_give_a_row_the_same_result_in_any_batch() -> None:
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
+def test_bf16_fills_give_a_row_the_same_result_in_any_batch() -> None:
     q = quant.quantize(_random(576, 80), "q4_1")
     x = np.random.default_rng(7).standard_normal((70, 576)).astype(np.float32)
     f = jax.jit(lambda x, d: kernels.qmatmul(x, d, "q4_1", jnp.ones(x.shape[0], jnp.int32)))
@@ -175,21 +177,21 @@ def test_bf16_tiles_give_a_row_the_same_result_in_any_batch() -> None:
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
 
 
-@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
-def test_bf16_tiles_switch_off_to_the_exact_path() -> None:
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
+def test_bf16_fills_switch_off_to_the_exact_path() -> None:
     q = quant.quantize(_random(96, 40), "q8_0")
     x = np.random.default_rng(5).standard_normal((20, 96)).astype(np.float32)
     d = jnp.asarray(q.data)
     exact = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q8_0"))(x, d))
     try:
-        assert not kernels.use_bf16_tiles(False)
+        assert kernels.use_bf16_fills(False) is None
         off = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q8_0", jnp.ones(x.shape[0], jnp.int32)))(x, d))
     finally:
-        kernels.use_bf16_tiles(True)
+        kernels.use_bf16_fills(True)
     np.testing.assert_array_equal(off, exact)
 
 
-@pytest.mark.skipif(not BF16_TILES, reason="this CPU (or this build) has no AMX-BF16")
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
 @pytest.mark.parametrize("rows", [2, 5, 40])
 def test_each_kind_of_row_is_computed_apart(rows: int) -> None:
     """In a call with prompt rows and generated rows, each row is what a call of its kind alone gives."""

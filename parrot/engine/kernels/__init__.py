@@ -14,8 +14,10 @@ Sapphire Rapids). The best the CPU has runs unless `PARROT_CPU_MATMUL` names ano
 says which runs, `matmul_paths()` which the CPU can run, and `use_matmul()` switches at run time (the
 compiled steps call the same FFI target either way). The rows asked for in bfloat16
 (`qmatmul(..., fill=...)`: prompt tokens, where the engine fills prompts in bfloat16) run on
-AMX's bf16 tiles (amx_bf16.h) where the AMX path is on and the CPU has AMX-BF16 (`bf16_tiles()`),
-unless `PARROT_AMX_BF16=0` (or `use_bf16_tiles(False)`): then it runs exactly. Decode attention asked for
+AMX's bf16 tiles (amx_bf16.h) where the AMX path is on and the CPU has AMX-BF16 (`bf16_tiles()`), or with
+AVX512-BF16's pair products (avx512_bf16.h) where an integer path runs on a CPU without them
+(`bf16_fills()` says which), unless `PARROT_BF16_FILLS=0` (or `PARROT_AMX_BF16=0`, or
+`use_bf16_fills(False)`): then they run exactly. Decode attention asked for
 in bfloat16 (`paged_decode(..., bf16=True)`: the engine's bfloat16 mode) multiplies bfloat16 pairs on
 AVX512-BF16 (decode_bf16.h) unless `PARROT_DECODE_BF16=0` (or `use_decode_bf16(False)`).
 """
@@ -41,7 +43,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
-                                                     "prefill_attention.h"))
+                                                     "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h"))
+FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
@@ -118,7 +121,8 @@ def _load() -> None:
     lib.parrot_decode_bf16_enable.argtypes = [ctypes.c_int]
     lib.parrot_decode_bf16_enable(0 if os.environ.get("PARROT_DECODE_BF16", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
-    _state["amx_bf16"] = bool(lib.parrot_bf16_enable(0 if os.environ.get("PARROT_AMX_BF16", "1") == "0" else 1))
+    fills_off = "0" in (os.environ.get("PARROT_BF16_FILLS", "1"), os.environ.get("PARROT_AMX_BF16", "1"))
+    lib.parrot_bf16_enable(0 if fills_off else 1)
 
 
 def available() -> bool:
@@ -151,9 +155,16 @@ def matmul_paths() -> list[str]:
     return list(_state["paths"]) if available() else []
 
 
+def bf16_fills() -> str | None:
+    """How products asked for in bfloat16 (prompt rows) are multiplied: "amx-bf16" (AMX's bf16 tiles),
+    "avx512-bf16" (AVX512-BF16's pair products), or None (exactly, as generated rows)."""
+    return FILL_PATHS[_state["lib"].parrot_bf16_enable(-1)] if available() else None
+
+
 def bf16_tiles() -> bool:
-    """Whether products asked for in bfloat16 run on AMX's bf16 tiles (else they take the exact path)."""
-    return matmul_path() == "amx-int8" and bool(_state.get("amx_bf16"))
+    """Whether products asked for in bfloat16 run on AMX's bf16 tiles (the prefill attention of the bfloat16
+    mode uses them too)."""
+    return bf16_fills() == "amx-bf16"
 
 
 def decode_bf16() -> bool:
@@ -167,14 +178,14 @@ def use_decode_bf16(on: bool) -> bool:
     return available() and bool(_state["lib"].parrot_decode_bf16_enable(1 if on else 0))
 
 
-def use_bf16_tiles(on: bool) -> bool:
-    """Turn the bf16 tiles on or off for products asked for in bfloat16 (off: they run exactly, as decode
-    steps do); returns whether they are on (False where this build has no AMX-BF16)."""
+def use_bf16_fills(on: bool) -> str | None:
+    """Turn the bfloat16 products of rows asked for in bfloat16 on or off (off: they run exactly, as
+    generated rows do); returns bf16_fills() (None where this build or the code in use has none)."""
     if not available():
-        return False
+        return None
     with _lock:
-        _state["amx_bf16"] = bool(_state["lib"].parrot_bf16_enable(1 if on else 0))
-    return bf16_tiles()
+        _state["lib"].parrot_bf16_enable(1 if on else 0)
+    return bf16_fills()
 
 
 def use_matmul(path: str) -> str | None:

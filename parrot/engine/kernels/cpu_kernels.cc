@@ -46,6 +46,12 @@
 #else
 #define PARROT_VNNI 0
 #endif
+#if PARROT_VNNI && defined(__AVX512BF16__)
+#define PARROT_AVX512_BF16 1
+#include "avx512_bf16.h"
+#else
+#define PARROT_AVX512_BF16 0
+#endif
 #if PARROT_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define PARROT_AMX 1
 #include "amx_matmul.h"
@@ -400,6 +406,18 @@ inline bool bf16_tiles_on() {
   return PARROT_AMX_BF16 && g_path.load(std::memory_order_relaxed) == kPathAmx && g_bf16.load(std::memory_order_relaxed);
 }
 
+// How rows asked for in bf16 are multiplied: on AMX's bf16 tiles, with AVX512-BF16's pair products (where
+// an integer path runs and there are no bf16 tiles), or exactly (the bf16 products switched off, the AVX2
+// code, or neither unit).
+enum FillPath : int { kFillExact = 0, kFillAmxTiles = 1, kFillAvx512 = 2 };
+inline int fill_path() {
+  if (!g_bf16.load(std::memory_order_relaxed)) return kFillExact;
+  const int path = g_path.load(std::memory_order_relaxed);
+  if (PARROT_AMX_BF16 && path == kPathAmx) return kFillAmxTiles;
+  if (PARROT_AVX512_BF16 && path != kPathAvx2) return kFillAvx512;
+  return kFillExact;
+}
+
 // More activation rows than this go to AMX's tiles on the AMX path.
 constexpr int64_t amx_vnni_rows() {
 #if PARROT_AMX
@@ -473,32 +491,56 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   });
 }
 
-#if PARROT_AMX_BF16
-// The product in bfloat16 on the bf16 tiles: panels of 32 weight rows, taken in turn.
+#if PARROT_AVX512_BF16
 template <int Q>
-void qmatmul_bf16(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
-                  int64_t N) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
-  amxbf16::pack_x(x, T, K, packed);
-  const uint16_t* xb = packed.data();
-  const int64_t cols = 32 * std::max<int64_t>(1, N / (32 * threads * 4));
-  parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
-    bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
-  });
+void avx512_bf16_rows(const uint32_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
+                      int64_t N) {
+  if constexpr (Q == kQ8_0) avx512bf16::rows<vnni::Q8_0>(xb, T, K, w, n0, n1, y, N);
+  else if constexpr (Q == kQ4_0) avx512bf16::rows<vnni::Q4_0>(xb, T, K, w, n0, n1, y, N);
+  else avx512bf16::rows<vnni::Q4_1>(xb, T, K, w, n0, n1, y, N);
 }
 #endif
 
-// Rows with fill[t] != 0 in bfloat16 where the bf16 tiles are on, the others exactly: each kind gathered
-// into a call of its own, so a row's result depends only on its own kind.
+// The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): panels of 32 weight rows, taken
+// in turn.
+template <int Q>
+void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
+                  int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t cols = 32 * std::max<int64_t>(1, N / (32 * threads * 4));
+#if PARROT_AMX_BF16
+  if (how == kFillAmxTiles) {
+    thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
+    amxbf16::pack_x(x, T, K, packed);
+    const uint16_t* xb = packed.data();
+    parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
+      bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+    });
+    return;
+  }
+#endif
+#if PARROT_AVX512_BF16
+  thread_local aligned::vector<uint32_t> pairs;  // the caller's; helpers read it until every chunk is done
+  avx512bf16::pack_x(x, T, K, pairs);
+  const uint32_t* xb = pairs.data();
+  parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
+    avx512_bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+  });
+#else
+  (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N, (void)cols;
+#endif
+}
+
+// Rows with fill[t] != 0 in bfloat16 where fill_path() says so, the others exactly: each kind gathered into
+// a call of its own, so a row's result depends only on its own kind.
 template <int Q>
 void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
                           const uint8_t* w, float* y, int64_t N, int limbs) {
-#if PARROT_AMX_BF16
+  const int how = fill_path();
   int64_t nfill = 0;
-  if (bf16_tiles_on())
+  if (how != kFillExact)
     for (int64_t t = 0; t < T; ++t) nfill += fill[t] != 0;
-  if (nfill == T) return qmatmul_bf16<Q>(pool, x, T, K, w, y, N);
+  if (nfill == T) return qmatmul_bf16<Q>(pool, how, x, T, K, w, y, N);
   if (nfill > 0) {
     thread_local aligned::vector<float> xs, ys;
     for (int kind = 0; kind < 2; ++kind) {
@@ -506,16 +548,13 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       xs.resize(n * K), ys.resize(n * N);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] != 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
-      if (kind) qmatmul_bf16<Q>(pool, xs.data(), n, K, w, ys.data(), N);
+      if (kind) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
       else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N, limbs);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] != 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
     }
     return;
   }
-#else
-  (void)fill;
-#endif
   qmatmul<Q>(pool, x, T, K, w, y, N, limbs);
 }
 
@@ -1052,11 +1091,12 @@ extern "C" int parrot_decode_bf16_enable(int on) {
   return g_decode_bf16.load() ? 1 : 0;
 }
 
-// Products asked for in bf16 (the rows parrot_qmatmul's `fill` operand flags) on AMX's bf16 tiles while
-// the AMX path is on (1), or on the exact path (0). Returns whether they will be: 0 where this build has no AMX-BF16.
+// Products asked for in bf16 (the rows parrot_qmatmul's `fill` operand flags) in bfloat16 (1: on AMX's bf16
+// tiles while the AMX path runs, else with AVX512-BF16 while an integer path runs) or on the exact path
+// (0); -1 leaves it. Returns how they will be multiplied now (FillPath).
 extern "C" int parrot_bf16_enable(int on) {
-  g_bf16.store(on != 0 && PARROT_AMX_BF16);
-  return g_bf16.load() ? 1 : 0;
+  if (on >= 0) g_bf16.store(on != 0 && (PARROT_AMX_BF16 || PARROT_AVX512_BF16));
+  return fill_path();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,

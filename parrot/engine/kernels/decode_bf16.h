@@ -19,33 +19,11 @@
 //    permuted within each 64 (`bf16_dim`); the caller puts them in order when it normalizes.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if PARROT_AVX512_BF16
 #define PARROT_DECODE_BF16 1
 
-inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-// r[i] lane j -> r[j] lane i (16 x 16 dwords)
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int k = 0; k < 16; k += 4) {  // u[k + c], 128-bit lane L: rows k..k+3 of column 4L + c
-    u[k] = _mm512_unpacklo_epi64(t[k], t[k + 2]);
-    u[k + 1] = _mm512_unpackhi_epi64(t[k], t[k + 2]);
-    u[k + 2] = _mm512_unpacklo_epi64(t[k + 1], t[k + 3]);
-    u[k + 3] = _mm512_unpackhi_epi64(t[k + 1], t[k + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // 4 x 4 transposes of 128-bit lanes
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
-    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
-  }
-}
+using avx512bf16::as_bh;
+using avx512bf16::transpose16x16;
 
 // The dimension that the accumulators' position p (within each 64) holds: vector c = p / 16, lane
 // i = p % 16 came from unpacking 128-bit lane i / 4 of the rows' 32-dimension half c / 2.
