@@ -659,9 +659,11 @@ inline const float* rows_f32(const uint16_t* p, int64_t cnt, int64_t D, float* b
 #endif
 constexpr int64_t kPagesAhead = PARROT_PAGES_AHEAD;  // pages fetched ahead of the one being read
 
+// Into L2, not L1: on a 2-core AMD EPYC (Zen 4) the T0 hint left decode attention over pages from memory
+// at half the speed (64 sequences x 2,048 tokens, a layer: 7.1 -> 4.0 ms with T1; pages from L3: the same).
 inline void prefetch_rows(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
 }
 
 // Eight dot products of one query row with eight key rows (float32, stride D), as one vector: eight

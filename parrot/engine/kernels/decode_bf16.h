@@ -110,7 +110,9 @@ inline void bf16_tile(const Bf16Row* rows, int n, int64_t D, const uint16_t* kp,
     for (int i = 0; i < rn; ++i) {  // the online softmax, in float32
       const Bf16Row& row = rows[r0 + i];
       const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s[i]);
-      const float mx = std::max(*row.m, _mm512_reduce_max_ps(sc));
+      // the tile's maximum only where some score exceeds the running one (most tiles after the first few)
+      const bool grows = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(*row.m), _CMP_GT_OQ) != 0;
+      const float mx = grows ? _mm512_reduce_max_ps(sc) : *row.m;
       corr[r0 + i] = mx == *row.m ? 1.f : std::exp(*row.m - mx);  // exp(-inf) = 0 on the first tile
       *row.m = mx;
       const __m256bh pb = _mm512_cvtneps_pbh(exp512(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
