@@ -181,10 +181,11 @@ def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
     assert np.all(native[50 + 61 + 16:] == 0)  # tokens no query names
 
 
-@pytest.mark.skipif(not kernels.bf16_tiles(), reason="no AMX bf16 tiles")
-def test_prefill_on_bf16_tiles_is_the_bf16_rounded_attention() -> None:
-    """Prompts of the bfloat16 mode over a bfloat16 cache: the scaled queries and the probabilities rounded
-    to bfloat16, sums in float32 (the reference rounds the same operands)."""
+@pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
+def test_prefill_in_bf16_is_the_bf16_rounded_attention() -> None:
+    """Prompts of the bfloat16 mode over a bfloat16 cache (AMX's bf16 tiles, or AVX512-BF16's pair products):
+    the scaled queries and the probabilities rounded to bfloat16, sums in float32 (the reference rounds the
+    same operands)."""
     rng = np.random.default_rng(4)
     kc, vc = _cache(rng, 64, "bfloat16")
     seqs = [SequenceSlice(list(range(50)), 37, list(range(1, 7))),
@@ -215,7 +216,7 @@ def test_prefill_on_bf16_tiles_is_the_bf16_rounded_attention() -> None:
 def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool) -> None:
     """A token's attention depends only on its query, position and keys: filling a prompt whole, in two
     chunks, or beside another sequence gives the same bits (the fill path is chunking invariant), on the
-    float32 path and on the bf16 tiles alike."""
+    float32 path and in bfloat16 (AMX's tiles or AVX512-BF16) alike."""
     rng = np.random.default_rng(3)
     kc, vc = _cache(rng, 64, "bfloat16")
     pages = list(range(1, 9))

@@ -402,10 +402,6 @@ std::atomic<int> g_path{kPathAvx2};
 std::atomic<bool> g_bf16{true};
 std::atomic<bool> g_decode_bf16{true};  // see parrot_decode_bf16_enable
 
-inline bool bf16_tiles_on() {
-  return PARROT_AMX_BF16 && g_path.load(std::memory_order_relaxed) == kPathAmx && g_bf16.load(std::memory_order_relaxed);
-}
-
 // How rows asked for in bf16 are multiplied: on AMX's bf16 tiles, with AVX512-BF16's pair products (where
 // an integer path runs and there are no bf16 tiles), or exactly (the bf16 products switched off, the AVX2
 // code, or neither unit).
@@ -1066,8 +1062,7 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     paged_prefill(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
                   static_cast<const uint16_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
                   block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
-                  D, Hkv, P, S, B, Q, bd[1], scale,
-                  bf16 != 0 && bf16_tiles_on());
+                  D, Hkv, P, S, B, Q, bd[1], scale, bf16 != 0 ? fill_path() : kFillExact);
   }
   return ffi::Error::Success();
 }

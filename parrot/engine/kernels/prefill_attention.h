@@ -294,6 +294,125 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 }
 #endif
 
+#if PARROT_AVX512_BF16
+// ---- the bfloat16 variant with AVX512-BF16's pair products ----------------------------------------
+// The same numbers as the tiles' variant above (scaled queries and probabilities rounded to bfloat16,
+// products summed in float32, one max and one sum reduction per row and 32 keys), for CPUs without AMX.
+// Keys go in blocks of 32 positions. Per block: the keys' dimension pairs transposed once ([2 halves][D/2
+// pairs][16 keys], decode_bf16.h's way), the values interleaved by pairs of keys ([16 pairs][D/16
+// vectors], whose dimensions come out permuted within each 64: bf16_dim); per row, its 32 scores are D/2
+// vdpbf16ps with its query pair broadcast for each half, and its output gains 16 x D/16 vdpbf16ps with a
+// pair of its probabilities broadcast. Rows are independent, so every row's result is still its own.
+struct PrefillPairs {
+  aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
+  aligned::vector<__m512i> kt;   // [2][D/2]: 16 keys' pair j
+  aligned::vector<__m512i> vp;   // [16][D/16]: key pairs interleaved per dimension
+  aligned::vector<uint32_t> pr;  // [rows][16]: probabilities, pairs of keys
+  aligned::vector<float> corr;   // [rows]
+  aligned::vector<int32_t> act;  // rows with keys in the block
+};
+
+template <int R>
+inline void prefill_pair_scores(const uint32_t* q, int64_t pairs, const __m512i* kt, __m512 s[][2]) {
+  for (int h = 0; h < 2; ++h) {
+    __m512 a[R];
+    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh k = as_bh(_mm512_load_si512(kt + h * pairs + j));
+      for (int r = 0; r < R; ++r) a[r] = _mm512_dpbf16_ps(a[r], k, as_bh(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j]))));
+    }
+    for (int r = 0; r < R; ++r) s[r][h] = a[r];
+  }
+}
+
+template <int R>
+inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_t* rows, int64_t D, int64_t d0) {
+  const int64_t nv = D / 16;
+  __m512 o[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c), _mm512_set1_ps(t.corr[rows[r]]));
+  for (int p = 0; p < 16; ++p) {
+    const __m512i* v = t.vp.data() + p * nv + d0 / 16;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(t.pr[rows[r] * 16 + p])));
+      for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_load_si512(v + c)), w);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
+}
+
+inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
+                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
+                                int64_t cnt) {
+  using L = Lanes<16>;
+  const uint16_t* krow[32];
+  const uint16_t* vrow[32];
+  for (int i = 0; i < 32; ++i) {
+    const int64_t l = l0 + i;
+    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
+    krow[i] = at >= 0 ? kb + at : nullptr;
+    vrow[i] = at >= 0 ? vb + at : nullptr;
+  }
+  const int64_t pairs = D / 2, nv = D / 16;
+  for (int h = 0; h < 2; ++h)
+    for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = krow[16 * h + i] ? _mm512_loadu_si512(krow[16 * h + i] + 2 * j0) : _mm512_setzero_si512();
+      transpose16x16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(t.kt.data() + h * pairs + j0 + j, r[j]);
+    }
+  for (int p = 0; p < 16; ++p)
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const __m512i a = vrow[2 * p] ? _mm512_loadu_si512(vrow[2 * p] + d0) : _mm512_setzero_si512();
+      const __m512i b = vrow[2 * p + 1] ? _mm512_loadu_si512(vrow[2 * p + 1] + d0) : _mm512_setzero_si512();
+      t.vp[p * nv + d0 / 16] = _mm512_unpacklo_epi16(a, b);
+      t.vp[p * nv + d0 / 16 + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+  int nact = 0;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int rn = static_cast<int>(std::min<int64_t>(8, rows - r0));
+    __m512 sc[8][2];
+    const uint32_t* q = t.qp.data() + r0 * pairs;
+    switch (rn) {
+      case 8: prefill_pair_scores<8>(q, pairs, t.kt.data(), sc); break;
+      case 7: prefill_pair_scores<7>(q, pairs, t.kt.data(), sc); break;
+      case 6: prefill_pair_scores<6>(q, pairs, t.kt.data(), sc); break;
+      case 5: prefill_pair_scores<5>(q, pairs, t.kt.data(), sc); break;
+      case 4: prefill_pair_scores<4>(q, pairs, t.kt.data(), sc); break;
+      case 3: prefill_pair_scores<3>(q, pairs, t.kt.data(), sc); break;
+      case 2: prefill_pair_scores<2>(q, pairs, t.kt.data(), sc); break;
+      default: prefill_pair_scores<1>(q, pairs, t.kt.data(), sc); break;
+    }
+    for (int r = 0; r < rn; ++r) {
+      const int64_t row = r0 + r;
+      const float lim = s.lim[row] - static_cast<float>(l0);
+      if (lim < 0.f) continue;  // the whole block is past this row's position
+      const __m512 s0 = L::keep_upto(sc[r][0], lim), s1 = L::keep_upto(sc[r][1], lim - 16.f);
+      const float old = s.m[row], mx = std::max(old, L::max(_mm512_max_ps(s0, s1)));
+      const float corr = mx == old ? 1.f : std::exp(old - mx);  // exp(-inf) = 0 on the first block
+      const __m512 e0 = vexp(L::sub(s0, L::set1(mx))), e1 = vexp(L::sub(s1, L::set1(mx)));
+      s.m[row] = mx, t.corr[row] = corr;
+      s.l[row] = s.l[row] * corr + L::sum(_mm512_add_ps(e0, e1));
+      _mm512_storeu_si512(t.pr.data() + row * 16, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      t.act[nact++] = static_cast<int32_t>(row);
+    }
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64)
+    for (int a = 0; a < nact; a += 4) {
+      const int32_t* rw = t.act.data() + a;
+      switch (std::min(4, nact - a)) {
+        case 4: prefill_pair_values<4>(s, t, rw, D, d0); break;
+        case 3: prefill_pair_values<3>(s, t, rw, D, d0); break;
+        case 2: prefill_pair_values<2>(s, t, rw, D, d0); break;
+        default: prefill_pair_values<1>(s, t, rw, D, d0); break;
+      }
+    }
+}
+#endif
+
 // q [T, H, D]; q_index [B, Q] (flat token of query j of sequence b, T where none); positions [T];
 // block_tables [B, maxp]; the sequence's key l is at position kv_offset[b] + l, seen by a query at
 // position p when kv_offset[b] + l <= p and < kv_lens[b]. out [T, H, D]: zeros for tokens no query names.
@@ -301,12 +420,12 @@ template <typename KV>
 void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV* vc, const int32_t* qidx,
                    const int32_t* pos, const int32_t* bt, const int32_t* off, const int32_t* lens, float* out,
                    int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t B, int64_t Q,
-                   int64_t maxp, float scale, bool tiles = false) {
+                   int64_t maxp, float scale, int bf16 = kFillExact) {
   constexpr int W = kPrefillLanes;
-#if !PARROT_AMX_BF16
-  tiles = false;
-#endif
-  tiles = tiles && std::is_same<KV, uint16_t>::value && D % 32 == 0;
+  // bfloat16 products (FillPath: on AMX's tiles, or with AVX512-BF16) over a bfloat16 cache
+  const bool bf16_cache = std::is_same<KV, uint16_t>::value;
+  const bool tiles = PARROT_AMX_BF16 && bf16 == kFillAmxTiles && bf16_cache && D % 32 == 0;
+  const bool pairs = PARROT_AVX512_BF16 && bf16 == kFillAvx512 && bf16_cache && D % 64 == 0 && D <= 256;
   const int64_t group = H / Hkv, head_stride = P * S * D;
   const int64_t per = std::max<int64_t>(1, std::min(kPrefillQueries, kPrefillMaxRows / group));
   const int64_t blocks = (Q + per - 1) / per;
@@ -352,6 +471,19 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
       _tile_release();
     } else
 #endif
+#if PARROT_AVX512_BF16
+    if (pairs) {
+      thread_local PrefillPairs t;
+      t.qp.resize(rows * D / 2), t.kt.resize(D), t.vp.resize(D), t.pr.resize(rows * 16);
+      t.corr.resize(rows), t.act.resize(rows);
+      for (int64_t i = 0; i < rows * D; i += 32)
+        _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
+                                                                            _mm512_loadu_ps(s.qs.data() + i)));
+      for (int64_t l0 = 0; l0 < end; l0 += 32)
+        prefill_block_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
+                            bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
+    } else
+#endif
     for (int64_t l0 = 0; l0 < end; l0 += W)
       prefill_tile<W>(s, rows, D, kb, vb, bt + b * maxp, npos, S, l0, std::min<int64_t>(W, end - l0));
     for (int64_t j = 0; j < nq; ++j) {
@@ -360,6 +492,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         const int64_t row = j * group + h;
         const float inv = s.l[row] > 0.f ? 1.f / s.l[row] : 0.f;
         float* dst = out + (static_cast<int64_t>(idx[j]) * H + g * group + h) * D;
+        if (pairs) {  // the dimensions permuted within each 64 (bf16_dim)
+          for (int64_t i = 0; i < D; ++i) dst[(i & ~int64_t{63}) + bf16_dim_of(static_cast<int>(i & 63))] = s.o[row * D + i] * inv;
+          continue;
+        }
         for (int64_t i = 0; i < D; ++i) dst[i] = s.o[row * D + i] * inv;
       }
     }
