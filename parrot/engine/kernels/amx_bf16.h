@@ -1,6 +1,6 @@
 // The block-quantized product in bfloat16 on Intel AMX's bf16 tiles, for the steps that fill prompts
 // (many rows) where the engine multiplies in bfloat16 (its default on CPUs with bf16 matrix units).
-// Included by cpu_kernels.cc after amx_matmul.h; see parrot_qmatmul there for the operands.
+// Included by cpu_kernels.cc after amx_matmul.h and avx512_bf16.h; see parrot_qmatmul there for the operands.
 //
 // Numbers. The weights are dequantized to float32 as the file defines them (d q + m) and rounded to
 // bfloat16; the activations are rounded to bfloat16; the tile unit multiplies pairs and adds them into
@@ -16,28 +16,7 @@
 
 namespace amxbf16 {
 
-// One block of one weight row as 32 bfloat16 (64 bytes, in order).
-template <class F>
-inline __m512i block_bf16(const uint8_t* blk) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
-  __m512 lo, hi;
-  if constexpr (F::kSigned) {  // Q8_0: d q, q signed bytes
-    const __m128i* q = reinterpret_cast<const __m128i*>(blk + F::kQs);
-    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-  } else {  // Q4: weight j < 16 is byte j's low nibble, j >= 16 byte j - 16's high nibble
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kQs)));
-    const __m512i nib = _mm512_set1_epi32(0x0F);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nib));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-    __m512 m;
-    if constexpr (F::kMin == 1) m = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)));
-    else m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    lo = _mm512_fmadd_ps(d, q0, m);
-    hi = _mm512_fmadd_ps(d, q1, m);
-  }
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-}
+using avx512bf16::block_pairs;  // one block of one weight row as 32 bfloat16, in order
 
 // The panel of weight rows [n, n + 32) (rows past n1 are zero): for each block, two B tiles of 16 rows,
 // B[pair p][row r] = (w[r][2p], w[r][2p + 1]). The rows' 32-bit pairs are transposed four at a time by
@@ -53,7 +32,7 @@ void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_
     for (int half = 0; half < 2; ++half) {
       const int64_t r0 = n + 16 * half;
       for (int i = 0; i < 16; ++i) {
-        const __m512i v = r0 + i < n1 ? block_bf16<F>(w + (r0 + i) * ldw + b * F::kBytes) : _mm512_setzero_si512();
+        const __m512i v = r0 + i < n1 ? block_pairs<F>(w + (r0 + i) * ldw + b * F::kBytes) : _mm512_setzero_si512();
         _mm512_store_si512(rowbuf[i], v);
       }
       const uint8_t* rows[16];

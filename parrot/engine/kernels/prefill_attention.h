@@ -178,6 +178,20 @@ void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, cons
   }
 }
 
+#if PARROT_AMX_BF16 || PARROT_AVX512_BF16
+// The key and value rows of the positions l0 .. l0 + 31 (null past `cnt` or the pages).
+inline void block_rows(const uint16_t* kb, const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S,
+                       int64_t D, int64_t l0, int64_t cnt, const uint16_t* krow[32], const uint16_t* vrow[32]) {
+  for (int i = 0; i < 32; ++i) {
+    const int64_t l = l0 + i;
+    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
+    krow[i] = at >= 0 ? kb + at : nullptr;
+    vrow[i] = at >= 0 ? vb + at : nullptr;
+  }
+}
+
+#endif
+
 #if PARROT_AMX_BF16
 // ---- the bfloat16 variant on AMX's bf16 tiles ------------------------------------------------------
 // For prompts the engine multiplies in bfloat16 (its bfloat16 mode), over a bfloat16 cache: the scaled
@@ -224,12 +238,7 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
   using L = Lanes<16>;
   const uint16_t* krow[32];
   const uint16_t* vrow[32];
-  for (int i = 0; i < 32; ++i) {
-    const int64_t l = l0 + i;
-    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
-    krow[i] = at >= 0 ? kb + at : nullptr;
-    vrow[i] = at >= 0 ? vb + at : nullptr;
-  }
+  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
   const int64_t chunks = D / 32;
   for (int h = 0; h < 2; ++h) {
     const uint32_t* kr[16];
@@ -349,12 +358,7 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
   using L = Lanes<16>;
   const uint16_t* krow[32];
   const uint16_t* vrow[32];
-  for (int i = 0; i < 32; ++i) {
-    const int64_t l = l0 + i;
-    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
-    krow[i] = at >= 0 ? kb + at : nullptr;
-    vrow[i] = at >= 0 ? vb + at : nullptr;
-  }
+  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
   const int64_t pairs = D / 2, nv = D / 16;
   for (int h = 0; h < 2; ++h)
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
