@@ -166,7 +166,7 @@ inline void transpose16x4(const uint8_t* const rows[16], __m512i g[4]) {
 
 // TT activation rows (tokens 16 g .. 16 g + TT - 1) times the weight rows [n, n + 16) (`rows_here` of them),
 // into y's columns n... The next 16 weight rows are fetched meanwhile where `fetch` (the first token group).
-template <class F, int TT>
+template <class F, int TT, int LIMBS>
 void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here, const uint8_t* fetch,
                 float* y, int64_t N) {
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, t0 = g * 16;
@@ -199,18 +199,27 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int row
     for (int t = 0; t < TT; ++t) {
       const uint32_t* xb = xp.rows.data() + ((t0 + t) * blocks + b) * 24;
       __m512i S[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int l = 0; l < xp.limbs; ++l) {
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains
-        for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
-          s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
+      for (int l = 0; l < LIMBS; ++l) {
+        if constexpr (TT >= 4) {  // the tokens' chains run side by side: one chain per limb
+          for (int c = 0; c < 8; ++c)
+            S[l] = _mm512_dpbusd_epi32(S[l], wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+        } else {  // two chains, so that one token does not wait on each product's latency
+          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+          for (int c = 0; c < 8; c += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+            s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
+          }
+          S[l] = _mm512_add_epi32(s0, s1);
         }
-        S[l] = _mm512_add_epi32(s0, s1);
         if constexpr (F::kSigned)
           S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
       }
       const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
-      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+      // two limbs: limb_sum with S2 = 0, the same float (fma(x, 256, 0) is x * 256)
+      const __m512 ls = LIMBS == 2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0]), _mm512_set1_ps(65536.f),
+                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(S[1]), _mm512_set1_ps(256.f)))
+                                   : limb_sum(S[0], S[1], S[2]);
+      acc[t] = _mm512_fmadd_ps(ls, _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
       if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
     }
   }
@@ -221,7 +230,8 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int row
 template <class F, int... I>
 void group_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here,
                     const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
-  ((tt == I + 1 ? group_vnni<F, I + 1>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
+  if (xp.limbs == 2) ((tt == I + 1 ? group_vnni<F, I + 1, 2>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
+  else ((tt == I + 1 ? group_vnni<F, I + 1, 3>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
 }
 
 // Output columns [n0, n1) of every activation row (pack_x's `rows` layout): 16 weight rows at a time, each
