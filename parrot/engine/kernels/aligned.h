@@ -26,4 +26,9 @@ struct Allocator {
 template <class T>
 using vector = std::vector<T, Allocator<T>>;
 
+// A 512-bit vector as an element type (std::vector<__m512i> drops the type's alignment attribute).
+struct alignas(64) Bits512 {
+  unsigned char b[64];
+};
+
 }  // namespace aligned

@@ -136,9 +136,9 @@ inline void tokens(const uint32_t* xb, int64_t K, int64_t t0, const __m512i* p0,
 template <class F>
 void rows(const uint32_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = K / 32, ldw = blocks * F::kBytes;
-  thread_local aligned::vector<__m512i> panels;
+  thread_local aligned::vector<aligned::Bits512> panels;
   panels.resize(2 * blocks * 16);
-  __m512i* p0 = panels.data();
+  __m512i* p0 = reinterpret_cast<__m512i*>(panels.data());
   __m512i* p1 = p0 + blocks * 16;
   for (int64_t n = n0; n < n1; n += 32) {
     const bool two = n + 16 < n1;

@@ -314,8 +314,8 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 // pair of its probabilities broadcast. Rows are independent, so every row's result is still its own.
 struct PrefillPairs {
   aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
-  aligned::vector<__m512i> kt;   // [2][D/2]: 16 keys' pair j
-  aligned::vector<__m512i> vp;   // [16][D/16]: key pairs interleaved per dimension
+  aligned::vector<aligned::Bits512> kt;  // [2][D/2]: 16 keys' pair j
+  aligned::vector<aligned::Bits512> vp;  // [16][D/16]: key pairs interleaved per dimension
   aligned::vector<uint32_t> pr;  // [rows][16]: probabilities, pairs of keys
   aligned::vector<float> corr;   // [rows]
   aligned::vector<int32_t> act;  // rows with keys in the block
@@ -342,7 +342,7 @@ inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_
     for (int c = 0; c < 4; ++c)
       o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c), _mm512_set1_ps(t.corr[rows[r]]));
   for (int p = 0; p < 16; ++p) {
-    const __m512i* v = t.vp.data() + p * nv + d0 / 16;
+    const __m512i* v = reinterpret_cast<const __m512i*>(t.vp.data()) + p * nv + d0 / 16;
     for (int r = 0; r < R; ++r) {
       const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(t.pr[rows[r] * 16 + p])));
       for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_load_si512(v + c)), w);
@@ -366,29 +366,31 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
       for (int i = 0; i < 16; ++i)
         r[i] = krow[16 * h + i] ? _mm512_loadu_si512(krow[16 * h + i] + 2 * j0) : _mm512_setzero_si512();
       transpose16x16(r);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(t.kt.data() + h * pairs + j0 + j, r[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(t.kt.data()) + h * pairs + j0 + j, r[j]);
     }
   for (int p = 0; p < 16; ++p)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       const __m512i a = vrow[2 * p] ? _mm512_loadu_si512(vrow[2 * p] + d0) : _mm512_setzero_si512();
       const __m512i b = vrow[2 * p + 1] ? _mm512_loadu_si512(vrow[2 * p + 1] + d0) : _mm512_setzero_si512();
-      t.vp[p * nv + d0 / 16] = _mm512_unpacklo_epi16(a, b);
-      t.vp[p * nv + d0 / 16 + 1] = _mm512_unpackhi_epi16(a, b);
+      __m512i* v = reinterpret_cast<__m512i*>(t.vp.data()) + p * nv + d0 / 16;
+      _mm512_store_si512(v, _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(v + 1, _mm512_unpackhi_epi16(a, b));
     }
+  const __m512i* kt = reinterpret_cast<const __m512i*>(t.kt.data());
   int nact = 0;
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int rn = static_cast<int>(std::min<int64_t>(8, rows - r0));
     __m512 sc[8][2];
     const uint32_t* q = t.qp.data() + r0 * pairs;
     switch (rn) {
-      case 8: prefill_pair_scores<8>(q, pairs, t.kt.data(), sc); break;
-      case 7: prefill_pair_scores<7>(q, pairs, t.kt.data(), sc); break;
-      case 6: prefill_pair_scores<6>(q, pairs, t.kt.data(), sc); break;
-      case 5: prefill_pair_scores<5>(q, pairs, t.kt.data(), sc); break;
-      case 4: prefill_pair_scores<4>(q, pairs, t.kt.data(), sc); break;
-      case 3: prefill_pair_scores<3>(q, pairs, t.kt.data(), sc); break;
-      case 2: prefill_pair_scores<2>(q, pairs, t.kt.data(), sc); break;
-      default: prefill_pair_scores<1>(q, pairs, t.kt.data(), sc); break;
+      case 8: prefill_pair_scores<8>(q, pairs, kt, sc); break;
+      case 7: prefill_pair_scores<7>(q, pairs, kt, sc); break;
+      case 6: prefill_pair_scores<6>(q, pairs, kt, sc); break;
+      case 5: prefill_pair_scores<5>(q, pairs, kt, sc); break;
+      case 4: prefill_pair_scores<4>(q, pairs, kt, sc); break;
+      case 3: prefill_pair_scores<3>(q, pairs, kt, sc); break;
+      case 2: prefill_pair_scores<2>(q, pairs, kt, sc); break;
+      default: prefill_pair_scores<1>(q, pairs, kt, sc); break;
     }
     for (int r = 0; r < rn; ++r) {
       const int64_t row = r0 + r;
