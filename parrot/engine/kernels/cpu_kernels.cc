@@ -12,14 +12,17 @@
 // below (every x86-64 CPU with AVX2/FMA/F16C), AVX-512 VNNI for any number of rows (vnni_matmul.h: exact
 // integer sums of the weights' integers and the activations' byte limbs, so a row's result is the same bits
 // in any batch; Intel since Cascade Lake, AMD since Zen 4), and on CPUs with AMX-INT8 (Intel Sapphire
-// Rapids and later) VNNI up to 16 rows and the integer tile unit above (amx_matmul.h: the same integer sums
-// and float32 steps), once the kernel has granted the tile state. The rows the `fill` operand flags (prompt tokens, in
-// an engine that fills prompts in bfloat16) run on the bf16 tiles instead where the CPU has AMX-BF16
-// (amx_bf16.h; `parrot_bf16_enable(0)` keeps them exact).
+// Rapids and later) VNNI up to 16 rows and the integer tile unit above (amx_matmul.h: the same integer
+// sums and float32 steps), once the kernel has granted the tile state. The rows the `fill` operand flags
+// (prompt tokens, in an engine that fills prompts in bfloat16) run in bfloat16 instead while an integer
+// code runs: on AMX's bf16 tiles (amx_bf16.h) or, without them, with AVX512-BF16's pair products
+// (avx512_bf16.h); `parrot_bf16_enable(0)` keeps them exact.
 //
 // parrot_paged_decode: one query token per sequence attending to its keys and values read in place
 // from the paged KV cache ([Hkv, pages, page_size, D] per layer), optionally with a shared prefix read
-// through the same pages (the cascade layout of parrot/engine/batch.py). Online softmax in float32.
+// through the same pages (the cascade layout of parrot/engine/batch.py). Online softmax in float32; the
+// products in float32, or in bfloat16 pairs for the engine's bfloat16 mode on CPUs with AVX512-BF16
+// (decode_bf16.h).
 //
 // parrot_paged_prefill: a prefill step's query tokens attending causally to their sequences' keys and
 // values read in place from the same caches (prefill_attention.h).
