@@ -36,9 +36,10 @@ class NativeNode:
 class GraphExecutor:
     graph: ComputeGraph = field(default_factory=ComputeGraph)
     criteria: dict[str, Criterion] = field(default_factory=dict)  # needed chains by id
-    natives: list[NativeNode] = field(default_factory=list)
-    _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node
+    natives: list[NativeNode] = field(default_factory=list)  # native calls not run yet (scanned by `ready`)
+    _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node, while not run
     history: list[CompletionChain] = field(default_factory=list)  # every chain inserted, finished ones too
+    native_history: list[NativeNode] = field(default_factory=list)  # every native call added, run ones too
 
     def add_request(self, chain: RequestChain, output_criteria: Criterion | None) -> None:
         self.graph.insert(chain)
@@ -51,6 +52,18 @@ class GraphExecutor:
         for var in node.outputs.values():
             self._native_of[var.id] = node
         self.natives.append(node)
+        self.native_history.append(node)
+
+    def _retire(self, done: list[NativeNode]) -> None:
+        """Run (or failed) native calls leave the pending list (the history keeps them for the live view)."""
+        if not done:
+            return
+        gone = {id(n) for n in done}
+        self.natives = [n for n in self.natives if id(n) not in gone]
+        for n in done:
+            for var in n.outputs.values():
+                if self._native_of.get(var.id) is n:
+                    del self._native_of[var.id]
 
     def need(self, var: SemanticVariable, criterion: Criterion) -> None:
         """A client waits for `var`: mark everything it depends on as needed."""
@@ -78,6 +91,7 @@ class GraphExecutor:
         natives = [n for n in self.natives if not n.done and n.needed and all(v.is_ready for v in n.inputs.values())]
         for n in natives:
             n.done = True
+        self._retire(natives)
         return chains, natives
 
     def depth(self, chain: CompletionChain) -> int:
@@ -108,11 +122,14 @@ class GraphExecutor:
                         fail(chain.output_var, reason)
                     self.finished(chain)
                     changed = True
+            failed = []
             for n in self.natives:
                 reason = None if n.done else why(list(n.inputs.values()))
                 if reason is not None:
                     n.done = True
+                    failed.append(n)
                     for v in n.outputs.values():
                         if v.is_pending:
                             fail(v, reason)
                     changed = True
+            self._retire(failed)

@@ -167,7 +167,7 @@ def session_graph(core: ParrotServeCore, session: Session) -> dict[str, Any]:
         variables.setdefault(chain.output_var.id, chain.output_var)
         producer[chain.output_var.id] = node["id"]
         edges.append({"from": node["id"], "to": f"var:{chain.output_var.id}"})
-    for native in session.executor.natives:
+    for native in session.executor.native_history:
         node = _native_node(native)
         nodes.append(node)
         calls_in[node["id"]] = [v.id for v in native.inputs.values()]
@@ -264,7 +264,7 @@ def sessions_view(core: ParrotServeCore) -> list[dict[str, Any]]:
     for s in list(core.sessions.values()):
         tasks = _tasks_of(core, s.session_id)
         states = [_chain_node(c, s, tasks.get(c.id), time.perf_counter())["state"] for c in s.executor.history]
-        states += [_native_node(n)["state"] for n in s.executor.natives]
+        states += [_native_node(n)["state"] for n in s.executor.native_history]
         out.append({"session_id": s.session_id, "idle_s": round(s.idle_seconds(), 3), "calls": len(states),
                     **{k: states.count(k) for k in ("waiting", "running", "done", "failed")}})
     return out

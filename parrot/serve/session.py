@@ -52,6 +52,7 @@ class Session:
         self.generations = deque(self.generations, maxlen=self.max_generations)
         # the calls kept for the live view: the latest `max_requests` chains (running ones are in the graph)
         self.executor.history = deque(self.executor.history, maxlen=self.max_requests)  # type: ignore[assignment]
+        self.executor.native_history = deque(self.executor.native_history, maxlen=self.max_requests)  # type: ignore[assignment]
 
     def check_token(self, token: str | None) -> None:
         if not token:

@@ -116,7 +116,9 @@ def test_session_keeps_bounded_history() -> None:
     assert [g["i"] for g in s.generations] == [7, 8, 9]
     for i in range(5):
         s.executor.history.extend([f"chain-{i}"])  # type: ignore[list-item]
+        s.executor.native_history.append(f"native-{i}")  # type: ignore[arg-type]
     assert list(s.executor.history) == ["chain-3", "chain-4"]
+    assert list(s.executor.native_history) == ["native-3", "native-4"]
     assert list(s.requests) == ["r8", "r9"]
     assert s.pending_calls() == 0
 
