@@ -444,22 +444,9 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, 
   vnni::rows<F>(xp, w, n0, n1, y, N);
 }
 
+// The block format of a QType, for the kernels' templates.
 template <int Q>
-void int8_rows(const vnni::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if constexpr (Q == kQ8_0) int8_rows<vnni::Q8_0>(xp, w, n0, n1, y, N);
-  else if constexpr (Q == kQ4_0) int8_rows<vnni::Q4_0>(xp, w, n0, n1, y, N);
-  else int8_rows<vnni::Q4_1>(xp, w, n0, n1, y, N);
-}
-#endif
-
-#if PARROT_AMX_BF16
-template <int Q>
-void bf16_rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
-               int64_t N) {
-  if constexpr (Q == kQ8_0) amxbf16::rows<amx::Q8_0>(xb, T, K, w, n0, n1, y, N);
-  else if constexpr (Q == kQ4_0) amxbf16::rows<amx::Q4_0>(xb, T, K, w, n0, n1, y, N);
-  else amxbf16::rows<amx::Q4_1>(xb, T, K, w, n0, n1, y, N);
-}
+using Format = std::conditional_t<Q == kQ8_0, vnni::Q8_0, std::conditional_t<Q == kQ4_0, vnni::Q4_0, vnni::Q4_1>>;
 #endif
 
 // The exact product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
@@ -480,7 +467,7 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
     vnni::pack_x(x, T, K, packed, limbs, path == kPathAmx && T > amx_vnni_rows());
-    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Q>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
+    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Format<Q>>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
     return;
   }
 #endif
@@ -489,16 +476,6 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
   });
 }
-
-#if PARROT_AVX512_BF16
-template <int Q>
-void avx512_bf16_rows(const uint32_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
-                      int64_t N) {
-  if constexpr (Q == kQ8_0) avx512bf16::rows<vnni::Q8_0>(xb, T, K, w, n0, n1, y, N);
-  else if constexpr (Q == kQ4_0) avx512bf16::rows<vnni::Q4_0>(xb, T, K, w, n0, n1, y, N);
-  else avx512bf16::rows<vnni::Q4_1>(xb, T, K, w, n0, n1, y, N);
-}
-#endif
 
 // The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): panels of 32 weight rows, taken
 // in turn.
@@ -513,7 +490,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
     amxbf16::pack_x(x, T, K, packed);
     const uint16_t* xb = packed.data();
     parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
-      bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+      amxbf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
     });
     return;
   }
@@ -523,7 +500,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
   avx512bf16::pack_x(x, T, K, pairs);
   const uint32_t* xb = pairs.data();
   parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
-    avx512_bf16_rows<Q>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+    avx512bf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
   });
 #else
   (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N, (void)cols;
