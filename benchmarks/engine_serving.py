@@ -165,6 +165,7 @@ def structured(eng: LLMEngine, conc: int, max_tokens: int, repeats: int = 3) -> 
             "masked_steps": (after.constrained_steps - before.constrained_steps) // repeats,
             "fast_forward_tokens": (after.fast_forward_tokens - before.fast_forward_tokens) // repeats,
             "unmasked_tokens": (after.unmasked_tokens - before.unmasked_tokens) // repeats,
+            "walked_tokens": (after.walked_tokens - before.walked_tokens) // repeats,
             "example": runs[0]["example"]}
 
 
@@ -207,7 +208,8 @@ def main() -> None:
                       f"mask per step mean {r['mask_ms_mean']:.3f} ms, p99 "
                       f"{r['mask_ms_p99']:.3f} ms over {r['masked_steps']} steps; fast-forward fed "
                       f"{r['fast_forward_tokens']} of {r['output_tokens']} tokens; {r['unmasked_tokens']} sampled "
-                      "tokens needed no mask", flush=True)
+                      f"tokens needed no mask; {r['walked_tokens']} rejected argmaxes found their masked argmax "
+                      "among the next candidates", flush=True)
         for c in [] if args.structured_only else levels:
             r = throughput(eng, rng, c, prompt_len, out_len)
             result["throughput"].append(r)

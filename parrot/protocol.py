@@ -230,6 +230,7 @@ class RuntimeInfo(BaseModel):
     rss_bytes: int | None = None  # the engine process's resident memory
     constrained_steps: int = 0  # steps whose sampling had constraint work (masks, or checks of greedy tokens)
     unmasked_tokens: int = 0  # greedy constrained tokens their grammar accepted unmasked: masks not computed
+    walked_tokens: int = 0  # rejected greedy constrained rows whose masked argmax was found without a mask
     fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
     mask_ms_mean: float | None = None  # host time to compute a batch's constraint masks, recent steps
     mask_ms_p99: float | None = None

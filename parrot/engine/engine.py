@@ -300,7 +300,7 @@ class LLMEngine:
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
             constrained_steps=self.grammars.masked_steps, fast_forward_tokens=s.fast_forward_tokens,
-            unmasked_tokens=self.grammars.unmasked_tokens,
+            unmasked_tokens=self.grammars.unmasked_tokens, walked_tokens=self.grammars.walked_tokens,
             **self.grammars.mask_stats(),
         )
 

@@ -80,6 +80,7 @@ class Grammars:
         self.compiles = 0
         self.masked_steps = 0  # batches with constraint work: masks computed, or greedy tokens checked
         self.unmasked_tokens = 0  # greedy tokens their grammar accepted without a mask (check_greedy)
+        self.walked_tokens = 0  # rejected greedy rows whose masked argmax was found without a mask (next_allowed)
 
     def mask_stats(self) -> dict[str, float | None]:
         """Host time to compute a batch's masks over the recent steps: mean and p99, in ms."""
@@ -226,25 +227,63 @@ def fill_masks(rows: list[tuple[Constraint, int]], bitmask: np.ndarray, record: 
     grammars.masked_steps += 1
 
 
+WALK_TRIES = 8  # candidates a rejected greedy row tries, in logit order, before its mask is computed
+
+
+def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: int = WALK_TRIES) -> int | None:
+    """The masked argmax of `row` found without computing the mask: the candidates in order of their logits
+    (the first index among equal ones, as argmax orders them), the first one the grammar accepts. That is the
+    masked argmax because `accepts` never admits a token the mask refuses, and a token it refuses is outside
+    the mask too unless it is one of those the mask may hold regardless: a stop token (a complete grammar
+    allows it), a special token (no bytes), or one whose bytes stop inside the bytes the grammar forces. Such
+    a candidate, a non-finite logit, or `tries` refusals return None: the mask decides."""
+    r = np.array(row, dtype=np.float32)
+    forced = bytes(c.matcher.compute_ff_bytes())
+    for _ in range(tries):
+        t = int(np.argmax(r))
+        if not np.isfinite(r[t]):
+            return None
+        if c.accepts(t):
+            return t
+        if t in stops:
+            return None
+        b = c.grammars.ll_tokenizer.decode_bytes([t])
+        if not b or (forced and forced.startswith(b)):
+            return None
+        r[t] = -np.inf
+    return None
+
+
 def check_greedy(rows: list[tuple[Constraint, int]], tokens: np.ndarray, logits: Callable[[], np.ndarray],
                  vocab_size: int) -> None:
     """Greedy rows sampled without their masks (`sampling.lazily_constrained`; `tokens[i]` is row i's
-    argmax): where the grammar accepts the token it stands, the argmax over the allowed tokens too; the other
-    rows get their masks computed now (in parallel) and `tokens[i]` becomes the argmax of `logits()[i]` over
-    their allowed tokens. The host time (checks, masks, argmaxes) counts in `mask_ms` as one batch's masks:
+    argmax): where the grammar accepts the token it stands, the argmax over the allowed tokens too. A row it
+    refuses tries the next candidates by logit (`next_allowed`); the rows that still have no answer get their
+    masks computed now (in parallel) and `tokens[i]` becomes the argmax of `logits()[i]` over their allowed
+    tokens. The host time (checks, candidates, masks, argmaxes) counts in `mask_ms` as one batch's masks:
     most steps of a model that follows its prompt compute no mask at all."""
     if not rows:
         return
     t0 = time.perf_counter()
     redo = [(c, i) for c, i in rows if not c.accepts(int(tokens[i]))]
-    if redo:
-        masks = np.zeros((len(tokens), mask_words(vocab_size)), np.int32)
-        fill_masks(redo, masks, record=False)
-        host = logits()
-        for _, i in redo:
-            allowed = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
-            tokens[i] = int(np.argmax(np.where(allowed, host[i], -np.inf)))
     grammars = rows[0][0].grammars
+    if redo:
+        host = logits()
+        stops = grammars.tokenizer.stop_token_ids
+        masked = []
+        for c, i in redo:
+            t = next_allowed(c, host[i], stops)
+            if t is None:
+                masked.append((c, i))
+            else:
+                tokens[i] = t
+        grammars.walked_tokens += len(redo) - len(masked)
+        if masked:
+            masks = np.zeros((len(tokens), mask_words(vocab_size)), np.int32)
+            fill_masks(masked, masks, record=False)
+            for _, i in masked:
+                allowed = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+                tokens[i] = int(np.argmax(np.where(allowed, host[i], -np.inf)))
     grammars.mask_ms.append((time.perf_counter() - t0) * 1e3)
     grammars.masked_steps += 1
     grammars.unmasked_tokens += len(rows) - len(redo)

@@ -185,3 +185,93 @@ def test_real_model_greedy_json_is_the_same_checked_or_masked(smollm_engine: LLM
     assert lazy == eager
     print(f"default model: {unmasked[1]} of {sum(map(len, lazy))} tokens unmasked")
     assert unmasked[1] > 0
+
+
+# ---- the masked argmax without the mask (structured.next_allowed) --------------------------------------
+def _left_to_the_mask(c, tok_id: int, stops: frozenset[int]) -> bool:  # noqa: ANN001
+    """The tokens `accepts` may refuse although the mask holds them (next_allowed leaves them to the mask)."""
+    b = c.grammars.ll_tokenizer.decode_bytes([tok_id])
+    forced = bytes(c.matcher.compute_ff_bytes())
+    return tok_id in stops or not b or (bool(forced) and forced.startswith(b))
+
+
+def _states(grammars: Grammars, params: SamplingParams, text: str, tok) -> list:  # noqa: ANN001
+    """The constraint after each prefix of `text`'s tokens (copies, so each keeps its state)."""
+    import copy
+
+    c = grammars.compile(params)
+    out = []
+    for t in tok.encode(text):
+        out.append(copy.copy(c))
+        out[-1].matcher = c.matcher.deep_copy()
+        out[-1].consumed = list(c.consumed)
+        c.consume(t)
+    out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("params, text", [
+    (SamplingParams(regex="[0-9]{3}-[a-z]{2}"), "123-ab"),
+    (SamplingParams(choice=["alpha", "beta", "gamma"]), "beta"),
+    (SamplingParams(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"},
+                                 "name": {"type": "string", "maxLength": 6}}, "required": ["ok", "name"],
+                                 "additionalProperties": False}), '{"ok": true, "name": "abc"}'),
+])
+def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: SamplingParams, text: str) -> None:
+    """In every state of a few constraints, over the whole vocabulary: `accepts` admits no token the mask
+    refuses, and refuses no token the mask holds other than the ones next_allowed leaves to the mask."""
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    stops = tok.stop_token_ids
+    for c in _states(grammars, params, text, tok):
+        mask = np.zeros((1, mask_words(260)), np.int32)
+        fill_masks([(c, 0)], mask, record=False)
+        allowed = _allowed(mask[0], 260)
+        accepted = {t for t in range(260) if c.accepts(t)}
+        assert accepted <= allowed
+        assert all(_left_to_the_mask(c, t, stops) for t in allowed - accepted)
+
+
+def test_next_allowed_is_the_masked_argmax() -> None:
+    """Logits where some allowed tokens rank high: whenever next_allowed answers, its token is the argmax
+    over the mask's tokens (ties included), and it answers in most rows."""
+    from parrot.engine.structured import next_allowed
+
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    rng = np.random.default_rng(0)
+    answered = total = 0
+    for params, text in [(SamplingParams(regex="[0-9]{3}-[a-z]{2}"), "123-ab"),
+                         (SamplingParams(choice=["alpha", "beta", "gamma"]), "gam")]:
+        for c in _states(grammars, params, text, tok)[:-1]:
+            mask = np.zeros((1, mask_words(260)), np.int32)
+            fill_masks([(c, 0)], mask, record=False)
+            allowed = np.array(sorted(_allowed(mask[0], 260)))
+            for _ in range(20):
+                row = rng.standard_normal(260).astype(np.float32)
+                row[rng.choice(allowed, size=min(2, len(allowed)), replace=False)] += rng.uniform(0, 3)
+                row[rng.integers(0, 260, 3)] = row.max()  # ties at the top
+                want = int(np.argmax(np.where(np.isin(np.arange(260), allowed), row, -np.inf)))
+                got = next_allowed(c, row, tok.stop_token_ids)
+                total += 1
+                if got is not None:
+                    answered += 1
+                    assert got == want
+    assert answered > total // 2
+
+
+def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # noqa: ANN001
+    """The same over SmolLM2's 49,152 tokens (multi-byte tokens, the key separator forced after a key),
+    every third state of a JSON object."""
+    tok, vocab = smollm.tokenizer, smollm.config.vocab_size
+    grammars = Grammars(tok, vocab)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    states = _states(grammars, SamplingParams(json_schema=schema), '{"name": "Ann Lee", "age": 41}', tok)
+    for c in states[::3] + states[-1:]:
+        mask = np.zeros((1, mask_words(vocab)), np.int32)
+        fill_masks([(c, 0)], mask, record=False)
+        allowed = set(np.nonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab])[0].tolist())
+        accepted = {t for t in range(vocab) if c.accepts(t)}
+        assert accepted <= allowed
+        assert all(_left_to_the_mask(c, t, tok.stop_token_ids) for t in allowed - accepted)
