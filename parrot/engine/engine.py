@@ -321,7 +321,7 @@ class LLMEngine:
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
-                "bf16_fills": kernels.bf16_fills() if str(r.prefill_dtype) == "bfloat16" else None,
+                "bf16_fills": r.bf16_fills,
                 "decode_attention_bf16": r.decode_attention_bf16,
                 "prefill_attention": "in place" if r.prefill_in_place else "gathered",
                 "prefill_tokens_beside_decodes": c.prefill_tokens_beside_decodes,

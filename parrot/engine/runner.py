@@ -331,12 +331,18 @@ class ModelRunner:
         return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
 
     @property
+    def bf16_fills(self) -> str | None:
+        """How prompt rows are multiplied in bfloat16 (`kernels.bf16_fills`), None where this engine fills
+        prompts exactly (float32 mode, or no bf16 code on this CPU)."""
+        return kernels.bf16_fills() if self.prefill_dtype == jnp.bfloat16 else None
+
+    @property
     def decode_attention_bf16(self) -> bool:
-        """Whether decode attention multiplies in bfloat16 pairs (the bfloat16 mode over a bfloat16 cache read
-        in place, head sizes multiple of 64, a CPU with AVX512-BF16: kernels/decode_bf16.h)."""
-        return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == jnp.uint16
-                and attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
-                and self.model_cfg.head_dim % 64 == 0 and kernels.decode_bf16())
+        """Whether decode attention multiplies in bfloat16 pairs: the bfloat16 mode over a bfloat16 cache on a
+        CPU (read in place by the kernels), head sizes the kernel takes, AVX512-BF16 (kernels/decode_bf16.h)."""
+        d = self.model_cfg.head_dim
+        return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == jnp.uint16 and d % 64 == 0
+                and d <= 256 and kernels.decode_bf16())
 
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg

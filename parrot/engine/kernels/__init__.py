@@ -113,7 +113,7 @@ def _load() -> None:
     if wanted != "auto" and wanted not in MATMUL_PATHS:
         raise RuntimeError(f"PARROT_CPU_MATMUL={wanted!r} is not one of auto, {', '.join(MATMUL_PATHS)}")
     best = lib.parrot_matmul_select(-1)
-    _state["paths"] = [p for i, p in enumerate(MATMUL_PATHS) if i <= best and (i != 2 or best == 2)]
+    _state["paths"] = list(MATMUL_PATHS[: best + 1])  # every code up to the best one runs on this CPU
     if wanted != "auto" and wanted not in _state["paths"]:
         log.warning("PARROT_CPU_MATMUL=%s: this CPU cannot run it; using %s", wanted, MATMUL_PATHS[best])
     elif wanted != "auto":
@@ -193,9 +193,9 @@ def use_matmul(path: str) -> str | None:
     returns the code in use (unchanged where the CPU cannot run `path`)."""
     if not available():
         return None
-    with _lock:
-        lib = _state["lib"]
-        lib.parrot_matmul_select(-1 if path == "auto" else MATMUL_PATHS.index(path) if path in _state["paths"] else -2)
+    if path == "auto" or path in _state["paths"]:
+        with _lock:
+            _state["lib"].parrot_matmul_select(-1 if path == "auto" else MATMUL_PATHS.index(path))
     return matmul_path()
 
 

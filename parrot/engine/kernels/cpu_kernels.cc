@@ -877,11 +877,14 @@ void attend_pages512(const float* const* qs, int members, int group, int64_t D, 
 constexpr int kPrefixMembers = PARROT_PREFIX_MEMBERS;  // sequences that read one widened prefix page in turn
 
 #include "decode_bf16.h"
+// The dimension an accumulator position of the bf16 pair products holds (bf16_dim within each 64).
+inline int64_t bf16_dim_of(int64_t i) {
 #if PARROT_DECODE_BF16
-inline int bf16_dim_of(int p) { return bf16_dim(p); }
+  return (i & ~int64_t{63}) + bf16_dim(static_cast<int>(i & 63));
 #else
-inline int bf16_dim_of(int p) { return p; }
+  return i;
 #endif
+}
 
 // Pages [0, n) for `members` sequences (see attend_pages), on 16 lanes where the CPU and D allow.
 template <typename KV>
@@ -976,7 +979,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
         for (int64_t i = 0; i < D; ++i) a[i] *= inv;
         continue;
       }
-      for (int64_t i = 0; i < D; ++i) ordered[(i & ~int64_t{63}) + bf16_dim_of(static_cast<int>(i & 63))] = a[i];
+      for (int64_t i = 0; i < D; ++i) ordered[bf16_dim_of(i)] = a[i];
       for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
     }
   });

@@ -499,7 +499,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         const float inv = s.l[row] > 0.f ? 1.f / s.l[row] : 0.f;
         float* dst = out + (static_cast<int64_t>(idx[j]) * H + g * group + h) * D;
         if (pairs) {  // the dimensions permuted within each 64 (bf16_dim)
-          for (int64_t i = 0; i < D; ++i) dst[(i & ~int64_t{63}) + bf16_dim_of(static_cast<int>(i & 63))] = s.o[row * D + i] * inv;
+          for (int64_t i = 0; i < D; ++i) dst[bf16_dim_of(i)] = s.o[row * D + i] * inv;
           continue;
         }
         for (int64_t i = 0; i < D; ++i) dst[i] = s.o[row * D + i] * inv;
