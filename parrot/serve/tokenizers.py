@@ -8,10 +8,11 @@ concatenation once and splits the ids back at the piece boundaries.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from parrot.engine.model_files import DEFAULT_MODEL
 from parrot.engine.tokenizer import Tokenizer, encodable, load_tokenizer
@@ -87,19 +88,20 @@ def split_at_pieces(tok: Tokenizer, pieces: Sequence[str], add_bos: bool | None 
     out: list[list[int]] = [[] for _ in pieces]
     if not pieces:
         return out
-    ends: list[int] = []
-    total = 0
-    for piece in pieces:
-        total += len(piece)
-        ends.append(total)
     enc = tok.backend.encode(encodable("".join(pieces)), add_special_tokens=False)
-    last = len(pieces) - 1
-    current = 0
-    for token_id, (start, end) in zip(enc.ids, enc.offsets, strict=True):
-        # the first piece whose end lies beyond the token's last character (offsets are in characters)
-        at = bisect.bisect_right(ends, end - 1 if end > start else start)
-        current = max(current, min(at, last))  # never back: the pieces stay a split of one id list
-        out[current].append(token_id)
+    ids = enc.ids
+    if len(pieces) == 1:
+        out[0] = ids
+    elif ids:
+        # each token's piece: the first piece whose end lies beyond the token's last character (offsets are
+        # in characters), never back (the pieces stay a split of one id list); vectorized, as prompts run
+        # to thousands of tokens and this is on the path of every task to its first primitive
+        ends = np.cumsum([len(piece) for piece in pieces])
+        off = np.asarray(enc.offsets, dtype=np.int64)
+        last_char = np.where(off[:, 1] > off[:, 0], off[:, 1] - 1, off[:, 0])
+        at = np.maximum.accumulate(np.minimum(np.searchsorted(ends, last_char, side="right"), len(pieces) - 1))
+        cuts = np.searchsorted(at, np.arange(len(pieces) + 1)).tolist()
+        out = [ids[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     if (tok.add_bos_token if add_bos is None else add_bos) and tok.bos_token_id is not None:
         out[0].insert(0, tok.bos_token_id)  # as Tokenizer.encode does
     return out

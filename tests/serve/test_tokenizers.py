@@ -3,6 +3,7 @@ caching, and encode_pieces giving exactly the ids of the whole text."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from parrot.engine.model_files import default_model_path
-from parrot.engine.tokenizer import Tokenizer, load_tokenizer
+from parrot.engine.tokenizer import Tokenizer, encodable, load_tokenizer
 from parrot.errors import InvalidRequestError, ModelLoadError
 from parrot.serve.tokenizers import TokenizerManager, split_at_pieces
 from parrot.serve.transforms import TransformContext, run_transform, validate_call
@@ -251,6 +252,22 @@ ATOMS = list("ab cd\n\t01239.,'!?-_") + [
 TEXT = st.lists(st.sampled_from(ATOMS) | st.characters(), max_size=40).map("".join)
 
 
+def _split_token_by_token(tok: Tokenizer, pieces: list[str]) -> list[list[int]]:
+    """encode_pieces' rule one token at a time: each token to the first piece whose end lies beyond its last
+    character, never back (the reference for the vectorized split)."""
+    ends = [sum(len(p) for p in pieces[: k + 1]) for k in range(len(pieces))]
+    out: list[list[int]] = [[] for _ in pieces]
+    enc = tok.backend.encode(encodable("".join(pieces)), add_special_tokens=False)
+    current = 0
+    for token_id, (start, end) in zip(enc.ids, enc.offsets, strict=True):
+        at = bisect.bisect_right(ends, end - 1 if end > start else start)
+        current = max(current, min(at, len(pieces) - 1))
+        out[current].append(token_id)
+    if tok.add_bos_token and tok.bos_token_id is not None and pieces:
+        out[0].insert(0, tok.bos_token_id)
+    return out
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=TEXT, cuts=st.lists(st.integers(0, 80), max_size=6))
 def test_pieces_concatenate_to_the_whole(manager: TokenizerManager, text: str, cuts: list[int]) -> None:
@@ -260,6 +277,7 @@ def test_pieces_concatenate_to_the_whole(manager: TokenizerManager, text: str, c
     split = manager.encode_pieces(None, pieces)
     assert len(split) == len(pieces)
     assert [i for ids in split for i in ids] == manager.encode(None, text)
+    assert split == _split_token_by_token(manager.get(None), pieces)
     # where tokenizing the pieces apart gives the same ids, the boundary is clean and the split agrees, as
     # long as the vocabulary can represent the text (see test_pieces_unrepresentable_characters)
     apart = [manager.encode(None, p) for p in pieces]
