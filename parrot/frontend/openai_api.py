@@ -345,12 +345,13 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                params: list[SamplingParams], endpoint: str, start: float,
                prompt_logprobs: int | None = None) -> list[_Choice]:
         """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`)."""
+        # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them)
+        tokens = [core.prompt_tokens(pieces) for pieces, _ in pieces_list]
         limits = [e.max_context_len for e in core.engines.live_engines()]
         if limits:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
-            for pieces, _ in pieces_list:
-                n_prompt = (sum(len(p) for p in pieces) if pieces and isinstance(pieces[0], list)
-                            else len(core.tokenizers.encode(core.model, "".join(pieces))))  # type: ignore[arg-type]
+            for ids in tokens:
+                n_prompt = sum(len(piece) for piece in ids)
                 if n_prompt + params[0].max_tokens > min(limits):
                     raise OpenAIError(
                         400, f"this model's maximum context length is {min(limits)} tokens; the {param} has "
@@ -359,7 +360,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
-                queue = core.complete(pieces, params[i], "latency", shared, prompt_logprobs)
+                queue = core.complete(pieces, params[i], "latency", shared, prompt_logprobs, tokens=tokens[p],
+                                      arrived=start)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer))
         return choices

@@ -940,7 +940,8 @@ class ParrotServeCore:
     # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
     def complete(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,
                  criterion: Criterion = "latency", shared: int = 1,
-                 prompt_logprobs: int | None = None) -> asyncio.Queue:
+                 prompt_logprobs: int | None = None, tokens: list[list[int]] | None = None,
+                 arrived: float | None = None) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
         pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
@@ -949,9 +950,12 @@ class ParrotServeCore:
         prompt is computed afresh instead, for its tokens' logprobs (`_scored_prompt`).
         The pieces are all text (tokenized together, `encode_pieces`) or all token ids (lists of ints: the
         prompt is their concatenation exactly as given, no BOS added; the prefix cache matches them as it
-        does any tokens). Returns a queue receiving text deltas (with prompt_logprobs, a PromptLogprobs
-        first), then a CompletionResult or an error."""
-        clock = TaskClock()
+        does any tokens). `tokens`: `prompt_tokens(pieces)` where the caller has them already (a front end
+        that counted them), so a prompt is tokenized once. `arrived`: when the request arrived
+        (`time.perf_counter()`), where the serve layer's time for it starts (default: now). Returns a queue
+        receiving text deltas (with prompt_logprobs, a PromptLogprobs first), then a CompletionResult or an
+        error."""
+        clock = TaskClock() if arrived is None else TaskClock(ready=arrived)
         if not any(pieces):
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
@@ -960,8 +964,8 @@ class ParrotServeCore:
         if pending >= self.config.max_queued_completions:
             raise RateLimitError(f"{pending} completions are waiting for an engine (limit "
                                  f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
-        token_pieces = self.prompt_tokens(pieces)
-        tokens = [t for piece in token_pieces for t in piece]
+        token_pieces = self.prompt_tokens(pieces) if tokens is None else tokens
+        flat = [t for piece in token_pieces for t in piece]
         owner = f"completion-{uuid.uuid4().hex[:12]}"
         boundaries, owners, n = [], [], 0
         for i, piece in enumerate(token_pieces):
@@ -974,7 +978,7 @@ class ParrotServeCore:
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(sampling, owners, owner, created=clock.ready, clock=clock, queue=queue,
                            priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
-        task = CompletionTask(owner, tokens, boundaries, criterion, payload=rec)
+        task = CompletionTask(owner, flat, boundaries, criterion, payload=rec)
         self._completions[queue] = task
         self.scheduler.submit(task)
         self._dispatch()

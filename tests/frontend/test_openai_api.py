@@ -109,6 +109,21 @@ def test_core_prompt_tokens(server) -> None:
             core.prompt_tokens(pieces)
 
 
+def test_a_prompt_is_tokenized_once(client: openai.OpenAI, server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The context-length check and the `n` choices share one tokenization of each prompt."""
+    tokenizers = server[1].tokenizers
+    calls: list[str] = []
+    for name in ("encode", "encode_pieces"):
+        original = getattr(tokenizers, name)
+        monkeypatch.setattr(tokenizers, name, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    r = client.completions.create(model="tiny", prompt=PROMPT, n=3, **GREEDY)
+    assert len(r.choices) == 3 and calls == ["encode_pieces"]
+    calls.clear()
+    client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": PROMPT}], n=2, **GREEDY)
+    assert calls == ["encode_pieces"]
+
+
 def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story."}]
     r = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
