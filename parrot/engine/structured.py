@@ -234,11 +234,13 @@ def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: i
     """The masked argmax of `row` found without computing the mask: the candidates in order of their logits
     (the first index among equal ones, as argmax orders them), the first one the grammar accepts. That is the
     masked argmax because `accepts` never admits a token the mask refuses, and a token it refuses is outside
-    the mask too unless it is one of those the mask may hold regardless: a stop token (a complete grammar
-    allows it), a special token (no bytes), or one whose bytes stop inside the bytes the grammar forces. Such
-    a candidate, a non-finite logit, or `tries` refusals return None: the mask decides."""
+    the mask too unless it is one of those the mask may hold regardless. A stop token is in the mask exactly
+    when the grammar is accepting (a complete match; llguidance's mask adds its end tokens then), so it is
+    decided here; a special token (no bytes) or one whose bytes stop inside the bytes the grammar forces, a
+    non-finite logit, or `tries` refusals return None: the mask decides."""
     r = np.array(row, dtype=np.float32)
     forced = bytes(c.matcher.compute_ff_bytes())
+    accepting: bool | None = None
     for _ in range(tries):
         t = int(np.argmax(r))
         if not np.isfinite(r[t]):
@@ -246,7 +248,12 @@ def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: i
         if c.accepts(t):
             return t
         if t in stops:
-            return None
+            if accepting is None:
+                accepting = c.matcher.is_accepting()
+            if accepting:
+                return t
+            r[t] = -np.inf
+            continue
         b = c.grammars.ll_tokenizer.decode_bytes([t])
         if not b or (forced and forced.startswith(b)):
             return None

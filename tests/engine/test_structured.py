@@ -189,10 +189,16 @@ def test_real_model_greedy_json_is_the_same_checked_or_masked(smollm_engine: LLM
 
 # ---- the masked argmax without the mask (structured.next_allowed) --------------------------------------
 def _left_to_the_mask(c, tok_id: int, stops: frozenset[int]) -> bool:  # noqa: ANN001
-    """The tokens `accepts` may refuse although the mask holds them (next_allowed leaves them to the mask)."""
+    """The tokens `accepts` may refuse although the mask holds them: stop tokens (next_allowed decides them by
+    whether the grammar is accepting) and those it leaves to the mask."""
     b = c.grammars.ll_tokenizer.decode_bytes([tok_id])
     forced = bytes(c.matcher.compute_ff_bytes())
     return tok_id in stops or not b or (bool(forced) and forced.startswith(b))
+
+
+def _stops_follow_accepting(c, allowed: set[int], stops: frozenset[int]) -> bool:  # noqa: ANN001
+    """The rule next_allowed takes for stop tokens: in the mask exactly when the grammar is accepting."""
+    return all((s in allowed) == c.matcher.is_accepting() for s in stops)
 
 
 def _states(grammars: Grammars, params: SamplingParams, text: str, tok) -> list:  # noqa: ANN001
@@ -216,6 +222,10 @@ def _states(grammars: Grammars, params: SamplingParams, text: str, tok) -> list:
     (SamplingParams(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"},
                                  "name": {"type": "string", "maxLength": 6}}, "required": ["ok", "name"],
                                  "additionalProperties": False}), '{"ok": true, "name": "abc"}'),
+    # accepting states that may still go on (a stop token is in the mask there, and so is more text)
+    (SamplingParams(regex="[0-9]+"), "12345"),
+    (SamplingParams(choice=["alpha", "alphabet"]), "alphabet"),
+    (SamplingParams(json_schema={"type": "array", "items": {"type": "integer"}}), "[1, 22, 333]"),
 ])
 def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: SamplingParams, text: str) -> None:
     """In every state of a few constraints, over the whole vocabulary: `accepts` admits no token the mask
@@ -230,6 +240,7 @@ def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: Sampling
         accepted = {t for t in range(260) if c.accepts(t)}
         assert accepted <= allowed
         assert all(_left_to_the_mask(c, t, stops) for t in allowed - accepted)
+        assert _stops_follow_accepting(c, allowed, stops)
 
 
 def test_next_allowed_is_the_masked_argmax() -> None:
@@ -240,9 +251,12 @@ def test_next_allowed_is_the_masked_argmax() -> None:
     tok = tiny_tokenizer()
     grammars = Grammars(tok, 260)
     rng = np.random.default_rng(0)
-    answered = total = 0
+    answered = total = took_stop = 0
+    stops = sorted(tok.stop_token_ids)
     for params, text in [(SamplingParams(regex="[0-9]{3}-[a-z]{2}"), "123-ab"),
-                         (SamplingParams(choice=["alpha", "beta", "gamma"]), "gam")]:
+                         (SamplingParams(choice=["alpha", "beta", "gamma"]), "gam"),
+                         (SamplingParams(regex="[0-9]+"), "1234"),
+                         (SamplingParams(choice=["alpha", "alphabet"]), "alphabe")]:
         for c in _states(grammars, params, text, tok)[:-1]:
             mask = np.zeros((1, mask_words(260)), np.int32)
             fill_masks([(c, 0)], mask, record=False)
@@ -251,13 +265,17 @@ def test_next_allowed_is_the_masked_argmax() -> None:
                 row = rng.standard_normal(260).astype(np.float32)
                 row[rng.choice(allowed, size=min(2, len(allowed)), replace=False)] += rng.uniform(0, 3)
                 row[rng.integers(0, 260, 3)] = row.max()  # ties at the top
+                if rng.random() < 0.5:  # a stop token first: taken where the grammar is accepting, else passed
+                    row[rng.choice(stops)] = row.max() + 1
                 want = int(np.argmax(np.where(np.isin(np.arange(260), allowed), row, -np.inf)))
                 got = next_allowed(c, row, tok.stop_token_ids)
                 total += 1
                 if got is not None:
                     answered += 1
+                    took_stop += got in stops
                     assert got == want
     assert answered > total // 2
+    assert took_stop > 0  # stop tokens decided without a mask where the grammar is accepting
 
 
 def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # noqa: ANN001
@@ -275,3 +293,4 @@ def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # no
         accepted = {t for t in range(vocab) if c.accepts(t)}
         assert accepted <= allowed
         assert all(_left_to_the_mask(c, t, tok.stop_token_ids) for t in allowed - accepted)
+        assert _stops_follow_accepting(c, allowed, tok.stop_token_ids)
