@@ -161,9 +161,10 @@ class Constraint:
     def accepts(self, token: int) -> bool:
         """Whether the mask would allow `token`, known without computing it: the grammar takes the token here,
         and where it forces bytes the token holds them all or is the first of their canonical tokens.
-        (llguidance's mask leaves out other tokens that stop inside forced bytes, which validating a token
-        does not see: for those the answer is False and the mask decides. Checked against the masks over
-        whole vocabularies in JSON-schema, regex and choice states: none accepted that a mask refused.)"""
+        (llguidance's mask leaves out other tokens that stop inside forced bytes when these tokenize to
+        forced tokens, and holds them when they do not, which validating a token does not see: for those
+        the answer is False and `next_allowed` applies the mask's rule. Checked against the masks over whole
+        vocabularies in JSON-schema, regex and choice states: none accepted that a mask refused.)"""
         forced = self.matcher.compute_ff_bytes()
         if forced and not self.grammars.ll_tokenizer.decode_bytes([token]).startswith(bytes(forced)):
             return token in self.matcher.compute_ff_tokens()[:1]
@@ -232,14 +233,22 @@ WALK_TRIES = 8  # candidates a rejected greedy row tries, in logit order, before
 
 def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: int = WALK_TRIES) -> int | None:
     """The masked argmax of `row` found without computing the mask: the candidates in order of their logits
-    (the first index among equal ones, as argmax orders them), the first one the grammar accepts. That is the
-    masked argmax because `accepts` never admits a token the mask refuses, and a token it refuses is outside
-    the mask too unless it is one of those the mask may hold regardless. A stop token is in the mask exactly
-    when the grammar is accepting (a complete match; llguidance's mask adds its end tokens then), so it is
-    decided here; a special token (no bytes) or one whose bytes stop inside the bytes the grammar forces, a
-    non-finite logit, or `tries` refusals return None: the mask decides."""
+    (the first index among equal ones, as argmax orders them), the first one the mask holds. That is the
+    masked argmax because every candidate before it is outside the mask. `accepts` never admits a token the
+    mask refuses; the tokens it may refuse although the mask holds them are decided by llguidance's rules:
+    * where the grammar forces bytes that tokenize to forced tokens, the mask is the first of them alone;
+    * where it forces bytes without forced tokens (token healing: `' "'` may go on as `' ""'` or `' ",'`), a
+      token whose bytes stop inside the forced bytes is in the mask;
+    * a stop token is in the mask exactly when the grammar is accepting (a complete match).
+    A special token (no bytes), a token that is the forced bytes exactly, a non-finite logit, or `tries`
+    refusals return None: the mask decides."""
     r = np.array(row, dtype=np.float32)
     forced = bytes(c.matcher.compute_ff_bytes())
+    if forced:
+        ff = c.matcher.compute_ff_tokens()
+        if ff:  # the mask holds this one token
+            t = int(ff[0])
+            return t if np.isfinite(r[t]) else None
     accepting: bool | None = None
     for _ in range(tries):
         t = int(np.argmax(r))
@@ -255,7 +264,11 @@ def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: i
             r[t] = -np.inf
             continue
         b = c.grammars.ll_tokenizer.decode_bytes([t])
-        if not b or (forced and forced.startswith(b)):
+        if not b:
+            return None
+        if forced and forced.startswith(b):
+            if len(b) < len(forced):  # stops inside the forced bytes, which no forced token covers: held
+                return t
             return None
         r[t] = -np.inf
     return None

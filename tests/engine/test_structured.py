@@ -201,6 +201,38 @@ def _stops_follow_accepting(c, allowed: set[int], stops: frozenset[int]) -> bool
     return all((s in allowed) == c.matcher.is_accepting() for s in stops)
 
 
+def _forced_bytes_follow_the_rules(c, allowed: set[int], token_bytes: list[bytes]) -> bool:  # noqa: ANN001
+    """The rules next_allowed takes where the grammar forces bytes: with forced tokens the mask is the first
+    of them alone; without, every token whose bytes stop inside the forced bytes is in the mask."""
+    forced = bytes(c.matcher.compute_ff_bytes())
+    if not forced:
+        return True
+    ff = list(c.matcher.compute_ff_tokens())
+    if ff:
+        return allowed == {ff[0]}
+    return all(t in allowed for t, b in enumerate(token_bytes) if b and len(b) < len(forced) and forced.startswith(b))
+
+
+def _masked_argmax_found(c, allowed: set[int], stops: frozenset[int], rng, vocab: int) -> tuple[int, int]:  # noqa: ANN001
+    """next_allowed on random rows whose top candidates are refused tokens, held tokens and stop tokens:
+    (rows it answered, rows) after checking each answer against the argmax over the mask."""
+    from parrot.engine.structured import next_allowed
+
+    held = np.array(sorted(allowed))
+    answered = 0
+    for _ in range(10):
+        row = rng.standard_normal(vocab).astype(np.float32)
+        row[rng.choice(held, size=min(2, len(held)), replace=False)] += rng.uniform(0, 3)
+        row[rng.integers(0, vocab, 3)] = row.max()  # ties at the top
+        if rng.random() < 0.3:
+            row[rng.choice(sorted(stops))] = row.max() + 1
+        got = next_allowed(c, row, stops)
+        if got is not None:
+            answered += 1
+            assert got == int(np.argmax(np.where(np.isin(np.arange(vocab), held), row, -np.inf)))
+    return answered, 10
+
+
 def _states(grammars: Grammars, params: SamplingParams, text: str, tok) -> list:  # noqa: ANN001
     """The constraint after each prefix of `text`'s tokens (copies, so each keeps its state)."""
     import copy
@@ -233,6 +265,9 @@ def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: Sampling
     tok = tiny_tokenizer()
     grammars = Grammars(tok, 260)
     stops = tok.stop_token_ids
+    token_bytes = [grammars.ll_tokenizer.decode_bytes([t]) for t in range(260)]
+    rng = np.random.default_rng(0)
+    answered = total = 0
     for c in _states(grammars, params, text, tok):
         mask = np.zeros((1, mask_words(260)), np.int32)
         fill_masks([(c, 0)], mask, record=False)
@@ -241,6 +276,10 @@ def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: Sampling
         assert accepted <= allowed
         assert all(_left_to_the_mask(c, t, stops) for t in allowed - accepted)
         assert _stops_follow_accepting(c, allowed, stops)
+        assert _forced_bytes_follow_the_rules(c, allowed, token_bytes)
+        a, n = _masked_argmax_found(c, allowed, stops, rng, 260)
+        answered, total = answered + a, total + n
+    assert answered >= total // 2
 
 
 def test_next_allowed_is_the_masked_argmax() -> None:
@@ -286,6 +325,9 @@ def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # no
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
     states = _states(grammars, SamplingParams(json_schema=schema), '{"name": "Ann Lee", "age": 41}', tok)
+    token_bytes = [grammars.ll_tokenizer.decode_bytes([t]) for t in range(vocab)]
+    rng = np.random.default_rng(0)
+    answered = total = 0
     for c in states[::3] + states[-1:]:
         mask = np.zeros((1, mask_words(vocab)), np.int32)
         fill_masks([(c, 0)], mask, record=False)
@@ -294,3 +336,7 @@ def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # no
         assert accepted <= allowed
         assert all(_left_to_the_mask(c, t, tok.stop_token_ids) for t in allowed - accepted)
         assert _stops_follow_accepting(c, allowed, tok.stop_token_ids)
+        assert _forced_bytes_follow_the_rules(c, allowed, token_bytes)
+        a, n = _masked_argmax_found(c, allowed, tok.stop_token_ids, rng, vocab)
+        answered, total = answered + a, total + n
+    assert answered >= total // 2
