@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 
@@ -25,9 +26,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record is emitted, not the stream it was when configured: a
+    process that replaces stderr later (a test runner's capture, a daemon's redirect) keeps its logs, and
+    threads logging afterwards never write to a stream that has since been closed."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler.__init__ assigns it; the current stderr wins
+        pass
+
+
 def configure(fmt: str = "text", level: int = logging.WARNING, parrot_level: int | None = None) -> None:
     """Configure the root logger once: `fmt` is "text" or "json"; `parrot_level` for parrot's own loggers."""
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
