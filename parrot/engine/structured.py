@@ -144,6 +144,13 @@ class Constraint:
         self.grammar = grammar  # the grammar's text: with the tokens consumed, it fixes the matcher's state
         self.consumed: list[int] = []
 
+    @property
+    def forces_tokens(self) -> bool:
+        """Whether llguidance's mask is the first forced token alone where the grammar forces bytes that
+        tokenize to forced tokens (false for a grammar that asks for `no_forcing`: its mask then holds every
+        token consistent with the forced bytes; an unknown grammar counts as asking)."""
+        return bool(self.grammar) and "no_forcing" not in self.grammar
+
     def consume(self, token: int) -> None:
         """Advance by a sampled token; a token the grammar rejects raises ConstraintError."""
         if not self.matcher.consume_token(token):
@@ -236,15 +243,16 @@ def next_allowed(c: Constraint, row: np.ndarray, stops: frozenset[int], tries: i
     (the first index among equal ones, as argmax orders them), the first one the mask holds. That is the
     masked argmax because every candidate before it is outside the mask. `accepts` never admits a token the
     mask refuses; the tokens it may refuse although the mask holds them are decided by llguidance's rules:
-    * where the grammar forces bytes that tokenize to forced tokens, the mask is the first of them alone;
-    * where it forces bytes without forced tokens (token healing: `' "'` may go on as `' ""'` or `' ",'`), a
-      token whose bytes stop inside the forced bytes is in the mask;
+    * where the grammar forces bytes that tokenize to forced tokens, the mask is the first of them alone
+      (unless the grammar asks for `no_forcing`: `Constraint.forces_tokens`);
+    * where it forces bytes without forced tokens (token healing: `' "'` may go on as `' ""'` or `' ",'`), or
+      without forcing, a token whose bytes stop inside the forced bytes is in the mask;
     * a stop token is in the mask exactly when the grammar is accepting (a complete match).
     A special token (no bytes), a token that is the forced bytes exactly, a non-finite logit, or `tries`
     refusals return None: the mask decides."""
     r = np.array(row, dtype=np.float32)
     forced = bytes(c.matcher.compute_ff_bytes())
-    if forced:
+    if forced and c.forces_tokens:
         ff = c.matcher.compute_ff_tokens()
         if ff:  # the mask holds this one token
             t = int(ff[0])

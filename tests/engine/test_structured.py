@@ -208,7 +208,7 @@ def _forced_bytes_follow_the_rules(c, allowed: set[int], token_bytes: list[bytes
     if not forced:
         return True
     ff = list(c.matcher.compute_ff_tokens())
-    if ff:
+    if ff and c.forces_tokens:
         return allowed == {ff[0]}
     return all(t in allowed for t, b in enumerate(token_bytes) if b and len(b) < len(forced) and forced.startswith(b))
 
@@ -258,6 +258,9 @@ def _states(grammars: Grammars, params: SamplingParams, text: str, tok) -> list:
     (SamplingParams(regex="[0-9]+"), "12345"),
     (SamplingParams(choice=["alpha", "alphabet"]), "alphabet"),
     (SamplingParams(json_schema={"type": "array", "items": {"type": "integer"}}), "[1, 22, 333]"),
+    # forced bytes that the grammar asks not to force as tokens: the mask holds every consistent token
+    (SamplingParams(grammar='%llguidance {"no_forcing": true}\nstart: "Hello, " NAME\nNAME: /[A-Z][a-z]+/'),
+     "Hello, Ann"),
 ])
 def test_accepts_is_the_mask_but_for_the_tokens_it_leaves_to_it(params: SamplingParams, text: str) -> None:
     """In every state of a few constraints, over the whole vocabulary: `accepts` admits no token the mask
@@ -340,3 +343,26 @@ def test_accepts_is_the_mask_on_the_default_models_tokens(smollm) -> None:  # no
         a, n = _masked_argmax_found(c, allowed, tok.stop_token_ids, rng, vocab)
         answered, total = answered + a, total + n
     assert answered >= total // 2
+
+
+def test_next_allowed_follows_a_grammar_without_forcing(smollm) -> None:  # noqa: ANN001
+    """`no_forcing`: the mask holds every token consistent with the forced bytes ('H', 'He', 'Hel', 'Hello'
+    before a forced "Hello, "), not the first forced token alone; next_allowed gives the argmax over it."""
+    from parrot.engine.structured import next_allowed
+
+    tok, vocab = smollm.tokenizer, smollm.config.vocab_size
+    grammars = Grammars(tok, vocab)
+    rule = 'start: "Hello, " NAME\nNAME: /[A-Z][a-z]+/'
+    for grammar, forcing in ((rule, True), ('%llguidance {"no_forcing": true}\n' + rule, False)):
+        c = grammars.compile(SamplingParams(grammar=grammar))
+        assert c.forces_tokens is forcing
+        mask = np.zeros((1, mask_words(vocab)), np.int32)
+        fill_masks([(c, 0)], mask, record=False)
+        allowed = _allowed(mask[0], vocab)
+        assert (len(allowed) == 1) is forcing
+        h = tok.encode("H")[0]
+        row = np.zeros(vocab, np.float32)
+        row[h] = 5.0  # the top logit on a token that stops inside the forced bytes
+        want = int(np.argmax(np.where(np.isin(np.arange(vocab), sorted(allowed)), row, -np.inf)))
+        assert next_allowed(c, row, tok.stop_token_ids) == want
+        assert (want == h) is not forcing
