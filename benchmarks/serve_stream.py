@@ -116,7 +116,7 @@ def measure(server: Server, model: str, tokens: int, levels: list[int]) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=1800)
-    prompts = _prompts(max(levels) + 1)
+    prompts = _prompts(max(*levels, 3) + 1)  # three single-stream prompts, one per level's stream, a warm-up
     _stream(client, model, prompts[-1], 16)  # warm-up: first request paths, any lazy work
     out: dict = {"rss_gb": (procinfo.rss_bytes(server.proc.pid) or 0) / 1e9}
     # one stream, three times: per-token time

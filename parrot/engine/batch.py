@@ -31,11 +31,11 @@ class ForwardBatch:
     block_tables: jax.Array  # [B, P] int32 own pages of each sequence (padding: scratch page 0)
     kv_offset: jax.Array  # [B] int32 position held by block_tables[b, 0] (shared prefix length or 0)
     kv_lens: jax.Array  # [B] int32 tokens each sequence attends to after this step (padding: 0)
-    logits_index: jax.Array  # [B] int32 flat index of the token whose logits are wanted
+    logits_index: jax.Array  # [B] int32 flat index of the token whose logits are wanted (padding: -1)
     prefix_pages: jax.Array  # [Pp] int32 pages of the shared prefix (Pp = 0: no shared prefix)
     prefix_len: jax.Array  # [] int32 tokens in the shared prefix
     in_prefix: jax.Array  # [B] bool sequence b reads the shared prefix
-    fill_rows: jax.Array  # [T] int32 1 where the token is a prompt's (a fill's), 0 for generated and padding
+    fill_rows: jax.Array  # [T] int32 1 where the token is a prompt's (a fill's), 0 a generated one's, -1 padding
 
     @property
     def num_tokens(self) -> int:
@@ -107,11 +107,11 @@ def build_batch(
     block_tables = np.zeros((batch_size, num_pages), np.int32)
     kv_offset = np.zeros(batch_size, np.int32)
     kv_lens = np.zeros(batch_size, np.int32)
-    logits_index = np.zeros(batch_size, np.int32)
+    logits_index = np.full(batch_size, -1, np.int32)  # padding rows: -1 (their logits are not computed)
     prefix = np.zeros(prefix_pages, np.int32)
     prefix_len = 0
     in_prefix = np.zeros(batch_size, bool)
-    fill_rows = np.zeros(num_tokens, np.int32)
+    fill_rows = np.full(num_tokens, -1, np.int32)  # padding rows' products are skipped (quant.linear)
     off = 0
     for b, s in enumerate(seqs):
         n = len(s.tokens)

@@ -99,14 +99,16 @@ def dequantize_rows(data: jax.Array, rows: jax.Array, qtype: str, k: int, dtype:
 def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32,
            fill: jax.Array | None = None) -> jax.Array:
     """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
-    `fill` ([T], nonzero for a prompt token's row): where `dtype` is bfloat16, the native path multiplies
-    those rows in bfloat16 on AMX's bf16 tiles where the CPU has them, and the other rows (generated
-    tokens) with activations to 15 bits (2 limbs on the AMX-INT8 path); other dtypes and other CPUs
-    multiply exactly."""
+    `fill` ([T], batch.fill_rows: 1 for a prompt token's row, 0 for a generated token's, -1 for padding): where
+    `dtype` is bfloat16, the native path multiplies prompt rows in bfloat16 (AMX's bf16 tiles or AVX512-BF16
+    where the CPU has them), and generated rows with activations to 15 bits (2 limbs); other dtypes multiply
+    every row exactly. The native path skips the trailing padding rows (zeros)."""
     t, k = x.shape
     if t <= KERNEL_MAX_ROWS and kernels.available():
         bf16 = jnp.dtype(dtype) == jnp.bfloat16
-        return kernels.qmatmul(x, data, qtype, fill if bf16 else None, 2 if bf16 else 3).astype(x.dtype)
+        if fill is not None and not bf16:
+            fill = jnp.minimum(fill, 0)  # exact rows throughout; padding stays marked
+        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3).astype(x.dtype)
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

@@ -24,3 +24,10 @@ def test_pack_then_unpack_gives_the_batch(prefix_pages: int) -> None:
         want, have = np.asarray(getattr(batch, name)), np.asarray(getattr(got, name))
         assert have.shape == want.shape and have.dtype == want.dtype, name
         np.testing.assert_array_equal(have, want, err_msg=name)
+
+
+def test_padding_is_marked_for_the_products_and_the_head_to_skip() -> None:
+    seqs = [SequenceSlice([5, 6, 7], 30, [3, 4, 9], fill=True), SequenceSlice([8], 4, [1])]
+    batch = build_batch(seqs, 16, 8, 4, 4, 4)
+    np.testing.assert_array_equal(batch.fill_rows, [1, 1, 1, 0, -1, -1, -1, -1])  # prompt, generated, padding
+    np.testing.assert_array_equal(batch.logits_index, [2, 3, -1, -1])

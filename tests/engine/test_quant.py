@@ -208,6 +208,24 @@ def test_each_kind_of_row_is_computed_apart(rows: int) -> None:
     np.testing.assert_array_equal(mixed[fill == 0], exact[fill == 0])
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not available")
+@pytest.mark.parametrize("limbs", [2, 3])
+@pytest.mark.parametrize("kinds", ["generated", "mixed"])
+def test_trailing_padding_rows_are_skipped(limbs: int, kinds: str) -> None:
+    """A step's padding rows (fill -1, after its tokens) give zeros, and the other rows are what the call
+    without them gives: a batch pays for its tokens, not for its bucket."""
+    q = quant.quantize(_random(576, 96), "q4_1")
+    x = np.random.default_rng(limbs).standard_normal((16, 576)).astype(np.float32)
+    fill = (np.arange(16) % 2 if kinds == "mixed" else np.zeros(16)).astype(np.int32)
+    fill[9:] = -1
+    d = jnp.asarray(q.data)
+    f = jax.jit(lambda x, d, fill: kernels.qmatmul(x, d, "q4_1", fill, limbs))
+    padded = np.asarray(f(x, d, fill))
+    np.testing.assert_array_equal(padded[:9], np.asarray(f(x[:9], d, fill[:9])))
+    np.testing.assert_array_equal(padded[9:], 0.0)
+    assert not np.all(np.asarray(f(x, d, np.maximum(fill, 0)))[9:] == 0.0)  # unmarked, they are computed
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_path: str, qtype: str) -> None:
     """The bfloat16 mode's generated rows on the integer paths: activations to 15 bits below their block's

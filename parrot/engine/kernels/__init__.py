@@ -205,9 +205,10 @@ QTYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = None, limbs: int = 3) -> jax.Array:
     """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes]).
-    `fill` ([T], nonzero: a prompt token's row): those rows with the weights and activations rounded to
+    `fill` ([T]; positive: a prompt token's row): those rows with the weights and activations rounded to
     bfloat16 and the products summed in float32, on AMX's bf16 tiles where `bf16_tiles()` (decided at run
-    time: elsewhere every row is exact). Each kind of row is computed apart from the other. `limbs` (the
+    time: elsewhere every row is exact). Each kind of row is computed apart from the other. Negative: a
+    padding row; the trailing ones are not computed (their outputs are zeros). `limbs` (the
     integer paths, VNNI and AMX-INT8): 3 writes each activation to 23 bits below its block's largest, 2 to
     15 bits, which saves a third of the integer products (the engine's bfloat16 mode; float32 mode keeps 3)."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)

@@ -507,15 +507,20 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
 #endif
 }
 
-// Rows with fill[t] != 0 in bfloat16 where fill_path() says so, the others exactly: each kind gathered into
-// a call of its own, so a row's result depends only on its own kind.
+// Rows with fill[t] > 0 in bfloat16 where fill_path() says so, the others exactly: each kind gathered into
+// a call of its own, so a row's result depends only on its own kind. The trailing rows with fill[t] < 0 (a
+// step's padding: the batch's tokens come first) are not computed: their outputs are zeros.
 template <int Q>
 void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
                           const uint8_t* w, float* y, int64_t N, int limbs) {
+  const int64_t all = T;
+  while (T > 0 && fill[T - 1] < 0) --T;
+  if (T < all) std::memset(y + T * N, 0, sizeof(float) * (all - T) * N);
+  if (T == 0) return;
   const int how = fill_path();
   int64_t nfill = 0;
   if (how != kFillExact)
-    for (int64_t t = 0; t < T; ++t) nfill += fill[t] != 0;
+    for (int64_t t = 0; t < T; ++t) nfill += fill[t] > 0;
   if (nfill == T) return qmatmul_bf16<Q>(pool, how, x, T, K, w, y, N);
   if (nfill > 0) {
     thread_local aligned::vector<float> xs, ys;
@@ -523,11 +528,11 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       const int64_t n = kind ? nfill : T - nfill;
       xs.resize(n * K), ys.resize(n * N);
       for (int64_t t = 0, i = 0; t < T; ++t)
-        if ((fill[t] != 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
+        if ((fill[t] > 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
       if (kind) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
       else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N, limbs);
       for (int64_t t = 0, i = 0; t < T; ++t)
-        if ((fill[t] != 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
+        if ((fill[t] > 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
     }
     return;
   }

@@ -318,12 +318,13 @@ class HeadWeights:
 
 def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array, tp_axis: str | None = None,
               vocab_size: int | None = None) -> jax.Array:
-    """Final norm and projection of the tokens at `logits_index`: float32 logits [B, vocab]. With
+    """Final norm and projection of the tokens at `logits_index` (-1: a padding row, whose logits may be zeros):
+    float32 logits [B, vocab]. With
     `tp_axis` (inside `shard_map`), `w.proj` is this device's slice of the vocabulary: the slices'
     logits are gathered, and cut to `vocab_size` (the vocabulary may be padded to a multiple of tp)."""
-    h = rms_norm(x[logits_index], w.norm, w.eps)
-    if w.qtype is not None:
-        logits = quant.linear(h, w.proj, w.qtype, w.qdtype).astype(jnp.float32)
+    h = rms_norm(x[jnp.maximum(logits_index, 0)], w.norm, w.eps)
+    if w.qtype is not None:  # padding rows (index -1) are skipped by the native product: zero logits
+        logits = quant.linear(h, w.proj, w.qtype, w.qdtype, jnp.where(logits_index < 0, -1, 0)).astype(jnp.float32)
     else:
         logits = matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
     if tp_axis is not None:
