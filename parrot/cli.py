@@ -52,6 +52,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
+    p.add_argument("--no-mixed-steps", action="store_true",
+                   help="run a step's decodes and its prompt chunks as two passes (default on a CPU with the native "
+                        "kernels: one pass over the weights for both, each row computed as its own kind of step "
+                        "computes it)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -179,6 +183,7 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             memory_utilization=args.gpu_memory_utilization,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
+                            mixed_steps=not args.no_mixed_steps,
                             tensor_parallel_size=args.tensor_parallel_size,
                             tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -267,6 +272,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     cmd += [flag, str(value)]
             if args.no_overlap:
                 cmd.append("--no-overlap")
+            if args.no_mixed_steps:
+                cmd.append("--no-mixed-steps")
             if args.load_format != "auto":
                 cmd += ["--load-format", args.load_format]
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),

@@ -60,6 +60,10 @@ class EngineConfig:
     # a stable decode batch keeps one step in flight: the next is planned and launched before this one's
     # tokens reach the host (the engine's overlap; greedy and seeded results are the same either way)
     overlap: bool = True
+    # a step with decodes and prompt chunks runs both in one pass over the weights (Orca's selective
+    # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
+    # ModelRunner.mixed); otherwise, and when False, as two passes
+    mixed_steps: bool = True
     # devices one engine's model is split over (Megatron-style tensor parallelism, engine/tensor_parallel.py)
     tensor_parallel_size: int = 1
     # how O and down split: "megatron" (by input rows, one all-reduce), "exact" (by output columns, their

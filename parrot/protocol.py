@@ -221,6 +221,7 @@ class RuntimeInfo(BaseModel):
     preemptions: int
     evictions: int
     cascade_steps: int
+    mixed_steps: int = 0  # steps that ran decodes and prompt chunks in one pass over the weights
     max_batch_size: int | None = None  # sequences per step; None when the engine does not say
     aborts: int = 0  # primitives aborted before they finished
     compiled_shapes: int = 0  # step shapes compiled so far (warm-up progress)

@@ -15,8 +15,9 @@ Steps on a CPU with the native kernels (kernels/cpu_kernels.cc) skip the gathers
 sequence's keys and values are read in place from its pages (a decode batch's shared prefix through the
 same pages), with an online softmax, and nothing is copied. Prefill steps there go through
 kernels/prefill_attention.h: causal, up to each query's own position only (half the padded square), and
-each token's result the same whatever chunk or batch it is filled in. On GPUs plain decode steps over a bfloat16 cache
-do the same through a Pallas kernel (gpu_attention.py).
+each token's result the same whatever chunk or batch it is filled in; a mixed step's decode rows (one
+generated token beside prompt chunks) go through the decode kernel, so their results equal a decode step's.
+On GPUs plain decode steps over a bfloat16 cache do the same through a Pallas kernel (gpu_attention.py).
 """
 
 from __future__ import annotations
@@ -88,9 +89,7 @@ def paged_attention(
         if qlen == 1:
             return _decode_in_place(q, k_cache, v_cache, batch, scale, bf16)
         if batch.prefix_pages.shape[0] == 0:
-            o = kernels.paged_prefill(q, k_cache, v_cache, batch.q_index, batch.positions, batch.block_tables,
-                                      batch.kv_offset, batch.kv_lens, scale, bf16)
-            return o.astype(q.dtype)
+            return _prefill_in_place(q, k_cache, v_cache, batch, scale, bf16)
     if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
         return _decode_gpu(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
@@ -123,6 +122,27 @@ def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch
     o = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
                              batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale, bf16)
     return jnp.zeros((t, h, d), q.dtype).at[rows].set(o.astype(q.dtype), mode="drop")
+
+
+def _prefill_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
+                      scale: float, bf16: bool = False) -> jax.Array:
+    """A step of several query tokens per sequence, through the native kernels that read the KV pages where
+    they are. Its decode rows (a sequence's one generated token: a mixed step's decode batch beside a prompt
+    chunk) go through the decode kernel, so each gets the very bits a decode step gives it; the prompt
+    chunks through the prefill kernel."""
+    t, h, d = q.shape
+    first = batch.q_index[:, 0]
+    single = batch.q_index[:, 1] >= t  # no second query token
+    generated = batch.fill_rows.at[first].get(mode="fill", fill_value=-1) == 0
+    decode = single & generated & (batch.kv_lens > 0)
+    prefill_index = jnp.where(decode[:, None], t, batch.q_index)  # the prefill kernel leaves decode rows out
+    o = kernels.paged_prefill(q, k_cache, v_cache, prefill_index, batch.positions, batch.block_tables,
+                              batch.kv_offset, batch.kv_lens, scale, bf16)
+    qb = q.at[first].get(mode="fill", fill_value=0)  # [B, H, D]
+    od = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset,
+                              jnp.where(decode, batch.kv_lens, 0), batch.prefix_pages, batch.prefix_len,
+                              jnp.zeros_like(batch.in_prefix), scale, bf16)
+    return o.at[jnp.where(decode, first, t)].set(od, mode="drop").astype(q.dtype)
 
 
 def _decode_gpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,

@@ -228,6 +228,15 @@ class ModelRunner:
             self.prefill_weights = jax.tree.map(
                 lambda a: a.astype(prefill_dtype) if a.ndim == 2 and jnp.issubdtype(a.dtype, jnp.floating) else a,
                 self.weights)
+        # mixed steps: a step with decodes and prompt chunks runs them in one pass over the weights (Orca's
+        # selective batching), where that gives every row the bits its own kind of step gives it: attention
+        # in place on a CPU (decode rows through the decode kernel, attention._prefill_in_place), the native
+        # products (each row by its kind: quant.linear), and prefill weights that are the decode weights
+        # (no float matrix converted to another dtype for prompts)
+        same_weights = all(a is b for a, b in zip(jax.tree.leaves(self.weights), jax.tree.leaves(self.prefill_weights),
+                                                  strict=True))
+        self.mixed = bool(ecfg.mixed_steps and self.mesh is None and same_weights and self.prefill_in_place)
+        self.mixed_steps = 0  # steps that ran decodes and prompt chunks in one pass
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
@@ -374,6 +383,38 @@ class ModelRunner:
         b = pick_bucket(batch, self.ecfg.bs_buckets)
         return Shape(b, b, 1, self.kv_pages_bucket(kv_len))
 
+    def mixed_shape(self, batch: int, tokens: int, kv_len: int) -> Shape | None:
+        """A mixed step's shape (`batch` sequences, decode rows and prompt chunks, `tokens` in all): a flat
+        prefill shape; beyond the prefill batch buckets, a batch bucket with the longest KV bucket (attention
+        reads the pages in place, so the page-table width costs nothing: one KV bucket per batch size).
+        None: no such bucket."""
+        if tokens > self.ecfg.token_buckets[-1]:
+            return None
+        if batch <= self.ecfg.prefill_bs_buckets[-1]:
+            return self.prefill_shape(batch, tokens, kv_len, tokens)
+        if batch > self.ecfg.bs_buckets[-1]:
+            return None
+        b = pick_bucket(batch, self.ecfg.bs_buckets)
+        t = pick_bucket(max(tokens, MIN_BATCHED_Q), self.ecfg.token_buckets)
+        return Shape(t, b, t, self.max_len // self.page_size)
+
+    def mixed_shapes(self) -> list[Shape]:
+        """The mixed shapes beyond the prefill batch buckets: decode batch sizes beside a prompt chunk of up to
+        `prefill_tokens_beside_decodes` tokens."""
+        if not self.mixed:
+            return []
+        beside = self.ecfg.prefill_tokens_beside_decodes or self.ecfg.max_num_batched_tokens
+        max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
+        top = self.ecfg.token_buckets[-1]
+        shapes = []
+        for b in self.ecfg.bs_buckets:
+            if b <= self.ecfg.prefill_bs_buckets[-1] or b > max_bs:
+                continue
+            most = pick_bucket(min(top, b + beside), self.ecfg.token_buckets)  # b decode rows and the chunk
+            shapes += [Shape(t, b, t, self.max_len // self.page_size) for t in self.ecfg.token_buckets
+                       if max(MIN_BATCHED_Q, b // 2) <= t <= most]
+        return shapes
+
     def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
         """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
         if own_len > self.ecfg.cascade_suffix_buckets[-1] or batch < 2:
@@ -396,6 +437,7 @@ class ModelRunner:
         max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
         decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
         shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
+        shapes += self.mixed_shapes()
         if self.ecfg.shared_prefix_attention:
             shapes += [Shape(b, b, 1, own // self.page_size, kv // self.page_size) for b in decode_bs if b >= 2
                        for own in self.ecfg.cascade_suffix_buckets for kv in self.kv_buckets]
@@ -413,10 +455,31 @@ class ModelRunner:
         if plan.copies:
             self.copy_pages(plan.copies)
         parts: list[tuple[jax.Array | np.ndarray | None, int]] = []
+        mixed = self._mixed(plan)
+        if mixed is not None:  # one pass for the decodes and the prompt chunks
+            self.mixed_steps += 1
+            parts.append((self._run_slots(plan.decode + plan.prefill, False, prev, mixed), len(plan.slots)))
+            return Launched(parts, any(s.sample for s in plan.slots))
         for slots, decode in ((plan.decode, True), (plan.prefill, False)):
             if slots:
                 parts.append((self._run_slots(slots, decode, prev), len(slots)))
         return Launched(parts, any(s.sample for s in plan.slots))
+
+    def _mixed(self, plan: StepPlan) -> Shape | None:
+        """The shape to run a plan's decodes and prompt chunks in one pass, or None: two passes (mixing is off
+        here, the decodes read a shared prefix (cascade attention reads it once for all), or the shape is
+        missing or still compiling)."""
+        if not (self.mixed and plan.decode and plan.prefill):
+            return None
+        if self.ecfg.shared_prefix_attention and len(plan.decode) > 1 and find_shared_prefix(
+                [s.pages for s in plan.decode])[1]:
+            return None
+        slots = plan.slots
+        shape = self.mixed_shape(len(slots), sum(len(s.tokens) for s in slots),
+                                 max(s.start + len(s.tokens) for s in slots))
+        if shape is None or (self.precompiled and not self.compiler.ready(shape)):
+            return None
+        return shape
 
     def collect(self, launched: Launched) -> np.ndarray | None:
         """Wait for a launched plan's sampled tokens: one per slot (meaningful where `slot.sample`), or
@@ -428,10 +491,11 @@ class ModelRunner:
         self.wait_s += time.perf_counter() - t0
         return np.concatenate(parts)
 
-    def _run_slots(self, slots: list[Slot], decode: bool,
-                   prev: Launched | None = None) -> jax.Array | np.ndarray | None:
+    def _run_slots(self, slots: list[Slot], decode: bool, prev: Launched | None = None,
+                   shape: Shape | None = None) -> jax.Array | np.ndarray | None:
         seqs = [SequenceSlice(s.tokens, s.start, s.pages, fill=s.job.kind is JobKind.FILL) for s in slots]
-        shape = self._cascade(seqs) if decode and self.ecfg.shared_prefix_attention and len(slots) > 1 else None
+        if shape is None and decode and self.ecfg.shared_prefix_attention and len(slots) > 1:
+            shape = self._cascade(seqs)
         if shape is None:
             kv_len = max(s.start + len(s.tokens) for s in slots)
             shape = (self.decode_shape(len(slots), kv_len) if decode

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parrot.engine import kernels
 from parrot.engine.attention import paged_attention
 from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
 
@@ -90,3 +91,33 @@ def test_find_shared_prefix_picks_largest_saving() -> None:
     assert find_shared_prefix([[1, 2], [3, 4]]) == ([], 0)
     # never the whole list: each member keeps its own last page
     assert find_shared_prefix([[1, 2], [1, 2, 3]]) == ([0, 1], 1)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not available")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_mixed_step_gives_decode_rows_a_decode_steps_bits(bf16: bool) -> None:
+    """Decode rows beside prompt chunks in one step (one generated token each) get exactly what a decode step
+    gives them, and the prompt chunks exactly what a prefill step gives them: batching never changes results."""
+    d = 64  # the bfloat16 kernels' head sizes
+    rng = np.random.default_rng(3)
+    shape = (HKV, 48, PS, d)
+    kc, vc = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    if bf16:  # the engine's bfloat16 cache: uint16 bit patterns
+        kc, vc = (jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.bfloat16), jnp.uint16) for a in (kc, vc))
+    kc, vc = jnp.asarray(kc), jnp.asarray(vc)
+    decode = [SequenceSlice([0], 13, [1, 2, 3, 4]), SequenceSlice([0], 6, [5, 6]),
+              SequenceSlice([0], 21, [7, 8, 9, 10, 11, 12])]
+    prompts = [SequenceSlice([0] * 7, 9, [20, 21, 22, 23], fill=True), SequenceSlice([0] * 3, 0, [30], fill=True)]
+    q = rng.standard_normal((32, H, d)).astype(np.float32)
+
+    def run(seqs: list[SequenceSlice], rows: list[int], tokens: int, batch_size: int, q_len: int) -> np.ndarray:
+        batch = jax.device_put(build_batch(seqs, PS, tokens, batch_size, q_len, 8))
+        qq = np.zeros((tokens, H, d), np.float32)
+        qq[: len(rows)] = q[rows]
+        return np.asarray(paged_attention(jnp.asarray(qq), kc, vc, batch, d**-0.5, bf16=bf16))[: len(rows)]
+
+    alone = run(decode, [0, 1, 2], 4, 4, 1)  # a decode step
+    filled = run(prompts, list(range(3, 13)), 16, 4, 16)  # a prefill step
+    mixed = run(decode + prompts, list(range(13)), 16, 8, 16)  # both kinds in one step
+    np.testing.assert_array_equal(mixed[:3], alone)
+    np.testing.assert_array_equal(mixed[3:], filled)

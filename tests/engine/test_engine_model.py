@@ -67,3 +67,48 @@ def test_forked_contexts_equal_unforked(engine: LLMEngine, smollm: LoadedModel) 
     engine.free_future("sys").result(60)
     flat = [_run(engine, f"flat{i}", system + q) for i, q in enumerate(questions)]
     assert forked == flat
+
+
+def _mixed_run(eng: LLMEngine, smollm: LoadedModel, tag: str) -> list[list[float]]:
+    """Three chats decode while a long prompt fills beside them (in chunks), and its answer decodes with theirs."""
+    import threading
+
+    chats = [_ids(smollm, q) for q in QUESTIONS[:3]]
+    long = _ids(smollm, " ".join(QUESTIONS[:8]))  # ~80 tokens: one chunk beside the decodes
+    started = threading.Event()
+    futs = []
+    for i, ids in enumerate(chats):
+        eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=ids)).result(300)
+        sp = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)  # the chosen tokens' logprobs: bit for bit
+        futs.append(eng.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=sp),
+                                        on_chunk=lambda c: started.set()))
+    assert started.wait(300)
+    fill = eng.fill_future(FillRequest(context_id=f"{tag}L", token_ids=long))
+    fill.result(300)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    futs.append(eng.generate_future(GenerateRequest(context_id=f"{tag}L", sampling=sp)))
+    results = [f.result(300) for f in futs]
+    out = [r.token_ids + [lp.logprob for lp in r.logprobs or []] for r in results]
+    for c in [f"{tag}{i}" for i in range(3)] + [f"{tag}L"]:
+        eng.free_future(c).result(60)
+    return out
+
+
+def test_mixed_steps_give_each_row_its_own_kind_of_steps_result(engine: LLMEngine, smollm: LoadedModel) -> None:
+    """Decodes and prompt chunks in one pass over the weights (mixed steps) give the same tokens as two
+    passes, and as each prompt alone."""
+    if not engine.runner.mixed:
+        pytest.skip("mixed steps need the native CPU kernels")
+    before = engine.runner.mixed_steps
+    mixed = _mixed_run(engine, smollm, "mix")
+    assert engine.runner.mixed_steps > before
+    engine.runner.mixed = False
+    try:
+        steps = engine.runner.mixed_steps
+        two_passes = _mixed_run(engine, smollm, "two")
+        assert engine.runner.mixed_steps == steps
+    finally:
+        engine.runner.mixed = True
+    assert mixed == two_passes
+    long = _ids(smollm, " ".join(QUESTIONS[:8]))
+    assert mixed[3] == _run(engine, "aloneL", long)

@@ -436,9 +436,23 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
   const int64_t per = std::max<int64_t>(1, std::min(kPrefillQueries, kPrefillMaxRows / group));
   const int64_t blocks = (Q + per - 1) / per;
   std::fill(out, out + T * H * D, 0.f);
-  // the last query blocks see the most keys: they go first
-  parallel_chunks(pool, B * Hkv * blocks, [&](int64_t task) {
-    const int64_t qb = blocks - 1 - task % blocks, g = (task / blocks) % Hkv, b = task / (blocks * Hkv);
+  // the tasks: (sequence, KV head, query block) for the blocks naming a query token (a wide padded shape,
+  // e.g. decode rows beside a prompt chunk, leaves most blocks empty); the last query blocks see the most
+  // keys: they go first
+  thread_local std::vector<int64_t> todo;
+  todo.clear();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t qb = blocks - 1; qb >= 0; --qb) {
+        const int32_t* idx = qidx + b * Q + qb * per;
+        const int64_t nq = std::min(per, Q - qb * per);
+        bool real = false;
+        for (int64_t j = 0; j < nq && !real; ++j) real = idx[j] >= 0 && idx[j] < T;
+        if (real) todo.push_back((b * Hkv + g) * blocks + qb);
+      }
+  const int64_t* tasks = todo.data();  // the caller's; helpers read it until every chunk is done
+  parallel_chunks(pool, static_cast<int64_t>(todo.size()), [&](int64_t task) {
+    const int64_t qb = tasks[task] % blocks, g = (tasks[task] / blocks) % Hkv, b = tasks[task] / (blocks * Hkv);
     const int32_t* idx = qidx + b * Q + qb * per;
     const int64_t nq = std::min(per, Q - qb * per), rows = nq * group;
     thread_local PrefillScratch s;
