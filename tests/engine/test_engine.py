@@ -332,3 +332,47 @@ def gen_many(eng: LLMEngine, tag: str, runs: list[dict]) -> list:
     for i in range(len(runs)):
         eng.free_future(f"{tag}{i}").result(TIMEOUT)
     return results
+
+
+def test_mixed_steps_of_a_wide_batch_keep_results(engine: LLMEngine) -> None:
+    """Six decodes beside a prompt chunk: a mixed step in a batch bucket beyond the prefill ones (8 rows, the
+    longest KV bucket) gives the tokens of two passes."""
+    import threading
+
+    shapes: list = []
+    mixed_shape = engine.runner._mixed
+
+    def spy(plan):  # noqa: ANN001, ANN202
+        shape = mixed_shape(plan)
+        if shape is not None:
+            shapes.append(shape)
+        return shape
+
+    def run(tag: str) -> list[list[float]]:
+        started = threading.Event()
+        futs = []
+        for i in range(6):
+            fill(engine, f"{tag}{i}", prompt(60 + i, 9 + i))
+            sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0)  # chosen tokens' logprobs: bit for bit
+            futs.append(engine.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=sp),
+                                               on_chunk=lambda c: started.set()))
+        assert started.wait(TIMEOUT)
+        fill(engine, f"{tag}L", prompt(70, 90))
+        futs.append(engine.generate_future(GenerateRequest(context_id=f"{tag}L", sampling=SamplingParams(
+            max_tokens=6, ignore_eos=True))))
+        results = [f.result(TIMEOUT) for f in futs]
+        out = [r.token_ids + [lp.logprob for lp in r.logprobs or []] for r in results]
+        for c in [f"{tag}{i}" for i in range(6)] + [f"{tag}L"]:
+            engine.free_future(c).result(TIMEOUT)
+        return out
+
+    engine.runner._mixed = spy
+    try:
+        mixed = run("wm")
+        engine.runner.mixed = False
+        two_passes = run("wt")
+    finally:
+        engine.runner.mixed = True
+        del engine.runner._mixed
+    assert any(s.batch == 8 for s in shapes), shapes
+    assert mixed == two_passes
