@@ -15,6 +15,7 @@ outputs are checked equal between the modes. This machine's floors are measured 
 from __future__ import annotations
 
 import argparse
+import platform
 import threading
 import time
 from pathlib import Path
@@ -112,8 +113,6 @@ def main() -> None:
     ratios = {"chat_tpot_two_over_mixed": t["chat_ms_per_token_during_fill"] / m["chat_ms_per_token_during_fill"],
               "prompt_tok_s_mixed_over_two": m["prompt_tok_s"] / t["prompt_tok_s"],
               "wall_two_over_mixed": t["wall_s"] / m["wall_s"]}
-    import platform
-
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                platform.processor())
     print(f"CPU {cpu}; floors: read {fl['memory_read_gbs']:.1f} GB/s, fp32 GEMM {fl['gemm_fp32_gflops']:.0f} GFLOP/s")
