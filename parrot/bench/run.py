@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="runs of every workload on every system (the systems take turns going first); the report "
                          "gives each metric's median over the runs")
     ap.add_argument("--no-engine-micro", action="store_true", help="skip the engine micro-benchmark")
+    ap.add_argument("--parrot-args", default="", metavar="ARGS",
+                    help="more `parrot serve` options for the parrot system only, as one string (e.g. "
+                         "\"--prefill-tokens-beside-latency 64\"); the report gives every system's command")
     args = ap.parse_args(argv)
     args.out = args.out or default_out()
     if args.repeats < 1:
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)} or all")
     try:
-        systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port, args.quick)
+        systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port, args.quick,
+                        shlex.split(args.parrot_args))
     except ValueError as exc:
         ap.error(str(exc))
     mode = "quick" if args.quick else "full"

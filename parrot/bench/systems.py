@@ -113,15 +113,17 @@ def _llama_server_binary() -> Path | None:
     return Path(on_path) if on_path else None
 
 
-def build(names: list[str], base_port: int, quick: bool = False) -> list[System]:
-    """The named systems, each on its own loopback port; `missing` set for those not installed."""
+def build(names: list[str], base_port: int, quick: bool = False, parrot_args: list[str] | None = None) -> list[System]:
+    """The named systems, each on its own loopback port; `missing` set for those not installed. `parrot_args`:
+    more `parrot serve` options for the `parrot` system only (e.g. a scheduling setting under test; the
+    baselines keep the defaults)."""
     gguf = str(default_model_path())
     out: list[System] = []
     for i, name in enumerate(names):
         port = base_port + i
         if name == "parrot":
-            out.append(_parrot(name, port, [], "Parrot: the app as semantic variables (SDK); prefix sharing, "
-                                                "app-aware scheduling", quick))
+            out.append(_parrot(name, port, list(parrot_args or []), "Parrot: the app as semantic variables (SDK); "
+                                                                    "prefix sharing, app-aware scheduling", quick))
         elif name == "baseline-apc":
             out.append(_parrot(name, port, ["--no-app-awareness"],
                                "the same server behind the OpenAI API only, automatic prefix caching on, app "

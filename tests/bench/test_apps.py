@@ -100,6 +100,14 @@ def test_systems_report_what_is_missing(monkeypatch: pytest.MonkeyPatch, tmp_pat
         build(["vllm"], 9900)
 
 
+def test_parrot_args_go_to_the_parrot_system_only() -> None:
+    made = {s.name: s for s in build(["parrot", "baseline-apc"], 9900, quick=True,
+                                     parrot_args=["--prefill-tokens-beside-latency", "64"])}
+    cmd = made["parrot"].command
+    assert cmd[cmd.index("--prefill-tokens-beside-latency") + 1] == "64"
+    assert "--prefill-tokens-beside-latency" not in made["baseline-apc"].command
+
+
 @pytest.fixture(scope="module")
 def server():
     from tests.servers import tiny_serving_core
