@@ -15,7 +15,6 @@ outputs are checked equal between the modes. This machine's floors are measured 
 from __future__ import annotations
 
 import argparse
-import platform
 import threading
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from benchmarks import floors
 from benchmarks.report import write_json
+from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
@@ -113,8 +113,7 @@ def main() -> None:
     ratios = {"chat_tpot_two_over_mixed": t["chat_ms_per_token_during_fill"] / m["chat_ms_per_token_during_fill"],
               "prompt_tok_s_mixed_over_two": m["prompt_tok_s"] / t["prompt_tok_s"],
               "wall_two_over_mixed": t["wall_s"] / m["wall_s"]}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = procinfo.cpu_name()
     print(f"CPU {cpu}; floors: read {fl['memory_read_gbs']:.1f} GB/s, fp32 GEMM {fl['gemm_fp32_gflops']:.0f} GFLOP/s")
     print(f"{args.chats} chats x {args.tokens} tokens; {args.prompts} prompts x {len(prompts[0])} tokens filled beside "
           f"them, {args.beside} prompt tokens a step; medians of {args.repeats} runs, in turns")
