@@ -1,9 +1,13 @@
-"""The engine's overlap (a stable decode batch keeps one step in flight) against waiting for every
-step's tokens, side by side in one process: output tokens per second and the host's milliseconds per
-step (scheduling, batch building, applying tokens: what overlap hides behind the device), at several
-concurrencies, next to this machine's floors.
+"""The engine's overlap (a stable decode batch keeps one step in flight) and multi-step decode (that
+step runs K decode steps in one call) against waiting for every step's tokens, side by side in one
+process: output tokens per second and the host's milliseconds per step (scheduling, batch building,
+applying tokens: what overlap hides behind the device), at several concurrencies, next to this machine's
+floors.
 
     python -m benchmarks.overlap [--model smollm2] [--concurrency 1 4 16] [--tokens 64] [--repeats 3]
+        [--multi-step 8] [--load-format auto|dummy]
+
+`--multi-step 1` leaves the multi-step engine out.
 """
 
 from __future__ import annotations
@@ -37,18 +41,23 @@ def _round(eng: LLMEngine, prompts: list[list[int]], tokens: int, tag: str) -> t
     return dt, outs
 
 
-def run(model: str, concurrency: list[int], tokens: int, repeats: int) -> dict:
-    loaded = load_model(model, progress=False)
+def run(model: str, concurrency: list[int], tokens: int, repeats: int, multi_step: int = 8,
+        load_format: str = "auto") -> dict:
+    loaded = load_model(model, progress=False, load_format=load_format)
     tok = loaded.tokenizer
-    engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, overlap=on, precompile=False)).start()
-               for name, on in (("overlap", True), ("wait", False))}
+    variants = {"overlap": dict(overlap=True), "wait": dict(overlap=False)}
+    if multi_step > 1:
+        variants["multi"] = dict(overlap=True, multi_step=multi_step)
+    engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, precompile=False, **kw)).start()
+               for name, kw in variants.items()}
     result: dict = {"model": model, "backend": jax.default_backend(), "machine": procinfo.cpu_name(),
-                    "floors": floors.measure(), "tokens": tokens, "repeats": repeats, "concurrency": {}}
+                    "floors": floors.measure(), "tokens": tokens, "repeats": repeats, "multi_step": multi_step,
+                    "concurrency": {}}
     try:
         for c in concurrency:
             prompts = [tok.encode(f"Write a long story about parrot number {i} and its travels.") for i in range(c)]
             for eng in engines.values():  # compile this concurrency's shapes outside the timing
-                _round(eng, prompts, 4, "warm")
+                _round(eng, prompts, 4 * max(multi_step, 1), "warm")
             times: dict[str, list[float]] = {k: [] for k in engines}
             host: dict[str, list[float]] = {k: [] for k in engines}
             outs: dict[str, list] = {}
@@ -64,8 +73,11 @@ def run(model: str, concurrency: list[int], tokens: int, repeats: int) -> dict:
                 row[name] = {"tok_s": c * tokens / t, "ms_per_step": 1e3 * t / tokens,
                              "host_ms_per_step": float(np.median(host[name]))}
             row["overlap_speedup"] = row["overlap"]["tok_s"] / row["wait"]["tok_s"]
-            row["same_tokens"] = outs["overlap"] == outs["wait"]
+            row["same_tokens"] = all(o == outs["wait"] for o in outs.values())
             row["ahead_steps"] = engines["overlap"].ahead_steps
+            if "multi" in engines:
+                row["multi_speedup"] = row["multi"]["tok_s"] / row["overlap"]["tok_s"]
+                row["multi_step_launches"] = engines["multi"].runner.multi_step_launches
             result["concurrency"][str(c)] = row
     finally:
         for eng in engines.values():
@@ -75,13 +87,19 @@ def run(model: str, concurrency: list[int], tokens: int, repeats: int) -> dict:
 
 def report(r: dict) -> str:
     f = r["floors"]
+    k = r.get("multi_step", 1)
     lines = [f"{r['machine']} ({r['backend']}); floors: read {f['memory_read_gbs']:.1f} GB/s, "
              f"fp32 GEMM {f['gemm_fp32_gflops']:.0f} GFLOP/s; {r['tokens']} tokens, median of {r['repeats']}",
-             "concurrency | overlap tok/s | wait tok/s | overlap/wait | host ms/step (overlap, wait) | same tokens"]
+             "concurrency | overlap tok/s | wait tok/s | overlap/wait | host ms/step (overlap, wait)"
+             + (f" | multi-step {k} tok/s | multi/overlap | host ms/step (multi)" if k > 1 else "") + " | same tokens"]
     for c, row in r["concurrency"].items():
         o, w = row["overlap"], row["wait"]
-        lines.append(f"{c:>11} | {o['tok_s']:13.1f} | {w['tok_s']:10.1f} | {row['overlap_speedup']:11.2f}x | "
-                     f"{o['host_ms_per_step']:.2f}, {w['host_ms_per_step']:.2f} | {row['same_tokens']}")
+        line = (f"{c:>11} | {o['tok_s']:13.1f} | {w['tok_s']:10.1f} | {row['overlap_speedup']:11.2f}x | "
+                f"{o['host_ms_per_step']:.2f}, {w['host_ms_per_step']:.2f}")
+        if "multi" in row:
+            m = row["multi"]
+            line += f" | {m['tok_s']:.1f} | {row['multi_speedup']:.2f}x | {m['host_ms_per_step']:.2f}"
+        lines.append(line + f" | {row['same_tokens']}")
     return "\n".join(lines)
 
 
@@ -91,9 +109,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--multi-step", type=int, default=8, help="K of the multi-step engine (1: none)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
     args = ap.parse_args()
-    r = run(args.model, args.concurrency, args.tokens, args.repeats)
+    r = run(args.model, args.concurrency, args.tokens, args.repeats, args.multi_step, args.load_format)
     print(report(r))
     write_json(r, args.out)
 

@@ -52,6 +52,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
+    p.add_argument("--multi-step", type=int, default=1, metavar="K",
+                   help="with overlap, a stable decode batch runs up to K decode steps per call, tokens sampled and "
+                        "stop tokens checked on the device (default 1: off; each such shape compiles the whole "
+                        "model's loop). For accelerators, where a step's host dispatch costs as much as its compute")
     p.add_argument("--no-mixed-steps", action="store_true",
                    help="run a step's decodes and its prompt chunks as two passes (default on a CPU with the native "
                         "kernels: one pass over the weights for both, each row computed as its own kind of step "
@@ -183,7 +187,7 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             memory_utilization=args.gpu_memory_utilization,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
-                            mixed_steps=not args.no_mixed_steps,
+                            mixed_steps=not args.no_mixed_steps, multi_step=args.multi_step,
                             tensor_parallel_size=args.tensor_parallel_size,
                             tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -267,7 +271,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
-                                ("--tensor-parallel-mode", args.tensor_parallel_mode)):
+                                ("--tensor-parallel-mode", args.tensor_parallel_mode),
+                                ("--multi-step", args.multi_step if args.multi_step > 1 else None)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.no_overlap:

@@ -297,6 +297,7 @@ class LLMEngine:
             overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, mixed_steps=self.runner.mixed_steps, aborts=s.aborts,
+            multi_step_launches=self.runner.multi_step_launches,
             max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
@@ -320,6 +321,7 @@ class LLMEngine:
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
+                "multi_step": r.multi_step,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,
@@ -389,7 +391,8 @@ class LLMEngine:
         else:
             plan, launched = self._inflight
             self._inflight = None
-        ahead = self.scheduler.schedule_ahead(plan) if self.cfg.overlap else None
+        ahead = (self.scheduler.schedule_ahead(plan, self.cfg.multi_step, self.runner.multi_fits)
+                 if self.cfg.overlap else None)
         if ahead is not None:
             try:
                 self._inflight = (ahead, self.runner.launch(ahead, prev=launched))
@@ -403,13 +406,13 @@ class LLMEngine:
         else:
             outputs = self.scheduler.update(plan, sampled, ahead)
         self._deliver(outputs)
-        if not plan.empty:
-            self.steps += 1
+        if not plan.empty:  # a multi-step plan counts as its steps, its times shared among them
+            self.steps += plan.steps
             self.ahead_steps += ahead is not None
             wall = time.perf_counter() - t0
-            self._step_ms.append(wall * 1e3)
+            self._step_ms.append(wall * 1e3 / plan.steps)
             device = self.runner.wait_s + self.runner.dispatch_s - device0
-            self._host_ms.append((wall - device) * 1e3)
+            self._host_ms.append((wall - device) * 1e3 / plan.steps)
             self.trace.step(plan, wall, ahead is not None)
 
     @staticmethod

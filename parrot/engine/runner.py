@@ -61,7 +61,7 @@ from parrot.engine.sampling import (
     sample,
 )
 from parrot.engine.scheduler import Slot, StepPlan
-from parrot.engine.sequence import JobKind
+from parrot.engine.sequence import Job, JobKind
 from parrot.engine.structured import check_greedy
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,11 @@ class Shape:
     q_len: int
     pages: int
     prefix_pages: int = 0  # > 0: cascade decode with a shared prefix of this many pages
+    steps: int = 1  # > 1: that many decode steps in one call (multi-step decode: `ModelRunner.multi_shape`)
 
+
+# stop tokens a multi-step decode loop checks per sequence on the device (a job with more runs step by step)
+MULTI_STOP_IDS = 8
 
 # greedy constrained rows in a batch from which their masks are computed on demand (structured.check_greedy);
 # one row alone computes its mask before the step: a mask computed after a run of unchecked tokens costs
@@ -128,11 +132,13 @@ class Weights:
 
 @dataclass
 class StepExecutables:
-    """One shape's compiled step: embedding, a block of `n` layers for each block size, the head."""
+    """One shape's compiled step: embedding, a block of `n` layers for each block size, the head; a
+    multi-step shape's: its decode loop alone."""
 
-    embed: Callable
+    embed: Callable | None
     blocks: dict[int, Callable]
-    head: Callable
+    head: Callable | None
+    loop: Callable | None = None
 
 
 @dataclass
@@ -142,10 +148,15 @@ class Launched:
 
     parts: list[tuple[jax.Array | np.ndarray | None, int]]
     samples: bool
+    steps: int = 1  # > 1: a multi-step plan; its one part holds the tokens of every step ([steps, batch])
+    last: jax.Array | None = None  # a multi-step plan's last step's tokens ([batch])
 
     @property
     def tokens(self) -> jax.Array | np.ndarray | None:
-        """The first batch's sampled tokens: what the PENDING slots of an ahead step read."""
+        """The first batch's sampled tokens (a multi-step plan's last ones): what the PENDING slots of an
+        ahead step read."""
+        if self.last is not None:
+            return self.last
         return self.parts[0][0] if self.parts else None
 
 
@@ -237,6 +248,10 @@ class ModelRunner:
                                                   strict=True))
         self.mixed = bool(ecfg.mixed_steps and self.mesh is None and same_weights and self.prefill_in_place)
         self.mixed_steps = 0  # steps that ran decodes and prompt chunks in one pass
+        # multi-step decode: a stable batch's ahead step runs this many decode steps in one call (the
+        # tokens sampled and fed on the device); one process on one device only
+        self.multi_step = ecfg.multi_step if self.mesh is None else 1
+        self.multi_step_launches = 0  # multi-step plans run
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
@@ -264,6 +279,54 @@ class ModelRunner:
                 x, ks[i], vs[i] = nnx.merge(graphdef, state)(x, cos, sin, batch, ks[i], vs[i])
             return x, ks, vs
 
+        page_size = self.page_size
+
+        def decode_loop(w: Weights, batch: ForwardBatch, ks: list[jax.Array], vs: list[jax.Array],
+                        sampling: SamplingBatch, stops: jax.Array, limit: jax.Array,
+                        steps: int) -> tuple[jax.Array, jax.Array, list, list]:
+            """Up to `steps` decode steps of `batch` (step 0's batch) in one call: each samples on the device
+            and feeds its tokens to the next, until every row has taken `limit[b]` steps or sampled one of
+            its `stops` ([B, S], -1: none). A row that is done writes its KV to the scratch slot and its
+            tokens read -1. Returns the tokens ([steps, B]), the last step's tokens and the KV."""
+            real = batch.logits_index >= 0
+            rows = jnp.arange(batch.kv_lens.shape[0])
+            width = batch.block_tables.shape[1]
+
+            def active(j: jax.Array, stopped: jax.Array) -> jax.Array:
+                return real & ~stopped & (j < limit)
+
+            def body(carry: tuple) -> tuple:
+                j, ids, stopped, ks, vs, out = carry
+                live = active(j, stopped)
+                at = jnp.minimum(j, jnp.maximum(limit - 1, 0))  # a done row stays at its last position
+                pos = batch.positions + at
+                page = jnp.clip((pos - batch.kv_offset) // page_size, 0, width - 1)
+                b = dataclasses.replace(
+                    batch, input_ids=ids, positions=pos,
+                    slot_mapping=jnp.where(live, batch.block_tables[rows, page] * page_size + pos % page_size, 0),
+                    kv_lens=jnp.where(real, batch.kv_lens + at, 0))
+                x, cos, sin = embed(w.embed, ids, pos)
+                x, ks, vs = block(w.layers, x, cos, sin, b, ks, vs)
+                logits = head(w.head, x, batch.logits_index)
+                # as a step's own sampler picks: the argmax alone unless some row samples (`_sample_slots`)
+                sb = dataclasses.replace(sampling, steps=sampling.steps + j)
+                tok = jax.lax.cond(jnp.any(real & (sampling.temperature > 0)), lambda v: sample(v, sb),
+                                   greedy_sample, logits)
+                out = out.at[j].set(jnp.where(live, tok, -1))
+                stopped = stopped | (live & jnp.any(tok[:, None] == stops, axis=1))
+                return j + 1, jnp.where(live, tok, ids), stopped, ks, vs, out
+
+            def more(carry: tuple) -> jax.Array:
+                j, _, stopped, *_ = carry
+                return (j < steps) & jnp.any(active(j, stopped))
+
+            n = batch.kv_lens.shape[0]
+            init = (jnp.int32(0), batch.input_ids, jnp.zeros(n, bool), list(ks), list(vs),
+                    jnp.full((steps, n), -1, jnp.int32))
+            _, last, _, ks, vs, out = jax.lax.while_loop(more, body, init)
+            return out, last, ks, vs
+
+        self._decode_loop = jax.jit(decode_loop, static_argnames=("steps",), donate_argnums=(2, 3))
         self._embed = jax.jit(self._spmd(embed, lambda s: (s.embed, P(), P()), (P(), P(), P())))
         self._block_fn = block
         self._blocks: dict[int, Callable] = {}  # layers per call -> the jitted block function
@@ -415,6 +478,30 @@ class ModelRunner:
                        if max(MIN_BATCHED_Q, b // 2) <= t <= most]
         return shapes
 
+    def multi_shape(self, batch: int, kv_len: int) -> Shape | None:
+        """The shape running `multi_step` decode steps of `batch` sequences in one call, their KV growing to
+        at most `kv_len`; None where multi-step decode is off, or no bucket holds the batch."""
+        if self.multi_step <= 1 or batch > self.ecfg.bs_buckets[-1] or kv_len > self.max_len:
+            return None
+        b = pick_bucket(batch, self.ecfg.bs_buckets)
+        return Shape(b, b, 1, self._multi_pages(kv_len), steps=self.multi_step)
+
+    def _multi_pages(self, kv_len: int) -> int:
+        """A multi-step shape's page-table width: where attention reads the pages in place its width costs
+        nothing, so one (the longest) serves every length; elsewhere the KV bucket's."""
+        return self.max_len // self.page_size if self.prefill_in_place else self.kv_pages_bucket(kv_len)
+
+    def multi_fits(self, jobs: list[Job], kv_len: int, steps: int) -> bool:
+        """Whether a multi-step plan of these jobs can run now: its shape exists and is compiled (or nothing
+        was precompiled), no job has more stop tokens than the loop checks, and one process drives the
+        device alone (no tensor parallelism, no followers to mirror the call to)."""
+        shape = self.multi_shape(len(jobs), kv_len)
+        if shape is None or steps > shape.steps or self.mirror is not None or self.following:
+            return False
+        if any(len(job.stop_ids) > MULTI_STOP_IDS for job in jobs):
+            return False
+        return not (self.precompiled and not self.compiler.ready(shape))
+
     def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
         """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
         if own_len > self.ecfg.cascade_suffix_buckets[-1] or batch < 2:
@@ -438,6 +525,9 @@ class ModelRunner:
         decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
         shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
         shapes += self.mixed_shapes()
+        if self.multi_step > 1:
+            shapes += list(dict.fromkeys(Shape(b, b, 1, self._multi_pages(kv), steps=self.multi_step)
+                                         for b in decode_bs for kv in self.kv_buckets))
         if self.ecfg.shared_prefix_attention:
             shapes += [Shape(b, b, 1, own // self.page_size, kv // self.page_size) for b in decode_bs if b >= 2
                        for own in self.ecfg.cascade_suffix_buckets for kv in self.kv_buckets]
@@ -454,6 +544,8 @@ class ModelRunner:
         `prev`: the step in flight whose sampled tokens this plan's PENDING slots feed."""
         if plan.copies:
             self.copy_pages(plan.copies)
+        if plan.steps > 1:
+            return self._run_steps(plan, prev)
         parts: list[tuple[jax.Array | np.ndarray | None, int]] = []
         mixed = self._mixed(plan)
         if mixed is not None:  # one pass for the decodes and the prompt chunks
@@ -487,9 +579,50 @@ class ModelRunner:
         if not launched.samples:
             return None
         t0 = time.perf_counter()
-        parts = [np.asarray(t)[:n] if t is not None else np.zeros(n, np.int32) for t, n in launched.parts]
+        parts = [np.asarray(t)[..., :n] if t is not None else np.zeros(n, np.int32) for t, n in launched.parts]
         self.wait_s += time.perf_counter() - t0
-        return np.concatenate(parts)
+        return np.concatenate(parts, axis=-1)
+
+    def _run_steps(self, plan: StepPlan, prev: Launched | None) -> Launched:
+        """Dispatch a multi-step plan (`StepPlan.steps` > 1): its decode batch runs the shape's decode loop
+        once; every slot's KV pages are in its block table from the start."""
+        slots = plan.decode
+        shape = self.multi_shape(len(slots), max(s.start + s.steps for s in slots))
+        assert shape is not None and plan.steps <= shape.steps and not plan.prefill
+        exe, compiled_now = self.compiler.get(shape)
+        if compiled_now and self.precompiled:
+            self.shape_misses += 1
+            log.warning("compiled shape %s at serve time (not precompiled)", shape)
+        assert exe.loop is not None
+        batch = build_batch([SequenceSlice(s.tokens, s.start, s.pages) for s in slots], self.page_size,
+                            shape.tokens, shape.batch, shape.q_len, shape.pages)
+        stops = np.full((shape.batch, MULTI_STOP_IDS), -1, np.int32)
+        limit = np.zeros(shape.batch, np.int32)
+        for b, s in enumerate(slots):
+            own = s.pages[: -(-(s.start + s.steps) // self.page_size)]
+            batch.block_tables[b, : len(own)] = own
+            ids = sorted(s.job.stop_ids)
+            stops[b, : len(ids)] = ids
+            limit[b] = s.steps
+        params = [s.job.sampling for s in slots]
+        pending = prev.steps if prev is not None else 0  # the PENDING token counts in the sampler's stream
+        sampling = SamplingBatch.build(params, [len(s.job.output_ids) + (pending if s.source >= 0 else 0)
+                                                for s in slots], shape.batch, [p.seed or 0 for p in params])
+        t0 = time.perf_counter()
+        batch = self._to_device(batch, shape)
+        if any(s.source >= 0 for s in slots):
+            assert prev is not None and prev.tokens is not None
+            src = np.full(shape.tokens, -1, np.int32)
+            for b, s in enumerate(slots):
+                src[b] = s.source
+            fut = self._parts.get(("splice", shape.tokens))
+            fn = fut.result() if fut is not None and fut.done() and len(prev.tokens) == shape.tokens else self._splice
+            batch = dataclasses.replace(batch, input_ids=fn(batch.input_ids, src, prev.tokens))
+        out, last, ks, vs = exe.loop(self.weights, batch, list(self.kv[0]), list(self.kv[1]), sampling, stops, limit)
+        self.kv = (tuple(ks), tuple(vs))
+        self.dispatch_s += time.perf_counter() - t0
+        self.multi_step_launches += 1
+        return Launched([(out, len(slots))], True, steps=plan.steps, last=last)
 
     def _run_slots(self, slots: list[Slot], decode: bool, prev: Launched | None = None,
                    shape: Shape | None = None) -> jax.Array | np.ndarray | None:
@@ -538,21 +671,22 @@ class ModelRunner:
             return None
         if not self._masks_first:
             extras = extras_of()
-        tokens = self._sample_slots(slots, logits, extras, shape.batch)
+        tokens = self._sample_slots(slots, logits, extras, shape.batch, prev.steps if prev is not None else 1)
         if checks:  # greedy constrained rows sampled unmasked: their grammars check the tokens now
             tokens = np.array(np.asarray(tokens)[: len(slots)])
             check_greedy(checks, tokens, lambda: np.asarray(logits), self.cfg.vocab_size)
         return tokens
 
     def _sample_slots(self, slots: list[Slot], logits: jax.Array, extras: tuple | None,
-                      batch: int) -> jax.Array | np.ndarray:
-        """The sampled tokens of a batch: greedy argmax, the plain sampler, or the processed one (`extras`)."""
+                      batch: int, pending: int = 1) -> jax.Array | np.ndarray:
+        """The sampled tokens of a batch: greedy argmax, the plain sampler, or the processed one (`extras`).
+        `pending`: tokens the step in flight samples for each PENDING slot's job (its `steps`)."""
         sampling = [s.job.sampling for s in slots if s.sample]
         if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
         # the sampler's step counter (its random stream) counts the job's tokens, the PENDING one included
-        steps = [len(s.job.output_ids) + (s.source >= 0) for s in slots]
+        steps = [len(s.job.output_ids) + (pending if s.source >= 0 else 0) for s in slots]
         sb = SamplingBatch.build(params, steps, batch, [p.seed or 0 for p in params])
         if extras is None:
             return self.sample(logits, sb)
@@ -698,6 +832,8 @@ class ModelRunner:
             packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(batch)),), jnp.int32)
             unpacker = jax.jit(functools.partial(unpack, like=batch))
             self._part(("unpack", shape), lambda: unpacker.lower(packed).compile())
+        if shape.steps > 1:
+            return self._compile_loop(shape, w, batch, tokens, t0)
         kv = self._abstract(self.kv)
         blocks = {n: self._block(n).lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]),
                                           list(kv[1][:n])).compile()
@@ -718,6 +854,20 @@ class ModelRunner:
             self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(embed, blocks, head)
+
+    def _compile_loop(self, shape: Shape, w: Weights, batch: ForwardBatch, tokens: jax.ShapeDtypeStruct,
+                      t0: float) -> StepExecutables:
+        """A multi-step shape's decode loops (greedy, and with the plain sampler) and its token splice."""
+        kv = self._abstract(self.kv)
+        b = shape.batch
+        stops = jax.ShapeDtypeStruct((b, MULTI_STOP_IDS), jnp.int32)
+        limit = jax.ShapeDtypeStruct((b,), jnp.int32)
+        params = self._abstract(SamplingBatch.build([], [], b, []))
+        loop = self._decode_loop.lower(w, batch, list(kv[0]), list(kv[1]), params, stops, limit,
+                                       steps=shape.steps).compile()
+        self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, limit).compile())
+        self.compile_seconds[shape] = time.perf_counter() - t0
+        return StepExecutables(None, {}, None, loop)
 
     def _abstract(self, tree: object) -> object:
         """Shapes and dtypes of `tree`'s arrays for ahead-of-time lowering, with their shardings (host
@@ -862,7 +1012,7 @@ class ModelRunner:
         compiles. With `wait=False` compiling goes on in the background: a step whose shape is not ready
         yet waits for it (moved to the front of the queue); `compile_status()` tells the progress."""
         todo = list(dict.fromkeys(self.all_shapes() if shapes is None else shapes))
-        todo.sort(key=lambda s: (s.prefix_pages > 0, s.pages, s.batch, s.tokens))  # the shapes needed first
+        todo.sort(key=lambda s: (s.steps > 1, s.prefix_pages > 0, s.pages, s.batch, s.tokens))  # needed first
         self.copy_pages([PageCopy(0, 0, 0)])  # compiles the page copy (scratch page 0 onto itself)
         self.compiler.submit(todo)
         self.precompiled = True

@@ -20,13 +20,19 @@ feeds it. A job that finished in the first step leaves its ahead slot unused: it
 dropped. Only a stable batch runs ahead: no waiting job that could join it, no prefill, no job whose next
 token needs host work (constraints, logprobs, penalties) and pages free for every job, so a step in flight
 is never preempted.
+
+Multi-step decode (`schedule_ahead(plan, steps=k)`): an ahead step of a stable batch may run `k` decode
+steps in one dispatch (`StepPlan.steps`): each slot's KV grows by up to `k` tokens (`Slot.steps`: fewer
+where the job's max_tokens or the model's length ends it sooner), the device samples and feeds the tokens
+itself and stops a row at its stop tokens; `update` then applies each slot's tokens in order, and a job
+that finished before its last one drops the KV beyond its tokens, as an unused ahead slot does.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from parrot.config import EngineConfig
@@ -56,6 +62,7 @@ class Slot:
     # fill's), and what the runner computed for each (None where the target is -1)
     targets: list[int] | None = None
     scores: list[SampledLogprob | None] | None = None
+    steps: int = 1  # a multi-step plan's decode steps for this slot (its KV grows by that many tokens)
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -67,6 +74,7 @@ class StepPlan:
     prefill: list[Slot] = field(default_factory=list)
     copies: list[PageCopy] = field(default_factory=list)  # page copies to run before the forward
     outputs: list[JobOutput] = field(default_factory=list)  # jobs that failed while scheduling
+    steps: int = 1  # > 1: a multi-step decode plan (`Scheduler.schedule_ahead`); `sampled` is [steps, slots]
 
     @property
     def slots(self) -> list[Slot]:
@@ -194,9 +202,12 @@ class Scheduler:
                 scheduled.add(job.job_id)
         return plan
 
-    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+    def schedule_ahead(self, plan: StepPlan, steps: int = 1,
+                       fits: Callable[[list[Job], int, int], bool] | None = None) -> StepPlan | None:
         """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see
-        the module doc), or None when the batch is not stable enough to run ahead."""
+        the module doc), or None when the batch is not stable enough to run ahead. With `steps` > 1, up to
+        that many decode steps in one plan where `fits(jobs, longest KV, steps)` says the runner has
+        the shape for it (and pages are free); one otherwise."""
         if plan.prefill or not plan.decode or plan.outputs or self._copies:
             return None
         if self.waiting and len(self.running) < self.cfg.max_batch_size:
@@ -204,18 +215,32 @@ class Scheduler:
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
+        done = plan.steps  # tokens each job has sampled once `plan` is applied
+        room: list[int] = []  # tokens each job may still sample after that
         for job in jobs:
             sp = job.sampling
             if (job.kind is not JobKind.GENERATE or job.status is not JobStatus.RUNNING or sp is None
                     or len(job.pending) > 1 or job.forced or needs_processing(job)
-                    or len(job.output_ids) + 1 >= sp.max_tokens or len(self.tokens[job.context_id]) + 1 >= self.max_len
-                    or len(job.output_ids) + 1 < sp.min_tokens):
+                    or len(job.output_ids) + done >= sp.max_tokens
+                    or len(self.tokens[job.context_id]) + done >= self.max_len
+                    or len(job.output_ids) + done < sp.min_tokens):
                 return None
-        if sum(self.kv.pages_needed(job.context_id, 1) for job in jobs) > self.kv.num_free_pages:
+            room.append(min(sp.max_tokens - len(job.output_ids),
+                            self.max_len - len(self.tokens[job.context_id])) - done)
+
+        def pages(spans: list[int]) -> int:
+            return sum(self.kv.pages_needed(job.context_id, n) for job, n in zip(jobs, spans, strict=True))
+
+        spans = [min(steps, r) for r in room]
+        if max(spans) > 1:
+            longest = max(self.kv.get(job.context_id).num_tokens + n for job, n in zip(jobs, spans, strict=True))
+            if pages(spans) > self.kv.num_free_pages or fits is None or not fits(jobs, longest, max(spans)):
+                spans = [1] * len(jobs)
+        if pages(spans) > self.kv.num_free_pages:
             return None
-        ahead = StepPlan()
-        for i, job in enumerate(jobs):
-            slot = self._slot(job, [PENDING], True)
+        ahead = StepPlan(steps=max(spans))
+        for i, (job, n) in enumerate(zip(jobs, spans, strict=True)):
+            slot = self._slot(job, [PENDING], True, steps=n)
             slot.source = i
             ahead.decode.append(slot)
         return ahead
@@ -235,10 +260,10 @@ class Scheduler:
                 break
         return n
 
-    def _slot(self, job: Job, tokens: list[int], sample: bool) -> Slot:
+    def _slot(self, job: Job, tokens: list[int], sample: bool, steps: int = 1) -> Slot:
         start = self.kv.get(job.context_id).num_tokens
-        pages = self.kv.extend(job.context_id, len(tokens))
-        slot = Slot(job, tokens, start, pages, sample)
+        pages = self.kv.extend(job.context_id, len(tokens) + steps - 1)
+        slot = Slot(job, tokens, start, pages, sample, steps=steps)
         if job.kind is JobKind.FILL and job.fill_logprobs is not None:
             ctx = self.tokens[job.context_id]
             slot.targets = [ctx[p] if job.base_len <= p < len(ctx) else -1
@@ -250,7 +275,10 @@ class Scheduler:
         """Apply an executed plan: the fed tokens leave each job's pending list; `sampled[i]` is the
         token sampled for `plan.slots[i]` (read only where `slot.sample`). `ahead`: the next step, already
         launched (`schedule_ahead`), whose slots feed these tokens. Returns the outputs: the plan's
-        scheduling failures, streamed tokens, and the jobs that finished."""
+        scheduling failures, streamed tokens, and the jobs that finished. A multi-step plan's `sampled` is
+        `[plan.steps, slots]`: step j's token of each slot."""
+        if plan.steps > 1:
+            return self._update_steps(plan, sampled, ahead)
         outputs = list(plan.outputs)
         feeds = {slot.job.job_id: slot for slot in ahead.slots} if ahead is not None else {}
         for i, slot in enumerate(plan.slots):
@@ -280,6 +308,31 @@ class Scheduler:
                     self._truncate(job.context_id, len(tokens))
             else:
                 feed.tokens[0] = token
+                job.pending = []  # the ahead step feeds it
+        return outputs
+
+    def _update_steps(self, plan: StepPlan, sampled: Sequence[Sequence[int]] | None,
+                      ahead: StepPlan | None) -> list[JobOutput]:
+        """`update` for a multi-step plan: each slot's tokens in order; token j was fed on the device in
+        step j + 1 (the KV of a job that stopped earlier is cut back to its tokens)."""
+        assert sampled is not None
+        outputs = list(plan.outputs)
+        feeds = {slot.job.job_id: slot for slot in ahead.slots} if ahead is not None else {}
+        for i, slot in enumerate(plan.decode):
+            job = slot.job
+            for j in range(slot.steps):
+                if job.status is JobStatus.FINISHED:
+                    break  # aborted while its step was in flight, or stopped at an earlier token
+                del job.pending[:1]  # fed: the slot's token, then each token the device sampled before
+                outputs.append(self._on_token(job, int(sampled[j][i]), None))
+            if job.status is JobStatus.FINISHED:
+                n = len(self.tokens.get(job.context_id, ()))
+                if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > n:
+                    self._truncate(job.context_id, n)
+                continue
+            feed = feeds.get(job.job_id)
+            if feed is not None:
+                feed.tokens[0] = job.pending[0]
                 job.pending = []  # the ahead step feeds it
         return outputs
 
