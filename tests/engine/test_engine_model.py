@@ -112,3 +112,30 @@ def test_mixed_steps_give_each_row_its_own_kind_of_steps_result(engine: LLMEngin
     assert mixed == two_passes
     long = _ids(smollm, " ".join(QUESTIONS[:8]))
     assert mixed[3] == _run(engine, "aloneL", long)
+
+
+def test_multi_step_decode_equals_one_step_a_call(engine: LLMEngine, smollm: LoadedModel) -> None:
+    """Several decode steps per call (multi-step decode: tokens sampled and fed on the device) give the same
+    tokens as one step a call, greedy and seeded."""
+    prompts = [_ids(smollm, q) for q in QUESTIONS[:3]]
+
+    def together(tag: str) -> list[list[int]]:
+        futs = []
+        for i, ids in enumerate(prompts):
+            engine.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=ids)).result(300)
+            sp = SamplingParams(max_tokens=21, ignore_eos=True, **(dict(temperature=0.9, seed=3) if i == 2 else {}))
+            futs.append(engine.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=sp)))
+        out = [f.result(300).token_ids for f in futs]
+        for i in range(len(prompts)):
+            engine.free_future(f"{tag}{i}").result(60)
+        return out
+
+    one = together("one")
+    engine.cfg.multi_step = engine.runner.multi_step = 4
+    try:
+        launches = engine.runner.multi_step_launches
+        multi = together("multi")
+        assert engine.runner.multi_step_launches > launches
+    finally:
+        engine.cfg.multi_step = engine.runner.multi_step = 1
+    assert multi == one

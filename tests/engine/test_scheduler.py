@@ -315,9 +315,16 @@ def _sampled(plan) -> list[int]:  # noqa: ANN001
     return [_token_at(slot.job.context_id, slot.start + len(slot.tokens)) for slot in plan.slots]
 
 
-def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500) -> tuple[list[JobOutput], int]:
+def _sampled_steps(plan) -> list[list[int]]:  # noqa: ANN001
+    """The fake device of a multi-step plan: step j samples each slot's token at position start + 1 + j."""
+    return [[_token_at(slot.job.context_id, slot.start + 1 + j) for slot in plan.slots] for j in range(plan.steps)]
+
+
+def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500, steps: int = 1,
+                      fits=lambda jobs, kv_len, k: True) -> tuple[list[JobOutput], int]:  # noqa: ANN001
     """The engine's loop with a fake runner: a step in flight is applied after the next one is planned
-    (`schedule_ahead`). Returns the outputs and the number of ahead steps."""
+    (`schedule_ahead`, with up to `steps` decode steps a plan). Returns the outputs and the number of ahead
+    steps."""
     outputs: list[JobOutput] = []
     inflight = None
     ahead_steps = 0
@@ -329,9 +336,11 @@ def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500) -> tupl
         else:
             plan, inflight = inflight, None
         for slot in plan.slots:
-            assert len(slot.pages) * s.kv.page_size >= slot.start + len(slot.tokens)
-        sampled = _sampled(plan)  # the fake device computes before the host applies anything
-        ahead = s.schedule_ahead(plan) if overlap else None
+            assert len(slot.pages) * s.kv.page_size >= slot.start + len(slot.tokens) + slot.steps - 1
+            assert slot.steps <= plan.steps
+        # the fake device computes before the host applies anything
+        sampled = _sampled_steps(plan) if plan.steps > 1 else _sampled(plan)
+        ahead = s.schedule_ahead(plan, steps, fits) if overlap else None
         if ahead is not None:
             ahead_steps += 1
             inflight = ahead
@@ -363,6 +372,72 @@ def test_overlap_gives_the_same_results_as_waiting() -> None:
     assert {r[1] for r in results[0].values()} == {"stop", "length"}
     for c, (tokens, kv) in contexts[1].items():
         assert kv <= len(tokens) and contexts[0][c][0] == tokens
+
+
+def test_multi_step_plans_give_the_same_results_as_single_steps() -> None:
+    """Plans of up to k decode steps (the device feeding its own tokens) apply token by token as single
+    steps would: the same outputs, stop tokens and lengths cut mid-plan, no KV beyond a context's tokens,
+    every page back."""
+    results, plans = [], []
+    for k in (1, 3, 4):
+        s = _small(64)
+        _overlap_workload(s)
+        seen: list[int] = []
+        outputs, _ = _drive_overlapped(s, True, steps=k, fits=lambda jobs, n, k: seen.append(k) or True)
+        plans.append(max(seen, default=1))
+        gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
+        results.append({c: (r.token_ids, r.finish_reason, r.num_tokens) for c, r in gens.items()})
+        for c in gens:
+            assert s.kv.get(c).num_tokens <= len(s.tokens[c])
+            s.free_context(c)
+        assert s.kv.num_free_pages == s.kv.total_pages
+    assert results[0] == results[1] == results[2]
+    assert plans == [1, 3, 4]
+    assert {r[1] for r in results[0].values()} == {"stop", "length"}
+
+
+def test_multi_step_spans_stop_at_max_tokens_and_fall_back() -> None:
+    s = _small(64)
+    s.add(_fill("a", 20))
+    s.add(_gen("a", 6))
+    for _ in range(3):  # the fill, then the generate's first two tokens
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan, 8, lambda jobs, n, k: True)
+    assert ahead is not None and ahead.steps == 3  # 2 tokens sampled, this step's 3rd, 3 more allowed
+    assert [slot.steps for slot in ahead.decode] == [3]
+    assert s.kv.get("a").num_tokens == plan.decode[0].start + 1 + 3  # KV for the ahead plan's three steps
+    s.update(plan, _sampled(plan), ahead)
+    outputs = s.update(ahead, _sampled_steps(ahead))
+    assert _results(outputs)["a"].finish_reason == "length" and len(_results(outputs)["a"].token_ids) == 6
+    # a runner without the shape: one step at a time
+    s.add(_gen("a", 6))
+    for _ in range(2):
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan, 8, lambda jobs, n, k: False)
+    assert ahead is not None and ahead.steps == 1
+
+
+def test_abort_while_a_multi_step_plan_is_in_flight() -> None:
+    s = _small(64)
+    for ctx in ("a", "b"):
+        s.add(_fill(ctx, 20))
+        s.add(_gen(ctx, 50))
+    for _ in range(6):
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+    plan = s.schedule()
+    ahead = s.schedule_ahead(plan, 4, lambda jobs, n, k: True)
+    assert ahead is not None and ahead.steps == 4
+    s.update(plan, _sampled(plan), ahead)
+    assert isinstance(s.abort("a")[0].error, AbortedError)
+    s.update(ahead, _sampled_steps(ahead))  # skips the aborted job and cuts its KV back
+    assert s.kv.get("a").num_tokens <= len(s.tokens["a"])
+    rest, _ = _drive_overlapped(s, True, steps=4)
+    assert _results(rest)["b"].finish_reason == "length" and len(_results(rest)["b"].token_ids) == 50
 
 
 def test_ahead_only_for_a_stable_batch() -> None:
