@@ -5,7 +5,7 @@ applying tokens: what overlap hides behind the device), at several concurrencies
 floors.
 
     python -m benchmarks.overlap [--model smollm2] [--concurrency 1 4 16] [--tokens 64] [--repeats 3]
-        [--multi-step 8] [--load-format auto|dummy]
+        [--multi-step 4] [--load-format auto|dummy]
 
 `--multi-step 1` leaves the multi-step engine out.
 """
@@ -41,11 +41,11 @@ def _round(eng: LLMEngine, prompts: list[list[int]], tokens: int, tag: str) -> t
     return dt, outs
 
 
-def run(model: str, concurrency: list[int], tokens: int, repeats: int, multi_step: int = 8,
+def run(model: str, concurrency: list[int], tokens: int, repeats: int, multi_step: int = 4,
         load_format: str = "auto") -> dict:
     loaded = load_model(model, progress=False, load_format=load_format)
     tok = loaded.tokenizer
-    variants = {"overlap": dict(overlap=True), "wait": dict(overlap=False)}
+    variants: dict[str, dict] = {"overlap": dict(overlap=True, multi_step=1), "wait": dict(overlap=False, multi_step=1)}
     if multi_step > 1:
         variants["multi"] = dict(overlap=True, multi_step=multi_step)
     engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, precompile=False, **kw)).start()
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--multi-step", type=int, default=8, help="K of the multi-step engine (1: none)")
+    ap.add_argument("--multi-step", type=int, default=4, help="K of the multi-step engine (1: none)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
     args = ap.parse_args()

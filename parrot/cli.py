@@ -52,10 +52,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
-    p.add_argument("--multi-step", type=int, default=1, metavar="K",
+    p.add_argument("--multi-step", type=int, default=None, metavar="K",
                    help="with overlap, a stable decode batch runs up to K decode steps per call, tokens sampled and "
-                        "stop tokens checked on the device (default 1: off; each such shape compiles the whole "
-                        "model's loop). For accelerators, where a step's host dispatch costs as much as its compute")
+                        "stop tokens checked on the device; each such shape compiles the whole model's loop. 1: off; "
+                        "default: 4 on a CPU with the native kernels, else 1")
     p.add_argument("--no-mixed-steps", action="store_true",
                    help="run a step's decodes and its prompt chunks as two passes (default on a CPU with the native "
                         "kernels: one pass over the weights for both, each row computed as its own kind of step "
@@ -272,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode),
-                                ("--multi-step", args.multi_step if args.multi_step > 1 else None)):
+                                ("--multi-step", args.multi_step)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.no_overlap:

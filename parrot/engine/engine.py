@@ -391,7 +391,7 @@ class LLMEngine:
         else:
             plan, launched = self._inflight
             self._inflight = None
-        ahead = (self.scheduler.schedule_ahead(plan, self.cfg.multi_step, self.runner.multi_fits)
+        ahead = (self.scheduler.schedule_ahead(plan, self.runner.multi_step, self.runner.multi_fits)
                  if self.cfg.overlap else None)
         if ahead is not None:
             try:

@@ -79,6 +79,9 @@ class Shape:
     steps: int = 1  # > 1: that many decode steps in one call (multi-step decode: `ModelRunner.multi_shape`)
 
 
+# decode steps per call where multi-step decode is on by default (EngineConfig.multi_step: attention in place)
+AUTO_MULTI_STEP = 4
+
 # stop tokens a multi-step decode loop checks per sequence on the device (a job with more runs step by step)
 MULTI_STOP_IDS = 8
 
@@ -250,7 +253,8 @@ class ModelRunner:
         self.mixed_steps = 0  # steps that ran decodes and prompt chunks in one pass
         # multi-step decode: a stable batch's ahead step runs this many decode steps in one call (the
         # tokens sampled and fed on the device); one process on one device only
-        self.multi_step = ecfg.multi_step if self.mesh is None else 1
+        auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
+        self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
         self.multi_step_launches = 0  # multi-step plans run
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every

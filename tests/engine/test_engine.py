@@ -321,28 +321,30 @@ def test_overlap_keeps_results(engine: LLMEngine) -> None:
         waiting.shutdown()
 
 
-def test_multi_step_decode_keeps_results(engine: LLMEngine) -> None:
+def test_multi_step_decode_keeps_results() -> None:
     """An engine running up to 4 decode steps per call (`multi_step`): greedy and seeded outputs, a stop token
-    met inside a call, stop strings and lengths that are no multiple of 4 equal the fixture engine's."""
+    met inside a call, stop strings and lengths that are no multiple of 4 equal those of one step a call."""
     multi = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).start(precompile=False)
+    single = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).start(precompile=False)
     try:
         seeded = dict(max_tokens=20, ignore_eos=True, temperature=1.0, top_p=0.9, seed=11)
         runs = [dict(max_tokens=14, ignore_eos=True), dict(max_tokens=3, ignore_eos=True),
                 dict(max_tokens=21, ignore_eos=True), seeded, seeded,
                 dict(max_tokens=19, ignore_eos=True, temperature=0.7, seed=5), seeded]
-        free = gen_many(engine, "ms", runs)  # context i's prompt depends on i: the stops come from the same rows
+        free = gen_many(single, "ms", runs)  # context i's prompt depends on i: the stops come from the same rows
         stop_id = free[3].token_ids[6]
         first = free[3].token_ids.index(stop_id)
         runs[3] = dict(seeded, stop_token_ids=[stop_id])
         runs[6] = dict(seeded, stop=[free[6].text[9:11]])
         results = [[(r.token_ids, r.text, r.finish_reason, r.num_tokens) for r in gen_many(eng, "ms", runs)]
-                   for eng in (engine, multi)]
+                   for eng in (single, multi)]
         assert results[0] == results[1]
         assert results[1][3][2] == "stop" and len(results[1][3][0]) == first
-        assert multi.ping().multi_step_launches > 0 and engine.ping().multi_step_launches == 0
+        assert multi.ping().multi_step_launches > 0 and single.ping().multi_step_launches == 0
         assert multi.kv.num_free_pages == multi.kv.total_pages  # every context freed, no page left behind
     finally:
         multi.shutdown()
+        single.shutdown()
 
 
 def gen_many(eng: LLMEngine, tag: str, runs: list[dict]) -> list:

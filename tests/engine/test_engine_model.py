@@ -130,12 +130,14 @@ def test_multi_step_decode_equals_one_step_a_call(engine: LLMEngine, smollm: Loa
             engine.free_future(f"{tag}{i}").result(60)
         return out
 
-    one = together("one")
-    engine.cfg.multi_step = engine.runner.multi_step = 4
+    default = engine.runner.multi_step
     try:
+        engine.runner.multi_step = 1
+        one = together("one")
+        engine.runner.multi_step = 4
         launches = engine.runner.multi_step_launches
         multi = together("multi")
         assert engine.runner.multi_step_launches > launches
     finally:
-        engine.cfg.multi_step = engine.runner.multi_step = 1
+        engine.runner.multi_step = default
     assert multi == one

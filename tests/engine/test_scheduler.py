@@ -383,7 +383,7 @@ def test_multi_step_plans_give_the_same_results_as_single_steps() -> None:
         s = _small(64)
         _overlap_workload(s)
         seen: list[int] = []
-        outputs, _ = _drive_overlapped(s, True, steps=k, fits=lambda jobs, n, k: seen.append(k) or True)
+        outputs, _ = _drive_overlapped(s, True, steps=k, fits=lambda jobs, n, k, seen=seen: seen.append(k) or True)
         plans.append(max(seen, default=1))
         gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
         results.append({c: (r.token_ids, r.finish_reason, r.num_tokens) for c, r in gens.items()})
