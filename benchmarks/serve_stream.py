@@ -1,7 +1,9 @@
 """Streaming through the servers, side by side on the same GGUF: `parrot serve` and, when installed,
 llama.cpp's `llama-server` (parrot/bench/peers/install_llama_server.sh). With the real `openai` client:
 
-- one stream: time per output token (median gap between streamed chunks after the first) and TTFT;
+- one stream: time per output token (TPOT: from the first streamed token to the last, over the tokens after
+  the first; median of three streams), the median and p99 gap between streamed chunks (a server that decodes
+  several steps per call streams its tokens in bursts: small median gaps, a larger p99), and TTFT;
 - c concurrent streams of distinct ~250-token prompts: output tokens per second, for each c in
   `--concurrency` (default 1 and 16), and the ratio to c = 1.
 
@@ -9,7 +11,7 @@ Greedy, `ignore_eos`, the same prompts everywhere. This machine's floors are mea
 (the float32 decode floor: the model's float32 weights over the measured read bandwidth).
 
     python -m benchmarks.serve_stream [--tokens 128] [--concurrency 1 16] [--avx2-too] [--exact-fills-too]
-        [--out benchmarks/results/serve_stream.json]
+        [--single-step-too] [--out benchmarks/results/serve_stream.json]
 
 `--avx2-too` adds a second `parrot serve` with `PARROT_CPU_MATMUL=avx2`: on a CPU with AVX-512 VNNI or AMX,
 the AVX2 products side by side with the default integer ones. `--exact-fills-too` adds one with
@@ -120,12 +122,15 @@ def measure(server: Server, model: str, tokens: int, levels: list[int]) -> dict:
     _stream(client, model, prompts[-1], 16)  # warm-up: first request paths, any lazy work
     out: dict = {"rss_gb": (procinfo.rss_bytes(server.proc.pid) or 0) / 1e9}
     # one stream, three times: per-token time
-    gaps, ttfts = [], []
+    gaps, ttfts, tpots = [], [], []
     for i in range(3):
-        ttft, times, _ = _stream(client, model, prompts[i], tokens)
+        ttft, times, used = _stream(client, model, prompts[i], tokens)
         ttfts.append(ttft)
         gaps += list(np.diff(times))
-    out["single"] = {"ms_per_token_median": float(np.median(gaps) * 1e3), "ttft_s_median": float(np.median(ttfts))}
+        tpots.append((times[-1] - times[0]) / (max(used, len(times)) - 1))
+    out["single"] = {"ms_per_token_median": float(np.median(tpots) * 1e3),
+                     "gap_ms_median": float(np.median(gaps) * 1e3), "gap_ms_p99": float(np.percentile(gaps, 99) * 1e3),
+                     "ttft_s_median": float(np.median(ttfts))}
     out["concurrency"] = {}
     for c in levels:
         t0 = time.perf_counter()
@@ -155,6 +160,9 @@ def main() -> None:
     ap.add_argument("--exact-fills-too", action="store_true",
                     help="also a `parrot serve` with PARROT_BF16_FILLS=0 (on a CPU with bf16 units: prompts "
                          "multiplied on the integer path instead of in bfloat16, side by side)")
+    ap.add_argument("--single-step-too", action="store_true",
+                    help="also a `parrot serve --multi-step 1` (one decode step per call, side by side with the "
+                         "default multi-step decode)")
     ap.add_argument("--out", default="benchmarks/results/serve_stream.json")
     args = ap.parse_args()
     gguf = str(default_model_path())
@@ -172,6 +180,9 @@ def main() -> None:
     if args.exact_fills_too:
         servers.append(Server("parrot-exact-fills", parrot_cmd, ports[0], "/health", healthy,
                               logs / "parrot-exact-fills.log", env={"PARROT_BF16_FILLS": "0"}))
+    if args.single_step_too:
+        servers.append(Server("parrot-single-step", [*parrot_cmd, "--multi-step", "1"], ports[0], "/health", healthy,
+                              logs / "parrot-single-step.log"))
     if LLAMA_SERVER.is_file() and not args.no_peer:
         servers.append(Server("llama-server", [str(LLAMA_SERVER), "-m", gguf, "--port", str(ports[1]), "-t", "2",
                                                "-np", str(max(args.concurrency)), "-c", "32768", "--cont-batching"],
@@ -192,16 +203,20 @@ def report(r: dict) -> str:
              f"{fl['gemm_fp32_gflops']:.0f} GFLOP/s; float32 decode floor {r['decode_floor_fp32_ms']:.1f} ms/token"]
     for name, s in r["systems"].items():
         one = s["single"]
+        gaps = (f", chunk gaps p50 {one['gap_ms_median']:.1f} / p99 {one['gap_ms_p99']:.1f} ms"
+                if "gap_ms_p99" in one else "")
         lines.append(f"{name}: one stream {one['ms_per_token_median']:.1f} ms/token "
-                     f"({one['ms_per_token_median'] / r['decode_floor_fp32_ms']:.2f}x the float32 floor), TTFT "
+                     f"({one['ms_per_token_median'] / r['decode_floor_fp32_ms']:.2f}x the float32 floor){gaps}, TTFT "
                      f"{one['ttft_s_median']:.2f} s; resident {s['rss_gb_after']:.2f} GB")
         for c, v in s["concurrency"].items():
             lines.append(f"{name}: {c} concurrent: {v['output_tok_s']:.1f} output tok/s "
                          f"({v['vs_first_level']:.2f}x the first level)")
-    if {"parrot", "llama-server"} <= set(r["systems"]):
-        p, ll = r["systems"]["parrot"]["single"], r["systems"]["llama-server"]["single"]
-        ratio = p["ms_per_token_median"] / ll["ms_per_token_median"]
-        lines.append(f"parrot / llama-server per-token time: {ratio:.2f}x")
+    if "llama-server" in r["systems"]:
+        ll = r["systems"]["llama-server"]["single"]
+        for name, s in r["systems"].items():
+            if name.startswith("parrot"):
+                ratio = s["single"]["ms_per_token_median"] / ll["ms_per_token_median"]
+                lines.append(f"{name} / llama-server per-token time: {ratio:.2f}x")
     return "\n".join(lines)
 
 

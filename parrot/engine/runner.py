@@ -82,6 +82,11 @@ class Shape:
 # decode steps per call where multi-step decode is on by default (EngineConfig.multi_step: attention in place)
 AUTO_MULTI_STEP = 4
 
+# forks sharing a prefix whose single (cascade) steps would each read this many fewer KV bytes than plain decode
+# attention run step by step instead of in a multi-step loop (which reads every sequence's pages): ~1 ms of
+# reads at a CPU's ~30 GB/s, about what a call's overhead costs a step there
+CASCADE_OVER_MULTI_BYTES = 32 << 20
+
 # stop tokens a multi-step decode loop checks per sequence on the device (a job with more runs step by step)
 MULTI_STOP_IDS = 8
 
@@ -215,6 +220,8 @@ class ModelRunner:
         self.kv_bytes = (kv_budget_bytes(ecfg, _weight_bytes(weights, self.dtype) // self.tp,
                                          arrays=2 * mcfg.num_layers) if not ecfg.kv_pages else 0)
         self.num_pages = ecfg.kv_pages or max(2, self.kv_bytes // bytes_per_page)
+        self.kv_page_bytes = bytes_per_page
+        self.cascade_over_multi_bytes = CASCADE_OVER_MULTI_BYTES
         # GPUs: plain decode steps read a bfloat16 cache in place through a Pallas kernel, where it compiles
         # (the kernel pads each KV head's query group to 16 rows: "auto" takes it for groups of 4 or more)
         wanted = ecfg.decode_attention == "kernel" or (ecfg.decode_attention == "auto"
@@ -495,15 +502,23 @@ class ModelRunner:
         nothing, so one (the longest) serves every length; elsewhere the KV bucket's."""
         return self.max_len // self.page_size if self.prefill_in_place else self.kv_pages_bucket(kv_len)
 
-    def multi_fits(self, jobs: list[Job], kv_len: int, steps: int) -> bool:
-        """Whether a multi-step plan of these jobs can run now: its shape exists and is compiled (or nothing
-        was precompiled), no job has more stop tokens than the loop checks, and one process drives the
-        device alone (no tensor parallelism, no followers to mirror the call to)."""
+    def multi_fits(self, jobs: list[Job], pages: list[list[int]], kv_len: int, steps: int) -> bool:
+        """Whether a multi-step plan of these jobs (holding these KV `pages`) can run now: its shape exists and
+        is compiled (or nothing was precompiled), no job has more stop tokens than the loop checks, one
+        process drives the device alone (no tensor parallelism, no followers to mirror the call to), and the
+        jobs share no long prefix that cascade attention would read once for all of them in single steps."""
         shape = self.multi_shape(len(jobs), kv_len)
         if shape is None or steps > shape.steps or self.mirror is not None or self.following:
             return False
         if any(len(job.stop_ids) > MULTI_STOP_IDS for job in jobs):
             return False
+        if self.ecfg.shared_prefix_attention and len(jobs) > 1:
+            members, shared = find_shared_prefix(pages)
+            own = max(len(pages[i]) - shared for i in members) * self.page_size if members else 0
+            saved = (len(members) - 1) * shared * self.kv_page_bytes  # KV bytes a cascade step does not read
+            if (saved >= self.cascade_over_multi_bytes
+                    and self.cascade_shape(len(jobs), own, shared * self.page_size) is not None):
+                return False
         return not (self.precompiled and not self.compiler.ready(shape))
 
     def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:

@@ -203,10 +203,10 @@ class Scheduler:
         return plan
 
     def schedule_ahead(self, plan: StepPlan, steps: int = 1,
-                       fits: Callable[[list[Job], int, int], bool] | None = None) -> StepPlan | None:
+                       fits: Callable[[list[Job], list[list[int]], int, int], bool] | None = None) -> StepPlan | None:
         """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see
         the module doc), or None when the batch is not stable enough to run ahead. With `steps` > 1, up to
-        that many decode steps in one plan where `fits(jobs, longest KV, steps)` says the runner has
+        that many decode steps in one plan where `fits(jobs, their pages, longest KV, steps)` says the runner has
         the shape for it (and pages are free); one otherwise."""
         if plan.prefill or not plan.decode or plan.outputs or self._copies:
             return None
@@ -234,7 +234,8 @@ class Scheduler:
         spans = [min(steps, r) for r in room]
         if max(spans) > 1:
             longest = max(self.kv.get(job.context_id).num_tokens + n for job, n in zip(jobs, spans, strict=True))
-            if pages(spans) > self.kv.num_free_pages or fits is None or not fits(jobs, longest, max(spans)):
+            held = [self.kv.get(job.context_id).pages for job in jobs]
+            if pages(spans) > self.kv.num_free_pages or fits is None or not fits(jobs, held, longest, max(spans)):
                 spans = [1] * len(jobs)
         if pages(spans) > self.kv.num_free_pages:
             return None

@@ -3,6 +3,7 @@ process append one JSON object per step to `PREFIX.<pid>`:
 
     {"t": unix time at the step's end, "ms": the step's wall time, "decode": decode rows,
      "ahead": 1 if the next step was launched before this one's tokens were read,
+     "steps": decode steps the call ran (multi-step decode; 1 otherwise),
      "prefill": [[start, tokens], ...] (one per prefill chunk)}
 
 A step's wall time includes waiting for work launched earlier (a prefill step that samples nothing is not
@@ -34,7 +35,8 @@ class StepTrace:
         if self._file is None:
             return
         line = json.dumps({"t": round(time.time(), 4), "ms": round(wall_s * 1e3, 2), "decode": len(plan.decode),
-                           "ahead": int(ahead), "prefill": [[s.start, len(s.tokens)] for s in plan.prefill]})
+                           "ahead": int(ahead), "steps": plan.steps,
+                           "prefill": [[s.start, len(s.tokens)] for s in plan.prefill]})
         with self._lock:
             self._file.write(line + "\n")
             self._file.flush()

@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import pytest
 
 from parrot.engine.engine import LLMEngine
+from parrot.engine.sequence import Job, JobKind
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
@@ -345,6 +346,22 @@ def test_multi_step_decode_keeps_results() -> None:
     finally:
         multi.shutdown()
         single.shutdown()
+
+
+def test_multi_step_gives_way_to_cascade_attention_over_a_long_shared_prefix() -> None:
+    """Forks whose single (cascade) steps would read a long shared prefix once run step by step; a batch
+    sharing nothing, or little, runs several steps a call."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4))  # not started: the runner's choice alone
+    r = eng.runner
+    jobs = [Job(JobKind.GENERATE, f"c{i}", None, sampling=SamplingParams(max_tokens=8)) for i in range(3)]
+    forks = [list(range(1, 9)) + [20 + i] for i in range(3)]  # 8 shared pages, one own page each
+    alone = [[30 + 10 * i + j for j in range(9)] for i in range(3)]
+    r.cascade_over_multi_bytes = 16 * r.kv_page_bytes  # (3 - 1) x 8 shared pages: exactly what cascade saves
+    assert r.multi_fits(jobs, alone, 9 * 16, 4)
+    assert not r.multi_fits(jobs, forks, 9 * 16, 4)
+    r.cascade_over_multi_bytes = 17 * r.kv_page_bytes
+    assert r.multi_fits(jobs, forks, 9 * 16, 4)
+    assert not r.multi_fits(jobs, alone, 9 * 16, 5)  # more steps than the shape's
 
 
 def gen_many(eng: LLMEngine, tag: str, runs: list[dict]) -> list:

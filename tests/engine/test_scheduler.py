@@ -321,7 +321,7 @@ def _sampled_steps(plan) -> list[list[int]]:  # noqa: ANN001
 
 
 def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500, steps: int = 1,
-                      fits=lambda jobs, kv_len, k: True) -> tuple[list[JobOutput], int]:  # noqa: ANN001
+                      fits=lambda jobs, pages, kv_len, k: True) -> tuple[list[JobOutput], int]:  # noqa: ANN001
     """The engine's loop with a fake runner: a step in flight is applied after the next one is planned
     (`schedule_ahead`, with up to `steps` decode steps a plan). Returns the outputs and the number of ahead
     steps."""
@@ -383,7 +383,8 @@ def test_multi_step_plans_give_the_same_results_as_single_steps() -> None:
         s = _small(64)
         _overlap_workload(s)
         seen: list[int] = []
-        outputs, _ = _drive_overlapped(s, True, steps=k, fits=lambda jobs, n, k, seen=seen: seen.append(k) or True)
+        outputs, _ = _drive_overlapped(s, True, steps=k,
+                                       fits=lambda jobs, pages, n, k, seen=seen: seen.append(k) or True)
         plans.append(max(seen, default=1))
         gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
         results.append({c: (r.token_ids, r.finish_reason, r.num_tokens) for c, r in gens.items()})
@@ -404,7 +405,7 @@ def test_multi_step_spans_stop_at_max_tokens_and_fall_back() -> None:
         plan = s.schedule()
         s.update(plan, _sampled(plan))
     plan = s.schedule()
-    ahead = s.schedule_ahead(plan, 8, lambda jobs, n, k: True)
+    ahead = s.schedule_ahead(plan, 8, lambda jobs, pages, n, k: True)
     assert ahead is not None and ahead.steps == 3  # 2 tokens sampled, this step's 3rd, 3 more allowed
     assert [slot.steps for slot in ahead.decode] == [3]
     assert s.kv.get("a").num_tokens == plan.decode[0].start + 1 + 3  # KV for the ahead plan's three steps
@@ -417,7 +418,7 @@ def test_multi_step_spans_stop_at_max_tokens_and_fall_back() -> None:
         plan = s.schedule()
         s.update(plan, _sampled(plan))
     plan = s.schedule()
-    ahead = s.schedule_ahead(plan, 8, lambda jobs, n, k: False)
+    ahead = s.schedule_ahead(plan, 8, lambda jobs, pages, n, k: False)
     assert ahead is not None and ahead.steps == 1
 
 
@@ -430,7 +431,7 @@ def test_abort_while_a_multi_step_plan_is_in_flight() -> None:
         plan = s.schedule()
         s.update(plan, _sampled(plan))
     plan = s.schedule()
-    ahead = s.schedule_ahead(plan, 4, lambda jobs, n, k: True)
+    ahead = s.schedule_ahead(plan, 4, lambda jobs, pages, n, k: True)
     assert ahead is not None and ahead.steps == 4
     s.update(plan, _sampled(plan), ahead)
     assert isinstance(s.abort("a")[0].error, AbortedError)

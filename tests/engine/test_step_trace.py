@@ -19,6 +19,7 @@ def test_a_step_is_one_json_line(tmp_path: Path) -> None:
     trace.close()
     line = json.loads((tmp_path / f"steps.{os.getpid()}").read_text())
     assert line["ms"] == 12.5 and line["decode"] == 1 and line["ahead"] == 0 and line["prefill"] == [[16, 3]]
+    assert line["steps"] == 1
 
 
 def test_off_without_a_prefix(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
