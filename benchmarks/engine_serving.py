@@ -1,9 +1,10 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
-    python -m benchmarks.engine_serving [--quick] [--out benchmarks/results/engine_serving.json]
+    python -m benchmarks.engine_serving [--quick] [--multi-step K] [--out benchmarks/results/engine_serving.json]
 
 1. Throughput vs concurrency: c clients each fill a ~256-token prompt and generate 128 tokens
-   (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT and inter-token latency p50/p99.
+   (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT, inter-token latency p50/p99 and
+   time per output token p50/p99 (first token to last, per request).
 2. Shared prefix: 16 forks of one 1,000-token context, each filling a short question and generating,
    vs 16 independent contexts holding a copy of the prefix. Wall time of each, side by side.
 3. Structured output (`--structured`, or alone with `--structured-only`): c clients (c in 1, 16) ask for
@@ -83,10 +84,15 @@ def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: 
     wall = run_clients(clients)
     ttft = [c.token_times[0] - c.start for c in clients]
     itl = [b - a for c in clients for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
+    # time per output token of each request, first token to last: multi-step decode streams its tokens in
+    # bursts (small gaps inside one, one long gap between two), so ITL percentiles alone mislead there
+    tpot = [(c.token_times[-1] - c.token_times[0]) / (len(c.token_times) - 1) for c in clients
+            if len(c.token_times) > 1]
     out_tokens = sum(len(c.token_times) for c in clients)
     return {"concurrency": conc, "requests": conc, "wall_s": wall, "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
-            "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3}
+            "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
+            "tpot_p50_ms": _pct(tpot, 50) * 1e3, "tpot_p99_ms": _pct(tpot, 99) * 1e3}
 
 
 def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
@@ -178,6 +184,8 @@ def main() -> None:
                          "or a directory with a config.json)")
     ap.add_argument("--structured", action="store_true", help="also the structured-output comparison")
     ap.add_argument("--structured-only", action="store_true", help="only the structured-output comparison")
+    ap.add_argument("--multi-step", type=int, default=None,
+                    help="decode steps per call for a stable batch (EngineConfig.multi_step; default: the engine's)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/engine_serving[_structured].json")
     args = ap.parse_args()
     quick = args.quick
@@ -185,7 +193,7 @@ def main() -> None:
     prompt_len, out_len = 256, (32 if quick else 128)
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
-                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256],
+                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
                        explicit=("max_batch_size", "max_num_batched_tokens", "bs_buckets"))
     model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
@@ -195,6 +203,7 @@ def main() -> None:
     eng.start(precompile=False)
     rng = np.random.default_rng(0)
     result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
+                    "multi_step": eng.runner.multi_step,
                     "throughput": [], "quick": quick}
     try:
         if args.structured or args.structured_only:
@@ -215,7 +224,8 @@ def main() -> None:
             result["throughput"].append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
-                  f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms", flush=True)
+                  f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms, "
+                  f"TPOT p50 {r['tpot_p50_ms']:.1f}ms p99 {r['tpot_p99_ms']:.1f}ms", flush=True)
         if not args.structured_only:
             base = result["throughput"][0]["output_tokens_per_s"]
             result["throughput_ratio_vs_c1"] = {
