@@ -41,8 +41,9 @@ def tiny_model(seed: int = 0) -> LoadedModel:
 def tiny_engine_config(**kw) -> EngineConfig:
     """Small buckets and pool; float32 on every backend (the engine tests compare batched, forked and
     preempted runs token for token: that is exact in float32 with HIGHEST-precision products, not in
-    an accelerator's default bfloat16)."""
+    an accelerator's default bfloat16); one decode step a call unless a test asks for multi-step decode."""
     base = dict(compilation_cache_dir=None, kv_memory_mb=4, dtype="float32", token_buckets=[16, 32, 64, 128],
+                multi_step=1,  # each multi-step shape compiles the whole model's loop: the tests that run it ask
                 bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16,
                 cascade_suffix_buckets=[64, 128], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
     base.update(kw)

@@ -17,7 +17,8 @@ TIMEOUT = 120
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=True)
+    # multi-step decode as a CPU with the native kernels runs it by default: this module's tests go through it
+    eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).start(precompile=True)
     yield eng
     eng.shutdown()
 

@@ -23,8 +23,8 @@ from tests.servers import serving_core
 @pytest.fixture(scope="module")
 def engine() -> Iterator[LLMEngine]:
     model = tiny_model()
-    # one decode step a call: the disconnect tests need a 480-token generation of the tiny model to outlast a
-    # client's 0.3 s timeout, which multi-step decode makes too fast for on some machines
+    # one decode step a call (the tests' default): the disconnect tests need a 480-token generation of the tiny
+    # model to outlast a client's 0.3 s timeout, which multi-step decode makes too fast for on some machines
     eng = LLMEngine(model, tiny_engine_config(multi_step=1)).start(precompile=False)
     yield eng
     eng.shutdown()
