@@ -87,6 +87,9 @@ AUTO_MULTI_STEP = 4
 # reads at a CPU's ~30 GB/s, about what a call's overhead costs a step there
 CASCADE_OVER_MULTI_BYTES = 32 << 20
 
+# the largest decode batch multi-step decode runs by default (larger ones step by step)
+AUTO_MULTI_MAX_BATCH = 16
+
 # stop tokens a multi-step decode loop checks per sequence on the device (a job with more runs step by step)
 MULTI_STOP_IDS = 8
 
@@ -262,6 +265,9 @@ class ModelRunner:
         # tokens sampled and fed on the device); one process on one device only
         auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
         self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
+        # batches a multi-step shape is compiled for: by default up to AUTO_MULTI_MAX_BATCH (a loop's executable
+        # holds the whole model's code, ~45 MB on a CPU; larger batches' steps are long beside a call's cost)
+        self.multi_max_batch = AUTO_MULTI_MAX_BATCH if ecfg.multi_step is None else ecfg.bs_buckets[-1]
         self.multi_step_launches = 0  # multi-step plans run
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
@@ -492,7 +498,7 @@ class ModelRunner:
     def multi_shape(self, batch: int, kv_len: int) -> Shape | None:
         """The shape running `multi_step` decode steps of `batch` sequences in one call, their KV growing to
         at most `kv_len`; None where multi-step decode is off, or no bucket holds the batch."""
-        if self.multi_step <= 1 or batch > self.ecfg.bs_buckets[-1] or kv_len > self.max_len:
+        if self.multi_step <= 1 or batch > self.multi_max_batch or kv_len > self.max_len:
             return None
         b = pick_bucket(batch, self.ecfg.bs_buckets)
         return Shape(b, b, 1, self._multi_pages(kv_len), steps=self.multi_step)
@@ -546,7 +552,9 @@ class ModelRunner:
         shapes += self.mixed_shapes()
         if self.multi_step > 1:
             shapes += list(dict.fromkeys(Shape(b, b, 1, self._multi_pages(kv), steps=self.multi_step)
-                                         for b in decode_bs for kv in self.kv_buckets))
+                                         for b in decode_bs if b <= pick_bucket(self.multi_max_batch,
+                                                                                self.ecfg.bs_buckets)
+                                         for kv in self.kv_buckets))
         if self.ecfg.shared_prefix_attention:
             shapes += [Shape(b, b, 1, own // self.page_size, kv // self.page_size) for b in decode_bs if b >= 2
                        for own in self.ecfg.cascade_suffix_buckets for kv in self.kv_buckets]
