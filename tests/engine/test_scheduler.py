@@ -397,13 +397,18 @@ def test_multi_step_plans_give_the_same_results_as_single_steps() -> None:
     assert {r[1] for r in results[0].values()} == {"stop", "length"}
 
 
+def _steps(s: Scheduler, n: int) -> None:
+    """`n` steps of one call each, applied before the next is planned."""
+    for _ in range(n):
+        plan = s.schedule()
+        s.update(plan, _sampled(plan))
+
+
 def test_multi_step_spans_stop_at_max_tokens_and_fall_back() -> None:
     s = _small(64)
     s.add(_fill("a", 20))
     s.add(_gen("a", 6))
-    for _ in range(3):  # the fill, then the generate's first two tokens
-        plan = s.schedule()
-        s.update(plan, _sampled(plan))
+    _steps(s, 3)  # the fill, then the generate's first two tokens
     plan = s.schedule()
     ahead = s.schedule_ahead(plan, 8, lambda jobs, pages, n, k: True)
     assert ahead is not None and ahead.steps == 3  # 2 tokens sampled, this step's 3rd, 3 more allowed
@@ -414,9 +419,7 @@ def test_multi_step_spans_stop_at_max_tokens_and_fall_back() -> None:
     assert _results(outputs)["a"].finish_reason == "length" and len(_results(outputs)["a"].token_ids) == 6
     # a runner without the shape: one step at a time
     s.add(_gen("a", 6))
-    for _ in range(2):
-        plan = s.schedule()
-        s.update(plan, _sampled(plan))
+    _steps(s, 2)
     plan = s.schedule()
     ahead = s.schedule_ahead(plan, 8, lambda jobs, pages, n, k: False)
     assert ahead is not None and ahead.steps == 1
@@ -427,9 +430,7 @@ def test_abort_while_a_multi_step_plan_is_in_flight() -> None:
     for ctx in ("a", "b"):
         s.add(_fill(ctx, 20))
         s.add(_gen(ctx, 50))
-    for _ in range(6):
-        plan = s.schedule()
-        s.update(plan, _sampled(plan))
+    _steps(s, 6)
     plan = s.schedule()
     ahead = s.schedule_ahead(plan, 4, lambda jobs, pages, n, k: True)
     assert ahead is not None and ahead.steps == 4
