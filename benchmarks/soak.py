@@ -323,6 +323,10 @@ class Soak:
             metrics = (await c.get("/metrics")).text
         aborted = next((float(line.split()[-1]) for line in metrics.splitlines()
                         if line.startswith("parrot:aborted_requests_total")), None)
+        # how the engines stepped (summed over engines): multi-step calls, ahead launches, mixed steps
+        engine_counts = {name: sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                   if line.startswith(f"parrot:engine_{name}_total"))
+                         for name in ("multi_step_launches", "ahead_steps", "mixed_steps")}
 
         def pct(xs: list[float], q: float) -> float | None:
             if not xs:
@@ -341,7 +345,7 @@ class Soak:
             "latency_s": {op: {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
                           for op, xs in sorted(self.latency.items())},
             "latency_all_p99_s": pct(all_lat, 0.99), "aborted_requests_total": aborted,
-            "rss_mb": rss, "engine_kills": kills,
+            "rss_mb": rss, "engine_kills": kills, "engine_counts": engine_counts,
         }
 
 
@@ -410,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     first, last = (rss[0][1], rss[-1][1]) if rss else ("?", "?")
     print(f"{result['seconds']} s, {args.sessions} clients: accepted {result['accepted']}, outcomes "
           f"{result['outcomes']}, lost {result['lost']}, 5xx {result['server_5xx']}, "
-          f"p99 {result['latency_all_p99_s']} s, aborted {result['aborted_requests_total']}, RSS {first} -> {last} MiB")
+          f"p99 {result['latency_all_p99_s']} s, aborted {result['aborted_requests_total']}, "
+          f"RSS {first} -> {last} MiB; engine steps {result.get('engine_counts')}")
     print(f"wrote {args.out}")
     return 0 if result["lost"] == 0 and result["server_5xx"] == 0 else 1
 
