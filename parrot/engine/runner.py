@@ -83,9 +83,11 @@ class Shape:
 AUTO_MULTI_STEP = 4
 
 # forks sharing a prefix whose single (cascade) steps would each read this many fewer KV bytes than plain decode
-# attention run step by step instead of in a multi-step loop (which reads every sequence's pages): ~1 ms of
-# reads at a CPU's ~30 GB/s, about what a call's overhead costs a step there
-CASCADE_OVER_MULTI_BYTES = 32 << 20
+# attention run step by step instead of in a multi-step loop (which reads every sequence's pages). Measured on
+# a 2-core EPYC Zen 4 with SmolLM2 (docs/benchmarks.md, multi-step decode): multi-step is faster up to ~210 MB
+# saved (16 forks of 600 tokens, 8 of 1,100), level at 240-380 MB, cascade faster at 520 MB (16 forks of
+# 1,500); the shared pages that every sequence reads mostly come from the CPU's caches
+CASCADE_OVER_MULTI_BYTES = 256 << 20
 
 # the largest decode batch multi-step decode runs by default (larger ones step by step)
 AUTO_MULTI_MAX_BATCH = 16
