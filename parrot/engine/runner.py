@@ -177,6 +177,29 @@ def _splice_tokens(ids: jax.Array, src: jax.Array, tokens: jax.Array) -> jax.Arr
     return jnp.where(src >= 0, tokens[jnp.maximum(src, 0)], ids)
 
 
+def _pending_splice(slots: list[Slot], num_tokens: int,
+                    prev: Launched | None) -> tuple[np.ndarray, jax.Array] | None:
+    """(src, tokens) for a step whose PENDING slots feed the tokens `prev` sampled, still on the device:
+    src[i] is the index in `prev.tokens` of flat row i's token (-1: the row's own id); None if no slot waits."""
+    if not any(s.source >= 0 for s in slots):
+        return None
+    assert prev is not None and prev.tokens is not None
+    src = np.full(num_tokens, -1, np.int32)
+    off = 0
+    for s in slots:
+        if s.source >= 0:
+            src[off] = s.source
+        off += len(s.tokens)
+    return src, prev.tokens
+
+
+def _sampler_steps(slots: list[Slot], prev: Launched | None) -> list[int]:
+    """Each slot's sampler step counter (its random stream): the job's tokens, those the step in flight
+    samples for a PENDING slot included (`prev.steps`: more than one from a multi-step plan)."""
+    pending = prev.steps if prev is not None else 0
+    return [len(s.job.output_ids) + (pending if s.source >= 0 else 0) for s in slots]
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
@@ -634,19 +657,10 @@ class ModelRunner:
             stops[b, : len(ids)] = ids
             limit[b] = s.steps
         params = [s.job.sampling for s in slots]
-        pending = prev.steps if prev is not None else 0  # the PENDING token counts in the sampler's stream
-        sampling = SamplingBatch.build(params, [len(s.job.output_ids) + (pending if s.source >= 0 else 0)
-                                                for s in slots], shape.batch, [p.seed or 0 for p in params])
+        sampling = SamplingBatch.build(params, _sampler_steps(slots, prev), shape.batch, [p.seed or 0 for p in params])
+        splice = _pending_splice(slots, shape.tokens, prev)
         t0 = time.perf_counter()
-        batch = self._to_device(batch, shape)
-        if any(s.source >= 0 for s in slots):
-            assert prev is not None and prev.tokens is not None
-            src = np.full(shape.tokens, -1, np.int32)
-            for b, s in enumerate(slots):
-                src[b] = s.source
-            fut = self._parts.get(("splice", shape.tokens))
-            fn = fut.result() if fut is not None and fut.done() and len(prev.tokens) == shape.tokens else self._splice
-            batch = dataclasses.replace(batch, input_ids=fn(batch.input_ids, src, prev.tokens))
+        batch = self._spliced(self._to_device(batch, shape), shape, splice)
         out, last, ks, vs = exe.loop(self.weights, batch, list(self.kv[0]), list(self.kv[1]), sampling, stops, limit)
         self.kv = (tuple(ks), tuple(vs))
         self.dispatch_s += time.perf_counter() - t0
@@ -665,16 +679,7 @@ class ModelRunner:
                                              sum(len(s.tokens) for s in slots)))
         batch = build_batch(seqs, self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
                             shape.prefix_pages)
-        splice = None
-        if any(s.source >= 0 for s in slots):  # PENDING tokens: sampled by `prev`, still on the device
-            assert prev is not None and prev.tokens is not None
-            src = np.full(shape.tokens, -1, np.int32)
-            off = 0
-            for s in slots:
-                if s.source >= 0:
-                    src[off] = s.source
-                off += len(s.tokens)
-            splice = (src, prev.tokens)
+        splice = _pending_splice(slots, shape.tokens, prev)
         sampling = [s.job.sampling for s in slots if s.sample]
         checks = [(s.job.constraint, i) for i, s in enumerate(slots)
                   if self._lazy_masks and s.sample and lazily_constrained(s.job)]
@@ -700,23 +705,21 @@ class ModelRunner:
             return None
         if not self._masks_first:
             extras = extras_of()
-        tokens = self._sample_slots(slots, logits, extras, shape.batch, prev.steps if prev is not None else 1)
+        tokens = self._sample_slots(slots, logits, extras, shape.batch, prev)
         if checks:  # greedy constrained rows sampled unmasked: their grammars check the tokens now
             tokens = np.array(np.asarray(tokens)[: len(slots)])
             check_greedy(checks, tokens, lambda: np.asarray(logits), self.cfg.vocab_size)
         return tokens
 
     def _sample_slots(self, slots: list[Slot], logits: jax.Array, extras: tuple | None,
-                      batch: int, pending: int = 1) -> jax.Array | np.ndarray:
+                      batch: int, prev: Launched | None = None) -> jax.Array | np.ndarray:
         """The sampled tokens of a batch: greedy argmax, the plain sampler, or the processed one (`extras`).
-        `pending`: tokens the step in flight samples for each PENDING slot's job (its `steps`)."""
+        `prev`: the step in flight that samples the PENDING slots' tokens."""
         sampling = [s.job.sampling for s in slots if s.sample]
         if extras is None and all(p is None or p.greedy for p in sampling):
             return self.sample(logits, None)
         params = [s.job.sampling if s.sample else sampling[0] for s in slots]
-        # the sampler's step counter (its random stream) counts the job's tokens, the PENDING one included
-        steps = [len(s.job.output_ids) + (pending if s.source >= 0 else 0) for s in slots]
-        sb = SamplingBatch.build(params, steps, batch, [p.seed or 0 for p in params])
+        sb = SamplingBatch.build(params, _sampler_steps(slots, prev), batch, [p.seed or 0 for p in params])
         if extras is None:
             return self.sample(logits, sb)
         tokens, chosen, top_ids, top_lp = self.sample_processed(logits, sb, *extras)
@@ -809,12 +812,7 @@ class ModelRunner:
             log.warning("compiled shape %s at serve time (not precompiled)", shape)
         w = self.prefill_weights if shape.q_len > 1 else self.weights
         t0 = time.perf_counter()
-        batch = self._to_device(batch, shape)
-        if splice is not None:
-            fut = self._parts.get(("splice", shape.tokens))
-            fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
-            ids = fn(batch.input_ids, self._put(splice[0]), splice[1])
-            batch = dataclasses.replace(batch, input_ids=ids)
+        batch = self._spliced(self._to_device(batch, shape), shape, splice)
         x, cos, sin = self._done(exe.embed(w.embed, batch.input_ids, batch.positions))
         ks, vs = list(self.kv[0]), list(self.kv[1])
         for a, b in self.blocks:
@@ -824,6 +822,15 @@ class ModelRunner:
         scored = None if rows is None else self._done(self._scores(w.head, x, *self._put(rows)))
         self.dispatch_s += time.perf_counter() - t0
         return logits, scored
+
+    def _spliced(self, batch: ForwardBatch, shape: Shape, splice: tuple[np.ndarray, jax.Array] | None) -> ForwardBatch:
+        """The device batch with its PENDING input ids replaced by the tokens the step in flight sampled
+        (`splice`: (src, tokens), see `_pending_splice`), by the shape's compiled splice where it is ready."""
+        if splice is None:
+            return batch
+        fut = self._parts.get(("splice", shape.tokens))
+        fn = fut.result() if fut is not None and fut.done() and len(splice[1]) == shape.tokens else self._splice
+        return dataclasses.replace(batch, input_ids=fn(batch.input_ids, self._put(splice[0]), splice[1]))
 
     def _to_device(self, batch: ForwardBatch, shape: Shape) -> ForwardBatch:
         """The step's batch on the device: on one device its host arrays go as one packed transfer, unpacked
@@ -886,7 +893,7 @@ class ModelRunner:
 
     def _compile_loop(self, shape: Shape, w: Weights, batch: ForwardBatch, tokens: jax.ShapeDtypeStruct,
                       t0: float) -> StepExecutables:
-        """A multi-step shape's decode loops (greedy, and with the plain sampler) and its token splice."""
+        """A multi-step shape's decode loop and its token splice."""
         kv = self._abstract(self.kv)
         b = shape.batch
         stops = jax.ShapeDtypeStruct((b, MULTI_STOP_IDS), jnp.int32)

@@ -300,16 +300,7 @@ class Scheduler:
             assert slot.sample and sampled is not None
             token = int(sampled[i])
             outputs.append(self._on_token(job, token, slot.logprob))
-            feed = feeds.get(job.job_id)
-            if feed is None:
-                continue
-            if job.status is JobStatus.FINISHED:  # its ahead slot computes nothing anyone reads
-                tokens = self.tokens[job.context_id]
-                if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > len(tokens):
-                    self._truncate(job.context_id, len(tokens))
-            else:
-                feed.tokens[0] = token
-                job.pending = []  # the ahead step feeds it
+            self._hand_over(job, feeds.get(job.job_id))
         return outputs
 
     def _update_steps(self, plan: StepPlan, sampled: Sequence[Sequence[int]] | None,
@@ -326,16 +317,20 @@ class Scheduler:
                     break  # aborted while its step was in flight, or stopped at an earlier token
                 del job.pending[:1]  # fed: the slot's token, then each token the device sampled before
                 outputs.append(self._on_token(job, int(sampled[j][i]), None))
-            if job.status is JobStatus.FINISHED:
-                n = len(self.tokens.get(job.context_id, ()))
-                if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > n:
-                    self._truncate(job.context_id, n)
-                continue
-            feed = feeds.get(job.job_id)
-            if feed is not None:
-                feed.tokens[0] = job.pending[0]
-                job.pending = []  # the ahead step feeds it
+            self._hand_over(job, feeds.get(job.job_id))
         return outputs
+
+    def _hand_over(self, job: Job, feed: Slot | None) -> None:
+        """After a step's tokens of a generate: a finished job drops the KV written past its tokens (by its
+        ahead slot, or the rest of a multi-step plan); a running one hands its last token to the ahead slot
+        that feeds it (`feed`)."""
+        if job.status is JobStatus.FINISHED:
+            n = len(self.tokens.get(job.context_id, ()))
+            if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > n:
+                self._truncate(job.context_id, n)
+        elif feed is not None:
+            feed.tokens[0] = job.pending[0]
+            job.pending = []  # the ahead step feeds it
 
     def _score(self, job: Job, slot: Slot) -> None:
         """Keep the logprobs a step computed for a fill's tokens (by position: a preempted fill that feeds
