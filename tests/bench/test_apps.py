@@ -108,6 +108,19 @@ def test_parrot_args_go_to_the_parrot_system_only() -> None:
     assert "--prefill-tokens-beside-latency" not in made["baseline-apc"].command
 
 
+def test_param_overrides_apply_where_a_workload_has_the_key() -> None:
+    params = workloads.override_params(["chain_under_load", "map_reduce_under_load", "chain"], "quick",
+                                       ["chat_rate=2", "chats=20"])
+    for name in ("chain_under_load", "map_reduce_under_load"):
+        assert params[name]["chat_rate"] == 2.0 and isinstance(params[name]["chat_rate"], float)
+        assert params[name]["chats"] == 20 and isinstance(params[name]["chats"], int)
+    assert params["chain"] == workloads.WORKLOADS["chain"].params["quick"]  # no such keys: unchanged
+    assert workloads.WORKLOADS["chain_under_load"].params["quick"]["chat_rate"] == 0.3  # the defaults stay
+    for bad, why in [("chat_rate", "KEY=VALUE"), ("users=4", "no selected workload"), ("chats=many", "not of type int")]:
+        with pytest.raises(ValueError, match=why):
+            workloads.override_params(["chain_under_load"], "quick", [bad])
+
+
 @pytest.fixture(scope="module")
 def server():
     from tests.servers import tiny_serving_core
