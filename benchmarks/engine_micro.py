@@ -20,7 +20,8 @@ from parrot.config import EngineConfig
 from parrot.engine import kernels
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
-from parrot.engine.runner import ModelRunner, Shape
+from parrot.engine.runner import ModelRunner
+from parrot.engine.shapes import Shape
 
 
 def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
@@ -120,7 +121,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, loaded.config.vocab_size, prompt_len).tolist()
     pages = list(range(1, 1 + -(-prompt_len // ps)))
-    t_prefill = _time_interleaved(steps(runner.prefill_shape(1, prompt_len, prompt_len),
+    t_prefill = _time_interleaved(steps(runner.shapes.prefill_shape(1, prompt_len, prompt_len),
                                         [SequenceSlice(prompt, 0, pages, fill=True)]), repeats)
     result["prefill"] = {name: {"tokens": prompt_len, "median_s": t, "tokens_per_s": prompt_len / t}
                          for name, t in t_prefill.items()}
@@ -131,7 +132,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     for b in batches:
         seqs = [SequenceSlice([int(rng.integers(100, 1000))], decode_ctx - 1,
                               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(b)]
-        shape = runner.decode_shape(b, decode_ctx)
+        shape = runner.shapes.decode_shape(b, decode_ctx)
         for name, t in _time_interleaved(steps(shape, seqs), repeats * 2).items():
             ms = t * 1e3
             select(name)

@@ -64,8 +64,8 @@ def profile(runner: ModelRunner, batch_size: int, context: int, fill: int = 0) -
     n = fill or 1
     seqs = [SequenceSlice([100 + i] * n, context - n, list(range(1 + i * per, 1 + (i + 1) * per)), fill=fill > 0)
             for i in range(batch_size)]
-    shape = (runner.prefill_shape(batch_size, fill, context, fill * batch_size) if fill
-             else runner.decode_shape(batch_size, context))
+    shape = (runner.shapes.prefill_shape(batch_size, fill, context, fill * batch_size) if fill
+             else runner.shapes.decode_shape(batch_size, context))
     batch = build_batch(seqs, ps, shape.tokens, shape.batch, shape.q_len, shape.pages)
 
     def step() -> None:

@@ -51,8 +51,8 @@ def _child_memory(tp: int) -> dict:
     head = 0 if r.weights.head.tied else shard_bytes(r.weights.head.proj)
     other = shard_bytes(r.weights.embed) + head + shard_bytes(r.weights.head.norm)
     calls = {}
-    for name, shape in (("decode_batch_16_ctx_1024", r.decode_shape(16, 1024)),
-                        ("prefill_512_tokens", r.prefill_shape(1, 512, 512))):
+    for name, shape in (("decode_batch_16_ctx_1024", r.shapes.decode_shape(16, 1024)),
+                        ("prefill_512_tokens", r.shapes.prefill_shape(1, 512, 512))):
         exe, _ = r.compiler.get(shape)
         stats = {}
         for part, fn in (("embed", exe.embed), ("layer", exe.blocks[1]), ("head", exe.head)):
@@ -87,7 +87,7 @@ def _child_speed(tp: int, repeats: int) -> dict:
     out = {"tp": tp, "machine": procinfo.cpu_name(), "exact_mode": r.tp_exact, "decode": {}}
     rng = np.random.default_rng(0)
     for b in (1, 16):
-        shape = r.decode_shape(b, ctx)
+        shape = r.shapes.decode_shape(b, ctx)
         seqs = [SequenceSlice([int(rng.integers(100, 1000))], ctx - 1,
                               list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(b)]
         batch = build_batch(seqs, ps, shape.tokens, shape.batch, shape.q_len, shape.pages)

@@ -1,5 +1,5 @@
 """ModelRunner: the model split once with `nnx.split`, a pure jitted forward over a paged KV pool,
-the jitted samplers, bucket shapes, precompilation and the persistent compilation cache."""
+the jitted samplers, precompilation of its bucket shapes (shapes.py) and the persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -62,21 +62,10 @@ from parrot.engine.sampling import (
 )
 from parrot.engine.scheduler import Slot, StepPlan
 from parrot.engine.sequence import Job, JobKind
+from parrot.engine.shapes import Shape, ShapeBook
 from parrot.engine.structured import check_greedy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A compiled forward shape: flat tokens, sequences, queries per sequence, pages per sequence."""
-
-    tokens: int
-    batch: int
-    q_len: int
-    pages: int
-    prefix_pages: int = 0  # > 0: cascade decode with a shared prefix of this many pages
-    steps: int = 1  # > 1: that many decode steps in one call (multi-step decode: `ModelRunner.multi_shape`)
 
 
 # decode steps per call where multi-step decode is on by default (EngineConfig.multi_step: attention in place)
@@ -99,10 +88,6 @@ MULTI_STOP_IDS = 8
 # one row alone computes its mask before the step: a mask computed after a run of unchecked tokens costs
 # llguidance up to twice as much (it catches up on them: 1.1-1.2 against 0.6 ms for one JSON state here)
 LAZY_MIN_ROWS = 2
-
-# token buckets below this serve one sequence's prefill only (a short fill, a grammar's forced tokens); a
-# batch of several fills pads to at least this many tokens each (half the small shapes to compile)
-MIN_BATCHED_Q = 16
 
 
 def _cpu_has_bf16_matmul() -> bool:
@@ -214,10 +199,7 @@ class ModelRunner:
         self.dtype = decode_dtype
         self.prefill_dtype = prefill_dtype
         self.page_size = ecfg.page_size
-        self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])
-        self.kv_buckets = [b for b in ecfg.kv_buckets if b < self.max_len] + [self.max_len]
-        if self.max_len % self.page_size:
-            raise ValueError(f"model context {self.max_len} is not a multiple of page_size {self.page_size}")
+        self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         # tensor parallelism: the model with heads, FFN and vocabulary zero-padded to split in whole parts
         self.tp = ecfg.tensor_parallel_size
@@ -294,6 +276,9 @@ class ModelRunner:
         # holds the whole model's code, ~45 MB on a CPU; larger batches' steps are long beside a call's cost)
         self.multi_max_batch = AUTO_MULTI_MAX_BATCH if ecfg.multi_step is None else ecfg.bs_buckets[-1]
         self.multi_step_launches = 0  # multi-step plans run
+        self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
+                                self.multi_max_batch)
+        self.kv_buckets = self.shapes.kv_buckets
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
@@ -468,77 +453,12 @@ class ModelRunner:
                                 tuple(jnp.zeros(shape, dtype) for _ in range(n))), out_shardings=out)()
 
     # ---- shapes -----------------------------------------------------------------------------
-    def kv_pages_bucket(self, kv_len: int) -> int:
-        return pick_bucket(kv_len, self.kv_buckets) // self.page_size
-
-    def prefill_shape(self, batch: int, q_len: int, kv_len: int, tokens: int | None = None) -> Shape:
-        """`batch` sequences of up to `q_len` new tokens each (`tokens` in all), attending to up to `kv_len`
-        tokens. Where attention reads the pages in place (`prefill_in_place`), several sequences are padded
-        to the bucket of their total tokens (the products' rows), each allowed up to all of them; elsewhere
-        every sequence is padded to the longest chunk's bucket (the gathered attention's shape)."""
-        b = pick_bucket(batch, self.ecfg.prefill_bs_buckets)
-        if b > 1 and self.prefill_in_place:
-            t = pick_bucket(max(tokens if tokens is not None else batch * q_len, q_len, MIN_BATCHED_Q),
-                            self.ecfg.token_buckets)
-            return Shape(t, b, t, self.kv_pages_bucket(max(kv_len, t)))
-        q = pick_bucket(q_len if b == 1 else max(q_len, MIN_BATCHED_Q), self.ecfg.token_buckets)
-        return Shape(b * q, b, q, self.kv_pages_bucket(max(kv_len, q)))
-
-    def decode_shape(self, batch: int, kv_len: int) -> Shape:
-        b = pick_bucket(batch, self.ecfg.bs_buckets)
-        return Shape(b, b, 1, self.kv_pages_bucket(kv_len))
-
-    def mixed_shape(self, batch: int, tokens: int, kv_len: int) -> Shape | None:
-        """A mixed step's shape (`batch` sequences, decode rows and prompt chunks, `tokens` in all): a flat
-        prefill shape; beyond the prefill batch buckets, a batch bucket with the longest KV bucket (attention
-        reads the pages in place, so the page-table width costs nothing: one KV bucket per batch size).
-        None: no such bucket."""
-        if tokens > self.ecfg.token_buckets[-1]:
-            return None
-        if batch <= self.ecfg.prefill_bs_buckets[-1]:
-            return self.prefill_shape(batch, tokens, kv_len, tokens)
-        if batch > self.ecfg.bs_buckets[-1]:
-            return None
-        b = pick_bucket(batch, self.ecfg.bs_buckets)
-        t = pick_bucket(max(tokens, MIN_BATCHED_Q), self.ecfg.token_buckets)
-        return Shape(t, b, t, self.max_len // self.page_size)
-
-    def mixed_shapes(self) -> list[Shape]:
-        """The mixed shapes beyond the prefill batch buckets: decode batch sizes beside a prompt chunk of up to
-        `prefill_tokens_beside_decodes` tokens."""
-        if not self.mixed:
-            return []
-        beside = self.ecfg.prefill_tokens_beside_decodes or self.ecfg.max_num_batched_tokens
-        max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
-        top = self.ecfg.token_buckets[-1]
-        shapes = []
-        for b in self.ecfg.bs_buckets:
-            if b <= self.ecfg.prefill_bs_buckets[-1] or b > max_bs:
-                continue
-            most = pick_bucket(min(top, b + beside), self.ecfg.token_buckets)  # b decode rows and the chunk
-            shapes += [Shape(t, b, t, self.max_len // self.page_size) for t in self.ecfg.token_buckets
-                       if max(MIN_BATCHED_Q, b // 2) <= t <= most]
-        return shapes
-
-    def multi_shape(self, batch: int, kv_len: int) -> Shape | None:
-        """The shape running `multi_step` decode steps of `batch` sequences in one call, their KV growing to
-        at most `kv_len`; None where multi-step decode is off, or no bucket holds the batch."""
-        if self.multi_step <= 1 or batch > self.multi_max_batch or kv_len > self.max_len:
-            return None
-        b = pick_bucket(batch, self.ecfg.bs_buckets)
-        return Shape(b, b, 1, self._multi_pages(kv_len), steps=self.multi_step)
-
-    def _multi_pages(self, kv_len: int) -> int:
-        """A multi-step shape's page-table width: where attention reads the pages in place its width costs
-        nothing, so one (the longest) serves every length; elsewhere the KV bucket's."""
-        return self.max_len // self.page_size if self.prefill_in_place else self.kv_pages_bucket(kv_len)
-
     def multi_fits(self, jobs: list[Job], pages: list[list[int]], kv_len: int, steps: int) -> bool:
         """Whether a multi-step plan of these jobs (holding these KV `pages`) can run now: its shape exists and
         is compiled (or nothing was precompiled), no job has more stop tokens than the loop checks, one
         process drives the device alone (no tensor parallelism, no followers to mirror the call to), and the
         jobs share no long prefix that cascade attention would read once for all of them in single steps."""
-        shape = self.multi_shape(len(jobs), kv_len)
+        shape = self.shapes.multi_shape(len(jobs), kv_len)
         if shape is None or steps > shape.steps or self.mirror is not None or self.following:
             return False
         if any(len(job.stop_ids) > MULTI_STOP_IDS for job in jobs):
@@ -548,42 +468,9 @@ class ModelRunner:
             own = max(len(pages[i]) - shared for i in members) * self.page_size if members else 0
             saved = (len(members) - 1) * shared * self.kv_page_bytes  # KV bytes a cascade step does not read
             if (saved >= self.cascade_over_multi_bytes
-                    and self.cascade_shape(len(jobs), own, shared * self.page_size) is not None):
+                    and self.shapes.cascade_shape(len(jobs), own, shared * self.page_size) is not None):
                 return False
         return not (self.precompiled and not self.compiler.ready(shape))
-
-    def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
-        """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
-        if own_len > self.ecfg.cascade_suffix_buckets[-1] or batch < 2:
-            return None
-        b = pick_bucket(batch, self.ecfg.bs_buckets)
-        own = pick_bucket(own_len, self.ecfg.cascade_suffix_buckets) // self.page_size
-        return Shape(b, b, 1, own, self.kv_pages_bucket(prefix_len))
-
-    def all_shapes(self) -> list[Shape]:
-        """Every shape the serving loop may use: prefill steps (`prefill_bs_buckets` sequences of a
-        token bucket each, within max_num_batched_tokens) and decode batches."""
-        budget = self.ecfg.max_num_batched_tokens
-        max_q = min(self.max_len, pick_bucket(budget, self.ecfg.token_buckets))
-        flat = self.prefill_in_place  # several sequences share one token bucket (see prefill_shape)
-        shapes = [Shape(q if flat else b * q, b, q, kv // self.page_size)
-                  for q in self.ecfg.token_buckets if q <= max_q
-                  for b in self.ecfg.prefill_bs_buckets
-                  if b == 1 or (MIN_BATCHED_Q <= q and (flat or b * q <= budget))
-                  for kv in self.kv_buckets if kv >= q]
-        max_bs = pick_bucket(self.ecfg.max_batch_size, self.ecfg.bs_buckets)
-        decode_bs = [b for b in self.ecfg.bs_buckets if b <= max_bs]
-        shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
-        shapes += self.mixed_shapes()
-        if self.multi_step > 1:
-            shapes += list(dict.fromkeys(Shape(b, b, 1, self._multi_pages(kv), steps=self.multi_step)
-                                         for b in decode_bs if b <= pick_bucket(self.multi_max_batch,
-                                                                                self.ecfg.bs_buckets)
-                                         for kv in self.kv_buckets))
-        if self.ecfg.shared_prefix_attention:
-            shapes += [Shape(b, b, 1, own // self.page_size, kv // self.page_size) for b in decode_bs if b >= 2
-                       for own in self.ecfg.cascade_suffix_buckets for kv in self.kv_buckets]
-        return shapes
 
     # ---- running ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> np.ndarray | None:
@@ -619,7 +506,7 @@ class ModelRunner:
                 [s.pages for s in plan.decode])[1]:
             return None
         slots = plan.slots
-        shape = self.mixed_shape(len(slots), sum(len(s.tokens) for s in slots),
+        shape = self.shapes.mixed_shape(len(slots), sum(len(s.tokens) for s in slots),
                                  max(s.start + len(s.tokens) for s in slots))
         if shape is None or (self.precompiled and not self.compiler.ready(shape)):
             return None
@@ -639,7 +526,7 @@ class ModelRunner:
         """Dispatch a multi-step plan (`StepPlan.steps` > 1): its decode batch runs the shape's decode loop
         once; every slot's KV pages are in its block table from the start."""
         slots = plan.decode
-        shape = self.multi_shape(len(slots), max(s.start + s.steps for s in slots))
+        shape = self.shapes.multi_shape(len(slots), max(s.start + s.steps for s in slots))
         assert shape is not None and plan.steps <= shape.steps and not plan.prefill
         exe, compiled_now = self.compiler.get(shape)
         if compiled_now and self.precompiled:
@@ -674,8 +561,8 @@ class ModelRunner:
             shape = self._cascade(seqs)
         if shape is None:
             kv_len = max(s.start + len(s.tokens) for s in slots)
-            shape = (self.decode_shape(len(slots), kv_len) if decode
-                     else self.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len,
+            shape = (self.shapes.decode_shape(len(slots), kv_len) if decode
+                     else self.shapes.prefill_shape(len(slots), max(len(s.tokens) for s in slots), kv_len,
                                              sum(len(s.tokens) for s in slots)))
         batch = build_batch(seqs, self.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages,
                             shape.prefix_pages)
@@ -761,7 +648,7 @@ class ModelRunner:
         for i in members:
             seqs[i].shared_pages = shared
         own = max(s.start + len(s.tokens) - s.shared_pages * self.page_size for s in seqs)
-        shape = self.cascade_shape(len(seqs), own, shared * self.page_size)
+        shape = self.shapes.cascade_shape(len(seqs), own, shared * self.page_size)
         if shape is not None and self.precompiled and not self.compiler.ready(shape):
             shape = None  # still compiling (cascade shapes come last): the plain decode shape is ready sooner
         if shape is None:
@@ -780,7 +667,7 @@ class ModelRunner:
         for off in range(0, len(tokens), chunk):
             part = tokens[off : off + chunk]
             pos = start + off
-            shape = self.prefill_shape(1, len(part), pos + len(part))
+            shape = self.shapes.prefill_shape(1, len(part), pos + len(part))
             seq = SequenceSlice(part, pos, pages, fill=True)
             logits = self.forward(build_batch([seq], self.page_size, shape.tokens, shape.batch, shape.q_len,
                                               shape.pages))
@@ -1047,7 +934,7 @@ class ModelRunner:
         """Compile every serving shape (default: `all_shapes()`, smallest first), so serving never
         compiles. With `wait=False` compiling goes on in the background: a step whose shape is not ready
         yet waits for it (moved to the front of the queue); `compile_status()` tells the progress."""
-        todo = list(dict.fromkeys(self.all_shapes() if shapes is None else shapes))
+        todo = list(dict.fromkeys(self.shapes.all_shapes() if shapes is None else shapes))
         todo.sort(key=lambda s: (s.steps > 1, s.prefix_pages > 0, s.pages, s.batch, s.tokens))  # needed first
         self.copy_pages([PageCopy(0, 0, 0)])  # compiles the page copy (scratch page 0 onto itself)
         self.compiler.submit(todo)

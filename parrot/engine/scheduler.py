@@ -92,7 +92,7 @@ class Scheduler:
         self.cfg = cfg
         self.max_len = max_len
         # the runner's prefill attention reads KV pages in place: no cuts at attention-length buckets (`_align`),
-        # and chunks of several sequences padded by their total tokens (ModelRunner.prefill_shape)
+        # and chunks of several sequences padded by their total tokens (ShapeBook.prefill_shape)
         self.attention_in_place = attention_in_place
         self.max_prefill_batch = max(cfg.prefill_bs_buckets)
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)

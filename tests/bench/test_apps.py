@@ -116,7 +116,8 @@ def test_param_overrides_apply_where_a_workload_has_the_key() -> None:
         assert params[name]["chats"] == 20 and isinstance(params[name]["chats"], int)
     assert params["chain"] == workloads.WORKLOADS["chain"].params["quick"]  # no such keys: unchanged
     assert workloads.WORKLOADS["chain_under_load"].params["quick"]["chat_rate"] == 0.3  # the defaults stay
-    for bad, why in [("chat_rate", "KEY=VALUE"), ("users=4", "no selected workload"), ("chats=many", "not of type int")]:
+    bad_ones = [("chat_rate", "KEY=VALUE"), ("users=4", "no selected workload"), ("chats=many", "not of type int")]
+    for bad, why in bad_ones:
         with pytest.raises(ValueError, match=why):
             workloads.override_params(["chain_under_load"], "quick", [bad])
 
