@@ -167,6 +167,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_num_batched_tokens=max_tokens,
                           prefill_tokens_beside_latency=(args.prefill_tokens_beside_latency
                                                          or EngineConfig.prefill_tokens_beside_latency),
+                          decode_bursts=args.decode_bursts,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                           decode_attention=args.decode_attention, explicit=tuple(
@@ -268,6 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),
                                 ("--prefill-tokens-beside-decodes", args.prefill_tokens_beside_decodes),
                                 ("--prefill-tokens-beside-latency", args.prefill_tokens_beside_latency),
+                                ("--decode-bursts", args.decode_bursts),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
@@ -331,6 +333,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--prefill-tokens-beside-latency", type=int, default=None, metavar="N",
                    help="prefill tokens of throughput work (semantic calls read as throughput-critical) in a step "
                         "that decodes latency-critical work (default: as --prefill-tokens-beside-decodes)")
+    e.add_argument("--decode-bursts", type=int, default=None, metavar="N",
+                   help="while decodes and prompts both wait, alternate steps of up to N prompt tokens alone with a "
+                        "decode-only burst of multi-step decode, instead of a short prompt chunk beside every decode "
+                        "step (default: off)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

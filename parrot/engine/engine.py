@@ -297,7 +297,7 @@ class LLMEngine:
             overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, mixed_steps=self.runner.mixed_steps, aborts=s.aborts,
-            multi_step_launches=self.runner.multi_step_launches,
+            multi_step_launches=self.runner.multi_step_launches, decode_bursts=s.decode_bursts,
             max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
@@ -321,7 +321,7 @@ class LLMEngine:
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
-                "multi_step": r.multi_step,
+                "multi_step": r.multi_step, "decode_bursts": c.decode_bursts,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,
@@ -382,7 +382,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         device0 = self.runner.wait_s + self.runner.dispatch_s
         if self._inflight is None:
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(self.runner.multi_step, self.runner.multi_fits)
             try:
                 launched = self.runner.launch(plan)
             except ParrotError as err:

@@ -67,6 +67,10 @@ class Slot:
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
 
+# the runner's answer to "can these jobs (holding these pages, the longest KV this long) run k steps in one
+# call now?" (ModelRunner.multi_fits)
+Fits = Callable[[list[Job], list[list[int]], int, int], bool]
+
 
 @dataclass
 class StepPlan:
@@ -105,6 +109,8 @@ class Scheduler:
         self.aborts = 0  # jobs aborted before they finished
         self.fast_forward_tokens = 0  # grammar-forced tokens fed within a chunk: decode steps saved
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
+        self._burst_due = False  # the last step filled prompts while decodes waited: their burst is next
+        self.decode_bursts = 0  # decode-only bursts planned between prompt steps (`EngineConfig.decode_bursts`)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -135,29 +141,36 @@ class Scheduler:
         del self.busy[job.context_id]
 
     # ---- one step -----------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, steps: int = 1, fits: Fits | None = None) -> StepPlan:
+        """Plan the next step. With `decode_bursts` set, `steps` and `fits` (as in `schedule_ahead`) let a
+        decode batch that waits beside prompts run as a decode-only burst of up to `steps` steps."""
         plan = StepPlan(copies=self._copies)
         self._copies = []
         self._admit(plan)
         scheduled: set[int] = set()
-        # decodes first (running work keeps its pace); preempt the newest job when pages run out
-        for job in sorted(self.running, key=lambda j: j.order):
-            if len(job.pending) != 1 or job.status is not JobStatus.RUNNING:
-                continue
-            if len(plan.decode) >= self.cfg.max_batch_size:
-                break
-            if not self._make_room(job, 1, scheduled, plan):
-                continue
-            plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
-            scheduled.add(job.job_id)
+        decoding = [job for job in sorted(self.running, key=lambda j: j.order)
+                    if len(job.pending) == 1 and job.status is JobStatus.RUNNING]
+        skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
+        if self.cfg.decode_bursts and decoding and self._prompts_pending():
+            batch = decoding[: self.cfg.max_batch_size]
+            spans = self._decode_spans(batch, 0, steps, fits)
+            if spans is not None and max(spans) > 1:
+                if self._burst_due:  # the last step filled prompts: now the decodes' burst, alone
+                    self._burst(plan, batch, spans)
+                    return plan
+                skipped, decoding = batch, []
+        self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
         if plan.decode:  # running decodes wait for the prefill chunk beside them: keep it short
             budget = min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
+        if skipped:  # a prompts-only step between two decode bursts
+            budget = min(budget, self.cfg.decode_bursts or budget)
         # throughput work's share beside latency-critical decodes (a chat's next token waits for it)
         background = budget
-        if self.cfg.prefill_tokens_beside_latency and any(s.job.priority == 0 for s in plan.decode):
+        latency_waits = any(s.job.priority == 0 for s in plan.decode) or any(j.priority == 0 for j in skipped)
+        if self.cfg.prefill_tokens_beside_latency and latency_waits:
             background = min(budget, self.cfg.prefill_tokens_beside_latency)
         longest = 0
         for job in sorted(self.running, key=lambda j: j.order):
@@ -200,10 +213,42 @@ class Scheduler:
             if self._make_room(job, 1, scheduled, plan):
                 plan.decode.append(self._slot(job, job.pending[:1], len(job.pending) == 1))
                 scheduled.add(job.job_id)
+        if skipped and not plan.prefill:  # no prompt could be filled after all: the decodes go now
+            spans = self._decode_spans(skipped, 0, steps, fits)
+            if spans is not None and max(spans) > 1:
+                self._burst(plan, skipped, spans)
+                return plan
+            self._add_decodes(plan, skipped, scheduled)
+        self._burst_due = bool(skipped) and bool(plan.prefill)
         return plan
 
-    def schedule_ahead(self, plan: StepPlan, steps: int = 1,
-                       fits: Callable[[list[Job], list[list[int]], int, int], bool] | None = None) -> StepPlan | None:
+    def _add_decodes(self, plan: StepPlan, jobs: list[Job], scheduled: set[int]) -> None:
+        """One step of each of `jobs` (in order, up to the batch size) into `plan`'s decode batch; the
+        newest running job is preempted where pages run out."""
+        for job in jobs:
+            if len(job.pending) != 1 or job.status is not JobStatus.RUNNING:
+                continue
+            if len(plan.decode) >= self.cfg.max_batch_size:
+                break
+            if not self._make_room(job, 1, scheduled, plan):
+                continue
+            plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
+            scheduled.add(job.job_id)
+
+    def _prompts_pending(self) -> bool:
+        """Whether a running job has prompt tokens to fill (more than its one next token; grammar-forced
+        tokens ride in decode batches)."""
+        return any(len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING for j in self.running)
+
+    def _burst(self, plan: StepPlan, jobs: list[Job], spans: list[int]) -> None:
+        """Make `plan` a decode-only plan of `jobs`, each taking its span of steps (`_decode_spans`)."""
+        plan.steps = max(spans)
+        for job, n in zip(jobs, spans, strict=True):
+            plan.decode.append(self._slot(job, job.pending[:1], True, steps=n))
+        self._burst_due = False
+        self.decode_bursts += 1
+
+    def schedule_ahead(self, plan: StepPlan, steps: int = 1, fits: Fits | None = None) -> StepPlan | None:
         """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see
         the module doc), or None when the batch is not stable enough to run ahead. With `steps` > 1, up to
         that many decode steps in one plan where `fits(jobs, their pages, longest KV, steps)` says the runner has
@@ -215,8 +260,23 @@ class Scheduler:
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
-        done = plan.steps  # tokens each job has sampled once `plan` is applied
-        room: list[int] = []  # tokens each job may still sample after that
+        spans = self._decode_spans(jobs, plan.steps, steps, fits)
+        if spans is None:
+            return None
+        ahead = StepPlan(steps=max(spans))
+        for i, (job, n) in enumerate(zip(jobs, spans, strict=True)):
+            slot = self._slot(job, [PENDING], True, steps=n)
+            slot.source = i
+            ahead.decode.append(slot)
+        return ahead
+
+    def _decode_spans(self, jobs: list[Job], done: int, steps: int, fits: Fits | None) -> list[int] | None:
+        """How many decode steps each of `jobs` may take in one plan once `done` more tokens of each are
+        sampled (the plan in flight's): up to `steps` where `fits(jobs, their pages, longest KV, steps)` says
+        the runner has the shape for it and pages are free, else 1. None where a job cannot be planned
+        without its tokens (it may finish first, or its next token needs host work: constraints, logprobs,
+        penalties, min_tokens) or the pages for one step each are not free (no plan is preempted)."""
+        room: list[int] = []  # tokens each job may still sample after `done`
         for job in jobs:
             sp = job.sampling
             if (job.kind is not JobKind.GENERATE or job.status is not JobStatus.RUNNING or sp is None
@@ -237,14 +297,7 @@ class Scheduler:
             held = [self.kv.get(job.context_id).pages for job in jobs]
             if pages(spans) > self.kv.num_free_pages or fits is None or not fits(jobs, held, longest, max(spans)):
                 spans = [1] * len(jobs)
-        if pages(spans) > self.kv.num_free_pages:
-            return None
-        ahead = StepPlan(steps=max(spans))
-        for i, (job, n) in enumerate(zip(jobs, spans, strict=True)):
-            slot = self._slot(job, [PENDING], True, steps=n)
-            slot.source = i
-            ahead.decode.append(slot)
-        return ahead
+        return spans if pages(spans) <= self.kv.num_free_pages else None
 
     def _align(self, start: int, n: int) -> int:
         """Cut a prefill chunk starting at `start` at the end of the attention-length bucket `start` lies

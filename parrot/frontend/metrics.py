@@ -32,6 +32,7 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_ahead_steps_total{engine}   steps launched while the previous one ran (overlap)
   parrot:engine_mixed_steps_total{engine}   steps that ran decodes and prompt chunks in one pass (mixed steps)
   parrot:engine_multi_step_launches_total{engine}   calls that ran several decode steps (multi-step decode)
+  parrot:engine_decode_bursts_total{engine}   decode-only bursts between prompt steps (--decode-bursts)
   parrot:engine_info{engine, platform, weights, kv_dtype, kv_pages, ...}   the engine's device settings (1)
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
@@ -179,6 +180,8 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                 "pass over the weights (mixed steps).", labels=["engine"])
     multi = CounterMetricFamily("parrot:engine_multi_step_launches", "Calls the engine ran several decode steps "
                                 "in (multi-step decode).", labels=["engine"])
+    bursts = CounterMetricFamily("parrot:engine_decode_bursts", "Decode-only bursts the engine ran between prompt "
+                                 "steps (decode bursts).", labels=["engine"])
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
                                          "max_num_batched_tokens", "overlap", "tensor_parallel_size", "cpu_matmul"])
@@ -190,9 +193,10 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
         ahead.add_metric([name], info.ahead_steps)
         mixed.add_metric([name], info.mixed_steps)
         multi.add_metric([name], info.multi_step_launches)
+        bursts.add_metric([name], info.decode_bursts)
         if info.settings:
             settings.add_metric([name, *(str(info.settings.get(k, "")) for k in keys)], 1)
-    yield from (step, host, ahead, mixed, multi, settings)
+    yield from (step, host, ahead, mixed, multi, bursts, settings)
 
 
 class RequestTimer:

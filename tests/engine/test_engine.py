@@ -349,6 +349,42 @@ def test_multi_step_decode_keeps_results() -> None:
         single.shutdown()
 
 
+def test_decode_bursts_keep_results() -> None:
+    """Decodes that run as multi-step bursts between prompt steps (`decode_bursts`) while a long prompt
+    fills give the tokens of mixed steps (a prompt chunk beside every decode step)."""
+    import threading
+
+    def run(eng: LLMEngine) -> list:
+        started = threading.Event()
+        runs = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=17, ignore_eos=True, temperature=0.8, seed=3),
+                dict(max_tokens=22, ignore_eos=True)]
+        futs = []
+        for i, sampling in enumerate(runs):
+            fill(eng, f"db{i}", prompt(80 + i, 10 + i))
+            futs.append(eng.generate_future(GenerateRequest(context_id=f"db{i}", sampling=SamplingParams(**sampling)),
+                                            on_chunk=lambda c: started.set()))
+        assert started.wait(TIMEOUT)
+        long = eng.fill_future(FillRequest(context_id="dbL", token_ids=prompt(90, 120)))
+        futs.append(eng.generate_future(GenerateRequest(context_id="dbL", sampling=SamplingParams(
+            max_tokens=6, ignore_eos=True))))
+        long.result(TIMEOUT)
+        out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in futs)]
+        for c in [f"db{i}" for i in range(len(runs))] + ["dbL"]:
+            eng.free_future(c).result(TIMEOUT)
+        assert eng.kv.num_free_pages == eng.kv.total_pages
+        return out
+
+    bursting = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=16)).start(precompile=False)
+    mixing = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).start(precompile=False)
+    try:
+        assert run(bursting) == run(mixing)
+        assert bursting.ping().decode_bursts > 0 and mixing.ping().decode_bursts == 0
+        assert bursting.ping().settings["decode_bursts"] == 16
+    finally:
+        bursting.shutdown()
+        mixing.shutdown()
+
+
 def test_multi_step_gives_way_to_cascade_attention_over_a_long_shared_prefix() -> None:
     """Forks whose single (cascade) steps would read a long shared prefix once run step by step; a batch
     sharing nothing, or little, runs several steps a call."""

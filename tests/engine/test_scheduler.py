@@ -7,7 +7,7 @@ import time
 
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.scheduler import Scheduler
-from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.structured import ConstraintError, Grammars
 from parrot.errors import AbortedError, InvalidRequestError
 from parrot.protocol import SamplingParams
@@ -321,10 +321,11 @@ def _sampled_steps(plan) -> list[list[int]]:  # noqa: ANN001
 
 
 def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500, steps: int = 1,
-                      fits=lambda jobs, pages, kv_len, k: True) -> tuple[list[JobOutput], int]:  # noqa: ANN001
+                      fits=lambda jobs, pages, kv_len, k: True,  # noqa: ANN001
+                      plans: list | None = None) -> tuple[list[JobOutput], int]:
     """The engine's loop with a fake runner: a step in flight is applied after the next one is planned
-    (`schedule_ahead`, with up to `steps` decode steps a plan). Returns the outputs and the number of ahead
-    steps."""
+    (`schedule_ahead`, with up to `steps` decode steps a plan; `schedule` gets them too, for decode bursts).
+    Returns the outputs and the number of ahead steps; `plans` collects every plan run."""
     outputs: list[JobOutput] = []
     inflight = None
     ahead_steps = 0
@@ -332,9 +333,11 @@ def _drive_overlapped(s: Scheduler, overlap: bool, max_steps: int = 500, steps: 
         if inflight is None:
             if not s.has_work():
                 return outputs, ahead_steps
-            plan = s.schedule()
+            plan = s.schedule(steps, fits)
         else:
             plan, inflight = inflight, None
+        if plans is not None:
+            plans.append(plan)
         for slot in plan.slots:
             assert len(slot.pages) * s.kv.page_size >= slot.start + len(slot.tokens) + slot.steps - 1
             assert slot.steps <= plan.steps
@@ -395,6 +398,58 @@ def test_multi_step_plans_give_the_same_results_as_single_steps() -> None:
     assert results[0] == results[1] == results[2]
     assert plans == [1, 3, 4]
     assert {r[1] for r in results[0].values()} == {"stop", "length"}
+
+
+def test_decode_bursts_alternate_with_prompt_steps_and_keep_results() -> None:
+    """With decode bursts, while decodes and prompts both wait the steps alternate: prompt chunks alone (up
+    to `decode_bursts` tokens) and decode-only plans of several steps. The outputs equal mixed steps'."""
+    results, kinds = [], []
+    for bursts in (None, 32):
+        cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], decode_bursts=bursts)
+        s = Scheduler(KVCacheManager(65, cfg.page_size), cfg, max_len=512)
+        for i in range(2):  # two chats decoding ...
+            s.add(_fill(f"chat{i}", 10 + i))
+            s.add(_gen(f"chat{i}", 30, stop=frozenset({5}) if i else frozenset()))
+        outputs, plans = [], []
+        for _ in range(3):
+            plan = s.schedule(4, lambda jobs, pages, n, k: True)
+            outputs += s.update(plan, _sampled_steps(plan) if plan.steps > 1 else _sampled(plan))
+        for i in range(2):  # ... when long prompts arrive
+            s.add(_fill(f"doc{i}", 150))
+            s.add(_gen(f"doc{i}", 6))
+        more, _ = _drive_overlapped(s, True, steps=4, plans=plans)
+        outputs += more
+        gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
+        results.append({c: (r.token_ids, r.finish_reason) for c, r in gens.items()})
+        for c in gens:
+            assert s.kv.get(c).num_tokens <= len(s.tokens[c])
+            s.free_context(c)
+        assert s.kv.num_free_pages == s.kv.total_pages
+        kinds.append([("d" if p.decode else "") + ("p" if p.prefill else "") + (f"x{p.steps}" if p.steps > 1 else "")
+                      for p in plans])
+        if bursts:
+            assert s.decode_bursts > 0
+            for plan in plans:
+                assert not (plan.decode and plan.prefill)  # never a prompt chunk beside decodes
+                assert sum(len(slot.tokens) for slot in plan.prefill) <= 32 or not any(
+                    j.status is JobStatus.RUNNING and len(j.pending) == 1 for j in s.running)
+    assert results[0] == results[1] and len(results[0]) == 4
+    assert "dp" in kinds[0] and "dp" not in kinds[1]
+    burst_at = kinds[1].index("dx4")
+    assert kinds[1][burst_at - 1] == "p" and kinds[1][burst_at + 1] == "p"  # a burst between two prompt steps
+
+
+def test_no_decode_burst_where_the_batch_cannot_run_several_steps() -> None:
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], decode_bursts=32)
+    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+    s.add(_fill("chat", 10))
+    s.add(_gen("chat", 30))
+    for _ in range(2):
+        plan = s.schedule(4, lambda jobs, pages, n, k: False)
+        s.update(plan, _sampled(plan))
+    s.add(_fill("doc", 150))
+    plan = s.schedule(4, lambda jobs, pages, n, k: False)  # no multi-step shape: prompt beside the decode
+    assert plan.decode and plan.prefill and plan.steps == 1 and s.decode_bursts == 0
 
 
 def _steps(s: Scheduler, n: int) -> None:
