@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of every workload on every system (the systems take turns going first); the report "
                          "gives each metric's median over the runs")
+    ap.add_argument("--engine-args", default="", metavar="ARGS",
+                    help="more `parrot serve` options for every system it runs (parrot, baseline-apc, baseline), as "
+                         "one string: an engine setting under test, the same for all")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="override a workload parameter wherever the selected workloads have it (repeatable), e.g. "
                          "--param chat_rate=2.0 for heavier background chats; the report gives the values used")
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     try:
         systems = build([s.strip() for s in args.systems.split(",") if s.strip()], args.base_port, args.quick,
-                        shlex.split(args.parrot_args))
+                        shlex.split(args.parrot_args), shlex.split(args.engine_args))
     except ValueError as exc:
         ap.error(str(exc))
     stem = f"apps-{mode}" + ("" if names == list(WORKLOADS) else "-" + "-".join(names))

@@ -113,24 +113,28 @@ def _llama_server_binary() -> Path | None:
     return Path(on_path) if on_path else None
 
 
-def build(names: list[str], base_port: int, quick: bool = False, parrot_args: list[str] | None = None) -> list[System]:
+def build(names: list[str], base_port: int, quick: bool = False, parrot_args: list[str] | None = None,
+          engine_args: list[str] | None = None) -> list[System]:
     """The named systems, each on its own loopback port; `missing` set for those not installed. `parrot_args`:
     more `parrot serve` options for the `parrot` system only (e.g. a scheduling setting under test; the
-    baselines keep the defaults)."""
+    baselines keep the defaults); `engine_args`: for every system `parrot serve` runs (parrot and both
+    baselines: an engine setting under test, the same for all)."""
     gguf = str(default_model_path())
     out: list[System] = []
+    same = list(engine_args or [])
     for i, name in enumerate(names):
         port = base_port + i
         if name == "parrot":
-            out.append(_parrot(name, port, list(parrot_args or []), "Parrot: the app as semantic variables (SDK); "
-                                                                    "prefix sharing, app-aware scheduling", quick))
+            out.append(_parrot(name, port, [*same, *(parrot_args or [])], "Parrot: the app as semantic variables "
+                                                                         "(SDK); prefix sharing, app-aware scheduling",
+                               quick))
         elif name == "baseline-apc":
-            out.append(_parrot(name, port, ["--no-app-awareness"],
+            out.append(_parrot(name, port, [*same, "--no-app-awareness"],
                                "the same server behind the OpenAI API only, automatic prefix caching on, app "
                                "awareness off (FCFS, no DAG or task groups); app control flow in the client, "
                                "as a vLLM / SGLang user has it", quick))
         elif name == "baseline":
-            out.append(_parrot(name, port, ["--no-prefix-sharing", "--no-app-awareness"],
+            out.append(_parrot(name, port, [*same, "--no-prefix-sharing", "--no-app-awareness"],
                                "the same engine behind the OpenAI API only; no prefix sharing, FCFS; app "
                                "control flow in the client", quick))
         elif name == "llamacpp":

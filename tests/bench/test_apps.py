@@ -106,6 +106,10 @@ def test_parrot_args_go_to_the_parrot_system_only() -> None:
     cmd = made["parrot"].command
     assert cmd[cmd.index("--prefill-tokens-beside-latency") + 1] == "64"
     assert "--prefill-tokens-beside-latency" not in made["baseline-apc"].command
+    made = {s.name: s for s in build(["parrot", "baseline-apc", "baseline"], 9900, quick=True,
+                                     engine_args=["--decode-bursts", "256"])}
+    for system in made.values():  # an engine setting goes to every system `parrot serve` runs
+        assert system.command[system.command.index("--decode-bursts") + 1] == "256"
 
 
 def test_param_overrides_apply_where_a_workload_has_the_key() -> None:
