@@ -1,6 +1,7 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
-    python -m benchmarks.engine_serving [--quick] [--multi-step K] [--out benchmarks/results/engine_serving.json]
+    python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N]
+                                        [--out benchmarks/results/engine_serving.json]
 
 1. Throughput vs concurrency: c clients each fill a ~256-token prompt and generate 128 tokens
    (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT, inter-token latency p50/p99 and
@@ -186,6 +187,9 @@ def main() -> None:
     ap.add_argument("--structured-only", action="store_true", help="only the structured-output comparison")
     ap.add_argument("--multi-step", type=int, default=None,
                     help="decode steps per call for a stable batch (EngineConfig.multi_step; default: the engine's)")
+    ap.add_argument("--decode-bursts", type=int, default=None, metavar="N",
+                    help="prompt steps of up to N tokens alone alternating with decode-only bursts "
+                         "(EngineConfig.decode_bursts; default: the engine's)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/engine_serving[_structured].json")
     args = ap.parse_args()
     quick = args.quick
@@ -194,6 +198,7 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
+                       decode_bursts=args.decode_bursts,
                        explicit=("max_batch_size", "max_num_batched_tokens", "bs_buckets"))
     model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
@@ -203,7 +208,7 @@ def main() -> None:
     eng.start(precompile=False)
     rng = np.random.default_rng(0)
     result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
-                    "multi_step": eng.runner.multi_step,
+                    "multi_step": eng.runner.multi_step, "decode_bursts": cfg.decode_bursts,
                     "throughput": [], "quick": quick}
     try:
         if args.structured or args.structured_only:

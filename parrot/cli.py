@@ -336,7 +336,8 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--decode-bursts", type=int, default=None, metavar="N",
                    help="while decodes and prompts both wait, alternate steps of up to N prompt tokens alone with a "
                         "decode-only burst of multi-step decode, instead of a short prompt chunk beside every decode "
-                        "step (default: off)")
+                        "step; 0: off (default: 256 where multi-step decode runs, i.e. a CPU with the native "
+                        "kernels; else off)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

@@ -71,8 +71,9 @@ class EngineConfig:
     # this many tokens) and a decode-only burst of multi-step decode (one call, up to `multi_step` tokens
     # each), instead of a prompt chunk of `prefill_tokens_beside_decodes` beside every decode step. Where a
     # short chunk pays a step's fixed cost for few tokens and the decodes run multi-step, this gives both
-    # kinds more per second (docs/benchmarks.md). None: off. Batches that cannot burst (no multi-step shape,
-    # a token needing host work) keep the mixed steps. Results are the same either way
+    # kinds more per second (docs/benchmarks.md). 0: off; None (auto): 256 where the engine runs multi-step
+    # decode (scheduler.AUTO_DECODE_BURSTS), else off. Batches that cannot burst (no multi-step shape yet, a
+    # token needing host work) keep the mixed steps. Results are the same either way
     decode_bursts: int | None = None
     # a step with decodes and prompt chunks runs both in one pass over the weights (Orca's selective
     # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
@@ -115,8 +116,8 @@ class EngineConfig:
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):
             raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
-        if self.decode_bursts is not None and self.decode_bursts <= 0:
-            raise ValueError("decode_bursts must be positive")
+        if self.decode_bursts is not None and self.decode_bursts < 0:
+            raise ValueError("decode_bursts must be 0 (off) or positive")
         if self.multi_step is not None and self.multi_step < 1:
             raise ValueError("multi_step must be at least 1")
         if self.layers_per_call is not None and self.layers_per_call <= 0:

@@ -31,7 +31,7 @@ from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import Scheduler, StepPlan
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -79,8 +79,11 @@ class LLMEngine:
         self.runner.mirror = mirror
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
+        bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
+        if bursts is None:
+            bursts = AUTO_DECODE_BURSTS if self.runner.multi_step > 1 else 0
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
-                                   attention_in_place=self.runner.prefill_in_place)
+                                   attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts)
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -321,7 +324,7 @@ class LLMEngine:
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
-                "multi_step": r.multi_step, "decode_bursts": c.decode_bursts,
+                "multi_step": r.multi_step, "decode_bursts": self.scheduler.burst_tokens,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,

@@ -375,7 +375,7 @@ def test_decode_bursts_keep_results() -> None:
         return out
 
     bursting = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=16)).start(precompile=False)
-    mixing = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).start(precompile=False)
+    mixing = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=0)).start(precompile=False)
     try:
         assert run(bursting) == run(mixing)
         assert bursting.ping().decode_bursts > 0 and mixing.ping().decode_bursts == 0
@@ -383,6 +383,13 @@ def test_decode_bursts_keep_results() -> None:
     finally:
         bursting.shutdown()
         mixing.shutdown()
+
+
+def test_decode_bursts_are_on_by_default_where_decode_runs_several_steps_a_call() -> None:
+    from parrot.engine.scheduler import AUTO_DECODE_BURSTS
+
+    assert LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).scheduler.burst_tokens == AUTO_DECODE_BURSTS
+    assert LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).scheduler.burst_tokens == 0
 
 
 def test_multi_step_gives_way_to_cascade_attention_over_a_long_shared_prefix() -> None:
