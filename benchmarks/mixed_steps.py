@@ -1,15 +1,19 @@
-"""Mixed steps against two passes, side by side on the default model: chats decode while long prompts fill
-beside them (the `mixed` app workload's situation, inside one engine). With mixed steps a step runs the
-decodes and the prompt chunk in one pass over the weights; without, as two passes.
+"""Decodes beside long prompts, three ways side by side on the default model: chats decode while long prompts
+fill (the `mixed` app workload's situation, inside one engine).
+- bursts: steps of up to `--bursts` prompt tokens alone alternate with a decode-only multi-step call of the
+  chats (decode bursts, the default where multi-step decode runs);
+- mixed: a chunk of `--beside` prompt tokens beside every decode step, one pass over the weights for both;
+- two_passes: the same steps as two passes.
 
 For each mode, in turns (`--repeats`): `--chats` chats (distinct ~100-token prompts) decode `--tokens` tokens
 each; once all are decoding, `--prompts` prompts of ~`--prompt-tokens` tokens are filled (a batch job's
-maps). Reported per mode (medians over the repeats): the chats' time per output token while the prompts fill,
+maps). Reported per mode (medians over the repeats): the chats' time per output token while the prompts fill
+(the fill's time over the tokens each chat got meanwhile) and the p99 gap between two of a chat's tokens then,
 the prompts' fill time and prompt tokens per second, and the whole run's wall time; and the ratios. Greedy
 outputs are checked equal between the modes. This machine's floors are measured in the same run.
 
     python -m benchmarks.mixed_steps [--chats 8] [--tokens 96] [--prompts 2] [--prompt-tokens 1000]
-        [--beside 128] [--repeats 3] [--out benchmarks/results/mixed_steps.json]
+        [--beside 128] [--bursts 256] [--repeats 3] [--out benchmarks/results/mixed_steps.json]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from parrot.config import EngineConfig
 from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import load_model
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "parrot" / "bench" / "data" / "gpl-3.0.txt"
@@ -65,10 +70,11 @@ def run_once(eng: LLMEngine, chats: list[list[int]], prompts: list[list[int]], t
     t1 = time.perf_counter()
     gaps = [float(g) for times in arrivals.values() for a, g in zip(times[1:], np.diff(times), strict=True)
             if f0 <= a <= f1]
+    during = sum(1 for times in arrivals.values() for a in times if f0 <= a <= f1)
     for c in [f"{tag}c{i}" for i in range(len(chats))] + [f"{tag}p{j}" for j in range(len(prompts))]:
         eng.free_future(c).result(60)
     return {"fill_s": f1 - f0, "prompt_tok_s": sum(map(len, prompts)) / (f1 - f0), "wall_s": t1 - t0,
-            "chat_ms_per_token_during_fill": 1e3 * float(np.median(gaps)) if gaps else None,
+            "chat_ms_per_token_during_fill": 1e3 * (f1 - f0) * len(chats) / during if during else None,
             "chat_p99_ms_during_fill": 1e3 * float(np.percentile(gaps, 99)) if gaps else None, "outputs": outs}
 
 
@@ -80,6 +86,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1000)
     ap.add_argument("--beside", type=int, default=EngineConfig.prefill_tokens_beside_decodes,
                     help="prefill tokens in a step that decodes (--prefill-tokens-beside-decodes)")
+    ap.add_argument("--bursts", type=int, default=AUTO_DECODE_BURSTS,
+                    help="prompt tokens a step between decode bursts (--decode-bursts)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/mixed_steps.json")
     args = ap.parse_args()
@@ -95,34 +103,45 @@ def main() -> None:
              for t in _texts(args.chats, 400)]
     prompts = [tok.encode(t)[: args.prompt_tokens] for t in _texts(args.prompts, 6 * args.prompt_tokens, 20_000)]
     run_once(eng, chats[:2], prompts[:1], 8, "warm")  # first-use paths
-    runs: dict[str, list[dict]] = {"mixed": [], "two_passes": []}
+    runs: dict[str, list[dict]] = {"bursts": [], "mixed": [], "two_passes": []}
     for r in range(args.repeats):
         for mode in runs:
-            eng.runner.mixed = mode == "mixed"
-            steps = eng.runner.mixed_steps
+            eng.runner.mixed = mode != "two_passes"
+            eng.scheduler.burst_tokens = args.bursts if mode == "bursts" else 0
+            steps, bursts = eng.runner.mixed_steps, eng.scheduler.decode_bursts
             res = run_once(eng, chats, prompts, args.tokens, f"{mode}{r}")
             res["mixed_steps"] = eng.runner.mixed_steps - steps
+            res["decode_bursts"] = eng.scheduler.decode_bursts - bursts
             runs[mode].append(res)
     eng.runner.mixed = True
     eng.shutdown()
-    same = all(a["outputs"] == b["outputs"] for a, b in zip(runs["mixed"], runs["two_passes"], strict=True))
+    same = all(a["outputs"] == b["outputs"] == c["outputs"]
+               for a, b, c in zip(runs["bursts"], runs["mixed"], runs["two_passes"], strict=True))
     keys = ["chat_ms_per_token_during_fill", "chat_p99_ms_during_fill", "fill_s", "prompt_tok_s", "wall_s"]
     summary = {mode: {k: float(np.median([x[k] for x in rs if x[k] is not None])) for k in keys}
-               | {"mixed_steps": int(np.median([x["mixed_steps"] for x in rs]))} for mode, rs in runs.items()}
-    m, t = summary["mixed"], summary["two_passes"]
+               | {c: int(np.median([x[c] for x in rs])) for c in ("mixed_steps", "decode_bursts")}
+               for mode, rs in runs.items()}
+    b, m, t = summary["bursts"], summary["mixed"], summary["two_passes"]
     ratios = {"chat_tpot_two_over_mixed": t["chat_ms_per_token_during_fill"] / m["chat_ms_per_token_during_fill"],
               "prompt_tok_s_mixed_over_two": m["prompt_tok_s"] / t["prompt_tok_s"],
-              "wall_two_over_mixed": t["wall_s"] / m["wall_s"]}
+              "wall_two_over_mixed": t["wall_s"] / m["wall_s"],
+              "chat_tpot_mixed_over_bursts": m["chat_ms_per_token_during_fill"] / b["chat_ms_per_token_during_fill"],
+              "prompt_tok_s_bursts_over_mixed": b["prompt_tok_s"] / m["prompt_tok_s"],
+              "wall_mixed_over_bursts": m["wall_s"] / b["wall_s"]}
     cpu = procinfo.cpu_name()
     print(f"CPU {cpu}; floors: read {fl['memory_read_gbs']:.1f} GB/s, fp32 GEMM {fl['gemm_fp32_gflops']:.0f} GFLOP/s")
     print(f"{args.chats} chats x {args.tokens} tokens; {args.prompts} prompts x {len(prompts[0])} tokens filled beside "
-          f"them, {args.beside} prompt tokens a step; medians of {args.repeats} runs, in turns")
+          f"them, {args.beside} prompt tokens a mixed step, {args.bursts} between bursts; medians of {args.repeats} "
+          "runs, in turns")
     for mode, s in summary.items():
-        print(f"{mode:>10}: chat {s['chat_ms_per_token_during_fill']:.1f} ms/token (p99 "
+        print(f"{mode:>10}: chat {s['chat_ms_per_token_during_fill']:.1f} ms/token (gap p99 "
               f"{s['chat_p99_ms_during_fill']:.1f}) while the prompts fill; fill {s['fill_s']:.2f} s = "
-              f"{s['prompt_tok_s']:.0f} prompt tok/s; run {s['wall_s']:.2f} s; mixed steps {s['mixed_steps']}")
+              f"{s['prompt_tok_s']:.0f} prompt tok/s; run {s['wall_s']:.2f} s; mixed steps {s['mixed_steps']}, "
+              f"decode bursts {s['decode_bursts']}")
     print(f"mixed / two passes: chat time per token {ratios['chat_tpot_two_over_mixed']:.2f}x better, prompt tok/s "
-          f"{ratios['prompt_tok_s_mixed_over_two']:.2f}x, run {ratios['wall_two_over_mixed']:.2f}x; "
+          f"{ratios['prompt_tok_s_mixed_over_two']:.2f}x, run {ratios['wall_two_over_mixed']:.2f}x")
+    print(f"bursts / mixed: chat time per token {ratios['chat_tpot_mixed_over_bursts']:.2f}x better, prompt tok/s "
+          f"{ratios['prompt_tok_s_bursts_over_mixed']:.2f}x, run {ratios['wall_mixed_over_bursts']:.2f}x; "
           f"greedy outputs equal: {same}")
     for rs in runs.values():
         for x in rs:
