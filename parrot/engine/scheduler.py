@@ -91,10 +91,10 @@ class StepPlan:
 
 
 # prompt tokens per step between decode bursts where the engine runs multi-step decode and
-# `EngineConfig.decode_bursts` is not set. Measured on a 2-core EPYC Zen 4 with SmolLM2 (docs/benchmarks.md):
-# against a 128-token chunk beside every decode step, 1.3x / 1.17x the output tokens per second at
-# concurrency 4 / 16 (TPOT p50 12 / 62 ms against 23 / 91 ms), at the cost of the longest gap between two
-# tokens (ITL p99 340 against 185 ms at 16)
+# `EngineConfig.decode_bursts` is not set. Measured on a 2-core EPYC Zen 4 with SmolLM2 (docs/benchmarks.md,
+# benchmarks/mixed_steps.py): 8 chats decoding beside two 1,000-token prompts got 66 against 128 ms per token
+# and the prompts 903 against 769 tok/s, against a 128-token chunk beside every decode step; the longest gaps
+# between two tokens grow (p99 328 against 185 ms)
 AUTO_DECODE_BURSTS = 256
 
 
@@ -163,7 +163,7 @@ class Scheduler:
         decoding = [job for job in sorted(self.running, key=lambda j: j.order)
                     if len(job.pending) == 1 and job.status is JobStatus.RUNNING]
         skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
-        if self.burst_tokens and decoding and self._prompts_pending():
+        if self.burst_tokens and decoding and self._prompt_tokens_pending() > self._beside_decodes():
             batch = decoding[: self.cfg.max_batch_size]
             spans = self._decode_spans(batch, 0, steps, fits)
             if spans is not None and max(spans) > 1:
@@ -176,7 +176,7 @@ class Scheduler:
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
         if plan.decode:  # running decodes wait for the prefill chunk beside them: keep it short
-            budget = min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
+            budget = self._beside_decodes()
         if skipped:  # a prompts-only step between two decode bursts
             budget = min(budget, self.burst_tokens)
         # throughput work's share beside latency-critical decodes (a chat's next token waits for it)
@@ -247,10 +247,17 @@ class Scheduler:
             plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
             scheduled.add(job.job_id)
 
-    def _prompts_pending(self) -> bool:
-        """Whether a running job has prompt tokens to fill (more than its one next token; grammar-forced
-        tokens ride in decode batches)."""
-        return any(len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING for j in self.running)
+    def _prompt_tokens_pending(self) -> int:
+        """Prompt tokens the running jobs have to fill (beyond each one's next token; grammar-forced tokens
+        ride in decode batches)."""
+        return sum(len(j.pending) for j in self.running
+                   if len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING)
+
+    def _beside_decodes(self) -> int:
+        """Prompt tokens a step that decodes takes. Prompts that fit in one such step go beside the decodes
+        at once (their decode rows nearly free in a mixed step); longer ones take turns with decode bursts."""
+        budget = self.cfg.max_num_batched_tokens
+        return min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
 
     def _burst(self, plan: StepPlan, jobs: list[Job], spans: list[int]) -> None:
         """Make `plan` a decode-only plan of `jobs`, each taking its span of steps (`_decode_spans`)."""

@@ -364,7 +364,7 @@ def test_decode_bursts_keep_results() -> None:
             futs.append(eng.generate_future(GenerateRequest(context_id=f"db{i}", sampling=SamplingParams(**sampling)),
                                             on_chunk=lambda c: started.set()))
         assert started.wait(TIMEOUT)
-        long = eng.fill_future(FillRequest(context_id="dbL", token_ids=prompt(90, 120)))
+        long = eng.fill_future(FillRequest(context_id="dbL", token_ids=prompt(90, 300)))
         futs.append(eng.generate_future(GenerateRequest(context_id="dbL", sampling=SamplingParams(
             max_tokens=6, ignore_eos=True))))
         long.result(TIMEOUT)

@@ -439,17 +439,26 @@ def test_decode_bursts_alternate_with_prompt_steps_and_keep_results() -> None:
     assert kinds[1][burst_at - 1] == "p" and kinds[1][burst_at + 1] == "p"  # a burst between two prompt steps
 
 
-def test_no_decode_burst_where_the_batch_cannot_run_several_steps() -> None:
+def test_no_decode_burst_for_a_short_prompt_or_a_batch_that_cannot_run_several_steps() -> None:
     cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], decode_bursts=32)
-    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
-    s.add(_fill("chat", 10))
-    s.add(_gen("chat", 30))
-    for _ in range(2):
-        plan = s.schedule(4, lambda jobs, pages, n, k: False)
-        s.update(plan, _sampled(plan))
+
+    def decoding() -> Scheduler:
+        s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+        s.add(_fill("chat", 10))
+        s.add(_gen("chat", 30))
+        for _ in range(2):
+            plan = s.schedule(4, lambda jobs, pages, n, k: True)
+            s.update(plan, _sampled_steps(plan) if plan.steps > 1 else _sampled(plan))
+        return s
+
+    s = decoding()
     s.add(_fill("doc", 150))
     plan = s.schedule(4, lambda jobs, pages, n, k: False)  # no multi-step shape: prompt beside the decode
     assert plan.decode and plan.prefill and plan.steps == 1 and s.decode_bursts == 0
+    s = decoding()
+    s.add(_fill("question", 40))  # fits in one step beside the decode: filled there at once
+    plan = s.schedule(4, lambda jobs, pages, n, k: True)
+    assert plan.decode and len(plan.prefill[0].tokens) == 40 and s.decode_bursts == 0
 
 
 def _steps(s: Scheduler, n: int) -> None:
