@@ -26,6 +26,10 @@ steps in one dispatch (`StepPlan.steps`): each slot's KV grows by up to `k` toke
 where the job's max_tokens or the model's length ends it sooner), the device samples and feeds the tokens
 itself and stops a row at its stop tokens; `update` then applies each slot's tokens in order, and a job
 that finished before its last one drops the KV beyond its tokens, as an unused ahead slot does.
+
+Decode bursts (`burst_tokens`): while more prompt tokens wait than one step beside the decodes takes,
+`schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
+decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
 """
 
 from __future__ import annotations
