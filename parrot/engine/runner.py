@@ -452,7 +452,7 @@ class ModelRunner:
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                                 tuple(jnp.zeros(shape, dtype) for _ in range(n))), out_shardings=out)()
 
-    # ---- shapes -----------------------------------------------------------------------------
+    # ---- which shape a plan runs on (the buckets themselves: self.shapes) -------------------------
     def multi_fits(self, jobs: list[Job], pages: list[list[int]], kv_len: int, steps: int) -> bool:
         """Whether a multi-step plan of these jobs (holding these KV `pages`) can run now: its shape exists and
         is compiled (or nothing was precompiled), no job has more stop tokens than the loop checks, one
