@@ -323,10 +323,11 @@ class Soak:
             metrics = (await c.get("/metrics")).text
         aborted = next((float(line.split()[-1]) for line in metrics.splitlines()
                         if line.startswith("parrot:aborted_requests_total")), None)
-        # how the engines stepped (summed over engines): multi-step calls, ahead launches, mixed steps
+        # how the engines stepped (summed over engines): multi-step calls, ahead launches, mixed steps, decode
+        # bursts (multi-step calls between prompt steps)
         engine_counts = {name: sum(float(line.split()[-1]) for line in metrics.splitlines()
                                    if line.startswith(f"parrot:engine_{name}_total"))
-                         for name in ("multi_step_launches", "ahead_steps", "mixed_steps")}
+                         for name in ("multi_step_launches", "ahead_steps", "mixed_steps", "decode_bursts")}
 
         def pct(xs: list[float], q: float) -> float | None:
             if not xs:
