@@ -323,7 +323,7 @@ class LLMEngine:
                 "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
-                "token_buckets": list(c.token_buckets), "kv_buckets": list(r.kv_buckets), "overlap": c.overlap,
+                "token_buckets": list(c.token_buckets), "kv_buckets": list(r.shapes.kv_buckets), "overlap": c.overlap,
                 "multi_step": r.multi_step, "decode_bursts": self.scheduler.burst_tokens,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),

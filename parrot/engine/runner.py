@@ -278,7 +278,6 @@ class ModelRunner:
         self.multi_step_launches = 0  # multi-step plans run
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
                                 self.multi_max_batch)
-        self.kv_buckets = self.shapes.kv_buckets
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
