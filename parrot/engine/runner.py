@@ -446,6 +446,9 @@ class ModelRunner:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
         n, dtype = mcfg.num_layers, self.kv_storage_dtype
+        if self.mesh is None and kernels.available():  # the CPU: pages resident once the engine writes them
+            kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, dtype)] * (2 * n)))()
+            return tuple(kv[:n]), tuple(kv[n:])
         out = None if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),

@@ -48,7 +48,7 @@ FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
-            "parrot_paged_prefill": "ParrotPagedPrefill"}
+            "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -215,6 +215,13 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]),
                                                    limbs=np.int32(limbs))
+
+
+def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    """Arrays of zeros of these shapes whose memory is resident only once written (the whole pages given
+    back to the OS, which maps them as zeros on first touch): a KV pool costs memory in proportion to the
+    pages used, as llama.cpp's does. Inside a jitted function, like the other calls."""
+    return list(jax.ffi.ffi_call("parrot_lazy_zeros", shapes)())
 
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index: jax.Array, positions: jax.Array,

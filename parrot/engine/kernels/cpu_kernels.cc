@@ -28,6 +28,8 @@
 // values read in place from the same caches (prefill_attention.h).
 
 #include <immintrin.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1124,3 +1126,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H, D]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("bf16"));         // 1: in bfloat16 on the bf16 tiles where on
+
+// Zeros that take no memory until written: every result buffer (the KV pool's layers) is zeroed by giving
+// its whole pages back to the kernel (madvise MADV_DONTNEED: a private anonymous page reads as zeros and is
+// backed by memory only once written) and writing zeros to the partial pages at its two ends. A large pool
+// is then resident in proportion to the pages the engine has used, not its size.
+static void zero_lazily(void* data, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(data), e = a + bytes;
+  const uintptr_t a1 = (a + page - 1) & ~(page - 1), e0 = e & ~(page - 1);
+  if (a1 >= e0) {
+    std::memset(data, 0, bytes);
+    return;
+  }
+  std::memset(data, 0, a1 - a);
+  if (madvise(reinterpret_cast<void*>(a1), e0 - a1, MADV_DONTNEED) != 0)
+    std::memset(reinterpret_cast<void*>(a1), 0, e0 - a1);  // not anonymous memory: write the zeros
+  std::memset(reinterpret_cast<void*>(e0), 0, e - e0);
+}
+
+static ffi::Error LazyZerosImpl(ffi::RemainingRets rets) {
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (!r.has_value()) return ffi::Error::InvalidArgument("parrot_lazy_zeros: a result is not a buffer");
+    ffi::AnyBuffer b = **r;
+    zero_lazily(b.untyped_data(), b.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLazyZeros, LazyZerosImpl, ffi::Ffi::Bind().RemainingRets());
