@@ -44,8 +44,11 @@ class ShapeBook:
     def __post_init__(self) -> None:
         if self.max_len % self.page_size:
             raise ValueError(f"model context {self.max_len} is not a multiple of page_size {self.page_size}")
-        buckets = [b for b in self.ecfg.kv_buckets if b < self.max_len] + [self.max_len]
-        object.__setattr__(self, "kv_buckets", buckets)
+        # where attention reads the pages in place, a step's cost follows its sequences' lengths, not its
+        # page-table width: one width (the model's length) serves every step, and the KV buckets would only
+        # multiply the shapes to compile and hold (x6 with the default buckets)
+        buckets = [self.max_len] if self.in_place else [b for b in self.ecfg.kv_buckets if b < self.max_len]
+        object.__setattr__(self, "kv_buckets", sorted({*buckets, self.max_len}))
 
     @property
     def page_size(self) -> int:

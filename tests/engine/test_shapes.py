@@ -18,11 +18,22 @@ def book(in_place: bool, multi_step: int = 4, **cfg: object) -> ShapeBook:
 
 
 def test_buckets_end_at_the_model_length() -> None:
-    b = ShapeBook(EngineConfig(kv_buckets=[256, 512, 1024, 2048]), max_len=768, in_place=True)
+    b = ShapeBook(EngineConfig(kv_buckets=[256, 512, 1024, 2048]), max_len=768, in_place=False)
     assert b.kv_buckets == [256, 512, 768]
     assert b.kv_pages_bucket(300) == 512 // b.page_size
     with pytest.raises(ValueError, match="multiple of page_size"):
         ShapeBook(EngineConfig(), max_len=1000, in_place=True)
+
+
+def test_one_page_table_width_where_attention_reads_pages_in_place() -> None:
+    """In place, a step's cost follows its lengths, not its table's width: every step takes the model's
+    length, and the KV buckets no longer multiply the shapes."""
+    b = ShapeBook(EngineConfig(kv_buckets=[256, 512, 1024, 2048]), max_len=768, in_place=True)
+    assert b.kv_buckets == [768]
+    assert b.kv_pages_bucket(1) == b.kv_pages_bucket(700) == 768 // b.page_size
+    gathered, flat = book(in_place=False), book(in_place=True)
+    assert {s.pages for s in flat.all_shapes() if not s.prefix_pages} == {2048 // 16}
+    assert len(flat.all_shapes()) < len(gathered.all_shapes()) / 2
 
 
 def test_prefill_pads_per_sequence_or_flat() -> None:
@@ -31,7 +42,7 @@ def test_prefill_pads_per_sequence_or_flat() -> None:
     # several sequences: each padded to the longest chunk's bucket where attention gathers pages ...
     assert gathered.prefill_shape(3, 40, 600, 90) == Shape(4 * 64, 4, 64, 1024 // 16)
     # ... to the bucket of their total tokens where it reads the pages in place
-    assert flat.prefill_shape(3, 40, 600, 90) == Shape(128, 4, 128, 1024 // 16)
+    assert flat.prefill_shape(3, 40, 600, 90) == Shape(128, 4, 128, 2048 // 16)
     assert flat.prefill_shape(2, 4, 10, 8).tokens == MIN_BATCHED_Q
 
 
@@ -48,7 +59,7 @@ def test_cascade_and_mixed_shapes() -> None:
     b = book(in_place=True)
     assert b.cascade_shape(1, 32, 1000) is None  # one sequence shares with nobody
     own = b.ecfg.cascade_suffix_buckets[0]
-    assert b.cascade_shape(5, own - 1, 1000) == Shape(8, 8, 1, own // 16, 1024 // 16)
+    assert b.cascade_shape(5, own - 1, 1000) == Shape(8, 8, 1, own // 16, 2048 // 16)
     assert b.cascade_shape(5, b.ecfg.cascade_suffix_buckets[-1] + 1, 1000) is None
     assert b.mixed_shape(12, 140, 900) == Shape(256, 16, 256, 2048 // 16)
     assert b.mixed_shape(3, 140, 900) == b.prefill_shape(3, 140, 900, 140)

@@ -30,6 +30,18 @@ def engine() -> Iterator[LLMEngine]:
     eng.shutdown()
 
 
+def slow_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every engine step takes `seconds` longer, so a generation outlasts a client's timeout on any machine:
+    the tiny model's own steps take well under a millisecond once its shapes are compiled."""
+    collect = engine.runner.collect
+
+    def slow_collect(launched):  # noqa: ANN001, ANN202
+        time.sleep(seconds)
+        return collect(launched)
+
+    monkeypatch.setattr(engine.runner, "collect", slow_collect)
+
+
 def serve(engine: LLMEngine, **cfg: object):  # noqa: ANN201
     config = ServeConfig(model="tiny", default_max_tokens=8, **cfg)  # type: ignore[arg-type]
     return serving_core(engine, "tiny", engine.tokenizer, config=config)
@@ -186,9 +198,11 @@ def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine) -> No
         assert all(c.session_id is None for c in core.contexts.contexts())
 
 
-def test_openai_stream_left_before_its_first_token_is_cancelled(engine: LLMEngine) -> None:
+def test_openai_stream_left_before_its_first_token_is_cancelled(engine: LLMEngine,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A streamed request whose client gives up while it waits for its first token (here: queued behind a
     full batch) is cancelled, not run later for nobody."""
+    slow_steps(engine, monkeypatch, 0.005)  # the batch's 400 steps then outlast the waiting client's 1 s
     with serve(engine) as (url, core):
         before = engine.ping()
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
@@ -222,8 +236,10 @@ def test_openai_stream_left_before_its_first_token_is_cancelled(engine: LLMEngin
         assert after.steps - before.steps < 300, "the abandoned request ran"
 
 
-def test_openai_request_disconnect_aborts_the_generation(engine: LLMEngine) -> None:
+def test_openai_request_disconnect_aborts_the_generation(engine: LLMEngine,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-streamed completion whose client gives up is cancelled too."""
+    slow_steps(engine, monkeypatch, 0.002)  # 480 steps then outlast the client's 0.3 s
     with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
         before = engine.ping()
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 480, "ignore_eos": True}
