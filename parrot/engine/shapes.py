@@ -30,8 +30,9 @@ class Shape:
 class ShapeBook:
     """The shapes of one engine: its bucket lists (`ecfg`), its context length `max_len` (a multiple of the
     page size), and what its runner can do: attention that reads the KV pages in place (`in_place`: the
-    page-table width then costs nothing, and several prompts share one flat token bucket), mixed steps,
-    multi-step decode (`multi_step` steps a call, for batches up to `multi_max_batch`)."""
+    page-table width then costs nothing, so every step takes the one width of `max_len`, and several prompts
+    share one flat token bucket), mixed steps, multi-step decode (`multi_step` steps a call, for batches up
+    to `multi_max_batch`)."""
 
     ecfg: EngineConfig
     max_len: int
@@ -112,12 +113,7 @@ class ShapeBook:
         if self.multi_step <= 1 or batch > self.multi_max_batch or kv_len > self.max_len:
             return None
         b = pick_bucket(batch, self.ecfg.bs_buckets)
-        return Shape(b, b, 1, self._multi_pages(kv_len), steps=self.multi_step)
-
-    def _multi_pages(self, kv_len: int) -> int:
-        """A multi-step shape's page-table width: where attention reads the pages in place its width costs
-        nothing, so one (the longest) serves every length; elsewhere the KV bucket's."""
-        return self.max_len // self.page_size if self.in_place else self.kv_pages_bucket(kv_len)
+        return Shape(b, b, 1, self.kv_pages_bucket(kv_len), steps=self.multi_step)
 
     def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
         """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
@@ -144,7 +140,7 @@ class ShapeBook:
         shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
         shapes += self.mixed_shapes()
         if self.multi_step > 1:
-            shapes += list(dict.fromkeys(Shape(b, b, 1, self._multi_pages(kv), steps=self.multi_step)
+            shapes += list(dict.fromkeys(Shape(b, b, 1, kv // self.page_size, steps=self.multi_step)
                                          for b in decode_bs if b <= pick_bucket(self.multi_max_batch,
                                                                                 self.ecfg.bs_buckets)
                                          for kv in self.kv_buckets))

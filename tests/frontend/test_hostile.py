@@ -30,13 +30,18 @@ def engine() -> Iterator[LLMEngine]:
     eng.shutdown()
 
 
-def slow_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
-    """Every engine step takes `seconds` longer, so a generation outlasts a client's timeout on any machine:
-    the tiny model's own steps take well under a millisecond once its shapes are compiled."""
+def slow_steps(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, seconds: float,
+               until: Callable[[], bool] | None = None, limit: float = 10.0) -> None:
+    """Every engine step takes `seconds` longer, or (with `until`) waits until `until()` holds, for `limit`
+    seconds in all: a generation then outlasts a client's timeout on any machine (the tiny model's own steps
+    take well under a millisecond once its shapes are compiled)."""
     collect = engine.runner.collect
+    deadline = time.monotonic() + limit
 
     def slow_collect(launched):  # noqa: ANN001, ANN202
         time.sleep(seconds)
+        while until is not None and not until() and time.monotonic() < deadline:
+            time.sleep(seconds)
         return collect(launched)
 
     monkeypatch.setattr(engine.runner, "collect", slow_collect)
@@ -239,8 +244,10 @@ def test_openai_stream_left_before_its_first_token_is_cancelled(engine: LLMEngin
 def test_openai_request_disconnect_aborts_the_generation(engine: LLMEngine,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-streamed completion whose client gives up is cancelled too."""
-    slow_steps(engine, monkeypatch, 0.002)  # 480 steps then outlast the client's 0.3 s
     with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        # the engine's steps wait (10 s at most) until the core has cancelled the request: its 480 tokens cannot
+        # all be generated before the server sees the client leave, however fast the steps are
+        slow_steps(engine, monkeypatch, 0.002, until=lambda: core.aborts >= 1)
         before = engine.ping()
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 480, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
