@@ -169,8 +169,8 @@ class Scheduler:
         skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
         if self.burst_tokens and decoding and self._prompt_tokens_pending() > self._beside_decodes():
             batch = decoding[: self.cfg.max_batch_size]
-            spans = self._decode_spans(batch, 0, steps, fits)
-            if spans is not None and max(spans) > 1:
+            spans = self._burst_spans(batch, steps, fits)
+            if spans is not None:
                 if self._burst_due:  # the last step filled prompts: now the decodes' burst, alone
                     self._burst(plan, batch, spans)
                     return plan
@@ -230,8 +230,8 @@ class Scheduler:
                 plan.decode.append(self._slot(job, job.pending[:1], len(job.pending) == 1))
                 scheduled.add(job.job_id)
         if skipped and not plan.prefill:  # no prompt could be filled after all: the decodes go now
-            spans = self._decode_spans(skipped, 0, steps, fits)
-            if spans is not None and max(spans) > 1:
+            spans = self._burst_spans(skipped, steps, fits)
+            if spans is not None:
                 self._burst(plan, skipped, spans)
                 return plan
             self._add_decodes(plan, skipped, scheduled)
@@ -262,6 +262,11 @@ class Scheduler:
         at once (their decode rows nearly free in a mixed step); longer ones take turns with decode bursts."""
         budget = self.cfg.max_num_batched_tokens
         return min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
+
+    def _burst_spans(self, jobs: list[Job], steps: int, fits: Fits | None) -> list[int] | None:
+        """`_decode_spans` of `jobs` now, where they can run as a burst (some job more than one step)."""
+        spans = self._decode_spans(jobs, 0, steps, fits)
+        return spans if spans is not None and max(spans) > 1 else None
 
     def _burst(self, plan: StepPlan, jobs: list[Job], spans: list[int]) -> None:
         """Make `plan` a decode-only plan of `jobs`, each taking its span of steps (`_decode_spans`)."""
