@@ -122,16 +122,17 @@ def test_a_row_is_the_same_alone_and_in_any_batch(native_path: str, qtype: str) 
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("rows", [1, 17])  # one token group; two (VNNI) or the tiles (AMX)
-def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, rows: int) -> None:
+def test_native_paths_take_tiny_and_non_finite_activations(native_path: str, qtype: str, rows: int) -> None:
     """Activations far below float32's normal range count as zero (their products are below it too), and a
     NaN or an infinity in a row makes that row's products NaN, as in float32; other rows are unaffected."""
-    q = quant.quantize(_random(96, 40), "q4_1")
+    q = quant.quantize(_random(96, 40), qtype)
     x = np.random.default_rng(3).standard_normal((rows, 96)).astype(np.float32)
     x[0, :32] = 1e-35  # a whole block of tiny values
     if rows > 1:
         x[1, 40] = np.nan
-    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, "q4_1"))(x, jnp.asarray(q.data)))
+    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))(x, jnp.asarray(q.data)))
     ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
     if rows > 1:
@@ -246,6 +247,29 @@ def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_pat
     three = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype))(x, d))
     assert not np.array_equal(got, three)
     alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in range(len(x))])
-    for size in [3, 16, 17, 70]:
+    for size in [3, 16, 17, 32, 70]:  # VNNI from 32 rows: tokens in lanes (16-bit products)
         for start in range(0, len(x) - size + 1, size):
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], d)), alone[start:start + size])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path: str, qtype: str) -> None:
+    """With 2 limbs and enough rows for VNNI's tokens-in-lanes code, a block of tiny activations counts as
+    zero and a NaN makes its row NaN, in either token group, and every other row is the same bits as alone
+    (where the weight-rows-in-lanes code computes it)."""
+    if native_path == "avx2":
+        pytest.skip("the AVX2 code is exact: it has no limbs")
+    q = quant.quantize(_random(96, 40), qtype)
+    x = np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32)
+    x[0, :32] = 1e-35
+    x[35, 64:] = 1e-35
+    x[1, 40] = np.nan
+    x[37, 3] = np.inf
+    d = jnp.asarray(q.data)
+    f = jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype, None, 2))
+    got = np.asarray(f(x, d))
+    assert np.isnan(got[[1, 37]]).all()
+    ok = [i for i in range(40) if i not in (1, 37)]
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in ok])
+    np.testing.assert_array_equal(got[ok], alone)
+    assert np.isfinite(got[ok]).all()

@@ -18,6 +18,7 @@
 // bytes: Q4's nibbles as they are, Q8_0's plus 128, taken off again as 128 times the limbs' sum) by four
 // limb bytes broadcast to every lane. A block's weights are transposed once for up to 16 activation rows
 // (a token group); more rows go in groups of 16 over the same 16 weight rows, which stay in the cache.
+// With 2 limbs and many rows, `lanes_rows` (below) puts the tokens in the lanes instead.
 #pragma once
 
 #include <immintrin.h>
@@ -47,25 +48,32 @@ struct XPack {
   int64_t T = 0, tn = 0, tiles = 0, blocks = 0;
   int limbs = 3;                        // 2: the last limb is zero and skipped (15 bits below the block's largest)
   bool for_tiles = false;               // packed for AMX's tiles (`b`) or for VNNI (`rows`, `limb_sums`)
+  bool lanes = false;                   // 2 limbs as int16 pairs with tokens in lanes (`pairs`, below)
   aligned::vector<uint32_t> b;          // tiles: [tiles][blocks][3 limbs][8 groups][tn]
   aligned::vector<float> scales;        // [tiles][blocks][16]: s per token
   aligned::vector<float> sums;          // [tiles][blocks][16]: sum(x) per token
   // VNNI: each row's limbs contiguous, and their sums
   aligned::vector<uint32_t> rows;       // [T][blocks][3 limbs][8 groups]
   aligned::vector<int32_t> limb_sums;   // [T][blocks][3]
+  // tokens in lanes: each 2-limb activation 256 l0 + l1 as one int16, pairs (x[2j], x[2j+1]) in a 32-bit lane
+  aligned::vector<uint32_t> pairs;      // [tiles][blocks][16 pairs][16 tokens]
 };
 
-// `tiles`: for AMX's tile unit (`b`), else for VNNI (`rows`); scales and sums are laid out alike for both.
-inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3, bool for_tiles = false) {
-  p.T = T, p.blocks = K / 32, p.limbs = limbs, p.for_tiles = for_tiles;
+// `tiles`: for AMX's tile unit (`b`), else for VNNI (`rows`), or with `lanes` (2 limbs only) for
+// `lanes_rows` (`pairs`); scales and sums are laid out alike for all three.
+inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3, bool for_tiles = false,
+                   bool lanes = false) {
+  lanes = lanes && limbs == 2 && !for_tiles;
+  p.T = T, p.blocks = K / 32, p.limbs = limbs, p.for_tiles = for_tiles, p.lanes = lanes;
   p.tn = std::min<int64_t>(T, 16);
   p.tiles = (T + p.tn - 1) / p.tn;
-  const bool vnni = !for_tiles;
-  p.b.assign(vnni ? 0 : p.tiles * p.blocks * 3 * 8 * p.tn, 0);
+  const bool vnni = !for_tiles && !lanes;
+  p.b.assign(for_tiles ? p.tiles * p.blocks * 3 * 8 * p.tn : 0, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
   p.sums.assign(p.tiles * p.blocks * 16, 0.f);
   p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
   p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
+  p.pairs.assign(lanes ? p.tiles * p.blocks * 256 : 0, 0);
   const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
   alignas(64) uint32_t limb[3][8];
   for (int64_t t = 0; t < T; ++t) {
@@ -76,7 +84,9 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
       const int64_t at = (tile * p.blocks + b) * 16 + col;
       p.sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
       const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      if (!(a <= 3.4e38f)) {  // NaN or infinity: the products become NaN, as in float32
+      // (max_ps passes a NaN on only from its second operand, so NaNs are looked for apart)
+      const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
+      if (nan || !(a <= 3.4e38f)) {  // NaN or infinity: the products become NaN, as in float32
         p.scales[at] = NAN;
         continue;
       }
@@ -87,6 +97,13 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
       const __m512 inv = _mm512_set1_ps((limbs == 2 ? 16384.f : 4194304.f) / a);
       for (int h = 0; h < 2; ++h) {
         const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, inv));  // |xi| <= 2^22 + 1
+        if (lanes) {  // |xi| <= 2^14 + 1: as int16, pairs 8h .. 8h + 7
+          alignas(32) uint32_t pr[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pr), _mm512_cvtepi32_epi16(xi));
+          uint32_t* dst = p.pairs.data() + ((tile * p.blocks + b) * 16 + 8 * h) * 16 + col;
+          for (int j = 0; j < 8; ++j) dst[j * 16] = pr[j];
+          continue;
+        }
         __m512i l2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, c128), c255), c128);
         __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, l2), 8);
         if (limbs == 2) r = xi, l2 = _mm512_setzero_si512();
@@ -96,8 +113,9 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[1] + 4 * h), _mm512_cvtepi32_epi8(l1));
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[2] + 4 * h), _mm512_cvtepi32_epi8(l2));
       }
+      if (lanes) continue;
       for (int l = 0; l < 3; ++l) {
-        if (!vnni) {
+        if (for_tiles) {
           uint32_t* dst = p.b.data() + ((tile * p.blocks + b) * 3 + l) * 8 * p.tn + col;
           for (int r = 0; r < 8; ++r) dst[r * p.tn] = limb[l][r];
         } else {
@@ -245,6 +263,105 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
       const uint8_t* fetch = g == 0 && n + 16 < n1 ? w + (n + 16) * ldw : nullptr;
       const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
       group_dispatch<F>(tt, xp, g, w, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
+    }
+  }
+}
+
+// ---- tokens in lanes (2 limbs) ----------------------------------------------------------------------
+// With 2 limbs an activation is one 15-bit integer, xi = 256 l0 + l1, which fits int16. Here each 32-bit
+// lane is one of 16 tokens and holds a pair of its integers (xi[2j], xi[2j + 1]); vpdpwssd multiplies the
+// pair by the same pair of one weight row's integers (widened to int16 once per pass, broadcast from
+// memory), so S = sum_k w_k xi_k = 256 S0 + S1 exactly, in one int32 sum with no unsigned offset to take
+// off (|S| < 2^26). The weights need no transposing, a block's 16 activation registers serve every weight
+// row, and the float32 steps are those of `group_vnni`: float(S) * 256 is 65536 S0 + 256 S1 rounded once,
+// times d * s, plus m * sum(x), block after block. So a row's result is the same bits on either code.
+constexpr int kLaneRows = 8;  // weight rows per pass over a token group's blocks
+
+// `rows` (<= kLaneRows) weight rows from `w` as int16 (missing rows zero), with their blocks' d and m
+template <class F>
+void widen_rows(const uint8_t* w, int64_t ldw, int64_t blocks, int rows, int16_t* wx, float* d, float* m) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < kLaneRows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      int16_t* o = wx + (r * blocks + b) * 32;
+      const int64_t at = r * blocks + b;
+      if (r >= rows) {
+        _mm512_store_si512(o, _mm512_setzero_si512());
+        d[at] = m[at] = 0.f;
+        continue;
+      }
+      const uint8_t* blk = w + r * ldw + b * F::kBytes;
+      uint16_t h;
+      std::memcpy(&h, blk, 2);
+      d[at] = _cvtsh_ss(h);
+      if constexpr (F::kMin == 1) {
+        std::memcpy(&h, blk + 2, 2);
+        m[at] = _cvtsh_ss(h);
+      } else if constexpr (F::kMin == 2) {
+        m[at] = d[at] * -8.f;
+      } else {
+        m[at] = 0.f;
+      }
+      if constexpr (F::kSigned) {
+        _mm512_store_si512(o, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + F::kQs))));
+      } else {  // weight j < 16: low nibble of byte j; j >= 16: high nibble of byte j - 16
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kQs));
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, nib));
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), nib));
+        _mm512_store_si512(o, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+      }
+    }
+}
+
+// Token group g times the widened rows: out[r][t] for kLaneRows rows and the group's 16 token lanes.
+template <class F>
+void lanes_group(const XPack& xp, int64_t g, const int16_t* wx, const float* d, const float* m, float* out) {
+  const int64_t blocks = xp.blocks;
+  __m512 acc[kLaneRows];
+  for (int r = 0; r < kLaneRows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512 c256 = _mm512_set1_ps(256.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint32_t* xb = xp.pairs.data() + (g * blocks + b) * 256;
+    __m512i X[16];
+    for (int j = 0; j < 16; ++j) X[j] = _mm512_load_si512(xb + 16 * j);
+    const int64_t at = (g * blocks + b) * 16;
+    const __m512 s = _mm512_loadu_ps(xp.scales.data() + at);
+    __m512 sums = _mm512_setzero_ps();
+    if constexpr (F::kMin != 0) sums = _mm512_loadu_ps(xp.sums.data() + at);
+#pragma GCC unroll 8
+    for (int r = 0; r < kLaneRows; ++r) {
+      const int32_t* wp = reinterpret_cast<const int32_t*>(wx + (r * blocks + b) * 32);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < 16; j += 2) {
+        s0 = _mm512_dpwssd_epi32(s0, X[j], _mm512_set1_epi32(wp[j]));
+        s1 = _mm512_dpwssd_epi32(s1, X[j + 1], _mm512_set1_epi32(wp[j + 1]));
+      }
+      const __m512 ls = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), c256);
+      acc[r] = _mm512_fmadd_ps(ls, _mm512_mul_ps(_mm512_set1_ps(d[r * blocks + b]), s), acc[r]);
+      if constexpr (F::kMin != 0) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(m[r * blocks + b]), sums, acc[r]);
+    }
+  }
+  for (int r = 0; r < kLaneRows; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
+}
+
+// Output columns [n0, n1) of every activation row (pack_x's `pairs` layout): kLaneRows weight rows at a
+// time, widened once and multiplied by every token group.
+template <class F>
+void lanes_rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes;
+  thread_local aligned::vector<int16_t> wx;
+  thread_local aligned::vector<float> d, m;
+  wx.resize(kLaneRows * blocks * 32), d.resize(kLaneRows * blocks), m.resize(kLaneRows * blocks);
+  alignas(64) float out[kLaneRows * 16];
+  for (int64_t n = n0; n < n1; n += kLaneRows) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(kLaneRows, n1 - n));
+    widen_rows<F>(w + n * ldw, ldw, blocks, rows_here, wx.data(), d.data(), m.data());
+    for (int64_t g = 0; g * 16 < xp.T; ++g) {
+      lanes_group<F>(xp, g, wx.data(), d.data(), m.data(), out);
+      const int64_t tt = std::min<int64_t>(16, xp.T - g * 16);
+      for (int64_t t = 0; t < tt; ++t)
+        for (int r = 0; r < rows_here; ++r) y[(g * 16 + t) * N + n + r] = out[16 * r + t];
     }
   }
 }
