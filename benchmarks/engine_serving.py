@@ -1,11 +1,13 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
     python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N] [--compare-bursts R]
+                                        [--temperature T [--top-p P] [--top-k K] [--min-p M]]
                                         [--out benchmarks/results/engine_serving.json]
 
 1. Throughput vs concurrency: c clients each fill a ~256-token prompt and generate 128 tokens
-   (ignore_eos), c in 1, 4, 16, 64. Aggregate output tokens/s, TTFT, inter-token latency p50/p99 and
-   time per output token p50/p99 (first token to last, per request).
+   (ignore_eos; greedy, or sampled with `--temperature`, one seed per client), c in 1, 4, 16, 64.
+   Aggregate output tokens/s, TTFT, inter-token latency p50/p99 and time per output token p50/p99
+   (first token to last, per request).
 2. Shared prefix: 16 forks of one 1,000-token context, each filling a short question and generating,
    vs 16 independent contexts holding a copy of the prefix. Wall time of each, side by side.
 3. Structured output (`--structured`, or alone with `--structured-only`): c clients (c in 1, 16) ask for
@@ -47,9 +49,10 @@ class Client:
     """One simulated user: fill a context (optionally forked), then stream a generation."""
 
     def __init__(self, eng: LLMEngine, ctx: str, tokens: list[int], max_tokens: int, parent: str | None = None,
-                 schema: dict | None = None):
+                 schema: dict | None = None, sampling: dict | None = None):
         self.eng, self.ctx, self.tokens, self.max_tokens, self.parent = eng, ctx, tokens, max_tokens, parent
         self.schema = schema  # a JSON schema the output must match (greedy, ends with the object)
+        self.sampling = sampling or {}  # temperature, top_p, top_k, min_p, seed (default: greedy)
         self.text = ""
         self.token_times: list[float] = []
         self.start = 0.0
@@ -65,7 +68,7 @@ class Client:
                 self.token_times.append(time.perf_counter())
 
         sp = (SamplingParams(max_tokens=self.max_tokens, json_schema=self.schema) if self.schema is not None
-              else SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
+              else SamplingParams(max_tokens=self.max_tokens, ignore_eos=True, **self.sampling))
         out = self.eng.generate_future(GenerateRequest(context_id=self.ctx, sampling=sp), on_chunk=on_chunk).result()
         self.text = out.text
         self.end = time.perf_counter()
@@ -82,10 +85,11 @@ def run_clients(clients: list[Client]) -> float:
     return time.perf_counter() - t0
 
 
-def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int) -> dict:
+def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
+               sampling: dict | None = None) -> dict:
     vocab = eng.vocab_size
-    clients = [Client(eng, f"t{conc}-{i}", rng.integers(100, vocab, prompt_len).tolist(), out_len)
-               for i in range(conc)]
+    clients = [Client(eng, f"t{conc}-{i}", rng.integers(100, vocab, prompt_len).tolist(), out_len,
+                      sampling=None if not sampling else {**sampling, "seed": i}) for i in range(conc)]
     wall = run_clients(clients)
     ttft = [c.token_times[0] - c.start for c in clients]
     itl = [b - a for c in clients for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
@@ -215,8 +219,15 @@ def main() -> None:
     ap.add_argument("--compare-bursts", type=int, default=0, metavar="R",
                     help="part 1 with decode bursts off and on, in turns, R rounds each (medians); bursts on means "
                          "--decode-bursts N, else the engine's own setting, else 256")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="part 1 samples at this temperature (default 0: greedy), with the three options below")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--out", default=None, help="default: benchmarks/results/engine_serving[_structured].json")
     args = ap.parse_args()
+    sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+                if args.temperature > 0 else None)
     quick = args.quick
     levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
@@ -234,7 +245,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
                     "multi_step": eng.runner.multi_step, "decode_bursts": cfg.decode_bursts,
-                    "throughput": [], "quick": quick}
+                    "sampling": sampling or "greedy", "throughput": [], "quick": quick}
     try:
         if args.structured or args.structured_only:
             result["structured"] = []
@@ -262,7 +273,7 @@ def main() -> None:
                           f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms (medians of "
                           f"{args.compare_bursts})", flush=True)
         for c in [] if args.structured_only or args.compare_bursts else levels:
-            r = throughput(eng, rng, c, prompt_len, out_len)
+            r = throughput(eng, rng, c, prompt_len, out_len, sampling)
             result["throughput"].append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "

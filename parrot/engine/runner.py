@@ -367,7 +367,7 @@ class ModelRunner:
         # while the client's queue of computations is full) and waiting for sampled tokens (`collect`)
         self.dispatch_s = 0.0
         self.wait_s = 0.0
-        self._sample = jax.jit(sample)
+        self._neutrals: dict[int, tuple[SamplerExtras, jax.Array]] = {}  # batch -> (extras, counts)
         self._parts: dict[tuple, concurrent.futures.Future] = {}  # embed / head executables, shared by shapes
         self._parts_lock = threading.Lock()
         self.compiler: ShapeCompiler[Shape, StepExecutables] = ShapeCompiler(self._compile)
@@ -769,11 +769,9 @@ class ModelRunner:
         logits = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.float32))
         self._part(("greedy", shape.batch), lambda: self._greedy.lower(logits).compile())
         params = self._abstract(SamplingBatch.build([], [], shape.batch, []))
-        self._part(("sample", shape.batch), lambda: self._sample.lower(logits, params).compile())
         extras = self._abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
         counts = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32))
-        self._part(("processed", shape.batch), lambda: processed_sampler.lower(logits, params, extras).compile())
-        self._part(("penalized", shape.batch),
+        self._part(("sampler", shape.batch),
                    lambda: processed_sampler.lower(logits, params, extras, counts).compile())
         if shape.q_len == 1:  # decode: an ahead step takes its PENDING tokens from the previous one (overlap)
             self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
@@ -833,13 +831,37 @@ class ModelRunner:
         return self._keep(self._sample_tokens(logits, sampling))
 
     def _sample_tokens(self, logits: jax.Array, sampling: SamplingBatch | None) -> jax.Array:
-        key = ("greedy" if sampling is None else "sample", int(logits.shape[0]))
-        fut = self._parts.get(key)
-        fn = fut.result() if fut is not None and fut.done() else (self._greedy if sampling is None else self._sample)
         t0 = time.perf_counter()
-        tokens = fn(logits) if sampling is None else fn(logits, self._put(sampling))
+        if sampling is None:
+            fut = self._parts.get(("greedy", int(logits.shape[0])))
+            tokens = (fut.result() if fut is not None and fut.done() else self._greedy)(logits)
+        else:  # the batch size's one sampler, with neutral extras and no penalties
+            tokens = self._sampler(int(logits.shape[0]))(logits, self._put(sampling),
+                                                          *self._neutral(int(logits.shape[0])))[0]
         self.dispatch_s += time.perf_counter() - t0
         return tokens
+
+    def _sampler(self, batch: int) -> Callable:
+        """The compiled sampler of a batch size (`sampling.sample_processed`, with counts), or the jitted
+        function where its shape has not compiled it yet."""
+        fut = self._parts.get(("sampler", batch))
+        return fut.result() if fut is not None and fut.done() else processed_sampler
+
+    def _neutral(self, batch: int) -> tuple[SamplerExtras, jax.Array]:
+        """Extras that change nothing and zero token counts for a batch size, kept on the device. The counts
+        ([B, V] int32) are only read where a row has a penalty; where the native kernels run they take no
+        memory until written (`kernels.lazy_zeros`), and nothing writes them."""
+        got = self._neutrals.get(batch)
+        if got is None:
+            shape = jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.int32)
+            if self.mesh is None and kernels.available():
+                counts = kernels.lazy_zeros([shape])[0]
+            else:
+                counts = self._put(np.zeros(shape.shape, np.int32))
+            extras = SamplerExtras.neutral(batch, self.cfg.vocab_size)
+            got = (jax.device_put(extras) if self.mesh is None else self._put(extras), counts)
+            self._neutrals[batch] = got
+        return got
 
     def sample_processed(self, logits: jax.Array, sampling: SamplingBatch, extras: SamplerExtras,
                          counts: np.ndarray | None) -> tuple[np.ndarray, ...]:
@@ -848,11 +870,9 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror.send("processed", (self._name(logits), sampling, extras, counts))
         self._keep(None)
-        key = ("processed" if counts is None else "penalized", int(logits.shape[0]))
-        fut = self._parts.get(key)
-        fn = fut.result() if fut is not None and fut.done() else processed_sampler
+        batch = int(logits.shape[0])
         sampling, extras, counts = self._put((sampling, extras, counts))
-        out = fn(logits, sampling, extras) if counts is None else fn(logits, sampling, extras, counts)
+        out = self._sampler(batch)(logits, sampling, extras, self._neutral(batch)[1] if counts is None else counts)
         return tuple(np.asarray(a) for a in out)
 
     def copy_pages(self, copies: list[PageCopy]) -> None:

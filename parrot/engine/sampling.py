@@ -1,12 +1,12 @@
 """Sampling parameters and the jitted samplers.
 
-Three compiled variants per batch size: `greedy_sample` (argmax), `sample` (temperature, top-k, top-p,
-per-request seed) and `sample_processed`, which first processes the logits (repetition, frequency and
-presence penalties, logit_bias, the allowed-token bitmask of constraints and min_tokens) and also
-samples with min-p and returns log probabilities. A batch takes the cheapest variant that serves all its
-sequences (`SamplerExtras.build` says whether it needs the processed one); in a processed batch a
-sequence that asked for nothing gets neutral values (no penalty, zero bias, an all-ones mask), so its
-tokens are the same as in a plain batch.
+Two compiled samplers per batch size: `greedy_sample` (argmax) and `sample_processed`, which processes
+the logits where some row asks (repetition, frequency and presence penalties, logit_bias, the
+allowed-token bitmask of constraints and min_tokens), samples (temperature, top-k, top-p, min-p,
+per-request seed) and returns log probabilities where some row asks. A batch in which every row is
+greedy takes the argmax; any other batch the processed sampler, with neutral values (no penalty, zero
+bias, an all-ones mask) where nothing was asked, so a row's tokens are the same in either kind of batch.
+`sample` (the same draws without processing) runs inside multi-step decode loops.
 
 Log probabilities are the model's raw distribution: log_softmax of the logits before temperature,
 penalties, logit_bias and masks (vLLM's "raw_logprobs").
@@ -104,7 +104,6 @@ class SamplerExtras:
     presence: jax.Array  # [B] float32
     frequency: jax.Array  # [B] float32
     repetition: jax.Array  # [B] float32 (1: off)
-    min_p: jax.Array  # [B] float32 (0: off)
     logprobs: jax.Array  # [B] bool: the row wants logprobs (none does: they are not computed)
 
     @classmethod
@@ -112,7 +111,7 @@ class SamplerExtras:
         return cls(np.full((batch_size, mask_words(vocab_size)), -1, np.int32),
                    np.zeros((batch_size, MAX_LOGIT_BIAS), np.int32), np.zeros((batch_size, MAX_LOGIT_BIAS), np.float32),
                    np.zeros(batch_size, np.float32), np.zeros(batch_size, np.float32),
-                   np.ones(batch_size, np.float32), np.zeros(batch_size, np.float32), np.zeros(batch_size, bool))
+                   np.ones(batch_size, np.float32), np.zeros(batch_size, bool))
 
     @classmethod
     def build(cls, jobs: list[Job | None], batch_size: int, vocab_size: int,
@@ -136,7 +135,6 @@ class SamplerExtras:
             if p.logit_bias:
                 ex.bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
                 ex.bias[i, : len(p.logit_bias)] = list(p.logit_bias.values())
-            ex.min_p[i] = p.min_p
             ex.logprobs[i] = p.logprobs is not None
             if p.penalized:
                 ex.presence[i], ex.frequency[i], ex.repetition[i] = (p.presence_penalty, p.frequency_penalty,
@@ -184,64 +182,77 @@ def greedy_sample(logits: jax.Array) -> jax.Array:
 
 def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """logits [B, V] -> token ids [B]. Rows with temperature 0 take the argmax."""
-    return _choose(logits, sb, sb.min_p)
+    return _choose(logits, sb)
 
 
 def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
                      counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [B, V] -> (token ids [B], their raw logprobs [B], the MAX_LOGPROBS most likely tokens [B, K]
     and their raw logprobs [B, K]). The logits get the penalties (with `counts`, see `SamplerExtras.build`),
-    logit_bias and the mask before greedy or stochastic sampling with min-p."""
+    logit_bias and the mask before greedy or stochastic sampling (temperature, top-k, top-p and min-p from
+    `sb`). Each stage runs only where some row of the batch needs it (the logprobs are zeros where no row
+    asks for them), so neutral extras and zero counts sample as `sample` does, and one executable per
+    batch size serves every sampled step."""
     batch, vocab = logits.shape
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
-    x = logits
+
+    def process(x: jax.Array) -> jax.Array:  # neutral values change nothing
+        if counts is not None:
+            generated = counts >> 1
+            r = ex.repetition[:, None]
+            x = jnp.where(counts > 0, jnp.where(x > 0, x / r, x * r), x)
+            x = x - ex.frequency[:, None] * generated - ex.presence[:, None] * (generated > 0)
+        x = x.at[jnp.arange(batch)[:, None], ex.bias_ids].add(ex.bias)
+        bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(batch, -1)[:, :vocab] != 0
+        return jnp.where(allowed, x, -jnp.inf)
+
+    needed = jnp.any(ex.bias != 0.0) | jnp.any(ex.mask != -1)
     if counts is not None:
-        generated = counts >> 1
-        r = ex.repetition[:, None]
-        x = jnp.where(counts > 0, jnp.where(x > 0, x / r, x * r), x)
-        x = x - ex.frequency[:, None] * generated - ex.presence[:, None] * (generated > 0)
-    x = x.at[jnp.arange(batch)[:, None], ex.bias_ids].add(ex.bias)
-    bits = (ex.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    allowed = bits.reshape(batch, -1)[:, :vocab] != 0
-    x = jnp.where(allowed, x, -jnp.inf)
-    # only the work some row needs: the sort of stochastic sampling, the top tokens of logprobs
-    tokens = jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb, ex.min_p), greedy_sample, x)
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        needed |= jnp.any((ex.repetition != 1.0) | (ex.frequency != 0.0) | (ex.presence != 0.0))
+    x = jax.lax.cond(needed, process, lambda x: x, logits)
+    # only the work some row needs: the cut-offs of stochastic sampling, the logprobs
+    tokens = jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb), greedy_sample, x)
 
-    def top(r: jax.Array) -> tuple[jax.Array, jax.Array]:
-        lp, ids = jax.lax.top_k(r, MAX_LOGPROBS)
-        return lp, ids.astype(jnp.int32)
+    def report(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        raw = jax.nn.log_softmax(v, axis=-1)
+        chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        lp, ids = jax.lax.top_k(raw, MAX_LOGPROBS)
+        return chosen, lp, ids.astype(jnp.int32)
 
-    def none(r: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return jnp.zeros((batch, MAX_LOGPROBS), r.dtype), jnp.zeros((batch, MAX_LOGPROBS), jnp.int32)
+    def none(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(batch, v.dtype), jnp.zeros((batch, MAX_LOGPROBS), v.dtype),
+                jnp.zeros((batch, MAX_LOGPROBS), jnp.int32))
 
-    top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), top, none, raw)
+    chosen, top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), report, none, logits)
     return tokens, chosen, top_ids, top_lp
 
 
-FAST_TOP_K = 64  # a batch whose sampled rows all keep at most this many tokens skips the full sort
+FAST_TOP_K = 64  # rows keeping at most this many tokens take their cut-off from the top FAST_TOP_K logits
+DRAW_SPAN = 512  # the vocabulary's spans in `_draw`
 
 
-def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> jax.Array:
+def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Greedy rows take the argmax; sampled rows draw from the tokens that survive top-k, top-p and min-p.
-    The cut-off needs the largest logits in order: a full sort of the vocabulary (slow on CPUs) only when
-    some sampled row filters without a top-k of at most FAST_TOP_K; none when no sampled row filters. A
-    row's cut-off is the same whichever way its batch took."""
+    A row with a top-k of at most FAST_TOP_K takes its cut-off from the top FAST_TOP_K logits; other
+    filtering rows find theirs over the whole vocabulary by bisection (`_select`), never by sorting it
+    (a sort of 49,152 logits took ~9 ms a row on a CPU); min-p alone needs neither. Each part runs only
+    when some row needs it, and a row's cut-off and draw are the same whichever parts its batch ran."""
     batch, vocab = logits.shape
     head = min(FAST_TOP_K, vocab)
     greedy = argmax(logits)
     scaled = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
     top = jnp.max(scaled, axis=-1, keepdims=True)
-    norm = jnp.sum(jnp.exp(scaled - top), axis=-1, keepdims=True)
-    min_p = jnp.zeros(batch, jnp.float32) if min_p is None else min_p
+    e = jnp.exp(scaled - top)
+    norm = jnp.sum(e, axis=-1, keepdims=True)
     stochastic = sb.temperature > 0
-    unfiltered = (sb.top_k == 0) & (sb.top_p >= 1.0) & (min_p <= 0.0)
-    bounded = (sb.top_k > 0) & (sb.top_k <= head)
+    bounded = stochastic & (sb.top_k > 0) & (sb.top_k <= head)
+    by_k = stochastic & (sb.top_k > head)  # top-k over the whole vocabulary
+    by_p = stochastic & ~bounded & (sb.top_p < 1.0)  # top-p over the whole vocabulary
     off = jnp.full((batch, 1), -jnp.inf, scaled.dtype)
 
     def cut(desc: jax.Array) -> jax.Array:
-        """[B, n] the n largest scaled logits, descending -> each row's threshold [B, 1]."""
+        """[B, n] the n largest scaled logits, descending -> each row's top-k and top-p threshold [B, 1]."""
         n = desc.shape[-1]
         k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, n), n)  # top-k: keep logits >= the k-th largest
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
@@ -249,30 +260,89 @@ def _choose(logits: jax.Array, sb: SamplingBatch, min_p: jax.Array | None) -> ja
         cum = jnp.cumsum(probs, axis=-1)
         n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
         pth = jnp.take_along_axis(desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-        # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
-        return jnp.maximum(jnp.maximum(kth, pth), top + jnp.log(min_p)[:, None])
+        return jnp.maximum(kth, pth)
 
-    def none(s: jax.Array) -> jax.Array:
+    def skip(s: jax.Array) -> jax.Array:
         return off
 
-    def fast(s: jax.Array) -> jax.Array:
-        return jnp.where(unfiltered[:, None], off, cut(jax.lax.top_k(s, head)[0]))
+    threshold = jnp.where(bounded[:, None], jax.lax.cond(jnp.any(bounded),
+                                                         lambda s: cut(jax.lax.top_k(s, head)[0]), skip, scaled), off)
+    k = jnp.minimum(jnp.maximum(sb.top_k, 1), vocab)[:, None]
+    kth = jax.lax.cond(jnp.any(by_k), lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0],
+                                                        True), skip, scaled)
+    mass = sb.top_p[:, None] * norm
+    pth = jax.lax.cond(jnp.any(by_p), lambda s: _select(
+        s, lambda key, t: jnp.sum(jnp.where(key > t, e, 0.0), axis=-1) < mass[:, 0], False), skip, scaled)
+    threshold = jnp.maximum(threshold, jnp.where(by_k[:, None], kth, off))
+    threshold = jnp.maximum(threshold, jnp.where(by_p[:, None], pth, off))
+    # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
+    threshold = jnp.maximum(threshold, top + jnp.log(sb.min_p)[:, None])
 
-    def full(s: jax.Array) -> jax.Array:
-        desc = jnp.sort(s, axis=-1)[:, ::-1]
-        return jnp.where(unfiltered[:, None], off, jnp.where(bounded[:, None], cut(desc[:, :head]), cut(desc)))
+    def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
 
-    calm = ~stochastic | unfiltered
-    branch = jnp.where(jnp.all(calm), 0, jnp.where(jnp.all(calm | bounded), 1, 2))
-    threshold = jax.lax.switch(branch, [none, fast, full], scaled)
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    def draw(seed: jax.Array, step: jax.Array, row: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row)
-
-    sampled = jax.vmap(draw)(sb.seeds, sb.steps, masked).astype(jnp.int32)
+    u = jax.vmap(uniform)(sb.seeds, sb.steps)
+    sampled = _draw(jnp.where(scaled >= threshold, e, 0.0), u)
     return jnp.where(stochastic, sampled, greedy)
 
 
-processed_sampler = jax.jit(sample_processed)  # `counts` None or not: two executables per batch size
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 in the same order (negative floats below positive ones)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _from_order_key(k: jax.Array) -> jax.Array:
+    b = jnp.where((k >> 31) == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _select(s: jax.Array, holds: object, largest: bool) -> jax.Array:
+    """Per row of s [B, V], a value of s found by bisection over the 32-bit order of float32 values
+    (32 passes over the row, each a comparison and a sum): the largest t with holds(keys, t) (which must
+    hold from the bottom up to t: `largest`), or the smallest t with it (from t up). Returns [B, 1]."""
+    key = _order_key(s)
+    batch = s.shape[0]
+    lo = jnp.zeros(batch, jnp.uint32)
+    hi = jnp.full(batch, 0xFFFFFFFF, jnp.uint32)
+
+    def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        span = hi - lo
+        if largest:  # holds at lo; find the last t that holds
+            mid = lo + (span >> 1) + (span & 1)
+            ok = holds(key, mid[:, None])
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - (span > 0).astype(jnp.uint32))
+        mid = lo + (span >> 1)  # holds at hi; find the first t that holds
+        ok = holds(key, mid[:, None])
+        return jnp.where(ok, lo, mid + (span > 0).astype(jnp.uint32)), jnp.where(ok, mid, hi)
+
+    lo, hi = jax.lax.fori_loop(0, 32, step, (lo, hi))
+    return _from_order_key(lo if largest else hi)[:, None]
+
+
+def _draw(p: jax.Array, u: jax.Array) -> jax.Array:
+    """Per row of p [B, V] (non-negative weights, some positive), the token whose cumulative weight in
+    vocabulary order first exceeds u * total (u [B] in [0, 1)): spans of DRAW_SPAN tokens first, then
+    within the span; never a token of weight 0."""
+    batch, vocab = p.shape
+    c = min(DRAW_SPAN, vocab)
+    spans = -(-vocab // c)
+    if spans * c != vocab:
+        p = jnp.pad(p, ((0, 0), (0, spans * c - vocab)))
+    r = p.reshape(batch, spans, c)
+    span_mass = jnp.sum(r, axis=-1)
+    cs = jnp.cumsum(span_mass, axis=-1)
+    target = u * cs[:, -1]
+    last = spans - 1 - jnp.argmax(span_mass[:, ::-1] > 0, axis=-1)  # the last span with weight
+    span = jnp.minimum(jnp.sum(cs <= target[:, None], axis=-1), last)
+    before = jnp.take_along_axis(cs - span_mass, span[:, None], axis=-1)[:, 0]
+    within = jnp.take_along_axis(r, span[:, None, None], axis=1)[:, 0]
+    cw = jnp.cumsum(within, axis=-1)
+    rest = jnp.maximum(target - before, 0.0)
+    lastw = c - 1 - jnp.argmax(within[:, ::-1] > 0, axis=-1)
+    idx = jnp.minimum(jnp.sum(cw <= rest[:, None], axis=-1), lastw)
+    return (span * c + idx).astype(jnp.int32)
+
+
+processed_sampler = jax.jit(sample_processed)  # the engine always passes `counts` (zeros: no penalties)

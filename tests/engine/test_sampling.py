@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from parrot.engine.sampling import (
     SamplerExtras,
     SamplingBatch,
     _clear_bits,
+    _select,
     argmax,
     greedy_sample,
     processed_sampler,
@@ -102,6 +104,66 @@ def test_top_k_top_p_and_min_p_keep_the_right_tokens() -> None:
         assert drawn == kept, params
 
 
+def test_whole_vocabulary_cut_offs_equal_a_sort() -> None:
+    """Top-k above FAST_TOP_K and top-p without a small top-k find their cut-off by bisection over the
+    values' order: the same value as sorting the row gives (k-th largest; smallest value whose larger
+    values' mass is below top_p)."""
+    rng = np.random.default_rng(21)
+    s = (rng.standard_normal((6, 3000)) * 2.5).astype(np.float32)
+    s[1, :40] = s[1, 0]  # ties
+    for k in [1, 65, 700, 2999, 3000]:
+        def at_least_k(key: jax.Array, t: jax.Array, k: int = k) -> jax.Array:
+            return jnp.sum(key >= t, axis=-1) >= k
+
+        got = np.asarray(jax.jit(lambda s, holds=at_least_k: _select(s, holds, True))(s))
+        np.testing.assert_array_equal(got[:, 0], -np.sort(-s, axis=-1)[:, k - 1])
+    e = np.exp(s.astype(np.float64) - s.max(axis=-1, keepdims=True))
+    e32 = jnp.asarray(e, jnp.float32)
+    for top_p in [0.05, 0.3, 0.9, 0.999]:
+        mass = top_p * e.sum(axis=-1)
+
+        def below(key: jax.Array, t: jax.Array, mass: np.ndarray = mass) -> jax.Array:
+            return jnp.sum(jnp.where(key > t, e32, 0.0), axis=-1) < jnp.asarray(mass, jnp.float32)
+
+        got = np.asarray(jax.jit(lambda s, holds=below: _select(s, holds, False))(s))[:, 0]
+        for row in range(len(s)):
+            desc = -np.sort(-s[row])
+            before = np.cumsum(np.exp(desc.astype(np.float64) - desc[0])) - np.exp(desc.astype(np.float64) - desc[0])
+            assert got[row] == desc[np.sum(before < mass[row]) - 1], (top_p, row)
+
+
+def test_draws_follow_the_kept_distribution() -> None:
+    """The inverse-CDF draw: over many seeds each kept token comes up in proportion to its probability
+    (within 4.5 standard deviations), and a cut token never does."""
+    logits = np.full((1, V), -30.0, np.float32)
+    logits[0, [7, 40, 41, 99]] = np.log([0.5, 0.3, 0.15, 0.05])
+    logits[0, 60] = np.log(0.001)  # below min-p 0.01 of the top: cut
+    fn = jax.jit(sample)
+    n = 3000
+    drawn = np.array([int(fn(logits, SamplingBatch.build([SamplingParams(temperature=1.0, seed=i, min_p=0.01)], [i % 7],
+                                                         1, [0]))[0]) for i in range(n)])
+    probs = {7: 0.5, 40: 0.3, 41: 0.15, 99: 0.05}  # the -30 logits' mass is below 1e-10
+    assert set(drawn) <= set(probs)
+    for token, p in probs.items():
+        assert abs(np.sum(drawn == token) - n * p) < 4.5 * np.sqrt(n * p * (1 - p)), token
+
+
+def test_a_whole_vocabulary_row_draws_the_same_in_any_batch() -> None:
+    """A top-p row (bisection) and a row with a large top-k draw the same alone, beside a small-top-k row,
+    beside a greedy row and beside each other."""
+    logits = _logits(2, seed=13)
+    logits[1] = logits[0]
+    fn = jax.jit(sample)
+    rows = [SamplingParams(temperature=0.9, top_p=0.8, seed=3), SamplingParams(temperature=1.1, top_k=90, seed=3)]
+    others = [SamplingParams(temperature=0.9, top_k=5, seed=4), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, min_p=0.2, seed=4)] + rows
+    for row in rows:
+        for step in range(15):
+            alone = int(fn(logits, SamplingBatch.build([row, row], [step, step], 2, [0, 0]))[0])
+            for other in others:
+                assert int(fn(logits, SamplingBatch.build([row, other], [step, step], 2, [0, 0]))[0]) == alone
+
+
 def test_mask_bits_include_the_sign_bit() -> None:
     logits = _logits(1)
     for allowed in ([31], [63, 5], [99]):
@@ -131,6 +193,7 @@ def test_penalties_and_bias_follow_their_definitions() -> None:
     ex.repetition[0], ex.presence[0], ex.frequency[0] = 1.7, 0.5, 0.3
     ex.bias_ids[0, :2] = [10, 11]
     ex.bias[0, :2] = [2.5, -100.0]
+    ex.logprobs[0] = True
     expected = logits[0].copy()
     for t in set(prompt + generated):
         expected[t] = expected[t] / 1.7 if expected[t] > 0 else expected[t] * 1.7
@@ -146,23 +209,58 @@ def test_penalties_and_bias_follow_their_definitions() -> None:
     assert int(processed_sampler(logits, _batch([1.0], [5]), ex, counts)[0][0]) == 10
 
 
+def _min_p(min_p: float, seed: int) -> SamplingBatch:
+    return SamplingBatch.build([SamplingParams(temperature=1.0, seed=seed, min_p=min_p)], [3], 1, [0])
+
+
 def test_min_p_drops_unlikely_tokens() -> None:
     logits = np.full((1, V), -10.0, np.float32)
     logits[0, [3, 4, 5]] = [2.0, 1.5, 0.0]  # probabilities relative to the top: 1, 0.61, 0.14
     ex = SamplerExtras.neutral(1, V)
-    ex.min_p[0] = 0.5
-    drawn = {int(processed_sampler(logits, _batch([1.0], [s]), ex)[0][0]) for s in range(200)}
+    drawn = {int(processed_sampler(logits, _min_p(0.5, s), ex)[0][0]) for s in range(200)}
     assert drawn == {3, 4}
-    ex.min_p[0] = 0.0
-    drawn = {int(processed_sampler(logits, _batch([1.0], [s]), ex)[0][0]) for s in range(200)}
+    drawn = {int(processed_sampler(logits, _min_p(0.0, s), ex)[0][0]) for s in range(200)}
     assert {3, 4, 5} <= drawn
     # the plain sampler applies min-p itself (a request with only min-p set keeps the fast path), with the
     # same draws as the processed one
     sampler = jax.jit(sample)
     for s in range(50):
-        sb = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, min_p=0.5)], [3], 1, [0])
-        ex.min_p[0] = 0.5
+        sb = _min_p(0.5, s)
         assert int(sampler(logits, sb)[0]) == int(processed_sampler(logits, sb, ex)[0][0]) in (3, 4)
+
+
+def test_min_p_holds_for_a_row_beside_one_that_needs_processing() -> None:
+    """Every row's min-p comes from the SamplingBatch: a min-p-only row keeps it when another row of its
+    batch (here one asking for logprobs) sends the batch through the processed sampler."""
+    logits = np.full((2, V), -10.0, np.float32)
+    logits[:, [3, 4, 5]] = [2.0, 1.5, 0.0]
+    ex = SamplerExtras.neutral(2, V)
+    ex.logprobs[1] = True
+    drawn = set()
+    for s in range(200):
+        sb = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, min_p=0.5),
+                                  SamplingParams(temperature=1.0, seed=s, logprobs=1)], [3, 3], 2, [0, 0])
+        drawn.add(int(processed_sampler(logits, sb, ex)[0][0]))
+    assert drawn == {3, 4}
+
+
+def test_zero_counts_and_neutral_extras_sample_as_the_plain_sampler() -> None:
+    """The engine's one sampler per batch size: with zero counts and neutral extras it draws what the plain
+    sampler draws and reports no logprobs; counts only count where a row has a penalty."""
+    logits = _logits(4, seed=3)
+    ex = SamplerExtras.neutral(4, V)
+    zeros = np.zeros((4, V), np.int32)
+    plain = jax.jit(sample)
+    for step in range(10):
+        sb = SamplingBatch.build([SamplingParams(temperature=t, top_k=k, top_p=p, seed=5)
+                                  for t, k, p in [(0.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (1.2, 0, 1.0)]],
+                                 [step] * 4, 4, [0] * 4)
+        tokens, chosen, top_ids, top_lp = processed_sampler(logits, sb, ex, zeros)
+        assert np.array_equal(np.asarray(tokens), np.asarray(plain(logits, sb)))
+        assert not np.asarray(chosen).any() and not np.asarray(top_lp).any() and not np.asarray(top_ids).any()
+    counts = np.full((4, V), 5, np.int32)  # counts without a penalty change nothing
+    sb = _batch([0.0, 0.9, 0.0, 0.9])
+    assert np.array_equal(np.asarray(processed_sampler(logits, sb, ex, counts)[0]), np.asarray(plain(logits, sb)))
 
 
 # ---- through the engine ---------------------------------------------------------------------------
