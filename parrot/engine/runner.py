@@ -854,10 +854,12 @@ class ModelRunner:
         got = self._neutrals.get(batch)
         if got is None:
             shape = jax.ShapeDtypeStruct((batch, self.cfg.vocab_size), jnp.int32)
-            if self.mesh is None and kernels.available():
-                counts = kernels.lazy_zeros([shape])[0]
-            else:
+            if self.mesh is not None:
                 counts = self._put(np.zeros(shape.shape, np.int32))
+            elif kernels.available():
+                counts = kernels.lazy_zeros([shape])[0]
+            else:  # on the device, not sent with every step
+                counts = jnp.zeros(shape.shape, jnp.int32)
             extras = SamplerExtras.neutral(batch, self.cfg.vocab_size)
             got = (jax.device_put(extras) if self.mesh is None else self._put(extras), counts)
             self._neutrals[batch] = got
