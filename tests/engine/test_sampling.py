@@ -17,6 +17,7 @@ from parrot.engine.sampling import (
     SamplingBatch,
     _clear_bits,
     _select,
+    _top_values,
     argmax,
     greedy_sample,
     processed_sampler,
@@ -130,6 +131,20 @@ def test_whole_vocabulary_cut_offs_equal_a_sort() -> None:
             desc = -np.sort(-s[row])
             before = np.cumsum(np.exp(desc.astype(np.float64) - desc[0])) - np.exp(desc.astype(np.float64) - desc[0])
             assert got[row] == desc[np.sum(before < mass[row]) - 1], (top_p, row)
+
+
+def test_top_values_from_the_best_spans_equal_top_k() -> None:
+    """The k largest values taken from the k spans with the largest maxima are lax.top_k's, ties included
+    (values repeated across and within spans, a vocabulary that is not a multiple of the span)."""
+    rng = np.random.default_rng(8)
+    s = np.round(rng.standard_normal((5, 20_011)) * 3, 1).astype(np.float32)  # many ties
+    s[1, 5_000:5_300] = s[1].max()  # more maxima than k
+    s[2, :] = 0.0
+    s[3, ::97] = 9.0  # one per span, in every span
+    for k in [1, 17, 64]:
+        want = np.asarray(jax.lax.top_k(jnp.asarray(s), k)[0])
+        got = np.asarray(jax.jit(_top_values, static_argnums=1)(jnp.asarray(s), k))
+        np.testing.assert_array_equal(got, want)
 
 
 def test_draws_follow_the_kept_distribution() -> None:
