@@ -321,17 +321,21 @@ struct PrefillPairs {
   aligned::vector<int32_t> act;  // rows with keys in the block
 };
 
+// Both halves of the block at once: each broadcast query pair feeds two products (the same products, in
+// the same order, as one half at a time).
 template <int R>
 inline void prefill_pair_scores(const uint32_t* q, int64_t pairs, const __m512i* kt, __m512 s[][2]) {
-  for (int h = 0; h < 2; ++h) {
-    __m512 a[R];
-    for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < pairs; ++j) {
-      const __m512bh k = as_bh(_mm512_load_si512(kt + h * pairs + j));
-      for (int r = 0; r < R; ++r) a[r] = _mm512_dpbf16_ps(a[r], k, as_bh(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j]))));
+  __m512 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = _mm512_setzero_ps(), a1[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh k0 = as_bh(_mm512_load_si512(kt + j)), k1 = as_bh(_mm512_load_si512(kt + pairs + j));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j])));
+      a0[r] = _mm512_dpbf16_ps(a0[r], k0, b);
+      a1[r] = _mm512_dpbf16_ps(a1[r], k1, b);
     }
-    for (int r = 0; r < R; ++r) s[r][h] = a[r];
   }
+  for (int r = 0; r < R; ++r) s[r][0] = a0[r], s[r][1] = a1[r];
 }
 
 template <int R>
