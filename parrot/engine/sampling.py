@@ -14,6 +14,7 @@ penalties, logit_bias and masks (vLLM's "raw_logprobs").
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -235,8 +236,9 @@ DRAW_SPAN = 512  # the vocabulary's spans in `_draw`
 def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Greedy rows take the argmax; sampled rows draw from the tokens that survive top-k, top-p and min-p.
     A row with a top-k of at most FAST_TOP_K takes its cut-off from the top FAST_TOP_K logits; other
-    filtering rows find theirs over the whole vocabulary by bisection (`_select`), never by sorting it
-    (a sort of 49,152 logits took ~9 ms a row on a CPU); min-p alone needs neither. Each part runs only
+    filtering rows find theirs over the whole vocabulary by bisection on a CPU (`_select`: a sort of 49,152
+    logits took ~9 ms a row there), in the sorted row on accelerators (`whole_vocabulary_by_sort`); min-p
+    alone needs neither. Each part runs only
     when some row needs it, and a row's cut-off and draw are the same whichever parts its batch ran."""
     batch, vocab = logits.shape
     head = min(FAST_TOP_K, vocab)
@@ -251,8 +253,9 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     by_p = stochastic & ~bounded & (sb.top_p < 1.0)  # top-p over the whole vocabulary
     off = jnp.full((batch, 1), -jnp.inf, scaled.dtype)
 
-    def cut(desc: jax.Array) -> jax.Array:
-        """[B, n] the n largest scaled logits, descending -> each row's top-k and top-p threshold [B, 1]."""
+    def cut(desc: jax.Array, parts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """[B, n] the n largest scaled logits, descending -> each row's top-k and top-p threshold [B, 1]
+        (with `parts`, the two apart)."""
         n = desc.shape[-1]
         k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, n), n)  # top-k: keep logits >= the k-th largest
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
@@ -260,19 +263,25 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
         cum = jnp.cumsum(probs, axis=-1)
         n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
         pth = jnp.take_along_axis(desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
-        return jnp.maximum(kth, pth)
+        return (kth, pth) if parts else jnp.maximum(kth, pth)
 
     def skip(s: jax.Array) -> jax.Array:
         return off
 
     threshold = jnp.where(bounded[:, None], jax.lax.cond(jnp.any(bounded),
                                                          lambda s: cut(_top_values(s, head)), skip, scaled), off)
-    k = jnp.minimum(jnp.maximum(sb.top_k, 1), vocab)[:, None]
-    kth = jax.lax.cond(jnp.any(by_k), lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0],
-                                                        True), skip, scaled)
-    mass = sb.top_p[:, None] * norm
-    pth = jax.lax.cond(jnp.any(by_p), lambda s: _select(
-        s, lambda key, t: jnp.sum(jnp.where(key > t, e, 0.0), axis=-1) < mass[:, 0], False), skip, scaled)
+    if whole_vocabulary_by_sort():  # accelerators sort fast; `cut` finds both cut-offs in the sorted row
+        def kth_and_pth(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return cut(jnp.sort(s, axis=-1)[:, ::-1], parts=True)
+
+        kth, pth = jax.lax.cond(jnp.any(by_k | by_p), kth_and_pth, lambda s: (off, off), scaled)
+    else:
+        k = jnp.minimum(jnp.maximum(sb.top_k, 1), vocab)[:, None]
+        kth = jax.lax.cond(jnp.any(by_k), lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0],
+                                                            True), skip, scaled)
+        mass = sb.top_p[:, None] * norm
+        pth = jax.lax.cond(jnp.any(by_p), lambda s: _select(
+            s, lambda key, t: jnp.sum(jnp.where(key > t, e, 0.0), axis=-1) < mass[:, 0], False), skip, scaled)
     threshold = jnp.maximum(threshold, jnp.where(by_k[:, None], kth, off))
     threshold = jnp.maximum(threshold, jnp.where(by_p[:, None], pth, off))
     # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
@@ -284,6 +293,15 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     u = jax.vmap(uniform)(sb.seeds, sb.steps)
     sampled = _draw(jnp.where(scaled >= threshold, e, 0.0), u)
     return jnp.where(stochastic, sampled, greedy)
+
+
+def whole_vocabulary_by_sort() -> bool:
+    """Whether rows filtering over the whole vocabulary (a top-k above FAST_TOP_K, top-p without a small
+    top-k) find their cut-offs in a sorted row instead of by bisection: on accelerators, where XLA sorts
+    fast and a loop of 64 reductions costs more; never on a CPU, where a row's sort takes ~9 ms
+    (`PARROT_SAMPLER_SORT=1` / `0` forces either; read when a sampler is traced)."""
+    forced = os.environ.get("PARROT_SAMPLER_SORT")
+    return forced == "1" if forced in ("0", "1") else jax.default_backend() != "cpu"
 
 
 TOP_SPAN = 64  # `_top_values` looks for the k largest values in the k spans of this many tokens with the largest maxima

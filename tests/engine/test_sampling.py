@@ -133,6 +133,22 @@ def test_whole_vocabulary_cut_offs_equal_a_sort() -> None:
             assert got[row] == desc[np.sum(before < mass[row]) - 1], (top_p, row)
 
 
+def test_sorted_and_bisected_cut_offs_draw_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accelerators find whole-vocabulary cut-offs in the sorted row, CPUs by bisection: the same tokens
+    (forced here both ways on the CPU)."""
+    logits = (np.random.default_rng(17).standard_normal((6, 3000)) * 2.0).astype(np.float32)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=9)
+              for t, k, p, m in [(0.9, 0, 0.7, 0.0), (1.0, 300, 1.0, 0.0), (0.7, 200, 0.9, 0.0), (1.3, 0, 0.95, 0.02),
+                                 (0.8, 40, 0.9, 0.0), (0.0, 0, 1.0, 0.0)]]
+    draws = {}
+    for forced in ("1", "0"):
+        monkeypatch.setenv("PARROT_SAMPLER_SORT", forced)
+        fn = jax.jit(lambda logits, sb: sample(logits, sb))  # traced anew under each setting
+        draws[forced] = [np.asarray(fn(logits, SamplingBatch.build(params, [s] * 6, 6, [0] * 6))) for s in range(25)]
+    assert all(np.array_equal(a, b) for a, b in zip(draws["1"], draws["0"], strict=True))
+    assert len({int(d[0]) for d in draws["0"]}) > 3  # row 0 really samples
+
+
 def test_top_values_from_the_best_spans_equal_top_k() -> None:
     """The k largest values taken from the k spans with the largest maxima are lax.top_k's, ties included
     (values repeated across and within spans, a vocabulary that is not a multiple of the span)."""
