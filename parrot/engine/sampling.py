@@ -246,22 +246,26 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     scaled = logits / jnp.maximum(sb.temperature, 1e-5)[:, None]
     top = jnp.max(scaled, axis=-1, keepdims=True)
     e = jnp.exp(scaled - top)
-    norm = jnp.sum(e, axis=-1, keepdims=True)
     stochastic = sb.temperature > 0
     bounded = stochastic & (sb.top_k > 0) & (sb.top_k <= head)
     by_k = stochastic & (sb.top_k > head)  # top-k over the whole vocabulary
     by_p = stochastic & ~bounded & (sb.top_p < 1.0)  # top-p over the whole vocabulary
     off = jnp.full((batch, 1), -jnp.inf, scaled.dtype)
+    # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
+    min_p_cut = top + jnp.log(sb.min_p)[:, None]
 
     def cut(desc: jax.Array, parts: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
         """[B, n] the n largest scaled logits, descending -> each row's top-k and top-p threshold [B, 1]
-        (with `parts`, the two apart)."""
+        (with `parts`, the two apart). Top-p takes the smallest prefix whose probability, renormalized over
+        the tokens top-k and min-p keep (as vLLM, Hugging Face and llama.cpp renormalize), reaches top_p."""
         n = desc.shape[-1]
         k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, n), n)  # top-k: keep logits >= the k-th largest
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-        probs = jnp.exp(desc - top) / norm  # top-p: the smallest prefix whose mass reaches top_p
+        kept = desc >= jnp.maximum(kth, min_p_cut)
+        probs = jnp.where(kept, jnp.exp(desc - top), 0.0)
         cum = jnp.cumsum(probs, axis=-1)
-        n_keep = jnp.sum((cum - probs) < sb.top_p[:, None], axis=-1)
+        mass = sb.top_p[:, None] * cum[:, -1:]
+        n_keep = jnp.sum(kept & ((cum - probs) < mass), axis=-1)
         pth = jnp.take_along_axis(desc, (jnp.maximum(n_keep, 1) - 1)[:, None], axis=-1)
         return (kth, pth) if parts else jnp.maximum(kth, pth)
 
@@ -279,13 +283,16 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
         k = jnp.minimum(jnp.maximum(sb.top_k, 1), vocab)[:, None]
         kth = jax.lax.cond(jnp.any(by_k), lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0],
                                                             True), skip, scaled)
-        mass = sb.top_p[:, None] * norm
-        pth = jax.lax.cond(jnp.any(by_p), lambda s: _select(
-            s, lambda key, t: jnp.sum(jnp.where(key > t, e, 0.0), axis=-1) < mass[:, 0], False), skip, scaled)
+
+        def top_p_cut(s: jax.Array) -> jax.Array:
+            kept = jnp.where(s >= jnp.maximum(jnp.where(by_k[:, None], kth, off), min_p_cut), e, 0.0)
+            mass = sb.top_p * jnp.sum(kept, axis=-1)
+            return _select(s, lambda key, t: jnp.sum(jnp.where(key > t, kept, 0.0), axis=-1) < mass, False)
+
+        pth = jax.lax.cond(jnp.any(by_p), top_p_cut, skip, scaled)
     threshold = jnp.maximum(threshold, jnp.where(by_k[:, None], kth, off))
     threshold = jnp.maximum(threshold, jnp.where(by_p[:, None], pth, off))
-    # min-p: keep p >= min_p * p_max, i.e. scaled >= max + log(min_p) (log 0 = -inf: off)
-    threshold = jnp.maximum(threshold, top + jnp.log(sb.min_p)[:, None])
+    threshold = jnp.maximum(threshold, min_p_cut)
 
     def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())

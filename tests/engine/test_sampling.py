@@ -195,6 +195,22 @@ def test_a_whole_vocabulary_row_draws_the_same_in_any_batch() -> None:
                 assert int(fn(logits, SamplingBatch.build([row, other], [step, step], 2, [0, 0]))[0]) == alone
 
 
+def test_top_p_renormalizes_over_what_top_k_and_min_p_keep() -> None:
+    """As in vLLM, Hugging Face and llama.cpp, top-p measures mass among the tokens top-k (and min-p) keep:
+    with probabilities 0.3, 0.2, 0.1 and a tail of 0.4, top-k 3 renormalizes them to 0.5, 0.33, 0.17, and
+    top-p 0.55 then keeps two (over the whole vocabulary it would keep three). The same whether the row's
+    cut-off comes from the top values (top-k <= 64) or from the whole vocabulary (top-k 70)."""
+    logits = np.full((1, V), np.log(0.4 / 97), np.float32)
+    logits[0, :3] = np.log([0.3, 0.2, 0.1])
+    fn = jax.jit(sample)
+    for params, kept in [(dict(top_k=3, top_p=0.55), {0, 1}), (dict(top_p=0.55), {0, 1, 2}),
+                         (dict(min_p=0.2, top_p=0.55), {0, 1}), (dict(top_k=3), {0, 1, 2}),
+                         (dict(top_k=70, top_p=0.55, min_p=0.2), {0, 1})]:
+        drawn = {int(fn(logits, SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, **params)], [0], 1,
+                                                    [0]))[0]) for s in range(150)}
+        assert drawn == kept, params
+
+
 def test_mask_bits_include_the_sign_bit() -> None:
     logits = _logits(1)
     for allowed in ([31], [63, 5], [99]):
