@@ -238,8 +238,8 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     A row with a top-k of at most FAST_TOP_K takes its cut-off from the top FAST_TOP_K logits; other
     filtering rows find theirs over the whole vocabulary by bisection on a CPU (`_select`: a sort of 49,152
     logits took ~9 ms a row there), in the sorted row on accelerators (`whole_vocabulary_by_sort`); min-p
-    alone needs neither. Each part runs only
-    when some row needs it, and a row's cut-off and draw are the same whichever parts its batch ran."""
+    alone needs neither. Each part runs only when some row needs it, and a row's cut-off and draw are the
+    same whichever parts its batch ran. One uniform number per row picks the token (`_draw`)."""
     batch, vocab = logits.shape
     head = min(FAST_TOP_K, vocab)
     greedy = argmax(logits)
