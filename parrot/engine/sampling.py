@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from parrot.engine import kernels
 from parrot.engine.sequence import Job
 from parrot.engine.structured import fill_masks, mask_words
 from parrot.errors import InvalidRequestError
@@ -216,9 +217,14 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
     needed = jnp.any(ex.bias != 0.0) | jnp.any(ex.mask != -1)
     if counts is not None:
         needed |= jnp.any((ex.repetition != 1.0) | (ex.frequency != 0.0) | (ex.presence != 0.0))
-    x = jax.lax.cond(needed, process, lambda x: x, logits)
-    # only the work some row needs: the cut-offs of stochastic sampling, the logprobs
-    tokens = jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb), greedy_sample, x)
+
+    def choose(v: jax.Array) -> jax.Array:  # only the work some row needs (the native sampler takes both kinds)
+        if native_sampler():
+            return _choose(v, sb)
+        return jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb), greedy_sample, v)
+
+    # each branch samples, so that the logits are not copied out of a branch that leaves them as they are
+    tokens = jax.lax.cond(needed, lambda v: choose(process(v)), choose, logits)
 
     def report(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         raw = jax.nn.log_softmax(v, axis=-1)
@@ -245,6 +251,12 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     logits took ~9 ms a row there), in the sorted row on accelerators (`whole_vocabulary_by_sort`); min-p
     alone needs neither. Each part runs only when some row needs it, and a row's cut-off and draw are the
     same whichever parts its batch ran. One uniform number per row picks the token (`_draw`)."""
+    def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
+
+    u = jax.vmap(uniform)(sb.seeds, sb.steps)
+    if native_sampler():  # the same definitions, a row at a time in the cache (kernels/sampler.h)
+        return kernels.sample(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p, u)
     batch, vocab = logits.shape
     head = min(FAST_TOP_K, vocab)
     greedy = argmax(logits)
@@ -299,12 +311,16 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     threshold = jnp.maximum(threshold, jnp.where(by_p[:, None], pth, off))
     threshold = jnp.maximum(threshold, min_p_cut)
 
-    def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
-
-    u = jax.vmap(uniform)(sb.seeds, sb.steps)
     sampled = _draw(jnp.where(scaled >= threshold, e, 0.0), u)
     return jnp.where(stochastic, sampled, greedy)
+
+
+def native_sampler() -> bool:
+    """Whether `_choose` runs as the native CPU kernel (`kernels.sample`: each row's passes over its own
+    logits while they are in the cache; XLA's code reads the whole batch's arrays pass after pass) rather
+    than as the XLA code below: where the native kernels are available, unless `PARROT_CPU_SAMPLER=0`
+    (read when a sampler is traced)."""
+    return os.environ.get("PARROT_CPU_SAMPLER", "1") != "0" and jax.default_backend() == "cpu" and kernels.available()
 
 
 def whole_vocabulary_by_sort() -> bool:

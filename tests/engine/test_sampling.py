@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
 from parrot.engine.sampling import (
     SamplerExtras,
@@ -20,8 +21,8 @@ from parrot.engine.sampling import (
     _top_values,
     argmax,
     greedy_sample,
-    processed_sampler,
     sample,
+    sample_processed,
 )
 from parrot.errors import InvalidRequestError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
@@ -29,6 +30,25 @@ from tests.conftest import tiny_engine_config, tiny_model
 
 TIMEOUT = 300
 V = 100
+
+
+class Samplers:
+    """The plain and processed samplers traced under one setting of PARROT_CPU_SAMPLER (new functions, so
+    that jit's trace cache does not hand back the other setting's)."""
+
+    def __init__(self) -> None:
+        self.plain = jax.jit(lambda logits, sb: sample(logits, sb))
+        self.processed = jax.jit(lambda *a: sample_processed(*a))
+
+
+@pytest.fixture(params=["native", "xla"])
+def samplers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Samplers:
+    """Each test of the sampling definitions runs on the native CPU kernel (kernels/sampler.h) and on XLA's
+    code (accelerators, and CPUs without the kernels)."""
+    if request.param == "native" and not kernels.available():
+        pytest.skip("the native CPU kernels are unavailable")
+    monkeypatch.setenv("PARROT_CPU_SAMPLER", "1" if request.param == "native" else "0")
+    return Samplers()
 
 
 @pytest.mark.parametrize("vocab", [7, 512, 1000, 49152])
@@ -62,23 +82,23 @@ def _only(tokens: list[int], batch: int = 1) -> SamplerExtras:
     return ex
 
 
-def test_neutral_rows_sample_as_the_plain_samplers() -> None:
+def test_neutral_rows_sample_as_the_plain_samplers(samplers: Samplers) -> None:
     logits = _logits(4)
     sb = _batch([0.0, 0.8, 0.0, 1.3])
     ex = SamplerExtras.neutral(4, V)
     ex.logprobs[:] = True
-    tokens, chosen, top_ids, top_lp = processed_sampler(logits, sb, ex)
-    assert np.array_equal(np.asarray(tokens), np.asarray(jax.jit(sample)(logits, sb)))
+    tokens, chosen, top_ids, top_lp = samplers.processed(logits, sb, ex)
+    assert np.array_equal(np.asarray(tokens), np.asarray(samplers.plain(logits, sb)))
     assert np.array_equal(np.asarray(tokens)[[0, 2]], np.asarray(greedy_sample(logits))[[0, 2]])
     raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     np.testing.assert_allclose(np.asarray(chosen), raw[np.arange(4), np.asarray(tokens)], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(top_lp), -np.sort(-raw, axis=-1)[:, :20], rtol=1e-6)
     assert np.array_equal(np.asarray(top_ids)[:, 0], raw.argmax(-1))
     greedy = _batch([0.0] * 4)  # all greedy: the sort is skipped, the argmax is the same
-    assert np.array_equal(np.asarray(processed_sampler(logits, greedy, ex)[0]), np.asarray(greedy_sample(logits)))
+    assert np.array_equal(np.asarray(samplers.processed(logits, greedy, ex)[0]), np.asarray(greedy_sample(logits)))
 
 
-def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch() -> None:
+def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch(samplers: Samplers) -> None:
     """A row with a small top-k (no full sort needed) or with no filter at all draws the same token alone
     and beside a row that makes the batch sort the whole vocabulary."""
     logits = _logits(2, seed=9)
@@ -86,7 +106,7 @@ def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch() -> None:
     rows = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1),
             SamplingParams(temperature=0.9, seed=1)]
     sorting = SamplingParams(temperature=0.7, top_p=0.8, seed=2)  # top-p without top-k: the full sort
-    fn = jax.jit(sample)
+    fn = samplers.plain
     for row in rows:
         for step in range(20):
             alone = SamplingBatch.build([row, row], [step, step], 2, [0, 0])
@@ -94,10 +114,10 @@ def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch() -> None:
             assert int(fn(logits, alone)[0]) == int(fn(logits, beside)[0])
 
 
-def test_top_k_top_p_and_min_p_keep_the_right_tokens() -> None:
+def test_top_k_top_p_and_min_p_keep_the_right_tokens(samplers: Samplers) -> None:
     logits = np.full((1, V), -20.0, np.float32)
     logits[0, :6] = [3.0, 2.9, 2.8, 1.0, 0.5, 0.0]
-    fn = jax.jit(sample)
+    fn = samplers.plain
     for params, kept in [(dict(top_k=2), {0, 1}), (dict(top_p=0.5), {0, 1}), (dict(top_k=40, top_p=0.5), {0, 1}),
                          (dict(top_k=3), {0, 1, 2})]:
         drawn = {int(fn(logits, SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, **params)], [0], 1,
@@ -140,6 +160,7 @@ def test_sorted_and_bisected_cut_offs_draw_the_same(monkeypatch: pytest.MonkeyPa
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=9)
               for t, k, p, m in [(0.9, 0, 0.7, 0.0), (1.0, 300, 1.0, 0.0), (0.7, 200, 0.9, 0.0), (1.3, 0, 0.95, 0.02),
                                  (0.8, 40, 0.9, 0.0), (0.0, 0, 1.0, 0.0)]]
+    monkeypatch.setenv("PARROT_CPU_SAMPLER", "0")  # XLA's code, which has both ways
     draws = {}
     for forced in ("1", "0"):
         monkeypatch.setenv("PARROT_SAMPLER_SORT", forced)
@@ -147,6 +168,49 @@ def test_sorted_and_bisected_cut_offs_draw_the_same(monkeypatch: pytest.MonkeyPa
         draws[forced] = [np.asarray(fn(logits, SamplingBatch.build(params, [s] * 6, 6, [0] * 6))) for s in range(25)]
     assert all(np.array_equal(a, b) for a, b in zip(draws["1"], draws["0"], strict=True))
     assert len({int(d[0]) for d in draws["0"]}) > 3  # row 0 really samples
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are unavailable")
+@pytest.mark.parametrize("vocab", [100, 3000, 49152])
+def test_the_native_sampler_draws_what_xla_draws(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.sample (a row at a time: span maxima, top-p by narrowing passes, a draw by spans) against
+    XLA's code of the same definitions, the same uniform numbers: the same tokens for every kind of row,
+    over flat and peaked rows, ties, masked (-inf) tokens, a top-k above the vocabulary, top-p near 0 and 1,
+    and min-p 1 (the largest values only)."""
+    rng = np.random.default_rng(vocab)
+    rows = [(rng.standard_normal(vocab) * 2.0).astype(np.float32),  # flat
+            (-2.5 * np.log(rng.permutation(vocab) + 1.0)).astype(np.float32),  # peaked
+            np.round(rng.standard_normal(vocab), 1).astype(np.float32)]  # many ties
+    masked = rows[0].copy()
+    masked[rng.random(vocab) < 0.7] = -np.inf
+    rows.append(masked)
+    kinds = [(1.0, 0, 1.0, 0.0), (0.8, 0, 0.95, 0.0), (0.8, 40, 1.0, 0.0), (0.8, 40, 0.95, 0.05), (0.7, 0, 1.0, 0.05),
+             (1.2, 300, 1.0, 0.0), (0.9, 900, 0.9, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 0, 0.02, 0.0), (1.0, 0, 0.999, 0.0),
+             (1.3, 70, 0.5, 0.02), (1.0, vocab + 5, 0.7, 0.0), (0.5, 0, 1.0, 1.0), (1e-6, 0, 1.0, 0.0)]
+    logits = np.stack([rows[i % len(rows)] for i in range(len(kinds))])
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=i)
+              for i, (t, k, p, m) in enumerate(kinds)]
+    draws = {}
+    for which in ("1", "0"):
+        monkeypatch.setenv("PARROT_CPU_SAMPLER", which)
+        fn = jax.jit(lambda logits, sb: sample(logits, sb))
+        draws[which] = np.stack([np.asarray(fn(logits, SamplingBatch.build(params, [s] * len(kinds), len(kinds),
+                                                                          [0] * len(kinds)))) for s in range(25)])
+    np.testing.assert_array_equal(draws["1"], draws["0"])
+    assert np.isfinite(logits[np.arange(len(kinds)), draws["1"]]).all()  # never a masked token
+    assert len(set(draws["1"][:, 0])) > 3  # the plain row really samples
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are unavailable")
+def test_the_native_sampler_takes_rows_without_a_finite_logit() -> None:
+    """NaN logits are never drawn; a row with no finite logit gets a token in range, as the argmax does."""
+    x = np.random.default_rng(2).standard_normal((3, 700)).astype(np.float32)
+    x[0, ::3] = np.nan
+    x[1, :] = -np.inf
+    x[2, 5] = np.inf
+    one = np.ones(3, np.float32)
+    tokens = np.asarray(jax.jit(kernels.sample)(x, one, np.zeros(3, np.int32), one * 0.9, one * 0, one * 0.5))
+    assert tokens[0] % 3 != 0 and tokens[1] == 0 and tokens[2] == 5
 
 
 def test_top_values_from_the_best_spans_equal_top_k() -> None:
@@ -163,13 +227,13 @@ def test_top_values_from_the_best_spans_equal_top_k() -> None:
         np.testing.assert_array_equal(got, want)
 
 
-def test_draws_follow_the_kept_distribution() -> None:
+def test_draws_follow_the_kept_distribution(samplers: Samplers) -> None:
     """The inverse-CDF draw: over many seeds each kept token comes up in proportion to its probability
     (within 4.5 standard deviations), and a cut token never does."""
     logits = np.full((1, V), -30.0, np.float32)
     logits[0, [7, 40, 41, 99]] = np.log([0.5, 0.3, 0.15, 0.05])
     logits[0, 60] = np.log(0.001)  # below min-p 0.01 of the top: cut
-    fn = jax.jit(sample)
+    fn = samplers.plain
     n = 3000
     drawn = np.array([int(fn(logits, SamplingBatch.build([SamplingParams(temperature=1.0, seed=i, min_p=0.01)], [i % 7],
                                                          1, [0]))[0]) for i in range(n)])
@@ -179,12 +243,12 @@ def test_draws_follow_the_kept_distribution() -> None:
         assert abs(np.sum(drawn == token) - n * p) < 4.5 * np.sqrt(n * p * (1 - p)), token
 
 
-def test_a_whole_vocabulary_row_draws_the_same_in_any_batch() -> None:
+def test_a_whole_vocabulary_row_draws_the_same_in_any_batch(samplers: Samplers) -> None:
     """A top-p row (bisection) and a row with a large top-k draw the same alone, beside a small-top-k row,
     beside a greedy row and beside each other."""
     logits = _logits(2, seed=13)
     logits[1] = logits[0]
-    fn = jax.jit(sample)
+    fn = samplers.plain
     rows = [SamplingParams(temperature=0.9, top_p=0.8, seed=3), SamplingParams(temperature=1.1, top_k=90, seed=3)]
     others = [SamplingParams(temperature=0.9, top_k=5, seed=4), SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, min_p=0.2, seed=4)] + rows
@@ -195,14 +259,14 @@ def test_a_whole_vocabulary_row_draws_the_same_in_any_batch() -> None:
                 assert int(fn(logits, SamplingBatch.build([row, other], [step, step], 2, [0, 0]))[0]) == alone
 
 
-def test_top_p_renormalizes_over_what_top_k_and_min_p_keep() -> None:
+def test_top_p_renormalizes_over_what_top_k_and_min_p_keep(samplers: Samplers) -> None:
     """As in vLLM, Hugging Face and llama.cpp, top-p measures mass among the tokens top-k (and min-p) keep:
     with probabilities 0.3, 0.2, 0.1 and a tail of 0.4, top-k 3 renormalizes them to 0.5, 0.33, 0.17, and
     top-p 0.55 then keeps two (over the whole vocabulary it would keep three). The same whether the row's
     cut-off comes from the top values (top-k <= 64) or from the whole vocabulary (top-k 70)."""
     logits = np.full((1, V), np.log(0.4 / 97), np.float32)
     logits[0, :3] = np.log([0.3, 0.2, 0.1])
-    fn = jax.jit(sample)
+    fn = samplers.plain
     for params, kept in [(dict(top_k=3, top_p=0.55), {0, 1}), (dict(top_p=0.55), {0, 1, 2}),
                          (dict(min_p=0.2, top_p=0.55), {0, 1}), (dict(top_k=3), {0, 1, 2}),
                          (dict(top_k=70, top_p=0.55, min_p=0.2), {0, 1})]:
@@ -211,12 +275,12 @@ def test_top_p_renormalizes_over_what_top_k_and_min_p_keep() -> None:
         assert drawn == kept, params
 
 
-def test_mask_bits_include_the_sign_bit() -> None:
+def test_mask_bits_include_the_sign_bit(samplers: Samplers) -> None:
     logits = _logits(1)
     for allowed in ([31], [63, 5], [99]):
-        tokens, *_ = processed_sampler(logits, _batch([0.0]), _only(allowed))
+        tokens, *_ = samplers.processed(logits, _batch([0.0]), _only(allowed))
         assert int(tokens[0]) == max(allowed, key=lambda t: logits[0, t])
-        tokens, *_ = processed_sampler(logits, _batch([1.0], [11]), _only(allowed))
+        tokens, *_ = samplers.processed(logits, _batch([1.0], [11]), _only(allowed))
         assert int(tokens[0]) in allowed
 
 
@@ -229,7 +293,7 @@ def test_clearing_stop_bits_keeps_a_grammar_that_can_only_end() -> None:
     assert row[0] == np.int32(-(1 << 31))
 
 
-def test_penalties_and_bias_follow_their_definitions() -> None:
+def test_penalties_and_bias_follow_their_definitions(samplers: Samplers) -> None:
     """Repetition (vLLM / HF) over prompt + generated tokens, presence and frequency (OpenAI) over the
     generated ones, then logit_bias; greedy picks the argmax of the result, logprobs stay raw."""
     logits = _logits(1, seed=4)
@@ -248,35 +312,35 @@ def test_penalties_and_bias_follow_their_definitions() -> None:
         expected[t] -= 0.5 + 0.3 * generated.count(t)
     expected[10] += 2.5
     expected[11] -= 100.0
-    tokens, chosen, *_ = processed_sampler(logits, _batch([0.0]), ex, counts)
+    tokens, chosen, *_ = samplers.processed(logits, _batch([0.0]), ex, counts)
     assert int(tokens[0]) == int(expected.argmax())
     raw = np.asarray(jax.nn.log_softmax(logits[0]))
     assert float(chosen[0]) == pytest.approx(float(raw[int(tokens[0])]), rel=1e-6)
     ex.bias[0, 0] = 100.0  # +100 as good as forces a token
-    assert int(processed_sampler(logits, _batch([1.0], [5]), ex, counts)[0][0]) == 10
+    assert int(samplers.processed(logits, _batch([1.0], [5]), ex, counts)[0][0]) == 10
 
 
 def _min_p(min_p: float, seed: int) -> SamplingBatch:
     return SamplingBatch.build([SamplingParams(temperature=1.0, seed=seed, min_p=min_p)], [3], 1, [0])
 
 
-def test_min_p_drops_unlikely_tokens() -> None:
+def test_min_p_drops_unlikely_tokens(samplers: Samplers) -> None:
     logits = np.full((1, V), -10.0, np.float32)
     logits[0, [3, 4, 5]] = [2.0, 1.5, 0.0]  # probabilities relative to the top: 1, 0.61, 0.14
     ex = SamplerExtras.neutral(1, V)
-    drawn = {int(processed_sampler(logits, _min_p(0.5, s), ex)[0][0]) for s in range(200)}
+    drawn = {int(samplers.processed(logits, _min_p(0.5, s), ex)[0][0]) for s in range(200)}
     assert drawn == {3, 4}
-    drawn = {int(processed_sampler(logits, _min_p(0.0, s), ex)[0][0]) for s in range(200)}
+    drawn = {int(samplers.processed(logits, _min_p(0.0, s), ex)[0][0]) for s in range(200)}
     assert {3, 4, 5} <= drawn
     # the plain sampler applies min-p itself (a request with only min-p set keeps the fast path), with the
     # same draws as the processed one
-    sampler = jax.jit(sample)
+    sampler = samplers.plain
     for s in range(50):
         sb = _min_p(0.5, s)
-        assert int(sampler(logits, sb)[0]) == int(processed_sampler(logits, sb, ex)[0][0]) in (3, 4)
+        assert int(sampler(logits, sb)[0]) == int(samplers.processed(logits, sb, ex)[0][0]) in (3, 4)
 
 
-def test_min_p_holds_for_a_row_beside_one_that_needs_processing() -> None:
+def test_min_p_holds_for_a_row_beside_one_that_needs_processing(samplers: Samplers) -> None:
     """Every row's min-p comes from the SamplingBatch: a min-p-only row keeps it when another row of its
     batch (here one asking for logprobs) sends the batch through the processed sampler."""
     logits = np.full((2, V), -10.0, np.float32)
@@ -287,27 +351,27 @@ def test_min_p_holds_for_a_row_beside_one_that_needs_processing() -> None:
     for s in range(200):
         sb = SamplingBatch.build([SamplingParams(temperature=1.0, seed=s, min_p=0.5),
                                   SamplingParams(temperature=1.0, seed=s, logprobs=1)], [3, 3], 2, [0, 0])
-        drawn.add(int(processed_sampler(logits, sb, ex)[0][0]))
+        drawn.add(int(samplers.processed(logits, sb, ex)[0][0]))
     assert drawn == {3, 4}
 
 
-def test_zero_counts_and_neutral_extras_sample_as_the_plain_sampler() -> None:
+def test_zero_counts_and_neutral_extras_sample_as_the_plain_sampler(samplers: Samplers) -> None:
     """The engine's one sampler per batch size: with zero counts and neutral extras it draws what the plain
     sampler draws and reports no logprobs; counts only count where a row has a penalty."""
     logits = _logits(4, seed=3)
     ex = SamplerExtras.neutral(4, V)
     zeros = np.zeros((4, V), np.int32)
-    plain = jax.jit(sample)
+    plain = samplers.plain
     for step in range(10):
         sb = SamplingBatch.build([SamplingParams(temperature=t, top_k=k, top_p=p, seed=5)
                                   for t, k, p in [(0.0, 0, 1.0), (0.8, 40, 1.0), (1.0, 0, 0.9), (1.2, 0, 1.0)]],
                                  [step] * 4, 4, [0] * 4)
-        tokens, chosen, top_ids, top_lp = processed_sampler(logits, sb, ex, zeros)
+        tokens, chosen, top_ids, top_lp = samplers.processed(logits, sb, ex, zeros)
         assert np.array_equal(np.asarray(tokens), np.asarray(plain(logits, sb)))
         assert not np.asarray(chosen).any() and not np.asarray(top_lp).any() and not np.asarray(top_ids).any()
     counts = np.full((4, V), 5, np.int32)  # counts without a penalty change nothing
     sb = _batch([0.0, 0.9, 0.0, 0.9])
-    assert np.array_equal(np.asarray(processed_sampler(logits, sb, ex, counts)[0]), np.asarray(plain(logits, sb)))
+    assert np.array_equal(np.asarray(samplers.processed(logits, sb, ex, counts)[0]), np.asarray(plain(logits, sb)))
 
 
 # ---- through the engine ---------------------------------------------------------------------------

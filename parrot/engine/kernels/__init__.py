@@ -43,12 +43,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
-                                                     "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h"))
+                                                     "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h",
+                                                     "sampler.h"))
 FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
-            "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros"}
+            "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
+            "parrot_sample": "ParrotSample"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -215,6 +217,17 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]),
                                                    limbs=np.int32(limbs))
+
+
+def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+           u: jax.Array) -> jax.Array:
+    """One token per row of logits [B, V] (int32 [B]): the argmax where temperature <= 0, else a draw with
+    `u` ([B] in [0, 1)) by the inverse CDF over the tokens that top-k, min-p and top-p (renormalized over what
+    those two keep) leave, weighted by exp(logits / temperature); sampling._choose's semantics (sampler.h)."""
+    f32, i32 = jnp.float32, jnp.int32
+    out = jax.ShapeDtypeStruct((logits.shape[0],), i32)
+    return jax.ffi.ffi_call("parrot_sample", out)(logits.astype(f32), temperature.astype(f32), top_k.astype(i32),
+                                                  top_p.astype(f32), min_p.astype(f32), u.astype(f32))
 
 
 def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:

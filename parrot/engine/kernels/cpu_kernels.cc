@@ -27,6 +27,9 @@
 //
 // parrot_paged_prefill: a prefill step's query tokens attending causally to their sequences' keys and
 // values read in place from the same caches (prefill_attention.h).
+//
+// parrot_sample: one token per row of logits (temperature, top-k, top-p, min-p and a uniform number per
+// row; the argmax where the temperature is 0), each row on one thread (sampler.h).
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -45,6 +48,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "aligned.h"
+#include "sampler.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PARROT_VNNI 1
@@ -1065,6 +1069,27 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
+                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p, ffi::Buffer<ffi::F32> min_p,
+                      ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::S32> out) {
+  auto ld = logits.dimensions();
+  if (ld.size() != 2) return ffi::Error::InvalidArgument("sample: logits [B, V]");
+  const int64_t B = ld[0], V = ld[1];
+  for (auto n : {temperature.element_count(), top_k.element_count(), top_p.element_count(), min_p.element_count(),
+                 u.element_count()})
+    if (static_cast<int64_t>(n) != B) return ffi::Error::InvalidArgument("sample: one parameter per row");
+  if (V < 1) return ffi::Error::InvalidArgument("sample: an empty vocabulary");
+  const float* x = logits.typed_data();
+  int32_t* tokens = out->typed_data();
+  parallel_chunks(pool, B, [&](int64_t b) {
+    thread_local sampler::Scratch scratch;
+    const sampler::Params p{temperature.typed_data()[b], top_k.typed_data()[b], top_p.typed_data()[b],
+                            min_p.typed_data()[b], u.typed_data()[b]};
+    tokens[b] = sampler::sample_row(x + b * V, V, p, scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
@@ -1134,6 +1159,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [T, H, D]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("bf16"));         // 1: in bfloat16 on the bf16 tiles where on
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // logits [B, V]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // temperature [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // top_k [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // top_p [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
+                                  .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
 
 // Zeros that take no memory until written: every result buffer (the KV pool's layers) is zeroed by giving
 // its whole pages back to the kernel (madvise MADV_DONTNEED: a private anonymous page reads as zeros and is

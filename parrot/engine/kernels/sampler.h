@@ -1,0 +1,384 @@
+// The sampler of a CPU step: one token per row of logits, with the semantics of parrot/engine/sampling.py's
+// `_choose` (temperature, top-k, top-p renormalized over what top-k and min-p keep, min-p, one uniform number
+// per row drawing by the inverse CDF in vocabulary order). Included by cpu_kernels.cc, whose
+// parrot_sample calls `sample_row` for each row in turn on XLA's intra-op threads.
+//
+// Why a kernel: XLA's CPU code for these steps reads and writes whole [B, V] arrays many times (the scaled
+// logits, their exponentials, 32 bisection passes for a whole-vocabulary top-p), so the rows leave the cache:
+// a 64-row batch of a 49,152-token vocabulary took 15-55 ms there. Here each row (196 KB) is scaled once
+// into a scratch buffer that stays in L2, and every later pass reads only the part that can matter:
+// - the row's maximum and the maxima of its spans of 64 tokens come with the scaling;
+// - top-k: the k-th largest span maximum bounds the k-th largest value from below, so only the spans
+//   reaching it are searched (nth_element over a few thousand values; the whole row only for k above the
+//   number of spans);
+// - top-p: the weight above a value is measured at 8 values per vector pass (the first with the weights, over
+//   the row; the later ones over the values left in the range that holds the cut-off), until at most 64 are
+//   left to sort;
+// - the draw skips the spans whose maximum is below the threshold.
+// Sums are in double. The cut-offs are values of the row, as the sorted definition gives them; the
+// exponentials are a polynomial (within 2 ulp of exp), so a draw can differ from XLA's only where the
+// uniform number falls within rounding of a boundary between two tokens.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "aligned.h"
+
+namespace sampler {
+
+constexpr int64_t kSpan = 64;       // tokens per span (span maxima: the top-k search and the draw's skips)
+
+struct Params {
+  float temperature = 0.f;  // <= 0: the argmax
+  int32_t top_k = 0;        // <= 0 or >= V: off
+  float top_p = 1.f;        // >= 1: off
+  float min_p = 0.f;        // <= 0: off
+  float u = 0.f;            // the row's uniform number in [0, 1)
+};
+
+struct Scratch {
+  aligned::vector<float> s;   // the scaled row
+  aligned::vector<float> e;   // top-p: the kept tokens' weights
+  std::vector<float> span_max, cand, cand_w;
+  std::vector<double> span_mass;
+  std::vector<std::pair<float, float>> edge;  // top-p: the (value, weight) pairs where the cut-off lies
+};
+
+// e^x for x <= 0 (x = -inf and x < -87.3 give 0): x = n ln 2 + r, |r| <= ln2 / 2, e^r by Cephes' expf
+// polynomial, 2^n put into the exponent.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);  // also -inf
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline float exp_nonpositive(float x) {
+  alignas(32) float v[8] = {x};
+  _mm256_store_ps(v, exp_nonpositive(_mm256_load_ps(v)));
+  return v[0];
+}
+
+// Weights exp(s[i] - top) where s[i] >= threshold, else 0, for i in [a, b); returns their sum (in double,
+// 8 float lanes per vector summed apart). With `out`, the weights are written there (indexed from a).
+inline double weights(const float* s, int64_t a, int64_t b, float top, float threshold, float* out = nullptr) {
+  const __m256 vt = _mm256_set1_ps(top), vth = _mm256_set1_ps(threshold);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = a;
+  for (; i + 8 <= b; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    const __m256 w = _mm256_and_ps(_mm256_cmp_ps(v, vth, _CMP_GE_OQ), exp_nonpositive(_mm256_sub_ps(v, vt)));
+    if (out) _mm256_storeu_ps(out + (i - a), w);
+    acc = _mm256_add_ps(acc, w);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  double sum = 0.0;
+  for (float l : lanes) sum += l;
+  for (; i < b; ++i) {
+    const float w = s[i] >= threshold ? exp_nonpositive(s[i] - top) : 0.f;
+    if (out) out[i - a] = w;
+    sum += w;
+  }
+  return sum;
+}
+
+// The first position of the row's largest value (NaNs skipped; 0 where nothing is above -inf), as
+// numpy's and sampling.argmax's first maximum.
+inline int32_t argmax(const float* x, int64_t V) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + i), m);  // a NaN in x keeps m
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = lanes[0];
+  for (float l : lanes) best = std::max(best, l);
+  for (; i < V; ++i) best = x[i] > best ? x[i] : best;
+  if (!(best > -std::numeric_limits<float>::infinity())) return 0;
+  for (int64_t j = 0; j < V; ++j)
+    if (x[j] == best) return static_cast<int32_t>(j);
+  return 0;
+}
+
+// The k-th largest value of s (1 <= k < V), using the span maxima: the k-th largest span maximum t0 is at
+// most the k-th largest value (k distinct values reach it), so every value above the answer, and enough
+// values equal to it, lie in spans whose maximum reaches t0.
+inline float kth_largest(const float* s, int64_t V, int64_t k, Scratch& w) {
+  const int64_t spans = static_cast<int64_t>(w.span_max.size());
+  w.cand.clear();
+  if (k <= spans) {
+    w.cand.assign(w.span_max.begin(), w.span_max.end());
+    std::nth_element(w.cand.begin(), w.cand.begin() + (k - 1), w.cand.end(), std::greater<float>());
+    const float t0 = w.cand[k - 1];
+    w.cand.clear();
+    for (int64_t j = 0; j < spans; ++j) {
+      if (!(w.span_max[j] >= t0)) continue;
+      for (int64_t i = j * kSpan, e = std::min(V, i + kSpan); i < e; ++i)
+        if (s[i] >= t0) w.cand.push_back(s[i]);
+    }
+  } else {
+    w.cand.assign(s, s + V);
+  }
+  std::nth_element(w.cand.begin(), w.cand.begin() + (k - 1), w.cand.end(), std::greater<float>());
+  return w.cand[k - 1];
+}
+
+// Sums in float for up to 16 spans of 64 tokens, then in double.
+struct Above {
+  __m256 th[8], acc[8];
+  double sum[8] = {};
+  int pending = 0;
+  explicit Above(const float (&t)[8]) {
+    for (int j = 0; j < 8; ++j) th[j] = _mm256_set1_ps(t[j]), acc[j] = _mm256_setzero_ps();
+  }
+  void add(__m256 v, __m256 w) {  // 8 values and their weights (lanes to skip: weight 0)
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(_mm256_cmp_ps(v, th[j], _CMP_GT_OQ), w));
+  }
+  void flush() {
+    for (int j = 0; j < 8; ++j) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[j]);
+      for (float l : lanes) sum[j] += l;
+      acc[j] = _mm256_setzero_ps();
+    }
+    pending = 0;
+  }
+  void span_done() {
+    if (++pending == 16) flush();
+  }
+};
+
+// 8 values and weights from (v, w) with n <= 8 valid, the rest weight 0.
+inline void load_tail(const float* v, const float* w, int64_t n, __m256& vv, __m256& ww) {
+  alignas(32) float a[8] = {}, b[8] = {};
+  for (int64_t i = 0; i < n; ++i) a[i] = v[i], b[i] = w[i];
+  vv = _mm256_load_ps(a), ww = _mm256_load_ps(b);
+}
+
+// Top-p among the tokens with s >= lower: the smallest value whose larger values' weight (in descending
+// order, renormalized over the kept tokens) is below top_p of their total, i.e. the value of the last token
+// of the shortest descending prefix whose weight reaches top_p (ties with it kept too). With M(t) the weight
+// above t, the answer lies in a bracket (a, b] with M(a) >= target > M(b), first (lower, max]. The pass
+// that computes the weights measures M at 8 fixed depths below the maximum (where a peaked distribution's
+// answer is); the values in the bracket then left are gathered, and each later pass measures M at 8 evenly
+// spaced points over them alone, keeping the part that holds the answer, until at most 64 are left. Those
+// are sorted and walked from b down.
+inline float top_p_cut(const float* s, int64_t V, float lower, float top, float top_p, Scratch& w) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t spans = static_cast<int64_t>(w.span_max.size());
+  // every token with weight is above a (exp underflows to 0 below top - 87.3), none is above b
+  float a = lower > -kInf ? std::nextafter(lower, -kInf) : top - 88.f, b = top;
+  float t[8];
+  const float depth[8] = {32.f, 16.f, 8.f, 4.f, 2.f, 1.f, 0.5f, 0.25f};
+  for (int j = 0; j < 8; ++j) t[j] = std::max(a, top - depth[j]);
+  w.e.resize(V);  // written for the spans reaching `lower`, the only ones read
+  float* e = w.e.data();
+  Above m(t);
+  double total = 0.0;
+  for (int64_t j = 0; j < spans; ++j) {
+    if (!(w.span_max[j] >= lower)) continue;
+    const int64_t i0 = j * kSpan, i1 = std::min(V, i0 + kSpan);
+    total += weights(s, i0, i1, top, lower, e + i0);
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) m.add(_mm256_loadu_ps(s + i), _mm256_loadu_ps(e + i));
+    if (i < i1) {
+      __m256 vv, ww;
+      load_tail(s + i, e + i, i1 - i, vv, ww);
+      m.add(vv, ww);
+    }
+    m.span_done();
+  }
+  m.flush();
+  const double target = static_cast<double>(top_p) * total;
+  if (!(target > 0.0)) return top;
+  double above_b = 0.0;
+  auto narrow = [&](const Above& m) {  // thresholds ascend, so M descends
+    for (int j = 0; j < 8; ++j) {
+      if (!(t[j] > a) || !(t[j] < b)) continue;
+      if (m.sum[j] >= target) a = t[j];
+      else b = t[j], above_b = m.sum[j];
+    }
+  };
+  narrow(m);
+  // more passes over the row (the spans reaching a) while the bracket is wide, then over the values in it
+  for (int pass = 0; pass < 3 && b - a > 1.f / 16; ++pass) {
+    for (int j = 0; j < 8; ++j) t[j] = a + (b - a) * static_cast<float>(j + 1) / 9.f;
+    Above mr(t);
+    for (int64_t j = 0; j < spans; ++j) {
+      if (!(w.span_max[j] > a)) continue;
+      const int64_t i0 = j * kSpan, i1 = std::min(V, i0 + kSpan);
+      int64_t i = i0;
+      for (; i + 8 <= i1; i += 8) mr.add(_mm256_loadu_ps(s + i), _mm256_loadu_ps(e + i));
+      if (i < i1) {
+        __m256 vv, ww;
+        load_tail(s + i, e + i, i1 - i, vv, ww);
+        mr.add(vv, ww);
+      }
+      mr.span_done();
+    }
+    mr.flush();
+    const float a0 = a, b0 = b;
+    narrow(mr);
+    if (a == a0 && b == b0) break;  // the points coincide (a bracket at float resolution)
+  }
+  auto& cv = w.cand;  // the values in (a, b] with weight, and their weights
+  auto& cw = w.cand_w;
+  cv.clear(), cw.clear();
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), zero = _mm256_setzero_ps();
+  for (int64_t j = 0; j < spans; ++j) {
+    if (!(w.span_max[j] > a)) continue;
+    const int64_t i0 = j * kSpan, i1 = std::min(V, i0 + kSpan);
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+      const __m256 v = _mm256_loadu_ps(s + i);
+      const __m256 in = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(v, va, _CMP_GT_OQ), _mm256_cmp_ps(v, vb, _CMP_LE_OQ)),
+                                      _mm256_cmp_ps(_mm256_loadu_ps(e + i), zero, _CMP_GT_OQ));
+      for (unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(in)); bits; bits &= bits - 1) {
+        const int64_t k = i + __builtin_ctz(bits);
+        cv.push_back(s[k]), cw.push_back(e[k]);
+      }
+    }
+    for (; i < i1; ++i)
+      if (s[i] > a && s[i] <= b && e[i] > 0.f) cv.push_back(s[i]), cw.push_back(e[i]);
+  }
+  for (int pass = 0; pass < 8 && cv.size() > 64 && b - a > 0.f; ++pass) {
+    for (int j = 0; j < 8; ++j) t[j] = a + (b - a) * static_cast<float>(j + 1) / 9.f;
+    Above mc(t);
+    const size_t n = cv.size();
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      mc.add(_mm256_loadu_ps(cv.data() + i), _mm256_loadu_ps(cw.data() + i));
+      if ((i & 511) == 504) mc.flush();
+    }
+    if (i < n) {
+      __m256 vv, ww;
+      load_tail(cv.data() + i, cw.data() + i, static_cast<int64_t>(n - i), vv, ww);
+      mc.add(vv, ww);
+    }
+    mc.flush();
+    for (double& x : mc.sum) x += above_b;  // the weight above b is not among the candidates
+    const float a0 = a, b0 = b;
+    narrow(mc);
+    if (a == a0 && b == b0) break;
+    size_t kept = 0;
+    for (size_t k = 0; k < n; ++k)
+      if (cv[k] > a && cv[k] <= b) cv[kept] = cv[k], cw[kept] = cw[k], ++kept;
+    cv.resize(kept), cw.resize(kept);
+  }
+  auto& c = w.edge;
+  c.clear();
+  for (size_t k = 0; k < cv.size(); ++k) c.emplace_back(cv[k], cw[k]);
+  // a token is kept while the weight before it is below the target (the first always: M(a) >= target)
+  std::sort(c.begin(), c.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  double before = above_b;
+  float cut = c.empty() ? b : c.front().first;
+  for (const auto& [v, wt] : c) {
+    if (!(before < target)) break;
+    cut = v;
+    before += wt;
+  }
+  return cut;
+}
+
+// One token: greedy rows the argmax; others draw among s >= threshold with weights exp(s - max), the token
+// whose cumulative weight in vocabulary order first exceeds u times the total.
+inline int32_t sample_row(const float* x, int64_t V, const Params& p, Scratch& w) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  if (!(p.temperature > 0.f)) return argmax(x, V);
+  const float t = std::max(p.temperature, 1e-5f);
+  const int64_t spans = (V + kSpan - 1) / kSpan;
+  w.s.resize(V);
+  w.span_max.resize(spans);
+  float* s = w.s.data();
+  const __m256 vt = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-kInf);
+  float top = -kInf;
+  for (int64_t j = 0; j < spans; ++j) {
+    const int64_t a = j * kSpan, b = std::min(V, a + kSpan);
+    __m256 m = ninf;
+    int64_t i = a;
+    for (; i + 8 <= b; i += 8) {
+      __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vt);
+      v = _mm256_blendv_ps(ninf, v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN -> -inf
+      _mm256_storeu_ps(s + i, v);
+      m = _mm256_max_ps(m, v);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float mx = lanes[0];
+    for (float l : lanes) mx = std::max(mx, l);
+    for (; i < b; ++i) {
+      const float v = x[i] / t;
+      s[i] = v == v ? v : -kInf;
+      mx = std::max(mx, s[i]);
+    }
+    w.span_max[j] = mx;
+    top = std::max(top, mx);
+  }
+  if (!(top > -kInf)) return argmax(x, V);
+  if (top == kInf) {  // infinite logits share the draw's whole weight: the first of them
+    for (int64_t i = 0; i < V; ++i)
+      if (s[i] == kInf) return static_cast<int32_t>(i);
+  }
+  float threshold = p.min_p > 0.f ? top + std::log(p.min_p) : -kInf;
+  if (p.top_k > 0 && p.top_k < V) threshold = std::max(threshold, kth_largest(s, V, p.top_k, w));
+  if (p.top_p < 1.f) threshold = std::max(threshold, top_p_cut(s, V, threshold, top, p.top_p, w));
+  // the draw: each span's weight, then the token within the span
+  w.span_mass.assign(spans, 0.0);
+  double total = 0.0;
+  for (int64_t j = 0; j < spans; ++j) {
+    if (!(w.span_max[j] >= threshold)) continue;
+    w.span_mass[j] = weights(s, j * kSpan, std::min(V, (j + 1) * kSpan), top, threshold);
+    total += w.span_mass[j];
+  }
+  const double target = static_cast<double>(p.u) * total;
+  double before = 0.0;
+  int64_t last = -1;
+  alignas(32) float buf[kSpan];
+  for (int64_t j = 0; j < spans; ++j) {
+    if (w.span_mass[j] <= 0.0) continue;
+    last = j;
+    if (before + w.span_mass[j] <= target) {
+      before += w.span_mass[j];
+      continue;
+    }
+    const int64_t a = j * kSpan, b = std::min(V, a + kSpan);
+    weights(s, a, b, top, threshold, buf);
+    int64_t pick = -1;
+    for (int64_t i = a; i < b; ++i) {
+      if (buf[i - a] <= 0.f) continue;
+      pick = i;
+      before += buf[i - a];
+      if (before > target) return static_cast<int32_t>(i);
+    }
+    return static_cast<int32_t>(pick);  // rounding: the span's last token with weight
+  }
+  // rounding left the target unreached: the last token with weight
+  const int64_t a = last * kSpan, b = std::min(V, a + kSpan);
+  weights(s, a, b, top, threshold, buf);
+  for (int64_t i = b - 1; i >= a; --i)
+    if (buf[i - a] > 0.f) return static_cast<int32_t>(i);
+  return argmax(x, V);
+}
+
+}  // namespace sampler
