@@ -69,7 +69,7 @@ def run(batches: list[int], repeats: int) -> dict:
                 sb = SamplingBatch.build(params, [5] * batch, batch, [0] * batch)
                 # on the device, as the engine's logits, extras and counts are: only the sampler is timed
                 logits, sb, ex, counts = jax.device_put((logits, sb, ex, counts))
-                fns = {"native": _compiled(True, logits, sb, ex, counts), "xla": _compiled(False, logits, sb, ex, counts)}
+                fns = {name: _compiled(name == "native", logits, sb, ex, counts) for name in ("native", "xla")}
                 for fn in fns.values():
                     jax.block_until_ready(fn(logits, sb, ex, counts))
                 times: dict[str, list[float]] = {k: [] for k in fns}
