@@ -236,6 +236,9 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
         return (jnp.zeros(batch, v.dtype), jnp.zeros((batch, MAX_LOGPROBS), v.dtype),
                 jnp.zeros((batch, MAX_LOGPROBS), jnp.int32))
 
+    if native_sampler():  # rows that do not ask are skipped (zeros)
+        chosen, top_ids, top_lp = kernels.logprobs(logits, tokens, ex.logprobs, MAX_LOGPROBS)
+        return tokens, chosen, top_ids, top_lp
     chosen, top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), report, none, logits)
     return tokens, chosen, top_ids, top_lp
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import jax
 import numpy as np
 import pytest
 
+from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
 from parrot.engine.logprobs import SampledLogprob, TokenTexts, token_logprobs
 from parrot.protocol import MAX_LOGPROBS, FillRequest, GenerateRequest, SamplingParams
@@ -46,6 +48,38 @@ def test_token_logprobs_are_the_log_softmax_at_the_targets() -> None:
     assert top_ids.shape == (5, MAX_LOGPROBS)
     np.testing.assert_array_equal(top_ids[:, 0], ref.argmax(-1))
     np.testing.assert_allclose(top_lp, np.take_along_axis(ref, top_ids, -1), atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are unavailable")
+@pytest.mark.parametrize("vocab", [30, 300, 49152])
+def test_native_logprobs_equal_xlas(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.logprobs (a row at a time: span maxima, one sum, the top K from the best spans) against XLA's
+    log_softmax and top_k: the same ids in the same order (ties: the lower id first), logprobs within
+    float32 rounding of log(sum); rows with masked (-inf) tokens and with ties; a NaN row gives NaNs; rows
+    that do not ask get zeros."""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    logits[1, rng.random(vocab) < 0.5] = -np.inf
+    logits[2] = np.round(logits[2])  # many ties
+    logits[3, :] = 1.0  # all equal
+    targets = np.array([0, 3, vocab - 1, 5, -1, 7], np.int32)
+    got = {}
+    for which in ("1", "0"):
+        monkeypatch.setenv("PARROT_CPU_SAMPLER", which)
+        got[which] = [np.asarray(a) for a in jax.jit(lambda x, t: token_logprobs(x, t))(logits, targets)]
+    (c1, i1, l1), (c0, i0, l0) = got["1"], got["0"]
+    k = min(MAX_LOGPROBS, vocab)
+    np.testing.assert_array_equal(i1[:, :k], i0[:, :k])
+    np.testing.assert_allclose(l1[:, :k], l0[:, :k], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(c1, c0, rtol=1e-6, atol=2e-6)
+    bad = logits.copy()
+    bad[0, 4] = np.nan
+    want = np.array([1, 1, 0, 1, 1, 1], np.int32)
+    chosen, ids, lps = (np.asarray(a) for a in jax.jit(kernels.logprobs, static_argnums=3)(bad, targets, want,
+                                                                                            MAX_LOGPROBS))
+    assert np.isnan(chosen[0]) and np.isnan(lps[0]).all()
+    assert chosen[2] == 0 and not lps[2].any() and not ids[2].any()
+    np.testing.assert_allclose(chosen[3:], c1[3:], rtol=1e-6)
 
 
 # ---- prompt logprobs: a Fill with `logprobs` scores its tokens --------------------------------------

@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
                                                      "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h",
-                                                     "sampler.h"))
+                                                     "sampler.h", "logprobs.h"))
 FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
-            "parrot_sample": "ParrotSample"}
+            "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -228,6 +228,18 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     out = jax.ShapeDtypeStruct((logits.shape[0],), i32)
     return jax.ffi.ffi_call("parrot_sample", out)(logits.astype(f32), temperature.astype(f32), top_k.astype(i32),
                                                   top_p.astype(f32), min_p.astype(f32), u.astype(f32))
+
+
+def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw log probabilities (log_softmax) of rows of logits [R, V]: at `targets` [R] (negative: token 0) and
+    for the k most likely tokens, most likely first (the first of equal values first, as lax.top_k) ->
+    (chosen [R], top_ids [R, k] int32, top_logprobs [R, k]); rows where `want` [R] is false get zeros
+    (logprobs.h)."""
+    r = logits.shape[0]
+    out = (jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
+           jax.ShapeDtypeStruct((r, k), jnp.float32))
+    return tuple(jax.ffi.ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
+                                                          want.astype(jnp.int32)))
 
 
 def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:

@@ -30,6 +30,9 @@
 //
 // parrot_sample: one token per row of logits (temperature, top-k, top-p, min-p and a uniform number per
 // row; the argmax where the temperature is 0), each row on one thread (sampler.h).
+//
+// parrot_logprobs: raw log probabilities of rows of logits, at a target token and for the most likely
+// tokens, each row on one thread (logprobs.h).
 
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -48,6 +51,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "aligned.h"
+#include "logprobs.h"
 #include "sampler.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -1090,6 +1094,31 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> targets,
+                        ffi::Buffer<ffi::S32> want, ffi::ResultBuffer<ffi::F32> chosen,
+                        ffi::ResultBuffer<ffi::S32> top_ids, ffi::ResultBuffer<ffi::F32> top_lp) {
+  auto ld = logits.dimensions(), od = top_ids->dimensions();
+  if (ld.size() != 2 || od.size() != 2) return ffi::Error::InvalidArgument("logprobs: logits [R, V], top [R, K]");
+  const int64_t R = ld[0], V = ld[1], K = od[1];
+  if (od[0] != R || static_cast<int64_t>(targets.element_count()) != R ||
+      static_cast<int64_t>(want.element_count()) != R || K < 1 || V < 1)
+    return ffi::Error::InvalidArgument("logprobs: one target and flag per row, K >= 1");
+  const float* x = logits.typed_data();
+  parallel_chunks(pool, R, [&](int64_t r) {
+    float* lp = top_lp->typed_data() + r * K;
+    int32_t* ids = top_ids->typed_data() + r * K;
+    if (!want.typed_data()[r]) {  // a row that did not ask: zeros
+      chosen->typed_data()[r] = 0.f;
+      std::fill(lp, lp + K, 0.f);
+      std::fill(ids, ids + K, 0);
+      return;
+    }
+    thread_local logprobs::Scratch scratch;
+    logprobs::row(x + r * V, V, targets.typed_data()[r], K, chosen->typed_data() + r, ids, lp, scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
@@ -1170,6 +1199,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
                                   .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLogprobs, LogprobsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // logits [R, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // targets [R]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // want [R]: 0 gives the row zeros
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // chosen [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // top_ids [R, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // top_lp [R, K]
 
 // Zeros that take no memory until written: every result buffer (the KV pool's layers) is zeroed by giving
 // its whole pages back to the kernel (madvise MADV_DONTNEED: a private anonymous page reads as zeros and is
