@@ -145,7 +145,8 @@ inline float kth_largest(const float* s, int64_t V, int64_t k, Scratch& w) {
   return w.cand[k - 1];
 }
 
-// Sums in float for up to 16 spans of 64 tokens, then in double.
+// M(t_j) = the weight of the values above t_j, for 8 thresholds at once: sums in float for up to 128
+// vectors of 8 values, then in double.
 struct Above {
   __m256 th[8], acc[8];
   double sum[8] = {};
@@ -155,6 +156,16 @@ struct Above {
   }
   void add(__m256 v, __m256 w) {  // 8 values and their weights (lanes to skip: weight 0)
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_and_ps(_mm256_cmp_ps(v, th[j], _CMP_GT_OQ), w));
+    if (++pending == 128) flush();
+  }
+  void add_range(const float* v, const float* w, int64_t n) {  // n values and their weights
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) add(_mm256_loadu_ps(v + i), _mm256_loadu_ps(w + i));
+    if (i < n) {
+      alignas(32) float a[8] = {}, b[8] = {};
+      for (int64_t k = i; k < n; ++k) a[k - i] = v[k], b[k - i] = w[k];
+      add(_mm256_load_ps(a), _mm256_load_ps(b));
+    }
   }
   void flush() {
     for (int j = 0; j < 8; ++j) {
@@ -165,17 +176,7 @@ struct Above {
     }
     pending = 0;
   }
-  void span_done() {
-    if (++pending == 16) flush();
-  }
 };
-
-// 8 values and weights from (v, w) with n <= 8 valid, the rest weight 0.
-inline void load_tail(const float* v, const float* w, int64_t n, __m256& vv, __m256& ww) {
-  alignas(32) float a[8] = {}, b[8] = {};
-  for (int64_t i = 0; i < n; ++i) a[i] = v[i], b[i] = w[i];
-  vv = _mm256_load_ps(a), ww = _mm256_load_ps(b);
-}
 
 // Top-p among the tokens with s >= lower: the smallest value whose larger values' weight (in descending
 // order, renormalized over the kept tokens) is below top_p of their total, i.e. the value of the last token
@@ -201,14 +202,7 @@ inline float top_p_cut(const float* s, int64_t V, float lower, float top, float 
     if (!(w.span_max[j] >= lower)) continue;
     const int64_t i0 = j * kSpan, i1 = std::min(V, i0 + kSpan);
     total += weights(s, i0, i1, top, lower, e + i0);
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) m.add(_mm256_loadu_ps(s + i), _mm256_loadu_ps(e + i));
-    if (i < i1) {
-      __m256 vv, ww;
-      load_tail(s + i, e + i, i1 - i, vv, ww);
-      m.add(vv, ww);
-    }
-    m.span_done();
+    m.add_range(s + i0, e + i0, i1 - i0);
   }
   m.flush();
   const double target = static_cast<double>(top_p) * total;
@@ -228,15 +222,8 @@ inline float top_p_cut(const float* s, int64_t V, float lower, float top, float 
     Above mr(t);
     for (int64_t j = 0; j < spans; ++j) {
       if (!(w.span_max[j] > a)) continue;
-      const int64_t i0 = j * kSpan, i1 = std::min(V, i0 + kSpan);
-      int64_t i = i0;
-      for (; i + 8 <= i1; i += 8) mr.add(_mm256_loadu_ps(s + i), _mm256_loadu_ps(e + i));
-      if (i < i1) {
-        __m256 vv, ww;
-        load_tail(s + i, e + i, i1 - i, vv, ww);
-        mr.add(vv, ww);
-      }
-      mr.span_done();
+      const int64_t i0 = j * kSpan;
+      mr.add_range(s + i0, e + i0, std::min(V, i0 + kSpan) - i0);
     }
     mr.flush();
     const float a0 = a, b0 = b;
@@ -267,16 +254,7 @@ inline float top_p_cut(const float* s, int64_t V, float lower, float top, float 
     for (int j = 0; j < 8; ++j) t[j] = a + (b - a) * static_cast<float>(j + 1) / 9.f;
     Above mc(t);
     const size_t n = cv.size();
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      mc.add(_mm256_loadu_ps(cv.data() + i), _mm256_loadu_ps(cw.data() + i));
-      if ((i & 511) == 504) mc.flush();
-    }
-    if (i < n) {
-      __m256 vv, ww;
-      load_tail(cv.data() + i, cw.data() + i, static_cast<int64_t>(n - i), vv, ww);
-      mc.add(vv, ww);
-    }
+    mc.add_range(cv.data(), cw.data(), static_cast<int64_t>(n));
     mc.flush();
     for (double& x : mc.sum) x += above_b;  // the weight above b is not among the candidates
     const float a0 = a, b0 = b;
