@@ -203,7 +203,8 @@ def test_the_native_sampler_draws_what_xla_draws(vocab: int, monkeypatch: pytest
 
 @pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are unavailable")
 def test_the_native_sampler_takes_rows_without_a_finite_logit() -> None:
-    """NaN logits are never drawn; a row with no finite logit gets a token in range, as the argmax does."""
+    """NaN logits are never drawn; a row with no finite logit gets a token in range, as the argmax does; out
+    of range parameters give a token in range."""
     x = np.random.default_rng(2).standard_normal((3, 700)).astype(np.float32)
     x[0, ::3] = np.nan
     x[1, :] = -np.inf
@@ -211,6 +212,10 @@ def test_the_native_sampler_takes_rows_without_a_finite_logit() -> None:
     one = np.ones(3, np.float32)
     tokens = np.asarray(jax.jit(kernels.sample)(x, one, np.zeros(3, np.int32), one * 0.9, one * 0, one * 0.5))
     assert tokens[0] % 3 != 0 and tokens[1] == 0 and tokens[2] == 5
+    # parameters the API refuses still give a token in range: a min-p above 1 keeps nothing (the argmax)
+    y = np.nan_to_num(x, nan=0.0, neginf=0.0, posinf=0.0)
+    tokens = np.asarray(jax.jit(kernels.sample)(y, one, np.full(3, -5, np.int32), one * 7, one * 1.5, one * 0.999))
+    np.testing.assert_array_equal(tokens, y.argmax(-1))
 
 
 def test_top_values_from_the_best_spans_equal_top_k() -> None:

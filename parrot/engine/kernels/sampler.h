@@ -352,6 +352,7 @@ inline int32_t sample_row(const float* x, int64_t V, const Params& p, Scratch& w
     }
     return static_cast<int32_t>(pick);  // rounding: the span's last token with weight
   }
+  if (last < 0) return argmax(x, V);  // nothing kept (a min-p above 1): the argmax
   // rounding left the target unreached: the last token with weight
   const int64_t a = last * kSpan, b = std::min(V, a + kSpan);
   weights(s, a, b, top, threshold, buf);
