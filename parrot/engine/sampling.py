@@ -6,7 +6,10 @@ allowed-token bitmask of constraints and min_tokens), samples (temperature, top-
 per-request seed) and returns log probabilities where some row asks. A batch in which every row is
 greedy takes the argmax; any other batch the processed sampler, with neutral values (no penalty, zero
 bias, an all-ones mask) where nothing was asked, so a row's tokens are the same in either kind of batch.
-`sample` (the same draws without processing) runs inside multi-step decode loops.
+`sample` (the same draws without processing) runs inside multi-step decode loops. On a CPU with the
+native kernels the cut-offs and draws (`kernels.sample`) and the log probabilities (`kernels.logprobs`) are
+FFI calls that take a row at a time while it is in the cache; elsewhere (or with `PARROT_CPU_SAMPLER=0`)
+XLA's code below computes the same tokens.
 
 Log probabilities are the model's raw distribution: log_softmax of the logits before temperature,
 penalties, logit_bias and masks (vLLM's "raw_logprobs").
