@@ -31,19 +31,12 @@ def token_logprobs(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, ja
     """logits [R, V] (each row: the position before a target token), targets [R] -> (the targets' raw
     logprobs [R], the MAX_LOGPROBS most likely tokens [R, K] and their logprobs [R, K]). On a CPU with the
     native kernels, a row at a time while it is in the cache (`kernels.logprobs`)."""
-    if native_logprobs():
+    if native_sampler():  # the native kernels' logprobs go with their sampler
         return kernels.logprobs(logits, targets, jnp.ones(logits.shape[0], bool), MAX_LOGPROBS)
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
     top_lp, top_ids = jax.lax.top_k(raw, MAX_LOGPROBS)
     return chosen, top_ids.astype(jnp.int32), top_lp
-
-
-def native_logprobs() -> bool:
-    """Whether log probabilities come from the native CPU kernel (`kernels.logprobs`) rather than XLA's
-    log_softmax and top_k: as the native sampler, where the kernels are available unless
-    `PARROT_CPU_SAMPLER=0` (read when traced)."""
-    return native_sampler()
 
 
 @functools.cache

@@ -229,6 +229,10 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
     # each branch samples, so that the logits are not copied out of a branch that leaves them as they are
     tokens = jax.lax.cond(needed, lambda v: choose(process(v)), choose, logits)
 
+    if native_sampler():  # rows that do not ask are skipped (zeros)
+        chosen, top_ids, top_lp = kernels.logprobs(logits, tokens, ex.logprobs, MAX_LOGPROBS)
+        return tokens, chosen, top_ids, top_lp
+
     def report(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         raw = jax.nn.log_softmax(v, axis=-1)
         chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
@@ -239,9 +243,6 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
         return (jnp.zeros(batch, v.dtype), jnp.zeros((batch, MAX_LOGPROBS), v.dtype),
                 jnp.zeros((batch, MAX_LOGPROBS), jnp.int32))
 
-    if native_sampler():  # rows that do not ask are skipped (zeros)
-        chosen, top_ids, top_lp = kernels.logprobs(logits, tokens, ex.logprobs, MAX_LOGPROBS)
-        return tokens, chosen, top_ids, top_lp
     chosen, top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), report, none, logits)
     return tokens, chosen, top_ids, top_lp
 

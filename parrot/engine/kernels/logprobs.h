@@ -74,12 +74,7 @@ inline void row(const float* x, int64_t V, int32_t target, int64_t K, float* cho
   const int32_t t = target >= 0 && target < V ? target : 0;
   *chosen = (x[t] - top) - log_sum;
   // the K largest: from the spans reaching the K-th largest span maximum
-  float t0 = -kInf;
-  if (K <= spans) {
-    w.tops.assign(w.span_max.begin(), w.span_max.end());
-    std::nth_element(w.tops.begin(), w.tops.begin() + (K - 1), w.tops.end(), std::greater<float>());
-    t0 = w.tops[K - 1];
-  }
+  const float t0 = sampler::kth_span_max(w.span_max, K, w.tops);
   w.cand.clear();
   for (int64_t j = 0; j < spans; ++j) {
     if (!(w.span_max[j] >= t0)) continue;

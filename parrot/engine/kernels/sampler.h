@@ -122,24 +122,25 @@ inline int32_t argmax(const float* x, int64_t V) {
   return 0;
 }
 
-// The k-th largest value of s (1 <= k < V), using the span maxima: the k-th largest span maximum t0 is at
-// most the k-th largest value (k distinct values reach it), so every value above the answer, and enough
-// values equal to it, lie in spans whose maximum reaches t0.
+// A lower bound of the k-th largest value of a row: its k-th largest span maximum (k distinct values reach
+// it), so every value above the k-th largest, and enough values equal to it, lie in the spans whose maximum
+// reaches the bound; -inf where k exceeds the spans. `tmp` is scratch.
+inline float kth_span_max(const std::vector<float>& span_max, int64_t k, std::vector<float>& tmp) {
+  if (k > static_cast<int64_t>(span_max.size())) return -std::numeric_limits<float>::infinity();
+  tmp.assign(span_max.begin(), span_max.end());
+  std::nth_element(tmp.begin(), tmp.begin() + (k - 1), tmp.end(), std::greater<float>());
+  return tmp[k - 1];
+}
+
+// The k-th largest value of s (1 <= k < V), among the values of the spans reaching kth_span_max.
 inline float kth_largest(const float* s, int64_t V, int64_t k, Scratch& w) {
   const int64_t spans = static_cast<int64_t>(w.span_max.size());
+  const float t0 = kth_span_max(w.span_max, k, w.cand);
   w.cand.clear();
-  if (k <= spans) {
-    w.cand.assign(w.span_max.begin(), w.span_max.end());
-    std::nth_element(w.cand.begin(), w.cand.begin() + (k - 1), w.cand.end(), std::greater<float>());
-    const float t0 = w.cand[k - 1];
-    w.cand.clear();
-    for (int64_t j = 0; j < spans; ++j) {
-      if (!(w.span_max[j] >= t0)) continue;
-      for (int64_t i = j * kSpan, e = std::min(V, i + kSpan); i < e; ++i)
-        if (s[i] >= t0) w.cand.push_back(s[i]);
-    }
-  } else {
-    w.cand.assign(s, s + V);
+  for (int64_t j = 0; j < spans; ++j) {
+    if (!(w.span_max[j] >= t0)) continue;
+    for (int64_t i = j * kSpan, e = std::min(V, i + kSpan); i < e; ++i)
+      if (s[i] >= t0) w.cand.push_back(s[i]);
   }
   std::nth_element(w.cand.begin(), w.cand.begin() + (k - 1), w.cand.end(), std::greater<float>());
   return w.cand[k - 1];
