@@ -273,3 +273,39 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
     alone = np.concatenate([np.asarray(f(x[i:i + 1], d)) for i in ok])
     np.testing.assert_array_equal(got[ok], alone)
     assert np.isfinite(got[ok]).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("limbs", [2, 3])
+def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs: int) -> None:
+    """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
+    row the bits its GGUF rows give: any number of rows (tiled below 64, tokens in lanes from there), a
+    last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
+    activations."""
+    q = quant.quantize(_random(576, 200), qtype)
+    tiled = quant.tiled(q)
+    if tiled is None:
+        pytest.skip("this CPU (or this build) has no VNNI code")
+    assert tiled.nbytes == q.data.nbytes + (16 - 200 % 16) * q.data.shape[1]  # the last tile padded to 16 rows
+    d, t = jnp.asarray(q.data), jnp.asarray(tiled)
+    f = jax.jit(lambda x, d, fill, t: kernels.qmatmul(x, d, qtype, fill, limbs, t))
+    for rows in [1, 2, 5, 16, 17, 33, 63, 64, 70]:
+        x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+        x[0, 64:96] = 1e-35
+        if rows > 2:
+            x[2, 100] = np.nan
+        fill = np.zeros(rows, np.int32)
+        if rows > 4:
+            fill[1::4] = 1  # prompt rows (bfloat16 where the CPU has bf16 products)
+            fill[-1] = -1  # a padding row
+        ref = np.asarray(f(x, d, fill, None))
+        got = np.asarray(f(x, d, fill, t))
+        np.testing.assert_array_equal(got, ref)
+        assert np.isfinite(np.delete(got, 2 if rows > 2 else [], axis=0)).all()
+
+
+def test_no_tiled_copy_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PARROT_TILED_WEIGHTS=0`: no tiled copies (the products read the GGUF rows alone, no memory for a copy)."""
+    q = quant.quantize(_random(64, 32), "q4_1")
+    monkeypatch.setenv("PARROT_TILED_WEIGHTS", "0")
+    assert quant.tiled(q) is None

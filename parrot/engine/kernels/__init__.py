@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
                                                      "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h",
-                                                     "sampler.h", "logprobs.h"))
+                                                     "sampler.h", "logprobs.h", "team.h"))
 FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
@@ -122,6 +122,8 @@ def _load() -> None:
         lib.parrot_matmul_select(MATMUL_PATHS.index(wanted))
     lib.parrot_decode_bf16_enable.argtypes = [ctypes.c_int]
     lib.parrot_decode_bf16_enable(0 if os.environ.get("PARROT_DECODE_BF16", "1") == "0" else 1)
+    lib.parrot_team_enable.argtypes = [ctypes.c_int]
+    lib.parrot_team_enable(0 if os.environ.get("PARROT_KERNEL_TEAM", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
     fills_off = "0" in (os.environ.get("PARROT_BF16_FILLS", "1"), os.environ.get("PARROT_AMX_BF16", "1"))
     lib.parrot_bf16_enable(0 if fills_off else 1)
@@ -180,6 +182,19 @@ def use_decode_bf16(on: bool) -> bool:
     return available() and bool(_state["lib"].parrot_decode_bf16_enable(1 if on else 0))
 
 
+def use_tiled(on: bool) -> bool:
+    """Whether the quantized products read the tiled copies they are given (on, the default) or their GGUF
+    rows alone (a same-process comparison: the results are the same bits); returns whether they do."""
+    return available() and bool(_state["lib"].parrot_tiled_enable(1 if on else 0))
+
+
+def use_team(on: bool) -> bool:
+    """Split the kernels' work over helper threads of their own, which stay hot between the calls of a
+    step (on, the default; `PARROT_KERNEL_TEAM=0` starts a process with it off), or over XLA's intra-op
+    pool; returns whether the team is on."""
+    return available() and bool(_state["lib"].parrot_team_enable(1 if on else 0))
+
+
 def use_bf16_fills(on: bool) -> str | None:
     """Turn the bfloat16 products of rows asked for in bfloat16 on or off (off: they run exactly, as
     generated rows do); returns bf16_fills() (None where this build or the code in use has none)."""
@@ -205,18 +220,46 @@ def use_matmul(path: str) -> str | None:
 QTYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 
-def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = None, limbs: int = 3) -> jax.Array:
+def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = None, limbs: int = 3,
+            tiled: jax.Array | None = None) -> jax.Array:
     """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes]).
     `fill` ([T]; positive: a prompt token's row): those rows with the weights and activations rounded to
     bfloat16 and the products summed in float32, on AMX's bf16 tiles where `bf16_tiles()` (decided at run
     time: elsewhere every row is exact). Each kind of row is computed apart from the other. Negative: a
     padding row; the trailing ones are not computed (their outputs are zeros). `limbs` (the
     integer paths, VNNI and AMX-INT8): 3 writes each activation to 23 bits below its block's largest, 2 to
-    15 bits, which saves a third of the integer products (the engine's bfloat16 mode; float32 mode keeps 3)."""
+    15 bits, which saves a third of the integer products (the engine's bfloat16 mode; float32 mode keeps 3).
+    `tiled`: the same matrix as `tile_rows` lays it out, which the VNNI code reads for the products of few
+    rows (the same results, less time); None: `w` alone."""
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
-    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, fill, qtype=np.int32(QTYPES[qtype]),
-                                                   limbs=np.int32(limbs))
+    tiled = jnp.zeros((0,), jnp.uint8) if tiled is None else tiled
+    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, tiled, fill,
+                                                   qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs))
+
+
+def tile_rows(data: np.ndarray, qtype: str) -> np.ndarray | None:
+    """A quantized matrix's GGUF block rows (uint8 [N, K / 32 * block bytes]) laid out for the VNNI code's
+    lanes (vnni_matmul.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in the
+    order the lanes take them): uint8 [bytes], for `qmatmul(..., tiled=...)`. None where the kernels or
+    their VNNI code are not available, or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone)."""
+    if not available() or "avx512-vnni" not in matmul_paths() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
+        return None
+    lib = _state["lib"]
+    lib.parrot_tiled_bytes.restype = ctypes.c_int64
+    lib.parrot_tiled_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+    lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    n, row_bytes = data.shape
+    q = QTYPES[qtype]
+    k = row_bytes // {"q8_0": 34, "q4_0": 18, "q4_1": 20}[qtype] * 32
+    size = lib.parrot_tiled_bytes(q, n, k)
+    if size < 0:
+        return None
+    src = np.ascontiguousarray(data, dtype=np.uint8)
+    out = np.empty(size, np.uint8)
+    if lib.parrot_tile_rows(q, src.ctypes.data, n, k, out.ctypes.data) != 0:
+        return None
+    return out
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,

@@ -52,6 +52,7 @@
 
 #include "aligned.h"
 #include "logprobs.h"
+#include "team.h"
 #include "sampler.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -94,12 +95,22 @@ struct Split {
   int64_t chunks = 0;
 };
 
+// `hot`: a call of a decode step (short calls back to back, little of XLA's own work between them), whose
+// chunks the kernels' own helper threads (team.h) take where they can (see parrot_team_enable). Other calls
+// (prompt chunks: long calls, with XLA's own threads busy between them, where a spinning helper only took
+// time from them: 0.88-0.95x the time of a 64- or 512-token prefill on a 2-core Zen 4) use XLA's pool.
+std::atomic<bool> g_team{true};
+constexpr int64_t kHotRows = 64;  // rows (tokens, sequences) up to which a product or sampler call is hot
+
 template <typename F>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, F&& body) {
+void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, F&& body, bool hot = false) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (chunks <= 1 || threads <= 1) {
     for (int64_t c = 0; c < chunks; ++c) body(c);
     return;
+  }
+  if (hot && g_team.load(std::memory_order_relaxed)) {
+    if (team::Team* t = team::get(static_cast<int>(threads) - 1); t != nullptr && t->run(chunks, body)) return;
   }
   auto split = std::make_shared<Split>();
   split->chunks = chunks;
@@ -441,6 +452,9 @@ constexpr int64_t amx_vnni_rows() {
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
 // weights, and the weight rows in lanes (vnni::rows) are as fast or faster (batch 16: 0.93x).
 constexpr int64_t kLanesMinRows = 32;
+// ... and where the weights' tiled copy is given (vnni::rows_tiled): at 32 rows that took 0.95x the time of
+// the tokens in lanes in a decode step on a Zen 4, at 64 rows as long within the noise.
+constexpr int64_t kLanesMinRowsTiled = 64;
 
 // Linux hands a process AMX's tile data state only on request.
 inline bool request_tiles() {
@@ -452,12 +466,15 @@ inline bool request_tiles() {
 }
 
 #if PARROT_VNNI
+// `wt`: the same weights tiled for the lanes (vnni::tile_rows), or null
 template <class F>
-void int8_rows(const vnni::XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
+               int64_t N) {
 #if PARROT_AMX
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
 #endif
   if (xp.lanes) return vnni::lanes_rows<F>(xp, w, n0, n1, y, N);
+  if (wt != nullptr) return vnni::rows_tiled<F>(xp, wt, n0, n1, y, N);
   vnni::rows<F>(xp, w, n0, n1, y, N);
 }
 
@@ -468,8 +485,8 @@ using Format = std::conditional_t<Q == kQ8_0, vnni::Q8_0, std::conditional_t<Q =
 
 // The exact product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
 template <int Q>
-void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y, int64_t N,
-             int limbs) {
+void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt,
+             float* y, int64_t N, int limbs) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
 #ifndef PARROT_CPT
@@ -484,15 +501,16 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
     const bool tiles = path == kPathAmx && T > amx_vnni_rows();
-    vnni::pack_x(x, T, K, packed, limbs, tiles, !tiles && T >= kLanesMinRows);
-    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Format<Q>>(*xp, w, c * rows, std::min(N, (c + 1) * rows), y, N); });
+    vnni::pack_x(x, T, K, packed, limbs, tiles, !tiles && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
+    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N); },
+                    T <= kHotRows);
     return;
   }
 #endif
-  (void)limbs;
+  (void)limbs, (void)wt;
   parallel_chunks(pool, chunks, [&](int64_t c) {
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
-  });
+  }, T <= kHotRows);
 }
 
 // The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): panels of 32 weight rows, taken
@@ -530,7 +548,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
 // step's padding: the batch's tokens come first) are not computed: their outputs are zeros.
 template <int Q>
 void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
-                          const uint8_t* w, float* y, int64_t N, int limbs) {
+                          const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs) {
   const int64_t all = T;
   while (T > 0 && fill[T - 1] < 0) --T;
   if (T < all) std::memset(y + T * N, 0, sizeof(float) * (all - T) * N);
@@ -548,16 +566,34 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
       if (kind) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
-      else qmatmul<Q>(pool, xs.data(), n, K, w, ys.data(), N, limbs);
+      else qmatmul<Q>(pool, xs.data(), n, K, w, wt, ys.data(), N, limbs);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
     }
     return;
   }
-  qmatmul<Q>(pool, x, T, K, w, y, N, limbs);
+  qmatmul<Q>(pool, x, T, K, w, wt, y, N, limbs);
 }
 
-ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+std::atomic<bool> g_tiled{true};  // see parrot_tiled_enable
+
+// Bytes of a [N, K] matrix of `qtype` tiled for VNNI's lanes; -1 where this build has no VNNI code.
+int64_t tiled_bytes(int32_t qtype, int64_t N, int64_t K) {
+#if PARROT_VNNI
+  switch (qtype) {
+    case kQ8_0: return vnni::tiled_bytes<vnni::Q8_0>(N, K);
+    case kQ4_0: return vnni::tiled_bytes<vnni::Q4_0>(N, K);
+    case kQ4_1: return vnni::tiled_bytes<vnni::Q4_1>(N, K);
+  }
+#else
+  (void)qtype, (void)N, (void)K;
+#endif
+  return -1;
+}
+
+// `wt`: the same weights tiled for VNNI's lanes (parrot_tile_rows), used by the products of few rows; empty:
+// none (only `w` is read).
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
                        ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -574,11 +610,17 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
+  const uint8_t* tp = nullptr;
+  if (wt.element_count() > 0) {
+    if (static_cast<int64_t>(wt.element_count()) != tiled_bytes(qtype, N, K))
+      return ffi::Error::InvalidArgument("qmatmul: the tiled weights' size does not match w");
+    if (g_tiled.load(std::memory_order_relaxed)) tp = wt.typed_data();
+  }
   float* yp = y->typed_data();
   switch (qtype) {
-    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
-    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
-    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, yp, N, limbs); break;
+    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
+    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
+    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
   }
   return ffi::Error::Success();
 }
@@ -984,7 +1026,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
       const int64_t g = task % Hkv, c = task / Hkv;
       const int m = static_cast<int>(std::min<int64_t>(kPrefixMembers, members.size() - c * kPrefixMembers));
       attend_seqs(members.data() + c * kPrefixMembers, m, g, pp, plen);
-    });
+    }, true);
   }
   parallel_chunks(pool, B * Hkv, [&](int64_t task) {
     const int64_t b = task / Hkv, g = task % Hkv;
@@ -1005,7 +1047,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
       for (int64_t i = 0; i < D; ++i) ordered[bf16_dim_of(i)] = a[i];
       for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
     }
-  });
+  }, true);
 }
 
 #include "prefill_attention.h"
@@ -1090,7 +1132,7 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::B
     const sampler::Params p{temperature.typed_data()[b], top_k.typed_data()[b], top_p.typed_data()[b],
                             min_p.typed_data()[b], u.typed_data()[b]};
     tokens[b] = sampler::sample_row(x + b * V, V, p, scratch);
-  });
+  }, B <= kHotRows);
   return ffi::Error::Success();
 }
 
@@ -1115,7 +1157,7 @@ ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
     }
     thread_local logprobs::Scratch scratch;
     logprobs::row(x + r * V, V, targets.typed_data()[r], K, chosen->typed_data() + r, ids, lp, scratch);
-  });
+  }, R <= kHotRows);
   return ffi::Error::Success();
 }
 
@@ -1135,6 +1177,37 @@ extern "C" int parrot_matmul_select(int path) {
 
 // Whether parrot_paged_decode's `bf16` attribute takes the bfloat16 products (decode_bf16.h): on (1) or off
 // (0; -1 leaves it). Returns whether it will: 0 where this build has no AVX512-BF16.
+// Bytes of a [N, K] matrix of block type `qtype` tiled for VNNI's lanes (-1: this build has no VNNI code).
+extern "C" int64_t parrot_tiled_bytes(int32_t qtype, int64_t N, int64_t K) { return tiled_bytes(qtype, N, K); }
+
+// GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out` (parrot_tiled_bytes bytes), tiled for VNNI's lanes
+// (vnni::tile_rows); returns 0, or -1 where this build has no VNNI code.
+extern "C" int parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+#if PARROT_VNNI
+  switch (qtype) {
+    case kQ8_0: vnni::tile_rows<vnni::Q8_0>(w, N, K, out); return 0;
+    case kQ4_0: vnni::tile_rows<vnni::Q4_0>(w, N, K, out); return 0;
+    case kQ4_1: vnni::tile_rows<vnni::Q4_1>(w, N, K, out); return 0;
+  }
+#else
+  (void)qtype, (void)w, (void)N, (void)K, (void)out;
+#endif
+  return -1;
+}
+
+// Whether the products read the tiled copies they are given (1) or `w` alone (0; -1: unchanged); returns
+// whether they read them.
+extern "C" int parrot_tiled_enable(int on) {
+  if (on >= 0) g_tiled.store(on != 0);
+  return g_tiled.load() ? 1 : 0;
+}
+
+// The kernels' helper threads on (1) or off (0, -1: unchanged); returns whether they are on.
+extern "C" int parrot_team_enable(int on) {
+  if (on >= 0) g_team.store(on != 0);
+  return g_team.load() ? 1 : 0;
+}
+
 extern "C" int parrot_decode_bf16_enable(int on) {
   if (on >= 0) g_decode_bf16.store(on != 0 && PARROT_DECODE_BF16);
   return g_decode_bf16.load() ? 1 : 0;
@@ -1153,6 +1226,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // wt: w tiled for VNNI's lanes, or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")

@@ -182,6 +182,41 @@ inline void transpose16x4(const uint8_t* const rows[16], __m512i g[4]) {
   g[2] = _mm512_unpacklo_epi64(t1, t3), g[3] = _mm512_unpackhi_epi64(t1, t3);
 }
 
+// Token group g's TT rows (tokens 16 g .. 16 g + TT - 1) times one block of 16 weight rows in lanes (`wg`:
+// weights 4c..4c+3 of every lane's row as unsigned bytes; `d`, `m`: the lanes' scales and minima), into
+// acc[t]. Both weight layouts (below) end here, so a row's float32 steps are the same on either.
+template <class F, int TT, int LIMBS>
+inline void block_tokens(const XPack& xp, int64_t g, int64_t b, const __m512i wg[8], __m512 d, __m512 m,
+                         __m512 acc[TT]) {
+  const int64_t blocks = xp.blocks, t0 = g * 16;
+  for (int t = 0; t < TT; ++t) {
+    const uint32_t* xb = xp.rows.data() + ((t0 + t) * blocks + b) * 24;
+    __m512i S[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int l = 0; l < LIMBS; ++l) {
+      if constexpr (TT >= 4) {  // the tokens' chains run side by side: one chain per limb
+        for (int c = 0; c < 8; ++c)
+          S[l] = _mm512_dpbusd_epi32(S[l], wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+      } else {  // two chains, so that one token does not wait on each product's latency
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
+          s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
+        }
+        S[l] = _mm512_add_epi32(s0, s1);
+      }
+      if constexpr (F::kSigned)
+        S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
+    }
+    const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
+    // two limbs: limb_sum with S2 = 0, the same float (fma(x, 256, 0) is x * 256)
+    const __m512 ls = LIMBS == 2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0]), _mm512_set1_ps(65536.f),
+                                                   _mm512_mul_ps(_mm512_cvtepi32_ps(S[1]), _mm512_set1_ps(256.f)))
+                                 : limb_sum(S[0], S[1], S[2]);
+    acc[t] = _mm512_fmadd_ps(ls, _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+    if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
+  }
+}
+
 // TT activation rows (tokens 16 g .. 16 g + TT - 1) times the weight rows [n, n + 16) (`rows_here` of them),
 // into y's columns n... The next 16 weight rows are fetched meanwhile where `fetch` (the first token group).
 template <class F, int TT, int LIMBS>
@@ -214,32 +249,7 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int row
     }
     __m512 d, m;
     scales<F>(blk, offsets, lanes, d, m);
-    for (int t = 0; t < TT; ++t) {
-      const uint32_t* xb = xp.rows.data() + ((t0 + t) * blocks + b) * 24;
-      __m512i S[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int l = 0; l < LIMBS; ++l) {
-        if constexpr (TT >= 4) {  // the tokens' chains run side by side: one chain per limb
-          for (int c = 0; c < 8; ++c)
-            S[l] = _mm512_dpbusd_epi32(S[l], wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
-        } else {  // two chains, so that one token does not wait on each product's latency
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-          for (int c = 0; c < 8; c += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, wg[c], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c])));
-            s1 = _mm512_dpbusd_epi32(s1, wg[c + 1], _mm512_set1_epi32(static_cast<int>(xb[8 * l + c + 1])));
-          }
-          S[l] = _mm512_add_epi32(s0, s1);
-        }
-        if constexpr (F::kSigned)
-          S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
-      }
-      const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
-      // two limbs: limb_sum with S2 = 0, the same float (fma(x, 256, 0) is x * 256)
-      const __m512 ls = LIMBS == 2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0]), _mm512_set1_ps(65536.f),
-                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(S[1]), _mm512_set1_ps(256.f)))
-                                   : limb_sum(S[0], S[1], S[2]);
-      acc[t] = _mm512_fmadd_ps(ls, _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
-      if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
-    }
+    block_tokens<F, TT, LIMBS>(xp, g, b, wg, d, m, acc);
   }
   const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n, rowmask, _mm512_permutexvar_ps(perm, acc[t]));
@@ -263,6 +273,100 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
       const uint8_t* fetch = g == 0 && n + 16 < n1 ? w + (n + 16) * ldw : nullptr;
       const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
       group_dispatch<F>(tt, xp, g, w, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
+    }
+  }
+}
+
+// ---- weight rows tiled for the lanes ---------------------------------------------------------------
+// The same weights laid out for `group_vnni`'s lanes ahead of time (tile_rows, once per matrix), so that a
+// block of 16 rows is three or more aligned 64-byte loads instead of 16 row reads, transposes and a gather
+// of the scales: per tile of 16 rows (the last one padded with zero rows), block after block, the 16 rows'
+// float16 scales d, then (Q4_1) their minima m, then the rows' weight bytes in lanes: 64-byte group c holds
+// bytes 4c..4c+3 of row p at 4p (Q8_0's as unsigned bytes, 128 added). Lane p is row p here, and every
+// lane computes what `group_vnni` computes for that row (block_tokens), so the outputs are the same bits.
+// On a 2-core Zen 4 (two threads, 30 layers' matrices in turn) this took a Q4_1 product from 1 to 16 rows
+// 1.13-1.45x less time.
+template <class F> constexpr int kTileScaleBytes = F::kMin == 1 ? 64 : 32;
+template <class F> constexpr int kTileBlockBytes = kTileScaleBytes<F> + (F::kSigned ? 512 : 256);
+
+template <class F>
+int64_t tiled_bytes(int64_t N, int64_t K) {
+  return (N + 15) / 16 * (K / 32) * kTileBlockBytes<F>;
+}
+
+// GGUF block rows w [N][K / 32 blocks] -> the tiled layout (tiled_bytes(N, K) bytes at `out`).
+template <class F>
+void tile_rows(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t blocks = K / 32, ldw = blocks * F::kBytes;
+  std::memset(out, 0, tiled_bytes<F>(N, K));
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t p = n % 16;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src = w + n * ldw + b * F::kBytes;
+      uint8_t* dst = out + ((n / 16) * blocks + b) * kTileBlockBytes<F>;
+      std::memcpy(dst + 2 * p, src, 2);
+      if constexpr (F::kMin == 1) std::memcpy(dst + 32 + 2 * p, src + 2, 2);
+      uint8_t* q = dst + kTileScaleBytes<F>;
+      for (int c = 0; c < (F::kSigned ? 8 : 4); ++c)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t v = src[F::kQs + 4 * c + j];
+          q[64 * c + 4 * p + j] = F::kSigned ? static_cast<uint8_t>(v ^ 0x80) : v;
+        }
+    }
+  }
+}
+
+// As group_vnni, on one tile of the tiled layout (`tile`: its first block); `fetch`: the next tile.
+template <class F, int TT, int LIMBS>
+void group_tiled(const XPack& xp, int64_t g, const uint8_t* tile, int64_t n, int rows_here, const uint8_t* fetch,
+                 float* y, int64_t N) {
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < xp.blocks; ++b) {
+    const uint8_t* blk = tile + b * kTileBlockBytes<F>;
+    if (fetch)
+      for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(fetch + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    const uint8_t* q = blk + kTileScaleBytes<F>;
+    __m512i wg[8];
+    if constexpr (F::kSigned) {
+      for (int c = 0; c < 8; ++c) wg[c] = _mm512_loadu_si512(q + 64 * c);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * c);
+        wg[c] = _mm512_and_si512(v, nib);
+        wg[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      }
+    }
+    block_tokens<F, TT, LIMBS>(xp, g, b, wg, d, m, acc);
+  }
+  const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+  for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
+}
+
+template <class F, int... I>
+void tiled_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* tile, int64_t n, int rows_here,
+                    const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
+  if (xp.limbs == 2) ((tt == I + 1 ? group_tiled<F, I + 1, 2>(xp, g, tile, n, rows_here, fetch, y, N) : void()), ...);
+  else ((tt == I + 1 ? group_tiled<F, I + 1, 3>(xp, g, tile, n, rows_here, fetch, y, N) : void()), ...);
+}
+
+// `rows` on the tiled layout (`wt`); n0 is a multiple of 16.
+template <class F>
+void rows_tiled(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t tile_bytes = xp.blocks * kTileBlockBytes<F>;
+  for (int64_t n = n0; n < n1; n += 16) {
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    const uint8_t* tile = wt + (n / 16) * tile_bytes;
+    for (int64_t g = 0; g * 16 < xp.T; ++g) {
+      const uint8_t* fetch = g == 0 && n + 16 < n1 ? tile + tile_bytes : nullptr;
+      const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
+      tiled_dispatch<F>(tt, xp, g, tile, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
     }
   }
 }

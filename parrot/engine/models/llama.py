@@ -71,6 +71,20 @@ def _matrix(w: Weight, dtype: jnp.dtype) -> tuple[nnx.Param, str | None]:
     return _param(w, dtype), None
 
 
+def _tiled(w: Weight, enabled: bool) -> nnx.Param | None:
+    """A quantized matrix's copy tiled for the native VNNI code's lanes (kernels.tile_rows), which its
+    products of few rows (decode steps) read instead; None where not `enabled` (tensor parallelism shards
+    the matrices), for float matrices and where the CPU has no VNNI code."""
+    if not enabled or not isinstance(w, QuantizedTensor):
+        return None
+    tiled = quant.tiled(w)
+    return None if tiled is None else nnx.Param(jnp.asarray(tiled))
+
+
+def _value(p: nnx.Param | None) -> jax.Array | None:
+    return None if p is None else p[...]
+
+
 def _fuse(parts: list[Weight]) -> Weight:
     """Projections side by side along `out` (Q|K|V, gate|up); quantized ones only if of one block type."""
     if all(isinstance(p, QuantizedTensor) for p in parts):
@@ -82,24 +96,24 @@ def _fuse(parts: list[Weight]) -> Weight:
 
 
 def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
-            fill: jax.Array | None = None) -> jax.Array:
+            fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """x @ W for a float [in, out] matrix, or a block-quantized one (`dtype`: what a dequantized matrix is
     multiplied in when XLA does the product, and by the native kernel for prompt tokens' rows: `fill`,
-    see quant.linear)."""
+    see quant.linear; `tiled`: its copy for the VNNI code, see `_tiled`)."""
     if qtype is None:
         return matmul(x, w)
-    return quant.linear(x, w, qtype, dtype, fill)
+    return quant.linear(x, w, qtype, dtype, fill, tiled)
 
 
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
-                fill: jax.Array | None = None) -> jax.Array:
+                fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
     columns). Megatron: `w` holds the matching input rows and the partial products are summed over
     the devices (one all-reduce; the order of the sum changes with tp). `exact`: `w` holds all input rows
     of this device's output columns, `x` is gathered first and the outputs after (two all-gathers;
     each output is computed as on one device, so greedy outputs do not change with tp)."""
     if tp == 1:
-        return project(x, w, qtype, dtype, fill)
+        return project(x, w, qtype, dtype, fill, tiled)
     if not exact:
         return jax.lax.psum(project(x, w, qtype, dtype, fill), TP_AXIS)
     full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
@@ -165,8 +179,10 @@ class Attention(nnx.Module):
         self.qdtype = qdtype
         self.decode_kernel = decode_kernel  # decode steps through gpu_attention's kernel (see paged_attention)
         self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's heads only (see `row_project`)
-        self.wqkv, self.wqkv_q = _matrix(_fuse([w["wq"], w["wk"], w["wv"]]), dtype)
+        qkv = _fuse([w["wq"], w["wk"], w["wv"]])
+        self.wqkv, self.wqkv_q = _matrix(qkv, dtype)
         self.wo, self.wo_q = _matrix(w["wo"], dtype)
+        self.wqkv_t, self.wo_t = _tiled(qkv, tp == 1), _tiled(w["wo"], tp == 1)
         if cfg.qkv_bias:
             self.bqkv = _param(np.concatenate([w["bq"], w["bk"], w["bv"]]), dtype)
 
@@ -177,7 +193,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         t = x.shape[0]
         fill = batch.fill_rows
-        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill)
+        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         heads, kv_heads = cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp
@@ -189,7 +205,8 @@ class Attention(nnx.Module):
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel,
                             bf16=jnp.dtype(self.qdtype) == jnp.bfloat16)
-        out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill)
+        out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill,
+                          _value(self.wo_t))
         return out, k_cache, v_cache
 
 
@@ -200,14 +217,16 @@ class MLP(nnx.Module):
                  tp_exact: bool = False) -> None:
         self.qdtype = qdtype
         self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's share of the FFN (see `row_project`)
-        self.w_gate_up, self.w_gate_up_q = _matrix(_fuse([w["w_gate"], w["w_up"]]), dtype)
+        gate_up = _fuse([w["w_gate"], w["w_up"]])
+        self.w_gate_up, self.w_gate_up_q = _matrix(gate_up, dtype)
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
+        self.w_gate_up_t, self.w_down_t = _tiled(gate_up, tp == 1), _tiled(w["w_down"], tp == 1)
 
     def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
-        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill)
+        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t))
         f = gu.shape[-1] // 2
         return row_project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype,
-                           self.tp, self.tp_exact, fill)
+                           self.tp, self.tp_exact, fill, _value(self.w_down_t))
 
 
 class DecoderLayer(nnx.Module):
@@ -244,6 +263,8 @@ class Llama(nnx.Module):
         # the embedding keeps GGUF's [vocab, hidden] row layout, quantized or not
         embed = weights["embed"]
         self.embed, self.embed_q = _matrix(embed, dtype)
+        # the output projection's copy for the VNNI code (the tied embedding's, or lm_head's)
+        self.head_t = _tiled(embed if cfg.tie_word_embeddings else weights["lm_head"], tp == 1)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
                          dtype, act_dtype, self.qdtype, tp, tp_exact, decode_kernel)
@@ -268,7 +289,7 @@ class Llama(nnx.Module):
     def head_weights(self) -> HeadWeights:
         tied = self.cfg.tie_word_embeddings
         proj, qtype = (self.embed[...], self.embed_q) if tied else (self.lm_head[...], self.lm_head_q)
-        return HeadWeights(self.norm.weight[...], proj, self.cfg.rms_eps, tied, qtype, self.qdtype)
+        return HeadWeights(self.norm.weight[...], proj, self.cfg.rms_eps, tied, qtype, self.qdtype, _value(self.head_t))
 
 
 @jax.tree_util.register_dataclass
@@ -314,6 +335,7 @@ class HeadWeights:
     tied: bool = field(metadata={"static": True})
     qtype: str | None = field(default=None, metadata={"static": True})
     qdtype: jnp.dtype = field(default=jnp.float32, metadata={"static": True})
+    tiled: jax.Array | None = None  # quantized `proj`'s copy for the VNNI code (models/llama.py `_tiled`)
 
 
 def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array, tp_axis: str | None = None,
@@ -324,7 +346,8 @@ def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array, tp_axis: st
     logits are gathered, and cut to `vocab_size` (the vocabulary may be padded to a multiple of tp)."""
     h = rms_norm(x[jnp.maximum(logits_index, 0)], w.norm, w.eps)
     if w.qtype is not None:  # padding rows (index -1) are skipped by the native product: zero logits
-        logits = quant.linear(h, w.proj, w.qtype, w.qdtype, jnp.where(logits_index < 0, -1, 0)).astype(jnp.float32)
+        logits = quant.linear(h, w.proj, w.qtype, w.qdtype, jnp.where(logits_index < 0, -1, 0),
+                              w.tiled).astype(jnp.float32)
     else:
         logits = matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
     if tp_axis is not None:
