@@ -7,6 +7,7 @@ machine's floors measured in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -36,12 +37,16 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
-          matmul: str = "auto", cpu_attention: str = "auto") -> str:
+          matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on") -> str:
     name = f"weights_{weights}"
     if matmul != "auto":
         name += f"_matmul_{matmul}"
     if cpu_attention != "auto":
         name += f"_decode_attention_{cpu_attention}"
+    if tiled != "on":
+        name += f"_tiled_{tiled}"
+    if team != "on":
+        name += f"_team_{team}"
     if several_layers:
         name += "_fused" if layers_per_call == 0 else f"_layers_per_call_{layers_per_call}"
     if several_attention:
@@ -51,7 +56,8 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
-        matmuls: list[str] | None = None, cpu_attention: list[str] | None = None) -> dict:
+        matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
+        team: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -61,6 +67,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # call the same FFI target; kernels.use_matmul switches the code behind it before each call)
     matmul: dict[str, str] = {}
     cpu_att: dict[str, str] = {}  # decode attention's products on a CPU: auto, bf16 (where it can) or f32
+    switches: dict[str, tuple[str, str]] = {}  # the tiled weights' reading and the kernels' team: on or off
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
@@ -70,11 +77,11 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                                    layers_per_call=lpc or None, weights=w, decode_attention=att)
                 r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
-                for mm in matmuls or ["auto"]:
-                    for ca in cpu_attention or ["auto"]:
-                        name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca)
-                        runners[name], matmul[name], cpu_att[name] = r, mm, ca
-                        load_s[name] = t_read + time.perf_counter() - t
+                for mm, ca, ti, tm in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
+                                                        tiled or ["on"], team or ["on"]):
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm)
+                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm)
+                    load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
     default_fills = kernels.bf16_fills() is not None
     default_decode_bf16 = kernels.decode_bf16()
@@ -86,6 +93,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_matmul(default_path if mm == "auto" else code)
             kernels.use_bf16_fills(default_fills if mm == "auto" else mm in ("amx", "avx512-bf16"))
             kernels.use_decode_bf16(default_decode_bf16 if cpu_att[name] == "auto" else cpu_att[name] == "bf16")
+            kernels.use_tiled(switches[name][0] == "on")
+            kernels.use_team(switches[name][1] == "on")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -162,6 +171,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         kernels.use_matmul(default_path)
     kernels.use_bf16_fills(default_fills)
     kernels.use_decode_bf16(default_decode_bf16)
+    kernels.use_tiled(True)
+    kernels.use_team(True)
     return result
 
 
@@ -190,8 +201,22 @@ def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
 
 def _weight_bytes(r: ModelRunner) -> int:
     """Bytes of the weights a decode step reads (quantized matrices at their stored size; a tied
-    embedding, which is also the LM head, once)."""
+    embedding, which is also the LM head, once; a matrix with a copy tiled for the VNNI code, `name_t`
+    beside `name`, as that copy, which the decode products read instead)."""
     unique = {id(a): a for a in jax.tree.leaves(r.weights)}
+    replaced = [r.weights.head.proj] if r.weights.head.tiled is not None else []
+
+    def walk(d: dict) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v)
+            elif f"{k}_t" in d:
+                replaced.append(v)
+
+    for layer in r.weights.layers:
+        walk(layer)
+    for a in replaced:
+        unique.pop(id(a), None)
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in unique.values())
 
 
@@ -256,10 +281,17 @@ def main() -> None:
     ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
                     help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 "
                          "pairs where the CPU has AVX512-BF16; f32: float32)")
+    ap.add_argument("--cpu-tiled", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the products of few rows reading the weights' copy tiled for VNNI's lanes (on) or the "
+                         "GGUF rows (off), side by side in one process (the same results)")
+    ap.add_argument("--cpu-team", nargs="+", default=["on"], choices=["on", "off"],
+                    help="a decode step's kernel calls on the kernels' own hot helper threads (on) or XLA's "
+                         "intra-op pool (off), side by side in one process")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
-            args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention)
+            args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
+            args.cpu_tiled, args.cpu_team)
     print(report(r))
     write_json(r, args.out)
 

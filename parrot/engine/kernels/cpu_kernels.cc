@@ -100,7 +100,9 @@ struct Split {
 // (prompt chunks: long calls, with XLA's own threads busy between them, where a spinning helper only took
 // time from them: 0.88-0.95x the time of a 64- or 512-token prefill on a 2-core Zen 4) use XLA's pool.
 std::atomic<bool> g_team{true};
-constexpr int64_t kHotRows = 64;  // rows (tokens, sequences) up to which a product or sampler call is hot
+// rows (tokens, sequences) up to which a product or sampler call is hot (at 64 rows a decode step took as
+// long or longer with the team: its calls are long enough for the pool's helpers)
+constexpr int64_t kHotRows = 32;
 
 template <typename F>
 void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, F&& body, bool hot = false) {
