@@ -95,10 +95,11 @@ struct Split {
   int64_t chunks = 0;
 };
 
-// `hot`: a call of a decode step (short calls back to back, little of XLA's own work between them), whose
-// chunks the kernels' own helper threads (team.h) take where they can (see parrot_team_enable). Other calls
-// (prompt chunks: long calls, with XLA's own threads busy between them, where a spinning helper only took
-// time from them: 0.88-0.95x the time of a 64- or 512-token prefill on a 2-core Zen 4) use XLA's pool.
+// `hot`: a call of a decode step of up to kHotRows rows (short calls back to back, little of XLA's own work
+// between them), whose chunks the kernels' own helper threads (team.h) take where they can (see
+// parrot_team_enable). Other calls use XLA's pool: prompt chunks' (long calls, with XLA's own threads busy
+// between them, where a spinning helper only took time from them: 0.88-0.95x the time of a 64- or 512-token
+// prefill on a 2-core Zen 4) and larger batches' (long enough for the pool's helpers).
 std::atomic<bool> g_team{true};
 // rows (tokens, sequences) up to which a product or sampler call is hot (at 64 rows a decode step took as
 // long or longer with the team: its calls are long enough for the pool's helpers)
@@ -1028,7 +1029,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
       const int64_t g = task % Hkv, c = task / Hkv;
       const int m = static_cast<int>(std::min<int64_t>(kPrefixMembers, members.size() - c * kPrefixMembers));
       attend_seqs(members.data() + c * kPrefixMembers, m, g, pp, plen);
-    }, true);
+    }, B <= kHotRows);
   }
   parallel_chunks(pool, B * Hkv, [&](int64_t task) {
     const int64_t b = task / Hkv, g = task % Hkv;
@@ -1049,7 +1050,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
       for (int64_t i = 0; i < D; ++i) ordered[bf16_dim_of(i)] = a[i];
       for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
     }
-  }, true);
+  }, B <= kHotRows);
 }
 
 #include "prefill_attention.h"
