@@ -51,6 +51,7 @@ struct XPack {
   bool lanes = false;                   // 2 limbs as int16 pairs with tokens in lanes (`pairs`, below)
   aligned::vector<uint32_t> b;          // tiles: [tiles][blocks][3 limbs][8 groups][tn]
   aligned::vector<float> scales;        // [tiles][blocks][16]: s per token
+  aligned::vector<float> scales256;     // the same for 2 limbs on VNNI: 256 s (exact), see block_tokens
   aligned::vector<float> sums;          // [tiles][blocks][16]: sum(x) per token
   // VNNI: each row's limbs contiguous, and their sums
   aligned::vector<uint32_t> rows;       // [T][blocks][3 limbs][8 groups]
@@ -70,6 +71,7 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
   const bool vnni = !for_tiles && !lanes;
   p.b.assign(for_tiles ? p.tiles * p.blocks * 3 * 8 * p.tn : 0, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
+  p.scales256.assign(limbs == 2 && !for_tiles ? p.tiles * p.blocks * 16 : 0, 0.f);
   p.sums.assign(p.tiles * p.blocks * 16, 0.f);
   p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
   p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
@@ -88,10 +90,12 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
       const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
       if (nan || !(a <= 3.4e38f)) {  // NaN or infinity: the products become NaN, as in float32
         p.scales[at] = NAN;
+        if (!p.scales256.empty()) p.scales256[at] = NAN;
         continue;
       }
       if (!(a >= 1e-30f)) continue;  // zero (or too small to scale to 2^22): limbs and scale stay zero
       p.scales[at] = a / 4194304.f;
+      if (!p.scales256.empty()) p.scales256[at] = a / 16384.f;  // 256 s: both divisions by powers of 2 are exact
       // two limbs: x rounded to 2^14 steps of the block's largest, written as 256 times that integer
       // (limbs 0 and 1 as three limbs would have them, limb 2 zero), so the sums and scales are the same
       const __m512 inv = _mm512_set1_ps((limbs == 2 ? 16384.f : 4194304.f) / a);
@@ -204,15 +208,24 @@ inline void block_tokens(const XPack& xp, int64_t g, int64_t b, const __m512i wg
         }
         S[l] = _mm512_add_epi32(s0, s1);
       }
-      if constexpr (F::kSigned)
+      if constexpr (F::kSigned && LIMBS == 3)
         S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
     }
     const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
-    // two limbs: limb_sum with S2 = 0, the same float (fma(x, 256, 0) is x * 256)
-    const __m512 ls = LIMBS == 2 ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[0]), _mm512_set1_ps(65536.f),
-                                                   _mm512_mul_ps(_mm512_cvtepi32_ps(S[1]), _mm512_set1_ps(256.f)))
-                                 : limb_sum(S[0], S[1], S[2]);
-    acc[t] = _mm512_fmadd_ps(ls, _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+    if constexpr (LIMBS == 2) {
+      // S = 256 S0 + S1 exactly in int32 (|S| < 2^28), so float(S) * 256 is 65536 S0 + 256 S1 rounded once,
+      // as limb_sum rounds it, and the factor 256 rides in the token's scale (scales256 = 256 s, so
+      // d * 256 s = 256 (d * s) exactly): the same product with three float32 steps fewer. (Only where
+      // 256 d s overflows, activations near 1e35, could an empty block's 0 * inf differ.)
+      __m512i S2 = _mm512_add_epi32(_mm512_slli_epi32(S[0], 8), S[1]);
+      if constexpr (F::kSigned) {
+        const int32_t* ls = xp.limb_sums.data() + ((t0 + t) * blocks + b) * 3;
+        S2 = _mm512_sub_epi32(S2, _mm512_set1_epi32(128 * (256 * ls[0] + ls[1])));
+      }
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales256[at])), acc[t]);
+    } else {
+      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
+    }
     if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
   }
 }
@@ -377,8 +390,9 @@ void rows_tiled(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, floa
 // pair by the same pair of one weight row's integers (widened to int16 once per pass, broadcast from
 // memory), so S = sum_k w_k xi_k = 256 S0 + S1 exactly, in one int32 sum with no unsigned offset to take
 // off (|S| < 2^26). The weights need no transposing, a block's 16 activation registers serve every weight
-// row, and the float32 steps are those of `group_vnni`: float(S) * 256 is 65536 S0 + 256 S1 rounded once,
-// times d * s, plus m * sum(x), block after block. So a row's result is the same bits on either code.
+// row, and the float32 steps are those of `block_tokens`: float(S) times d * 256 s (float(S) * 256 is
+// 65536 S0 + 256 S1 rounded once), plus m * sum(x), block after block. So a row's result is the same bits
+// on either code.
 constexpr int kLaneRows = 8;  // weight rows per pass over a token group's blocks
 
 // `rows` (<= kLaneRows) weight rows from `w` as int16 (missing rows zero), with their blocks' d and m
@@ -423,13 +437,12 @@ void lanes_group(const XPack& xp, int64_t g, const int16_t* wx, const float* d, 
   const int64_t blocks = xp.blocks;
   __m512 acc[kLaneRows];
   for (int r = 0; r < kLaneRows; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512 c256 = _mm512_set1_ps(256.f);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint32_t* xb = xp.pairs.data() + (g * blocks + b) * 256;
     __m512i X[16];
     for (int j = 0; j < 16; ++j) X[j] = _mm512_load_si512(xb + 16 * j);
     const int64_t at = (g * blocks + b) * 16;
-    const __m512 s = _mm512_loadu_ps(xp.scales.data() + at);
+    const __m512 s = _mm512_loadu_ps(xp.scales256.data() + at);  // 256 s, as block_tokens takes it
     __m512 sums = _mm512_setzero_ps();
     if constexpr (F::kMin != 0) sums = _mm512_loadu_ps(xp.sums.data() + at);
 #pragma GCC unroll 8
@@ -441,8 +454,8 @@ void lanes_group(const XPack& xp, int64_t g, const int16_t* wx, const float* d, 
         s0 = _mm512_dpwssd_epi32(s0, X[j], _mm512_set1_epi32(wp[j]));
         s1 = _mm512_dpwssd_epi32(s1, X[j + 1], _mm512_set1_epi32(wp[j + 1]));
       }
-      const __m512 ls = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), c256);
-      acc[r] = _mm512_fmadd_ps(ls, _mm512_mul_ps(_mm512_set1_ps(d[r * blocks + b]), s), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                               _mm512_mul_ps(_mm512_set1_ps(d[r * blocks + b]), s), acc[r]);
       if constexpr (F::kMin != 0) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(m[r * blocks + b]), sums, acc[r]);
     }
   }
