@@ -455,7 +455,7 @@ constexpr int64_t amx_vnni_rows() {
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
 // weights, and the weight rows in lanes (vnni::rows) are as fast or faster (batch 16: 0.93x).
 constexpr int64_t kLanesMinRows = 32;
-// ... and where the weights' tiled copy is given (vnni::rows_tiled): at 32 rows that took 0.95x the time of
+// ... and where the weights' tiled copy is given (vnni::rows<F, true>): at 32 rows that took 0.95x the time of
 // the tokens in lanes in a decode step on a Zen 4, at 64 rows as long within the noise.
 constexpr int64_t kLanesMinRowsTiled = 64;
 
@@ -477,7 +477,7 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
 #endif
   if (xp.lanes) return vnni::lanes_rows<F>(xp, w, n0, n1, y, N);
-  if (wt != nullptr) return vnni::rows_tiled<F>(xp, wt, n0, n1, y, N);
+  if (wt != nullptr) return vnni::rows<F, true>(xp, wt, n0, n1, y, N);
   vnni::rows<F>(xp, w, n0, n1, y, N);
 }
 

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -230,10 +231,11 @@ inline void block_tokens(const XPack& xp, int64_t g, int64_t b, const __m512i wg
   }
 }
 
-// TT activation rows (tokens 16 g .. 16 g + TT - 1) times the weight rows [n, n + 16) (`rows_here` of them),
-// into y's columns n... The next 16 weight rows are fetched meanwhile where `fetch` (the first token group).
+// TT activation rows (tokens 16 g .. 16 g + TT - 1) times the weight rows [n, n + 16) (`rows_here` of them,
+// from `w16`), into y's columns n... The next 16 weight rows are fetched meanwhile where `fetch` (the first
+// token group).
 template <class F, int TT, int LIMBS>
-void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here, const uint8_t* fetch,
+void group_vnni(const XPack& xp, int64_t g, const uint8_t* w16, int64_t n, int rows_here, const uint8_t* fetch,
                 float* y, int64_t N) {
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, t0 = g * 16;
   const __m512i perm = lane_rows(), offsets = _mm512_mullo_epi32(perm, _mm512_set1_epi32(static_cast<int>(ldw)));
@@ -242,7 +244,7 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int row
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + n * ldw + b * F::kBytes;
+    const uint8_t* blk = w16 + b * F::kBytes;
     if (fetch) prefetch_slice(fetch, 16 * ldw, b, blocks);
     const uint8_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = i < rows_here ? blk + i * ldw + F::kQs : kZeros;
@@ -266,28 +268,6 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int row
   }
   const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * N + n, rowmask, _mm512_permutexvar_ps(perm, acc[t]));
-}
-
-template <class F, int... I>
-void group_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* w, int64_t n, int rows_here,
-                    const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
-  if (xp.limbs == 2) ((tt == I + 1 ? group_vnni<F, I + 1, 2>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
-  else ((tt == I + 1 ? group_vnni<F, I + 1, 3>(xp, g, w, n, rows_here, fetch, y, N) : void()), ...);
-}
-
-// Output columns [n0, n1) of every activation row (pack_x's `rows` layout): 16 weight rows at a time, each
-// multiplied by the tokens in groups of 16 (every token by the same steps whatever its group).
-template <class F>
-void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t ldw = xp.blocks * F::kBytes;
-  for (int64_t n = n0; n < n1; n += 16) {
-    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    for (int64_t g = 0; g * 16 < xp.T; ++g) {
-      const uint8_t* fetch = g == 0 && n + 16 < n1 ? w + (n + 16) * ldw : nullptr;
-      const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
-      group_dispatch<F>(tt, xp, g, w, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
-    }
-  }
 }
 
 // ---- weight rows tiled for the lanes ---------------------------------------------------------------
@@ -330,6 +310,7 @@ void tile_rows(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
 }
 
 // As group_vnni, on one tile of the tiled layout (`tile`: its first block); `fetch`: the next tile.
+// (`rows<F, true>` runs it.)
 template <class F, int TT, int LIMBS>
 void group_tiled(const XPack& xp, int64_t g, const uint8_t* tile, int64_t n, int rows_here, const uint8_t* fetch,
                  float* y, int64_t N) {
@@ -362,24 +343,37 @@ void group_tiled(const XPack& xp, int64_t g, const uint8_t* tile, int64_t n, int
   for (int t = 0; t < TT; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
 }
 
-template <class F, int... I>
-void tiled_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* tile, int64_t n, int rows_here,
-                    const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
-  if (xp.limbs == 2) ((tt == I + 1 ? group_tiled<F, I + 1, 2>(xp, g, tile, n, rows_here, fetch, y, N) : void()), ...);
-  else ((tt == I + 1 ? group_tiled<F, I + 1, 3>(xp, g, tile, n, rows_here, fetch, y, N) : void()), ...);
+// The first byte of weight rows n.. (n a multiple of 16) in the GGUF rows or (kTiled) their tiled copy.
+template <class F, bool kTiled>
+const uint8_t* rows_at(const uint8_t* w, int64_t n, int64_t blocks) {
+  return kTiled ? w + n / 16 * blocks * kTileBlockBytes<F> : w + n * blocks * F::kBytes;
 }
 
-// `rows` on the tiled layout (`wt`); n0 is a multiple of 16.
-template <class F>
-void rows_tiled(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t tile_bytes = xp.blocks * kTileBlockBytes<F>;
+template <class F, bool kTiled, int... I>
+void group_dispatch(int tt, const XPack& xp, int64_t g, const uint8_t* w16, int64_t n, int rows_here,
+                    const uint8_t* fetch, float* y, int64_t N, std::integer_sequence<int, I...>) {
+  auto one = [&](auto rows, auto limbs) {
+    constexpr int TT = decltype(rows)::value, LIMBS = decltype(limbs)::value;
+    if constexpr (kTiled) group_tiled<F, TT, LIMBS>(xp, g, w16, n, rows_here, fetch, y, N);
+    else group_vnni<F, TT, LIMBS>(xp, g, w16, n, rows_here, fetch, y, N);
+  };
+  if (xp.limbs == 2)
+    ((tt == I + 1 ? one(std::integral_constant<int, I + 1>{}, std::integral_constant<int, 2>{}) : void()), ...);
+  else ((tt == I + 1 ? one(std::integral_constant<int, I + 1>{}, std::integral_constant<int, 3>{}) : void()), ...);
+}
+
+// Output columns [n0, n1) (n0 a multiple of 16) of every activation row (pack_x's `rows` layout): 16 weight
+// rows at a time, from the GGUF rows `w` or (kTiled) their tiled copy, each multiplied by the tokens in
+// groups of 16 (every token by the same steps whatever its group).
+template <class F, bool kTiled = false>
+void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   for (int64_t n = n0; n < n1; n += 16) {
     const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    const uint8_t* tile = wt + (n / 16) * tile_bytes;
     for (int64_t g = 0; g * 16 < xp.T; ++g) {
-      const uint8_t* fetch = g == 0 && n + 16 < n1 ? tile + tile_bytes : nullptr;
+      const uint8_t* fetch = g == 0 && n + 16 < n1 ? rows_at<F, kTiled>(w, n + 16, xp.blocks) : nullptr;
       const int tt = static_cast<int>(std::min<int64_t>(16, xp.T - g * 16));
-      tiled_dispatch<F>(tt, xp, g, tile, n, rows_here, fetch, y, N, std::make_integer_sequence<int, kGroupRows>{});
+      group_dispatch<F, kTiled>(tt, xp, g, rows_at<F, kTiled>(w, n, xp.blocks), n, rows_here, fetch, y, N,
+                                std::make_integer_sequence<int, kGroupRows>{});
     }
   }
 }
