@@ -271,3 +271,31 @@ def test_lazy_zeros_read_as_zeros_and_take_memory_only_where_written() -> None:
     assert all(int(jnp.max(p)) == 0 for p in pool[1:])
     odd = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct((3, 1001), jnp.float32)]))()[0]
     assert float(jnp.max(jnp.abs(odd))) == 0.0  # partial pages at both ends written as zeros
+
+
+@pytest.mark.parametrize("team", [True, False])
+def test_concurrent_calls_share_the_helper_threads_safely(team: bool) -> None:
+    """Kernel calls from several threads at once (two engines in one process, XLA running calls side by
+    side): one at a time takes the kernels' own helper threads, the others split their work over XLA's
+    pool, and every result is what the call gives alone. Also with the team off."""
+    import concurrent.futures
+
+    from parrot.engine import quant
+
+    q = quant.quantize((np.random.default_rng(0).standard_normal((576, 200)) * 0.05).astype(np.float32), "q4_1")
+    d = jnp.asarray(q.data)
+    tiled = quant.tiled(q)
+    t = None if tiled is None else jnp.asarray(tiled)
+    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, "q4_1", None, 2, t))
+    xs = [np.random.default_rng(i).standard_normal((1 + i % 16, 576)).astype(np.float32) for i in range(24)]
+    before = kernels.team()
+    assert kernels.use_team(team) == team
+    try:
+        alone = [np.asarray(f(x, d, t)) for x in xs]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(5):
+                got = list(pool.map(lambda x: np.asarray(f(x, d, t)), xs))
+                for a, b in zip(alone, got, strict=True):
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        kernels.use_team(before)

@@ -188,6 +188,11 @@ def use_tiled(on: bool) -> bool:
     return available() and bool(_state["lib"].parrot_tiled_enable(1 if on else 0))
 
 
+def team() -> bool:
+    """Whether the kernels' own helper threads take a decode step's calls (see `use_team`)."""
+    return available() and bool(_state["lib"].parrot_team_enable(-1))
+
+
 def use_team(on: bool) -> bool:
     """Split the kernels' work over helper threads of their own, which stay hot between the calls of a
     step (on, the default; `PARROT_KERNEL_TEAM=0` starts a process with it off), or over XLA's intra-op
