@@ -95,7 +95,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_bf16_fills(default_fills if mm == "auto" else mm in ("amx", "avx512-bf16"))
             kernels.use_decode_bf16(default_decode_bf16 if cpu_att[name] == "auto" else cpu_att[name] == "bf16")
             kernels.use_tiled(switches[name][0] == "on")
-            kernels.use_team(default_team if switches[name][1] == "on" else False)
+            kernels.use_team(switches[name][1] == "on")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
