@@ -100,6 +100,7 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
       // two limbs: x rounded to 2^14 steps of the block's largest, written as 256 times that integer
       // (limbs 0 and 1 as three limbs would have them, limb 2 zero), so the sums and scales are the same
       const __m512 inv = _mm512_set1_ps((limbs == 2 ? 16384.f : 4194304.f) / a);
+      __m512i lsum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
       for (int h = 0; h < 2; ++h) {
         const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(h ? x1 : x0, inv));  // |xi| <= 2^22 + 1
         if (lanes) {  // |xi| <= 2^14 + 1: as int16, pairs 8h .. 8h + 7
@@ -117,17 +118,17 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[0] + 4 * h), _mm512_cvtepi32_epi8(l0));
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[1] + 4 * h), _mm512_cvtepi32_epi8(l1));
         _mm_store_si128(reinterpret_cast<__m128i*>(limb[2] + 4 * h), _mm512_cvtepi32_epi8(l2));
+        lsum[0] = _mm512_add_epi32(lsum[0], l0), lsum[1] = _mm512_add_epi32(lsum[1], l1);
+        lsum[2] = _mm512_add_epi32(lsum[2], l2);
       }
       if (lanes) continue;
-      for (int l = 0; l < 3; ++l) {
+      for (int l = 0; l < limbs; ++l) {  // two limbs: the third's bytes and sum stay zero (assign)
         if (for_tiles) {
           uint32_t* dst = p.b.data() + ((tile * p.blocks + b) * 3 + l) * 8 * p.tn + col;
           for (int r = 0; r < 8; ++r) dst[r * p.tn] = limb[l][r];
         } else {
           std::memcpy(p.rows.data() + (t * p.blocks + b) * 24 + l * 8, limb[l], 32);
-          int32_t sum = 0;
-          for (int k = 0; k < 32; ++k) sum += reinterpret_cast<const int8_t*>(limb[l])[k];
-          p.limb_sums[(t * p.blocks + b) * 3 + l] = sum;
+          p.limb_sums[(t * p.blocks + b) * 3 + l] = _mm512_reduce_add_epi32(lsum[l]);
         }
       }
     }
