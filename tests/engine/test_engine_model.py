@@ -141,3 +141,28 @@ def test_multi_step_decode_equals_one_step_a_call(engine: LLMEngine, smollm: Loa
     finally:
         engine.runner.multi_step = default
     assert multi == one
+
+
+def test_the_tiled_weights_change_no_token(engine: LLMEngine, smollm: LoadedModel) -> None:
+    """Where the CPU has the VNNI code, the decode products read the weights' tiled copies (models/llama.py
+    `_tiled`); reading the GGUF rows instead gives the same tokens, alone and four at a time."""
+    from parrot.engine import kernels
+
+    w = engine.runner.weights
+    if w.head.tiled is None:
+        pytest.skip("no tiled copies: this CPU (or this build) has no VNNI code")
+    assert all(layer["mlp"]["w_gate_up_t"] is not None for layer in w.layers)
+    prompts = [_ids(smollm, q) for q in QUESTIONS[:4]]
+
+    def together(tag: str) -> list[list[int]]:
+        with cf.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda a: _run(engine, f"{tag}{a[0]}", a[1]), enumerate(prompts)))
+
+    try:
+        kernels.use_tiled(False)
+        rows = together("rows") + [_run(engine, "rows-alone", prompts[0])]
+        kernels.use_tiled(True)
+        tiled = together("tiled") + [_run(engine, "tiled-alone", prompts[0])]
+    finally:
+        kernels.use_tiled(True)
+    assert tiled == rows
