@@ -68,7 +68,7 @@ def tiled(w: QuantizedTensor) -> np.ndarray | None:
     """The matrix's copy laid out for the native VNNI code's lanes (kernels.tile_rows), which `linear`'s
     products of few rows read instead of `w.data` (the same results in less time: no transposes or
     gathers per block); None where the kernels or their VNNI code are not available."""
-    return kernels.tile_rows(w.data, w.qtype)
+    return kernels.tile_rows(w.data, w.qtype, w.data.shape[1] // BLOCK_BYTES[w.qtype] * 32)
 
 
 def quantize(w: np.ndarray, qtype: str) -> QuantizedTensor:

@@ -122,6 +122,8 @@ def _load() -> None:
         lib.parrot_matmul_select(MATMUL_PATHS.index(wanted))
     lib.parrot_decode_bf16_enable.argtypes = [ctypes.c_int]
     lib.parrot_decode_bf16_enable(0 if os.environ.get("PARROT_DECODE_BF16", "1") == "0" else 1)
+    lib.parrot_tile_rows.restype = ctypes.c_int64
+    lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.parrot_team_enable.argtypes = [ctypes.c_int]
     lib.parrot_team_enable(0 if os.environ.get("PARROT_KERNEL_TEAM", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
@@ -243,27 +245,20 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
                                                    qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs))
 
 
-def tile_rows(data: np.ndarray, qtype: str) -> np.ndarray | None:
-    """A quantized matrix's GGUF block rows (uint8 [N, K / 32 * block bytes]) laid out for the VNNI code's
-    lanes (vnni_matmul.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in the
+def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
+    """A quantized [N, k] matrix's GGUF block rows (uint8 [N, k / 32 * block bytes]) laid out for the VNNI
+    code's lanes (vnni_matmul.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in the
     order the lanes take them): uint8 [bytes], for `qmatmul(..., tiled=...)`. None where the kernels or
     their VNNI code are not available, or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone)."""
     if not available() or "avx512-vnni" not in matmul_paths() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
         return None
-    lib = _state["lib"]
-    lib.parrot_tiled_bytes.restype = ctypes.c_int64
-    lib.parrot_tiled_bytes.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
-    lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    n, row_bytes = data.shape
-    q = QTYPES[qtype]
-    k = row_bytes // {"q8_0": 34, "q4_0": 18, "q4_1": 20}[qtype] * 32
-    size = lib.parrot_tiled_bytes(q, n, k)
+    lib, n, q = _state["lib"], data.shape[0], QTYPES[qtype]
+    size = lib.parrot_tile_rows(q, None, n, k, None)
     if size < 0:
         return None
     src = np.ascontiguousarray(data, dtype=np.uint8)
     out = np.empty(size, np.uint8)
-    if lib.parrot_tile_rows(q, src.ctypes.data, n, k, out.ctypes.data) != 0:
-        return None
+    lib.parrot_tile_rows(q, src.ctypes.data, n, k, out.ctypes.data)
     return out
 
 

@@ -580,16 +580,22 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
 
 std::atomic<bool> g_tiled{true};  // see parrot_tiled_enable
 
-// Bytes of a [N, K] matrix of `qtype` tiled for VNNI's lanes; -1 where this build has no VNNI code.
-int64_t tiled_bytes(int32_t qtype, int64_t N, int64_t K) {
+// Tiles a [N, K] matrix of `qtype` for VNNI's lanes into `out` (vnni::tile_rows; null: only sizes it);
+// returns its bytes, -1 where this build has no VNNI code.
+int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
 #if PARROT_VNNI
+  auto tile = [&](auto format) -> int64_t {
+    using F = decltype(format);
+    if (out != nullptr) vnni::tile_rows<F>(w, N, K, out);
+    return vnni::tiled_bytes<F>(N, K);
+  };
   switch (qtype) {
-    case kQ8_0: return vnni::tiled_bytes<vnni::Q8_0>(N, K);
-    case kQ4_0: return vnni::tiled_bytes<vnni::Q4_0>(N, K);
-    case kQ4_1: return vnni::tiled_bytes<vnni::Q4_1>(N, K);
+    case kQ8_0: return tile(vnni::Q8_0{});
+    case kQ4_0: return tile(vnni::Q4_0{});
+    case kQ4_1: return tile(vnni::Q4_1{});
   }
 #else
-  (void)qtype, (void)N, (void)K;
+  (void)qtype, (void)w, (void)N, (void)K, (void)out;
 #endif
   return -1;
 }
@@ -615,7 +621,7 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const uint8_t* wp = w.typed_data();
   const uint8_t* tp = nullptr;
   if (wt.element_count() > 0) {
-    if (static_cast<int64_t>(wt.element_count()) != tiled_bytes(qtype, N, K))
+    if (static_cast<int64_t>(wt.element_count()) != tile_rows(qtype, nullptr, N, K, nullptr))
       return ffi::Error::InvalidArgument("qmatmul: the tiled weights' size does not match w");
     if (g_tiled.load(std::memory_order_relaxed)) tp = wt.typed_data();
   }
@@ -1180,22 +1186,10 @@ extern "C" int parrot_matmul_select(int path) {
 
 // Whether parrot_paged_decode's `bf16` attribute takes the bfloat16 products (decode_bf16.h): on (1) or off
 // (0; -1 leaves it). Returns whether it will: 0 where this build has no AVX512-BF16.
-// Bytes of a [N, K] matrix of block type `qtype` tiled for VNNI's lanes (-1: this build has no VNNI code).
-extern "C" int64_t parrot_tiled_bytes(int32_t qtype, int64_t N, int64_t K) { return tiled_bytes(qtype, N, K); }
-
-// GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out` (parrot_tiled_bytes bytes), tiled for VNNI's lanes
-// (vnni::tile_rows); returns 0, or -1 where this build has no VNNI code.
-extern "C" int parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
-#if PARROT_VNNI
-  switch (qtype) {
-    case kQ8_0: vnni::tile_rows<vnni::Q8_0>(w, N, K, out); return 0;
-    case kQ4_0: vnni::tile_rows<vnni::Q4_0>(w, N, K, out); return 0;
-    case kQ4_1: vnni::tile_rows<vnni::Q4_1>(w, N, K, out); return 0;
-  }
-#else
-  (void)qtype, (void)w, (void)N, (void)K, (void)out;
-#endif
-  return -1;
+// GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out`, tiled for VNNI's lanes (vnni::tile_rows; out
+// null: nothing written); returns the tiled bytes, or -1 where this build has no VNNI code.
+extern "C" int64_t parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  return tile_rows(qtype, w, N, K, out);
 }
 
 // Whether the products read the tiled copies they are given (1) or `w` alone (0; -1: unchanged); returns

@@ -38,8 +38,6 @@ class Team {
     for (auto& t : threads_) t.detach();  // they live as long as the process
   }
 
-  int helpers() const { return static_cast<int>(threads_.size()); }
-
   // Runs body(c) for c in [0, chunks) on the caller and the helpers; false (nothing run) if the team is busy.
   template <typename F>
   bool run(int64_t chunks, F& body) {
