@@ -142,7 +142,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
             raise ModelLoadError(
                 f"{path}: tensor {gname} has unsupported quantization type {t.tensor_type.name}"
             ) from exc
-        w = np.asarray(w, dtype=np.float32)
+        w = np.array(w, dtype=np.float32)  # owned: a view would keep the whole file mapped (and resident)
         if permuted and short in ("wq", "wk", "bq", "bk"):
             w = _unpermute(w, n_heads if short in ("wq", "bq") else n_kv)
         return _to_model_layout(name, short, w, expected[name], path)

@@ -343,6 +343,26 @@ def test_gguf_quantized_tensors_stay_quantized(tmp_path: Path, qtype: str) -> No
                                prefix_logits(cfg, dequantized, ids), atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["auto", "f32"])
+def test_a_built_model_keeps_no_view_of_the_gguf_file(tmp_path: Path, mode: str) -> None:
+    """The model's buffers are its own: once the loaded tensors are dropped, nothing keeps the file mapped
+    (on a CPU, JAX can adopt an aligned host array as a buffer; a view of the mapping, even a norm's few
+    bytes, kept the whole file mapped and resident beside the model's copy)."""
+    import gc
+
+    cfg, w = variant("LlamaForCausalLM", True)
+    names = [f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for n in ("attn_q", "ffn_down")]
+    path = write_gguf(tmp_path / "q.gguf", cfg, w, quant=dict.fromkeys(names, gguf.GGMLQuantizationType.Q8_0),
+                      extra=lambda writer: writer.add_custom_alignment(64))  # every tensor adoptable
+    loaded = load_model(path, progress=False)
+    runner = ModelRunner(cfg, loaded.weights, tiny_engine_config(dtype="float32", weights=mode, kv_dtype="f32"))
+    del loaded
+    gc.collect()
+    mapped = [o for o in gc.get_objects() if isinstance(o, np.memmap) and Path(o.filename) == path.resolve()]
+    assert not mapped
+    assert np.isfinite(np.asarray(runner.prefill_logits(_ids(4), 0, [1]))).all()
+
+
 def test_gguf_f16_tensors(tmp_path: Path) -> None:
     cfg, w = variant("LlamaForCausalLM", True)
     w16 = {k: v.astype(np.float16).astype(np.float32) for k, v in w.items()}
