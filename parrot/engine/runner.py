@@ -446,10 +446,14 @@ class ModelRunner:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
         n, dtype = mcfg.num_layers, self.kv_storage_dtype
+        # placed on the device explicitly (committed), as every step's output pool is: a pool that is not
+        # would make the page copy that precompile() compiled compile again on the first real copy
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         if self.mesh is None and kernels.available():  # the CPU: pages resident once the engine writes them
-            kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, dtype)] * (2 * n)))()
+            kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, dtype)] * (2 * n)),
+                         out_shardings=one)()
             return tuple(kv[:n]), tuple(kv[n:])
-        out = None if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
+        out = one if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
         return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
                                 tuple(jnp.zeros(shape, dtype) for _ in range(n))), out_shardings=out)()

@@ -47,6 +47,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -314,6 +315,9 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
     @functools.cache
     def defaults() -> SamplingDefaults:
         return sampling_defaults or model_sampling_defaults(core.model)
+
+    # read now, beside start-up, not in the first request (a GGUF's metadata: ~0.1 s for a 49k vocabulary)
+    threading.Thread(target=defaults, name="parrot-sampling-defaults", daemon=True).start()
 
     def vocab_size() -> int | None:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from parrot.engine.engine import LLMEngine
-from parrot.protocol import SamplingParams
+from parrot.protocol import FillRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
 
 SMALL = dict(token_buckets=[16, 32, 64], bs_buckets=[1, 2, 4], max_batch_size=4, kv_buckets=[64, 128],
@@ -35,5 +35,19 @@ def test_serves_while_warming_up_with_the_same_tokens() -> None:
         while eng.ping().warmup_s is None and time.monotonic() < deadline:  # set just after the last shape
             time.sleep(0.1)
         assert eng.ping().warmup_s is not None and eng.ping().rss_bytes
+    finally:
+        eng.shutdown()
+
+
+def test_the_precompiled_page_copy_serves_the_first_fork() -> None:
+    """The page copy (copy-on-write of a fork's partial page) compiled by precompile() is the one the first
+    real copy runs: the KV pool starts on the device as every step leaves it, so nothing compiles again."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
+    try:
+        copies = eng.runner._copy._cache_size()
+        eng.fill_future(FillRequest(context_id="parent", token_ids=list(range(3, 40)))).result(300)
+        eng.fill_future(FillRequest(context_id="child", parent_context_id="parent", token_ids=[7, 8])).result(300)
+        assert eng.kv.get("child").num_tokens == 39
+        assert eng.runner._copy._cache_size() == copies == 1
     finally:
         eng.shutdown()
