@@ -448,7 +448,7 @@ class ModelRunner:
         n, dtype = mcfg.num_layers, self.kv_storage_dtype
         # placed on the device explicitly (committed), as every step's output pool is: a pool that is not
         # would make the page copy that precompile() compiled compile again on the first real copy
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        one = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.weights)[0].devices())))
         if self.mesh is None and kernels.available():  # the CPU: pages resident once the engine writes them
             kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, dtype)] * (2 * n)),
                          out_shardings=one)()
