@@ -115,8 +115,15 @@ def paged_attention(
 
 def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
                      scale: float, bf16: bool = False) -> jax.Array:
-    """One query per sequence, through the native kernel that reads the KV pages where they are."""
+    """One query per sequence, through the native kernel that reads the KV pages where they are. Where the
+    step has one token row per sequence (a decode shape: build_batch puts sequence b's token in row b and
+    pads both alike), the rows are the sequences as they are: no gather or scatter (each an XLA kernel of
+    its own, in every layer). A padding sequence has no KV (kv_lens 0): the kernel leaves its row zero."""
     t, h, d = q.shape
+    if t == batch.q_index.shape[0]:
+        o = kernels.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
+                                 batch.prefix_pages, batch.prefix_len, batch.in_prefix, scale, bf16)
+        return o.astype(q.dtype)
     rows = batch.q_index[:, 0]
     qb = q.at[rows].get(mode="fill", fill_value=0)  # [B, H, D]
     o = kernels.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_offset, batch.kv_lens,
