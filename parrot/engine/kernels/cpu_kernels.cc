@@ -1184,8 +1184,6 @@ extern "C" int parrot_matmul_select(int path) {
   return g_path.load();
 }
 
-// Whether parrot_paged_decode's `bf16` attribute takes the bfloat16 products (decode_bf16.h): on (1) or off
-// (0; -1 leaves it). Returns whether it will: 0 where this build has no AVX512-BF16.
 // GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out`, tiled for VNNI's lanes (vnni::tile_rows; out
 // null: nothing written); returns the tiled bytes, or -1 where this build has no VNNI code.
 extern "C" int64_t parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
@@ -1205,6 +1203,8 @@ extern "C" int parrot_team_enable(int on) {
   return g_team.load() ? 1 : 0;
 }
 
+// Whether parrot_paged_decode's `bf16` attribute takes the bfloat16 products (decode_bf16.h): on (1) or off
+// (0; -1 leaves it). Returns whether it will: 0 where this build has no AVX512-BF16.
 extern "C" int parrot_decode_bf16_enable(int on) {
   if (on >= 0) g_decode_bf16.store(on != 0 && PARROT_DECODE_BF16);
   return g_decode_bf16.load() ? 1 : 0;
