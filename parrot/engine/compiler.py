@@ -4,7 +4,11 @@ never compiled twice. XLA compiles one shape on one core, so one worker per core
 
 While the engine has work (`serving(True)`), queued shapes wait: compiling takes the cores the steps
 run on (on 2 cores a decode step went from ~20 ms to 0.5-0.7 s beside two compiling threads), so only
-shapes a step is waiting for compile then; the rest of the queue goes on whenever the engine is idle."""
+shapes a step is waiting for compile then; the rest of the queue goes on whenever the engine is idle.
+
+Tracing a program leaves its jaxpr in JAX's tracing caches for the life of the process, although the
+compiled executable never needs it again: `forget_traces` drops them (`on_drained`, when the queue
+runs dry)."""
 
 from __future__ import annotations
 
@@ -17,15 +21,36 @@ import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
+from parrot import procinfo
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 log = logging.getLogger(__name__)
 
 
+def forget_traces() -> None:
+    """Drop the jaxprs JAX keeps of every program traced so far, and give the C heap's free memory back.
+    A multi-step decode loop traces the whole model: ~8 MB of Python objects per loop, kept although its
+    executable is compiled (or loaded) and held by its caller; a server's traces came to 0.1-0.17 GB.
+    Executables and jit's dispatch caches stay: a function called again with new shapes is traced again."""
+    from jax._src import pjit  # JAX's own caches: pinned JAX version (pyproject), checked by a test
+    from jax._src.interpreters import partial_eval
+
+    for cache in (getattr(pjit, "_infer_params_cached", None), getattr(partial_eval, "trace_to_jaxpr", None)):
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    procinfo.release_free_memory()
+
+
 class ShapeCompiler(Generic[K, V]):
-    def __init__(self, compile_fn: Callable[[K], V], workers: int | None = None) -> None:
+    def __init__(self, compile_fn: Callable[[K], V], workers: int | None = None,
+                 on_drained: Callable[[], None] | None = None) -> None:
+        """`on_drained`: called on the compiling thread after a compile that leaves nothing queued or
+        compiling, before that shape is handed out."""
         self._compile = compile_fn
+        self._on_drained = on_drained
+        self._in_flight = 0  # compiles under way (workers' and inline ones)
         self._workers = max(1, workers or os.cpu_count() or 1)
         self._lock = threading.Condition()
         self._heap: list[tuple[int, K]] = []
@@ -54,6 +79,7 @@ class ShapeCompiler(Generic[K, V]):
             if fut is None:
                 fut = self._futures[key] = concurrent.futures.Future()
                 self._started.add(key)
+                self._in_flight += 1
                 inline = True
             else:
                 inline = False
@@ -119,6 +145,7 @@ class ShapeCompiler(Generic[K, V]):
                     if candidate not in self._started:
                         key = candidate
                         self._started.add(key)
+                        self._in_flight += 1
                         break
                 if key is None:
                     self._running_workers -= 1
@@ -128,7 +155,21 @@ class ShapeCompiler(Generic[K, V]):
 
     def _run(self, key: K, fut: concurrent.futures.Future[V]) -> None:
         try:
-            fut.set_result(self._compile(key))
+            value = self._compile(key)
         except BaseException as exc:  # the waiting step reports it; the worker goes on
             log.exception("compiling %s failed", key)
+            self._done_one()
             fut.set_exception(exc)
+            return
+        self._done_one()
+        fut.set_result(value)
+
+    def _done_one(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            drained = self._in_flight == 0 and all(k in self._started for _, k in self._heap)
+        if drained and self._on_drained is not None:
+            try:
+                self._on_drained()
+            except Exception:
+                log.exception("after compiling: on_drained failed")

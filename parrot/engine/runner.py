@@ -35,7 +35,7 @@ from parrot.engine.batch import (
     unpack,
 )
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
-from parrot.engine.compiler import ShapeCompiler
+from parrot.engine.compiler import ShapeCompiler, forget_traces
 from parrot.engine.device import kv_budget_bytes
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.logprobs import SampledLogprob, token_logprobs
@@ -370,7 +370,7 @@ class ModelRunner:
         self._neutrals: dict[int, tuple[SamplerExtras, jax.Array]] = {}  # batch -> (extras, counts)
         self._parts: dict[tuple, concurrent.futures.Future] = {}  # embed / head executables, shared by shapes
         self._parts_lock = threading.Lock()
-        self.compiler: ShapeCompiler[Shape, StepExecutables] = ShapeCompiler(self._compile)
+        self.compiler: ShapeCompiler[Shape, StepExecutables] = ShapeCompiler(self._compile, on_drained=forget_traces)
         self.cascade_steps = 0  # decode steps that read a shared prefix once for all its forks
         # multi-process engines (multihost.py): the leader's `mirror` sends each device operation to the
         # other processes; every process numbers its operations and keeps the latest results, which

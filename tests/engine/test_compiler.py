@@ -98,3 +98,51 @@ def test_cancel_drops_the_queue() -> None:
     assert fake.calls == []
     with pytest.raises(RuntimeError, match="engine shut down"):  # waiters learn the shapes will not come
         c.wait()
+
+
+def test_on_drained_runs_when_the_last_queued_shape_is_compiled() -> None:
+    fake = FakeCompile(seconds=0.02)
+    drained: list[list[int]] = []
+    c = ShapeCompiler(fake, workers=2, on_drained=lambda: drained.append(sorted(fake.calls)))
+    c.submit(list(range(6)))
+    c.get(5)  # promoted: its stale heap entry must not keep the queue from counting as drained
+    c.wait()
+    assert drained and drained[0] == list(range(6))  # not before every shape was compiled
+    assert c.status() == (6, 6)
+    c.get(9)  # compiled inline later: drained again
+    assert drained[-1] == list(range(6)) + [9]
+
+
+def test_on_drained_runs_before_the_last_shape_is_handed_out() -> None:
+    order: list[str] = []
+    c = ShapeCompiler(lambda k: order.append("compiled") or k, workers=1, on_drained=lambda: order.append("drained"))
+    c.submit([1])
+    c.wait(on_done=lambda: order.append("handed out"))
+    assert order == ["compiled", "drained", "handed out"]
+
+
+def test_on_drained_errors_do_not_fail_the_shape() -> None:
+    c = ShapeCompiler(lambda k: k * 2, workers=1, on_drained=lambda: 1 / 0)
+    assert c.get(4) == (8, True)
+
+
+def test_forget_traces_drops_the_jaxprs_of_compiled_programs() -> None:
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+    from jax._src.interpreters import partial_eval
+
+    from parrot.engine.compiler import forget_traces
+
+    def program(x: jax.Array) -> jax.Array:
+        return jnp.sin(x) * 2.0
+
+    fn = jax.jit(program)
+    exe = fn.lower(jax.ShapeDtypeStruct((8,), jnp.float32)).compile()
+    assert partial_eval.trace_to_jaxpr.cache_info().currsize > 0
+    forget_traces()
+    gc.collect()
+    assert partial_eval.trace_to_jaxpr.cache_info().currsize == 0
+    assert float(exe(jnp.ones(8, jnp.float32))[0]) == pytest.approx(2 * 0.8414709848)  # the executable still runs
+    assert float(fn(jnp.ones(8, jnp.float32))[0]) == pytest.approx(2 * 0.8414709848)  # and the function traces again
