@@ -54,8 +54,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "batch keeps one step in flight while the host applies the previous one)")
     p.add_argument("--multi-step", type=int, default=None, metavar="K",
                    help="with overlap, a stable decode batch runs up to K decode steps per call, tokens sampled and "
-                        "stop tokens checked on the device; each such shape compiles the whole model's loop. 1: off; "
+                        "stop tokens checked on the device; each such shape compiles a loop of decode steps. 1: off; "
                         "default: 4 on a CPU with the native kernels, else 1")
+    p.add_argument("--no-layer-loop", action="store_true",
+                   help="compile each multi-step decode loop with its decoder layers unrolled (default on a CPU with "
+                        "the native kernels: the layers as a loop, one layer's code per executable)")
     p.add_argument("--no-mixed-steps", action="store_true",
                    help="run a step's decodes and its prompt chunks as two passes (default on a CPU with the native "
                         "kernels: one pass over the weights for both, each row computed as its own kind of step "
@@ -189,6 +192,7 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
                             mixed_steps=not args.no_mixed_steps, multi_step=args.multi_step,
+                            layer_loop=not args.no_layer_loop,
                             tensor_parallel_size=args.tensor_parallel_size,
                             tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
     except ValueError as exc:
@@ -281,6 +285,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 cmd.append("--no-overlap")
             if args.no_mixed_steps:
                 cmd.append("--no-mixed-steps")
+            if args.no_layer_loop:
+                cmd.append("--no-layer-loop")
             if args.load_format != "auto":
                 cmd += ["--load-format", args.load_format]
             for flag, values in (("--precompile-token-paddings", args.precompile_token_paddings),

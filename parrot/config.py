@@ -64,9 +64,12 @@ class EngineConfig:
     # in one call, sampling (greedy or the plain sampler) and checking stop tokens on the device; its tokens
     # reach the host together. 1: off; None (auto): 4 where attention reads the KV pages in place (the native
     # CPU kernels: one shape per batch bucket up to 16, 1.2-1.5x the tokens per second of one step a call up
-    # to batch 4 there), else 1. Each multi-step shape compiles the whole model's loop (precompiled last);
+    # to batch 4 there), else 1. Each multi-step shape compiles a loop of decode steps (precompiled last);
     # results are the same as step by step
     multi_step: int | None = None
+    # a multi-step loop runs its decoder layers as a loop (one layer's code in each executable, the layers'
+    # arrays picked by index: models/layer_loop.py) where the native CPU kernels run them; False: unrolled
+    layer_loop: bool = True
     # decode bursts: while decodes and prompts both wait, steps alternate between prompt chunks alone (up to
     # this many tokens) and a decode-only burst of multi-step decode (one call, up to `multi_step` tokens
     # each), instead of a prompt chunk of `prefill_tokens_beside_decodes` beside every decode step. Where a

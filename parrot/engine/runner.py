@@ -39,6 +39,7 @@ from parrot.engine.compiler import ShapeCompiler, forget_traces
 from parrot.engine.device import kv_budget_bytes
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.logprobs import SampledLogprob, token_logprobs
+from parrot.engine.models.layer_loop import LayerLoop
 from parrot.engine.models.llama import (
     TP_AXIS,
     Embedding,
@@ -244,6 +245,9 @@ class ModelRunner:
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
                 model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, self.tp, self.tp_exact)
         del weights
+        # multi-step decode loops run the layers as a loop (one layer's code per executable) where they can
+        self._layer_loop = (LayerLoop.of(model, self.kv_storage_dtype)
+                            if self.mesh is None and ecfg.layer_loop else None)
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
         self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
         self.weights = Weights(model.embedding(), [nnx.to_pure_dict(nnx.state(layer)) for layer in model.layers],
@@ -272,8 +276,9 @@ class ModelRunner:
         # tokens sampled and fed on the device); one process on one device only
         auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
         self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
-        # batches a multi-step shape is compiled for: by default up to AUTO_MULTI_MAX_BATCH (a loop's executable
-        # holds the whole model's code, ~45 MB on a CPU; larger batches' steps are long beside a call's cost)
+        # batches a multi-step shape is compiled for: by default up to AUTO_MULTI_MAX_BATCH (each loop is an
+        # executable of its own, ~19 MB resident with its layers as a loop; larger batches' steps are long
+        # beside a call's cost)
         self.multi_max_batch = AUTO_MULTI_MAX_BATCH if ecfg.multi_step is None else ecfg.bs_buckets[-1]
         self.multi_step_launches = 0  # multi-step plans run
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
@@ -306,6 +311,7 @@ class ModelRunner:
             return x, ks, vs
 
         page_size = self.page_size
+        layer_loop = self._layer_loop
 
         def decode_loop(w: Weights, batch: ForwardBatch, ks: list[jax.Array], vs: list[jax.Array],
                         sampling: SamplingBatch, stops: jax.Array, limit: jax.Array,
@@ -332,7 +338,7 @@ class ModelRunner:
                     slot_mapping=jnp.where(live, batch.block_tables[rows, page] * page_size + pos % page_size, 0),
                     kv_lens=jnp.where(real, batch.kv_lens + at, 0))
                 x, cos, sin = embed(w.embed, ids, pos)
-                x, ks, vs = block(w.layers, x, cos, sin, b, ks, vs)
+                x, ks, vs = (block if layer_loop is None else layer_loop)(w.layers, x, cos, sin, b, ks, vs)
                 logits = head(w.head, x, batch.logits_index)
                 # as a step's own sampler picks: the argmax alone unless some row samples (`_sample_slots`)
                 sb = dataclasses.replace(sampling, steps=sampling.steps + j)

@@ -50,7 +50,9 @@ MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's cod
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
-            "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs"}
+            "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
+            "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
+            "parrot_write_kv_pick": "ParrotWriteKvPick"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -328,3 +330,45 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
         q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(i32), kv_offset.astype(i32),
         kv_lens.astype(i32), prefix_pages.astype(i32), jnp.reshape(prefix_len, (1,)).astype(i32),
         in_prefix.astype(i32), scale=np.float32(scale), bf16=np.int32(1 if bf16 else 0))
+
+
+# ---- one layer's operands out of every layer's (a decode loop over its layers) --------------------------
+def qmatmul_pick(x: jax.Array, layer: jax.Array, ws: list[jax.Array], tiled: list[jax.Array | None], qtype: str,
+                 fill: jax.Array, limbs: int) -> jax.Array:
+    """`qmatmul` with the weights `ws[layer]` (and `tiled[layer]`), `layer` a traced int32: every layer's
+    matrix is an operand (XLA passes pointers; nothing is copied), so a loop over the layers holds one
+    layer's code. The same products, the same bits as `qmatmul` on that layer's matrix."""
+    out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[0]), jnp.float32)
+    none = jnp.zeros((0,), jnp.uint8)
+    return jax.ffi.ffi_call("parrot_qmatmul_pick", out)(
+        jnp.reshape(layer, (1,)).astype(jnp.int32), x.astype(jnp.float32), fill.astype(jnp.int32), *ws,
+        *(none if t is None else t for t in tiled), qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs))
+
+
+def paged_decode_pick(q: jax.Array, layer: jax.Array, ks: list[jax.Array], vs: list[jax.Array],
+                      block_tables: jax.Array, kv_offset: jax.Array, kv_lens: jax.Array, prefix_pages: jax.Array,
+                      prefix_len: jax.Array, in_prefix: jax.Array, scale: float, bf16: bool = False) -> jax.Array:
+    """`paged_decode` over the caches `ks[layer]`, `vs[layer]` (see `qmatmul_pick`)."""
+    i32 = jnp.int32
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    if prefix_pages.shape[0] == 0:
+        prefix_pages = jnp.zeros((1,), i32)
+    return jax.ffi.ffi_call("parrot_paged_decode_pick", out)(
+        jnp.reshape(layer, (1,)).astype(i32), q.astype(jnp.float32), block_tables.astype(i32),
+        kv_offset.astype(i32), kv_lens.astype(i32), prefix_pages.astype(i32),
+        jnp.reshape(prefix_len, (1,)).astype(i32), in_prefix.astype(i32), *ks, *vs, scale=np.float32(scale),
+        bf16=np.int32(1 if bf16 else 0))
+
+
+def write_kv_pick(layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array, ks: list[jax.Array],
+                  vs: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Store k and v ([T, Hkv, D]) at flat `slots` of `ks[layer]` and `vs[layer]` ([Hkv, pages, page_size,
+    D]: float32, or uint16 bfloat16 bit patterns, rounded to nearest even as XLA converts), in place: every
+    cache is an operand aliased to its result. The same bits as attention.write_kv on that layer's caches."""
+    n = len(ks)
+    caches = [*ks, *vs]
+    outs = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
+    got = jax.ffi.ffi_call("parrot_write_kv_pick", outs, input_output_aliases={4 + i: i for i in range(2 * n)})(
+        jnp.reshape(layer, (1,)).astype(jnp.int32), slots.astype(jnp.int32), k.astype(jnp.float32),
+        v.astype(jnp.float32), *caches)
+    return list(got[:n]), list(got[n:])

@@ -1170,6 +1170,100 @@ ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   return ffi::Error::Success();
 }
 
+// ---- one layer's operands out of every layer's -----------------------------------------------------
+// A decode loop that runs its layers as a loop (one layer's code, not the model's) hands each call every
+// layer's weights or caches and the index of the one to use: XLA passes pointers, nothing is copied.
+
+// The layer index (an int32 scalar) checked against the number of layers.
+ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands, size_t per_layer) {
+  if (layer.element_count() != 1 || per_layer == 0 || operands % per_layer || operands == 0)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("pick: one layer index and whole layers of operands"));
+  const int64_t i = layer.typed_data()[0], n = static_cast<int64_t>(operands / per_layer);
+  if (i < 0 || i >= n) return ffi::Unexpected(ffi::Error::InvalidArgument("pick: layer index out of range"));
+  return i;
+}
+
+// parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
+ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
+                           int32_t qtype, int32_t limbs) {
+  auto i = picked_layer(layer, rest.size(), 2);
+  if (!i.has_value()) return i.error();
+  const size_t n = rest.size() / 2;
+  auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
+  auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
+  if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
+  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs);
+}
+
+// parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
+ffi::Error PagedDecodePickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> kv_offset,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> prefix_pages,
+                               ffi::Buffer<ffi::S32> prefix_len, ffi::Buffer<ffi::S32> in_prefix,
+                               ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> out, float scale, int32_t bf16) {
+  auto i = picked_layer(layer, rest.size(), 2);
+  if (!i.has_value()) return i.error();
+  auto k = rest.get<ffi::AnyBuffer>(*i);
+  auto v = rest.get<ffi::AnyBuffer>(rest.size() / 2 + *i);
+  if (!k.has_value() || !v.has_value()) return ffi::Error::InvalidArgument("paged_decode_pick: caches must be buffers");
+  return PagedDecodeImpl(pool, q, *k, *v, block_tables, kv_offset, kv_lens, prefix_pages, prefix_len, in_prefix,
+                         out, scale, bf16);
+}
+
+// float32 -> bfloat16 bit pattern, rounded to nearest even (NaNs stay NaNs): XLA's conversion.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+
+// Stores token t's keys and values (k, v [T, Hkv, D] float32) at flat slot slots[t] of layer `layer`'s caches
+// ([Hkv, pages, page_size, D], float32 or bfloat16 bit patterns): rest = L key caches, then L value caches,
+// each aliased to the result of the same place (the others are left as they are). Tokens sharing a slot
+// (padding rows, all at the scratch slot) are stored in order.
+ffi::Error WriteKvPickImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::RemainingArgs rest, ffi::RemainingRets outs) {
+  auto i = picked_layer(layer, rest.size(), 2);
+  if (!i.has_value()) return i.error();
+  if (outs.size() != rest.size()) return ffi::Error::InvalidArgument("write_kv_pick: one result per cache");
+  const size_t n = rest.size() / 2;
+  auto kc = outs.get<ffi::AnyBuffer>(*i);
+  auto vc = outs.get<ffi::AnyBuffer>(n + *i);
+  if (!kc.has_value() || !vc.has_value()) return ffi::Error::InvalidArgument("write_kv_pick: caches must be buffers");
+  ffi::AnyBuffer kb = **kc, vb = **vc;
+  auto cd = kb.dimensions(), nd = k.dimensions();
+  if (cd.size() != 4 || nd.size() != 3 || v.dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("write_kv_pick: caches [Hkv,P,S,D], new [T,Hkv,D]");
+  const int64_t Hkv = cd[0], P = cd[1], S = cd[2], D = cd[3], T = nd[0];
+  if (nd[1] != Hkv || nd[2] != D || static_cast<int64_t>(slots.element_count()) != T ||
+      static_cast<int64_t>(v.element_count()) != T * Hkv * D)
+    return ffi::Error::InvalidArgument("write_kv_pick: shapes do not match");
+  const auto dt = kb.element_type();
+  if (dt != vb.element_type() || (dt != ffi::DataType::F32 && dt != ffi::DataType::U16))
+    return ffi::Error::InvalidArgument("write_kv_pick: caches must both be float32 or uint16 (bfloat16 bits)");
+  const int32_t* sp = slots.typed_data();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sp[t];
+    if (slot < 0 || slot >= P * S) return ffi::Error::InvalidArgument("write_kv_pick: slot out of range");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t at = ((h * P + slot / S) * S + slot % S) * D;
+      const float* ks = k.typed_data() + (t * Hkv + h) * D;
+      const float* vs = v.typed_data() + (t * Hkv + h) * D;
+      if (dt == ffi::DataType::F32) {
+        std::memcpy(static_cast<float*>(kb.untyped_data()) + at, ks, D * sizeof(float));
+        std::memcpy(static_cast<float*>(vb.untyped_data()) + at, vs, D * sizeof(float));
+      } else {
+        uint16_t* kd = static_cast<uint16_t*>(kb.untyped_data()) + at;
+        uint16_t* vd = static_cast<uint16_t*>(vb.untyped_data()) + at;
+        for (int64_t d = 0; d < D; ++d) kd[d] = bf16_bits(ks[d]), vd[d] = bf16_bits(vs[d]);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
@@ -1244,6 +1338,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [B, H, D]
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("bf16"));        // 1: products in bf16 where the CPU can
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]
+                                  .RemainingArgs()               // L weights, then L tiled copies
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("qtype")
+                                  .Attr<int32_t>("limbs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q [B, H, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [B, Pmax]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_offset [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // prefix_pages [Pp]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // prefix_len [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // in_prefix [B]
+                                  .RemainingArgs()                // L key caches, then L value caches
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [B, H, D]
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("bf16"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotWriteKvPick, WriteKvPickImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [T, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [T, Hkv, D]
+                                  .RemainingArgs()                // L key caches, then L value caches
+                                  .RemainingRets());              // the same caches (aliased)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()

@@ -170,6 +170,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def qkv_heads(cfg: LlamaConfig, qkv: jax.Array, heads: int, kv_heads: int, cos: jax.Array,
+              sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The fused projection's output [T, (heads + 2 kv_heads) * head_dim] -> q, k (both rotated) and v."""
+    t, d = qkv.shape[0], cfg.head_dim
+    qd, kvd = heads * d, kv_heads * d
+    q = apply_rope(qkv[:, :qd].reshape(t, heads, d), cos, sin)
+    k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, kv_heads, d), cos, sin)
+    return q, k, qkv[:, qd + kvd :].reshape(t, kv_heads, d)
+
+
+def swiglu(gu: jax.Array) -> jax.Array:
+    """silu(gate) * up of the fused gate|up projection's output."""
+    f = gu.shape[-1] // 2
+    return jax.nn.silu(gu[:, :f]) * gu[:, f:]
+
+
 class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
@@ -196,11 +212,7 @@ class Attention(nnx.Module):
         qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
-        heads, kv_heads = cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp
-        qd, kvd = heads * cfg.head_dim, kv_heads * cfg.head_dim
-        q = apply_rope(qkv[:, :qd].reshape(t, heads, cfg.head_dim), cos, sin)
-        k = apply_rope(qkv[:, qd : qd + kvd].reshape(t, kv_heads, cfg.head_dim), cos, sin)
-        v = qkv[:, qd + kvd :].reshape(t, kv_heads, cfg.head_dim)
+        q, k, v = qkv_heads(cfg, qkv, cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cos, sin)
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel,
@@ -224,9 +236,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
         gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t))
-        f = gu.shape[-1] // 2
-        return row_project(jax.nn.silu(gu[:, :f]) * gu[:, f:], self.w_down[...], self.w_down_q, self.qdtype,
-                           self.tp, self.tp_exact, fill, _value(self.w_down_t))
+        return row_project(swiglu(gu), self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+                           _value(self.w_down_t))
 
 
 class DecoderLayer(nnx.Module):
