@@ -5,9 +5,10 @@ applying tokens: what overlap hides behind the device), at several concurrencies
 floors.
 
     python -m benchmarks.overlap [--model smollm2] [--concurrency 1 4 16] [--tokens 64] [--repeats 3]
-        [--multi-step 4] [--load-format auto|dummy]
+        [--multi-step 4] [--unrolled-too] [--load-format auto|dummy]
 
-`--multi-step 1` leaves the multi-step engine out.
+`--multi-step 1` leaves the multi-step engine out. `--unrolled-too` adds a multi-step engine whose loops
+unroll the decoder layers (`--no-layer-loop`) beside the default one, whose loops run them as a loop.
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ def _round(eng: LLMEngine, prompts: list[list[int]], tokens: int, tag: str) -> t
 
 
 def run(model: str, concurrency: list[int], tokens: int, repeats: int, multi_step: int = 4,
-        load_format: str = "auto") -> dict:
+        load_format: str = "auto", unrolled: bool = False) -> dict:
     loaded = load_model(model, progress=False, load_format=load_format)
     tok = loaded.tokenizer
     variants: dict[str, dict] = {"overlap": dict(overlap=True, multi_step=1), "wait": dict(overlap=False, multi_step=1)}
     if multi_step > 1:
         variants["multi"] = dict(overlap=True, multi_step=multi_step)
+        if unrolled:
+            variants["unrolled"] = dict(overlap=True, multi_step=multi_step, layer_loop=False)
     engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, precompile=False, **kw)).start()
                for name, kw in variants.items()}
     result: dict = {"model": model, "backend": jax.default_backend(), "machine": procinfo.cpu_name(),
@@ -78,6 +81,8 @@ def run(model: str, concurrency: list[int], tokens: int, repeats: int, multi_ste
             if "multi" in engines:
                 row["multi_speedup"] = row["multi"]["tok_s"] / row["overlap"]["tok_s"]
                 row["multi_step_launches"] = engines["multi"].runner.multi_step_launches
+            if "unrolled" in engines:
+                row["layer_loop_speedup"] = row["multi"]["tok_s"] / row["unrolled"]["tok_s"]
             result["concurrency"][str(c)] = row
     finally:
         for eng in engines.values():
@@ -91,7 +96,10 @@ def report(r: dict) -> str:
     lines = [f"{r['machine']} ({r['backend']}); floors: read {f['memory_read_gbs']:.1f} GB/s, "
              f"fp32 GEMM {f['gemm_fp32_gflops']:.0f} GFLOP/s; {r['tokens']} tokens, median of {r['repeats']}",
              "concurrency | overlap tok/s | wait tok/s | overlap/wait | host ms/step (overlap, wait)"
-             + (f" | multi-step {k} tok/s | multi/overlap | host ms/step (multi)" if k > 1 else "") + " | same tokens"]
+             + (f" | multi-step {k} tok/s | multi/overlap | host ms/step (multi)" if k > 1 else "")
+             + (" | layers unrolled tok/s | layer loop/unrolled" if any("unrolled" in row for row in
+                                                                         r["concurrency"].values()) else "")
+             + " | same tokens"]
     for c, row in r["concurrency"].items():
         o, w = row["overlap"], row["wait"]
         line = (f"{c:>11} | {o['tok_s']:13.1f} | {w['tok_s']:10.1f} | {row['overlap_speedup']:11.2f}x | "
@@ -99,6 +107,8 @@ def report(r: dict) -> str:
         if "multi" in row:
             m = row["multi"]
             line += f" | {m['tok_s']:.1f} | {row['multi_speedup']:.2f}x | {m['host_ms_per_step']:.2f}"
+        if "unrolled" in row:
+            line += f" | {row['unrolled']['tok_s']:.1f} | {row['layer_loop_speedup']:.2f}x"
         lines.append(line + f" | {row['same_tokens']}")
     return "\n".join(lines)
 
@@ -110,10 +120,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--multi-step", type=int, default=4, help="K of the multi-step engine (1: none)")
+    ap.add_argument("--unrolled-too", action="store_true",
+                    help="add a multi-step engine with its loops' decoder layers unrolled")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
     args = ap.parse_args()
-    r = run(args.model, args.concurrency, args.tokens, args.repeats, args.multi_step, args.load_format)
+    r = run(args.model, args.concurrency, args.tokens, args.repeats, args.multi_step, args.load_format,
+            args.unrolled_too)
     print(report(r))
     write_json(r, args.out)
 
