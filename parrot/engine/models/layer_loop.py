@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from parrot.engine import kernels, quant
+from parrot.engine.attention import in_place
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm, swiglu
 
@@ -41,8 +42,6 @@ class LayerLoop:
         """The loop for `model`'s decode steps, or None where they cannot run as one: no native kernels,
         a float (not block-quantized) matrix, block types that differ between layers, tensor parallelism,
         or a cache the kernels do not read in place."""
-        from parrot.engine.attention import in_place
-
         cfg = model.cfg
         if not kernels.available() or not in_place(cache_dtype, cfg.head_dim) or not model.layers:
             return None
