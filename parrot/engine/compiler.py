@@ -46,8 +46,8 @@ def forget_traces() -> None:
 class ShapeCompiler(Generic[K, V]):
     def __init__(self, compile_fn: Callable[[K], V], workers: int | None = None,
                  on_drained: Callable[[], None] | None = None) -> None:
-        """`on_drained`: called on the compiling thread after a compile that leaves nothing queued or
-        compiling, before that shape is handed out."""
+        """`on_drained`: called on a worker thread after a compile that leaves nothing queued or compiling,
+        before that shape is handed out (see `_done_one`)."""
         self._compile = compile_fn
         self._on_drained = on_drained
         self._in_flight = 0  # compiles under way (workers' and inline ones)
@@ -88,7 +88,7 @@ class ShapeCompiler(Generic[K, V]):
                     self._spawn()
                     self._lock.notify_all()  # a worker held back while serving takes it
         if inline:
-            self._run(key, fut)
+            self._run(key, fut, inline=True)
         return fut.result(), inline
 
     def serving(self, busy: bool) -> None:
@@ -153,22 +153,26 @@ class ShapeCompiler(Generic[K, V]):
                 fut = self._futures[key]
             self._run(key, fut)
 
-    def _run(self, key: K, fut: concurrent.futures.Future[V]) -> None:
+    def _run(self, key: K, fut: concurrent.futures.Future[V], inline: bool = False) -> None:
         try:
             value = self._compile(key)
         except BaseException as exc:  # the waiting step reports it; the worker goes on
             log.exception("compiling %s failed", key)
-            self._done_one()
+            self._done_one(inline)
             fut.set_exception(exc)
             return
-        self._done_one()
+        self._done_one(inline)
         fut.set_result(value)
 
-    def _done_one(self) -> None:
+    def _done_one(self, inline: bool) -> None:
+        """One compile ended. `on_drained` runs after a worker's compile that leaves nothing queued or
+        compiling; not after an inline one (a shape nobody queued, compiled on the step's thread: an engine
+        that compiles every shape that way, e.g. without precompiling, would drop and trace again its
+        shared programs after each)."""
         with self._lock:
             self._in_flight -= 1
             drained = self._in_flight == 0 and all(k in self._started for _, k in self._heap)
-        if drained and self._on_drained is not None:
+        if drained and not inline and self._on_drained is not None:
             try:
                 self._on_drained()
             except Exception:

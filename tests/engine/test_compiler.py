@@ -108,9 +108,11 @@ def test_on_drained_runs_when_the_last_queued_shape_is_compiled() -> None:
     c.get(5)  # promoted: its stale heap entry must not keep the queue from counting as drained
     c.wait()
     assert drained and drained[0] == list(range(6))  # not before every shape was compiled
-    assert c.status() == (6, 6)
-    c.get(9)  # compiled inline later: drained again
-    assert drained[-1] == list(range(6)) + [9]
+    assert c.status() == (6, 6) and len(drained) == 1
+    c.get(9)  # compiled inline later, on the caller's thread: not a drained queue
+    c.submit([10])
+    c.wait()
+    assert len(drained) == 2 and drained[-1] == list(range(6)) + [9, 10]
 
 
 def test_on_drained_runs_before_the_last_shape_is_handed_out() -> None:
@@ -123,7 +125,8 @@ def test_on_drained_runs_before_the_last_shape_is_handed_out() -> None:
 
 def test_on_drained_errors_do_not_fail_the_shape() -> None:
     c = ShapeCompiler(lambda k: k * 2, workers=1, on_drained=lambda: 1 / 0)
-    assert c.get(4) == (8, True)
+    c.submit([4])
+    assert c.get(4) == (8, False)
 
 
 def test_forget_traces_drops_the_jaxprs_of_compiled_programs() -> None:
