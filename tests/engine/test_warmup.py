@@ -51,3 +51,19 @@ def test_the_precompiled_page_copy_serves_the_first_fork() -> None:
         assert eng.runner._copy._cache_size() == copies  # (the jit cache is shared with other engines)
     finally:
         eng.shutdown()
+
+
+def test_a_warm_engine_keeps_no_traced_programs() -> None:
+    """Once the last queued shape is compiled, JAX's traced programs are dropped (compiler.forget_traces):
+    the executables are all the engine needs; it still serves, tracing again what it meets anew."""
+    from jax._src.interpreters import partial_eval
+
+    eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
+    try:
+        assert eng.ping().compiled_shapes == eng.ping().total_shapes > 0
+        assert partial_eval.trace_to_jaxpr.cache_info().currsize == 0
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        assert len(eng.complete(list(range(3, 30)), params).response.token_ids) == 6
+        assert eng.ping().shape_misses == 0
+    finally:
+        eng.shutdown()
