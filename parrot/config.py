@@ -63,8 +63,8 @@ class EngineConfig:
     # multi-step decode: with overlap, a stable decode batch's ahead step runs up to this many decode steps
     # in one call, sampling (greedy or the plain sampler) and checking stop tokens on the device; its tokens
     # reach the host together. 1: off; None (auto): 4 where attention reads the KV pages in place (the native
-    # CPU kernels: one shape per batch bucket up to 16, 1.2-1.5x the tokens per second of one step a call up
-    # to batch 4 there), else 1. Each multi-step shape compiles a loop of decode steps (precompiled last);
+    # CPU kernels: one shape per batch bucket, 1.1-1.3x the tokens per second of one step a call there),
+    # else 1. Each multi-step shape compiles a loop of decode steps (precompiled last);
     # results are the same as step by step
     multi_step: int | None = None
     # a multi-step loop runs its decoder layers as a loop (one layer's code in each executable, the layers'

@@ -79,9 +79,6 @@ AUTO_MULTI_STEP = 4
 # 1,500); the shared pages that every sequence reads mostly come from the CPU's caches
 CASCADE_OVER_MULTI_BYTES = 256 << 20
 
-# the largest decode batch multi-step decode runs by default (larger ones step by step)
-AUTO_MULTI_MAX_BATCH = 16
-
 # stop tokens a multi-step decode loop checks per sequence on the device (a job with more runs step by step)
 MULTI_STOP_IDS = 8
 
@@ -276,10 +273,10 @@ class ModelRunner:
         # tokens sampled and fed on the device); one process on one device only
         auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
         self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
-        # batches a multi-step shape is compiled for: by default up to AUTO_MULTI_MAX_BATCH (each loop is an
-        # executable of its own, ~19 MB resident with its layers as a loop; larger batches' steps are long
-        # beside a call's cost)
-        self.multi_max_batch = AUTO_MULTI_MAX_BATCH if ecfg.multi_step is None else ecfg.bs_buckets[-1]
+        # batches a multi-step shape is compiled for: every batch bucket (each loop is an executable of its own,
+        # ~16-20 MB resident with its layers as a loop; at 32 and 64 sequences 1.18-1.30x the tokens per second
+        # of one step a call on a 2-core EPYC: docs/benchmarks.md)
+        self.multi_max_batch = ecfg.bs_buckets[-1]
         self.multi_step_launches = 0  # multi-step plans run
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
                                 self.multi_max_batch)
