@@ -274,8 +274,8 @@ class ModelRunner:
         auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
         self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
         # batches a multi-step shape is compiled for: every batch bucket (each loop is an executable of its own,
-        # ~16-20 MB resident with its layers as a loop; at 32 and 64 sequences 1.18-1.30x the tokens per second
-        # of one step a call on a 2-core EPYC: docs/benchmarks.md)
+        # ~16-20 MB resident with its layers as a loop; at 32 and 64 sequences ~1.13x and ~1.2x the tokens per
+        # second of one step a call on a 2-core EPYC, medians of three and two runs: docs/benchmarks.md)
         self.multi_max_batch = ecfg.bs_buckets[-1]
         self.multi_step_launches = 0  # multi-step plans run
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
