@@ -666,12 +666,11 @@ template <typename V>
 inline V vexp(V x) {
   const V hi = vset(x, 88.3762626647949f), lo = vset(x, -87.3365447504019f), in = x;
   x = vclamp(x, lo, hi);
-  const V fx = vround(vmul(x, vset(x, 1.44269504088896341f)));
-  x = vfnma(fx, vset(x, 0.693359375f), x);
-  x = vfnma(fx, vset(x, -2.12194440e-4f), x);
-  V y = vset(x, 1.9875691500E-4f);
-  for (float c : {1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f})
-    y = vfma(y, x, vset(x, c));
+  const V fx = vround(vmul(x, vset(x, sampler::kLog2e)));  // the constants and polynomial of sampler.h's exp
+  x = vfnma(fx, vset(x, sampler::kLn2Hi), x);
+  x = vfnma(fx, vset(x, sampler::kLn2Lo), x);
+  V y = vset(x, sampler::kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = vfma(y, x, vset(x, sampler::kExpPoly[i]));
   y = vfma(y, vmul(x, x), vadd(x, vset(x, 1.0f)));
   return vzero_below(vmul(y, vpow2(fx)), in, lo);
 }
