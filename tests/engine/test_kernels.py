@@ -233,6 +233,29 @@ def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool
     np.testing.assert_array_equal(mixed[30:105], whole[45:120])
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefill_bits_do_not_depend_on_the_page_size(bf16: bool) -> None:
+    """The same keys in pages of 8 positions instead of 16 (so a block's keys span pages and are gathered, not
+    read as one run) give every token the same bits, on the float32 path and in bfloat16 alike."""
+    rng = np.random.default_rng(5)
+    kc, vc = _cache(rng, 16, "bfloat16")
+    q = rng.standard_normal((150, HKV * G, D)).astype(np.float32)
+    seqs16 = [SequenceSlice(list(range(70)), 45, list(range(1, 9))),
+              SequenceSlice(list(range(80)), 0, list(range(9, 14)))]
+    # page p of 16 positions: its first 8 in page p of 8, its last 8 in page 16 + p (not next to it)
+    seqs8 = [SequenceSlice(s.tokens, s.start, [p + i for p in s.pages for i in (0, 16)]) for s in seqs16]
+
+    def run(seqs: list[SequenceSlice], ps: int, k: jax.Array, v: jax.Array) -> np.ndarray:
+        qq = jnp.pad(jnp.asarray(q), ((0, 256 - 150), (0, 0), (0, 0)))
+        batch = jax.device_put(build_batch(seqs, ps, num_tokens=256, batch_size=2, q_len=128,
+                                           num_pages=8 * 16 // ps))
+        attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16=bf16))
+        return np.asarray(attend(qq, k, v, batch))[:150]
+
+    halves = [jnp.concatenate([c[:, :, :8], c[:, :, 8:]], axis=1) for c in (kc, vc)]
+    np.testing.assert_array_equal(run(seqs8, 8, *halves), run(seqs16, PS, kc, vc))
+
+
 def test_turned_off_gives_the_reason() -> None:
     code = "from parrot.engine import kernels; print(kernels.available(), kernels.unavailable_reason())"
     env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu")

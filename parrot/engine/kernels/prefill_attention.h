@@ -306,36 +306,90 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 #if PARROT_AVX512_BF16
 // ---- the bfloat16 variant with AVX512-BF16's pair products ----------------------------------------
 // The same numbers as the tiles' variant above (scaled queries and probabilities rounded to bfloat16,
-// products summed in float32, one max and one sum reduction per row and 32 keys), for CPUs without AMX.
-// Keys go in blocks of 32 positions. Per block: the keys' dimension pairs transposed once ([2 halves][D/2
-// pairs][16 keys], decode_bf16.h's way), the values interleaved by pairs of keys ([16 pairs][D/16
-// vectors], whose dimensions come out permuted within each 64: bf16_dim); per row, its 32 scores are D/2
-// vdpbf16ps with its query pair broadcast for each half, and its output gains 16 x D/16 vdpbf16ps with a
-// pair of its probabilities broadcast. Rows are independent, so every row's result is still its own.
+// products summed in float32, one max and one sum per row and 32 keys), for CPUs without AMX. The scores
+// and the softmax put 16 rows in the lanes, so a row's max, sum and rescaling are vertical operations
+// over the block's 32 key vectors instead of reductions across lanes:
+//  * the task's scaled queries are transposed once ([16-row group][D/2 pairs][16 rows]);
+//  * a group's scores for 16 keys are D/2 x 16 vdpbf16ps, each key's pair j broadcast from the cache;
+//  * the softmax: the max over the 32 key vectors, one vector exp per key vector, and the sum over them in
+//    the order GCC's `_mm512_reduce_add_ps` sums a vector's lanes (key t with t + 16, then 8, 4, 2, 1
+//    apart), which the tiles' variant uses; the rescaling exp of a row whose max grew is the scalar
+//    std::exp, as there. So the two variants still give the same bits (and so did the scores-in-lanes
+//    code this replaced, 1.1-1.3x slower);
+//  * the probabilities, as bfloat16 pairs of keys per row ([group][16 pairs][16 rows]), multiply the values
+//    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
+//    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
+// Every lane's arithmetic is its own row's, so every row's result is still its own.
 struct PrefillPairs {
   aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
-  aligned::vector<aligned::Bits512> kt;  // [2][D/2]: 16 keys' pair j
+  aligned::vector<uint32_t> qt;  // [groups][D/2][16]: the same, 16 rows in the lanes
   aligned::vector<aligned::Bits512> vp;  // [16][D/16]: key pairs interleaved per dimension
-  aligned::vector<uint32_t> pr;  // [rows][16]: probabilities, pairs of keys
-  aligned::vector<float> corr;   // [rows]
+  aligned::vector<uint32_t> pt;  // [groups][16 pairs of keys][16 rows]: probabilities
+  aligned::vector<float> corr;   // [rows padded to 16]
   aligned::vector<int32_t> act;  // rows with keys in the block
+  alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
+  aligned::vector<uint16_t> kz;  // [16][D]: a half block's keys where they are not one run in a page
 };
 
-// Both halves of the block at once: each broadcast query pair feeds two products (the same products, in
-// the same order, as one half at a time).
-template <int R>
-inline void prefill_pair_scores(const uint32_t* q, int64_t pairs, const __m512i* kt, __m512 s[][2]) {
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = _mm512_setzero_ps(), a1[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh k0 = as_bh(_mm512_load_si512(kt + j)), k1 = as_bh(_mm512_load_si512(kt + pairs + j));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh b = as_bh(_mm512_set1_epi32(static_cast<int>(q[r * pairs + j])));
-      a0[r] = _mm512_dpbf16_ps(a0[r], k0, b);
-      a1[r] = _mm512_dpbf16_ps(a1[r], k1, b);
+// sc[16 h + k][lane] = the scores of keys 16 h + k for the 16 rows of `qt`; key k of half h at keys[h] + k D.
+template <int64_t D>
+inline void prefill_lane_scores(const uint32_t* qt, const uint16_t* const keys[2], float* sc) {
+  constexpr int64_t pairs = D / 2;
+  for (int h = 0; h < 2; ++h) {
+    const int32_t* kw = reinterpret_cast<const int32_t*>(keys[h]);
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh q = as_bh(_mm512_load_si512(qt + j * 16));
+      for (int k = 0; k < 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], q, as_bh(_mm512_set1_epi32(kw[k * pairs + j])));
+    }
+    for (int k = 0; k < 16; ++k) _mm512_store_ps(sc + (16 * h + k) * 16, acc[k]);
+  }
+}
+
+// One block's softmax update for the 16 rows of group `g` (rows r0 ..): their running max and sum, their
+// rescaling factor, their probabilities as bfloat16 pairs; returns the lanes with keys in the block.
+inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_t g, int64_t l0) {
+  const int64_t r0 = 16 * g;
+  const __m512 lim = _mm512_sub_ps(_mm512_loadu_ps(s.lim.data() + r0), _mm512_set1_ps(static_cast<float>(l0)));
+  const __mmask16 active = _mm512_cmp_ps_mask(lim, _mm512_setzero_ps(), _CMP_GE_OQ);
+  if (!active) return 0;
+  const __m512 old = _mm512_loadu_ps(s.m.data() + r0);
+  __m512 mx = old;
+  if (_mm512_cmp_ps_mask(lim, _mm512_set1_ps(31.f), _CMP_GE_OQ) == 0xFFFF) {  // every row sees the whole block
+    for (int k = 0; k < 32; ++k) mx = _mm512_max_ps(mx, _mm512_load_ps(t.sc + 16 * k));
+  } else {  // keys past a row's position (and every key of a row past the block) give it -inf
+    for (int k = 0; k < 32; ++k) {
+      const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
+                                          _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(k)), lim, _CMP_LE_OQ),
+                                          _mm512_load_ps(t.sc + 16 * k));
+      _mm512_store_ps(t.sc + 16 * k, v);
+      mx = _mm512_max_ps(mx, v);
     }
   }
-  for (int r = 0; r < R; ++r) s[r][0] = a0[r], s[r][1] = a1[r];
+  // exp(old - max) where the max grew (exp(-inf) = 0 on a row's first block), else exactly 1
+  alignas(64) float o[16], m[16], c[16];
+  _mm512_store_ps(o, old), _mm512_store_ps(m, mx);
+  for (int r = 0; r < 16; ++r) c[r] = m[r] == o[r] ? 1.f : std::exp(o[r] - m[r]);
+  const __m512 corr = _mm512_load_ps(c);
+  // e = exp(score - max) (0 for -inf scores; rows past the block have no other), summed in reduce_add's tree
+  __m512 e[32];
+  for (int k = 0; k < 32; ++k) e[k] = vexp(_mm512_sub_ps(_mm512_load_ps(t.sc + 16 * k), mx));
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_add_ps(e[i], e[i + 16]);
+  for (int i = 0; i < 8; ++i) a[i] = _mm512_add_ps(a[i + 8], a[i]);
+  for (int i = 0; i < 4; ++i) a[i] = _mm512_add_ps(a[i + 4], a[i]);
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+  _mm512_storeu_ps(s.m.data() + r0, mx);
+  _mm512_storeu_ps(t.corr.data() + r0, corr);
+  _mm512_storeu_ps(s.l.data() + r0, _mm512_fmadd_ps(_mm512_loadu_ps(s.l.data() + r0), corr, sum));
+  // probabilities: dword r of pair p = (e[2p][r], e[2p + 1][r]) in bfloat16
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i* pt = reinterpret_cast<__m512i*>(t.pt.data()) + g * 16;
+  for (int p = 0; p < 16; ++p)
+    _mm512_store_si512(pt + p, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(e[2 * p + 1], e[2 * p])));
+  return active;
 }
 
 template <int R>
@@ -345,10 +399,12 @@ inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c)
       o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c), _mm512_set1_ps(t.corr[rows[r]]));
+  const uint32_t* pr[R];
+  for (int r = 0; r < R; ++r) pr[r] = t.pt.data() + (rows[r] >> 4) * 256 + (rows[r] & 15);
   for (int p = 0; p < 16; ++p) {
     const __m512i* v = reinterpret_cast<const __m512i*>(t.vp.data()) + p * nv + d0 / 16;
     for (int r = 0; r < R; ++r) {
-      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(t.pr[rows[r] * 16 + p])));
+      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pr[r][16 * p])));
       for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_load_si512(v + c)), w);
     }
   }
@@ -356,22 +412,27 @@ inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
 }
 
-inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
-                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
-                                int64_t cnt) {
-  using L = Lanes<16>;
-  const uint16_t* krow[32];
-  const uint16_t* vrow[32];
-  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
-  const int64_t pairs = D / 2, nv = D / 16;
-  for (int h = 0; h < 2; ++h)
+// The task's scaled queries in 16-row groups, transposed (rows past `rows` zero).
+inline void prefill_lane_queries(PrefillPairs& t, int64_t rows, int64_t D) {
+  const int64_t pairs = D / 2, groups = (rows + 15) / 16;
+  t.qt.resize(groups * pairs * 16);
+  for (int64_t g = 0; g < groups; ++g)
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = krow[16 * h + i] ? _mm512_loadu_si512(krow[16 * h + i] + 2 * j0) : _mm512_setzero_si512();
+        r[i] = 16 * g + i < rows ? _mm512_load_si512(t.qp.data() + (16 * g + i) * pairs + j0) : _mm512_setzero_si512();
       transpose16x16(r);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(t.kt.data()) + h * pairs + j0 + j, r[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(t.qt.data() + ((g * pairs) + j0 + j) * 16, r[j]);
     }
+}
+
+inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
+                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
+                                int64_t cnt) {
+  const uint16_t* krow[32];
+  const uint16_t* vrow[32];
+  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
+  const int64_t pairs = D / 2, nv = D / 16, groups = (rows + 15) / 16;
   for (int p = 0; p < 16; ++p)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       const __m512i a = vrow[2 * p] ? _mm512_loadu_si512(vrow[2 * p] + d0) : _mm512_setzero_si512();
@@ -380,35 +441,31 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
       _mm512_store_si512(v, _mm512_unpacklo_epi16(a, b));
       _mm512_store_si512(v + 1, _mm512_unpackhi_epi16(a, b));
     }
-  const __m512i* kt = reinterpret_cast<const __m512i*>(t.kt.data());
+  // each half block's 16 keys: one run of rows in a page, or copied (zeros past the block's end)
+  const uint16_t* keys[2];
+  for (int h = 0; h < 2; ++h) {
+    bool run = krow[16 * h] != nullptr;
+    for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
+    if (run) {
+      keys[h] = krow[16 * h];
+      continue;
+    }
+    uint16_t* dst = t.kz.data() + h * 16 * D;
+    for (int k = 0; k < 16; ++k)
+      for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
+    keys[h] = dst;
+  }
   int nact = 0;
-  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
-    const int rn = static_cast<int>(std::min<int64_t>(8, rows - r0));
-    __m512 sc[8][2];
-    const uint32_t* q = t.qp.data() + r0 * pairs;
-    switch (rn) {
-      case 8: prefill_pair_scores<8>(q, pairs, kt, sc); break;
-      case 7: prefill_pair_scores<7>(q, pairs, kt, sc); break;
-      case 6: prefill_pair_scores<6>(q, pairs, kt, sc); break;
-      case 5: prefill_pair_scores<5>(q, pairs, kt, sc); break;
-      case 4: prefill_pair_scores<4>(q, pairs, kt, sc); break;
-      case 3: prefill_pair_scores<3>(q, pairs, kt, sc); break;
-      case 2: prefill_pair_scores<2>(q, pairs, kt, sc); break;
-      default: prefill_pair_scores<1>(q, pairs, kt, sc); break;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* qt = t.qt.data() + g * pairs * 16;
+    switch (D) {
+      case 64: prefill_lane_scores<64>(qt, keys, t.sc); break;
+      case 128: prefill_lane_scores<128>(qt, keys, t.sc); break;
+      case 192: prefill_lane_scores<192>(qt, keys, t.sc); break;
+      default: prefill_lane_scores<256>(qt, keys, t.sc); break;
     }
-    for (int r = 0; r < rn; ++r) {
-      const int64_t row = r0 + r;
-      const float lim = s.lim[row] - static_cast<float>(l0);
-      if (lim < 0.f) continue;  // the whole block is past this row's position
-      const __m512 s0 = L::keep_upto(sc[r][0], lim), s1 = L::keep_upto(sc[r][1], lim - 16.f);
-      const float old = s.m[row], mx = std::max(old, L::max(_mm512_max_ps(s0, s1)));
-      const float corr = mx == old ? 1.f : std::exp(old - mx);  // exp(-inf) = 0 on the first block
-      const __m512 e0 = vexp(L::sub(s0, L::set1(mx))), e1 = vexp(L::sub(s1, L::set1(mx)));
-      s.m[row] = mx, t.corr[row] = corr;
-      s.l[row] = s.l[row] * corr + L::sum(_mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(t.pr.data() + row * 16, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      t.act[nact++] = static_cast<int32_t>(row);
-    }
+    for (__mmask16 act = prefill_lane_softmax(s, t, g, l0); act; act &= act - 1)
+      t.act[nact++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
   }
   for (int64_t d0 = 0; d0 < D; d0 += 64)
     for (int a = 0; a < nact; a += 4) {
@@ -498,11 +555,13 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
 #if PARROT_AVX512_BF16
     if (pairs) {
       thread_local PrefillPairs t;
-      t.qp.resize(rows * D / 2), t.kt.resize(D), t.vp.resize(D), t.pr.resize(rows * 16);
-      t.corr.resize(rows), t.act.resize(rows);
+      const int64_t padded = (rows + 15) / 16 * 16;  // the rows of the last group past `rows` see no key
+      t.qp.resize(rows * D / 2), t.vp.resize(D), t.kz.resize(32 * D), t.pt.resize(padded * 16), t.corr.resize(padded), t.act.resize(rows);
+      s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
       for (int64_t i = 0; i < rows * D; i += 32)
         _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
+      prefill_lane_queries(t, rows, D);
       for (int64_t l0 = 0; l0 < end; l0 += 32)
         prefill_block_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
                             bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
