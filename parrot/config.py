@@ -170,9 +170,10 @@ class ServeConfig:
     # an engine step of its own on every prompt (chain 4.5 s with none vs 5.5 s at 256 / 64: docs/benchmarks).
     prefix_checkpoint_tokens: int = 0
     prefix_tail_checkpoint_tokens: int = 0
-    # No context is kept inside a prompt before this many tokens (the whole prompt always is): a short global
-    # text or a short shared boundary saves less prefill than the engine step of its own fill costs
-    # (~15-30 ms on a 2-core CPU: the bench's reduce prompt was filled as 7 + 12 + 405 tokens).
+    # No context is kept inside a prompt less than this many tokens after its start or after the context it
+    # continues (the whole prompt always is): a short global text or a short shared piece saves less prefill
+    # than the engine step of its own fill costs (~15-30 ms on a 2-core CPU: the bench's reduce prompt was
+    # filled as 7 + 12 + 405 tokens, its engineers' prompts as 6 + 6 + 68 + 8 + 13 after the team prompt).
     min_prefix_cut_tokens: int = 32
     global_idle_s: float = 30.0  # a global context used this recently is never dropped
     dispatch_tick_s: float = 0.2  # how often queued tasks are placed again (capacity, new engines)

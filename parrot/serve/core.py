@@ -760,8 +760,9 @@ class ParrotServeCore:
 
     async def _prefix_context(self, client: EngineClient, task: CompletionTask) -> tuple[CachedContext, int]:
         """Fork the longest cached context whose tokens begin the prompt on this engine and fill the rest,
-        stopping (and caching a context) where later work can share a prefix (none before
-        `min_prefix_cut_tokens`, but the whole prompt): global text, prefixes
+        stopping (and caching a context) where later work can share a prefix (none less than
+        `min_prefix_cut_tokens` after the prompt's start or the context it continues, but the whole
+        prompt): global text, prefixes
         another live task shares (semantic boundaries or full blocks), the full blocks a cached longer
         context shares with this prompt, every `prefix_checkpoint_tokens`, the last block boundary
         `prefix_tail_checkpoint_tokens` before the end, and the whole prompt.
@@ -825,7 +826,8 @@ class ParrotServeCore:
                 shared = self.scheduler.shared_blocks(task) * block  # a task that arrived since shares more
                 if max(start + 1, least) <= shared < n and shared not in cuts:
                     cuts[shared] = owner_at(shared)
-                c = min((c for c in cuts if c > start), default=None)
+                # the next cut at least `least` tokens on (a shorter piece goes into the next fill), or the end
+                c = min((c for c in cuts if c > start and (c - start >= least or c == n)), default=None)
                 if c is None:
                     break
                 parent, filled = await self._fill_prefix(client, task.tokens[:c], parent, cuts[c], rec)

@@ -153,16 +153,40 @@ class GlobalScheduler:
                                               t.group or "", t.sort_key()))
 
     def shared_boundaries(self, task: CompletionTask) -> set[int]:
-        """The boundaries of `task` up to which another queued or running task has the same tokens:
-        the prefixes worth keeping as contexts of their own (the others are filled in one piece)."""
+        """The boundaries of `task` worth keeping as contexts of their own: the deepest one up to which another
+        queued or running task has the same tokens, and each shallower one that more tasks share (where their
+        prompts branch). The boundaries between are filled in one piece with the next kept one: a separate
+        fill of a piece no other live task stops at would be an engine step of its own, and a later task
+        still forks those tokens from the longer context, block by block."""
         others = [t for t in (*self.queue, *self.running.values()) if t is not task]
+        if not others:
+            return set()
+        common = [self._common_prefix(task, t) for t in others]
         shared: set[int] = set()
+        deeper = 0  # tasks sharing the next kept boundary
         for b in reversed(task.boundaries):
-            prefix = task.tokens[:b]
-            if any(len(t.tokens) >= b and t.tokens[:b] == prefix for t in others):
-                shared.update(x for x in task.boundaries if x <= b)  # a shared prefix's prefixes are shared
-                break
+            n = sum(c >= b for c in common)
+            if n > deeper:
+                shared.add(b)
+                deeper = n
         return shared
+
+    def _common_prefix(self, a: CompletionTask, b: CompletionTask) -> int:
+        """How many leading tokens `a` and `b` have in common: whole blocks by their chained hashes, then
+        token by token."""
+        block = self.contexts.block
+        ha, hb = a.hashes(block), b.hashes(block)
+        lo, hi = 0, min(len(ha), len(hb)) - 1  # chained hashes: equal at k means equal at every j < k
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ha[mid] == hb[mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        n, end = lo * block, min(len(a.tokens), len(b.tokens))
+        while n < end and a.tokens[n] == b.tokens[n]:
+            n += 1
+        return n
 
     def shared_blocks(self, task: CompletionTask) -> int:
         """How many leading full blocks of `task`'s tokens another queued or running task has too (the

@@ -123,7 +123,10 @@ def test_map_reduce_graph_nodes_edges_states_and_timings(client: httpx.Client) -
         assert k["prompt"] == k["cached"] + k["computed"] and k["output"] == 4
     # the system prompt is shared: some map forked its context instead of filling it again
     forked = [n for n in calls if n["tokens"] and n["tokens"]["forked_from"]]
-    assert forked and all(n["tokens"]["cached_prefix"] for n in forked)
+    assert forked and all(n["tokens"]["cached"] >= n["tokens"]["forked_tokens"] > 0 for n in forked)
+    # the variables wholly inside the forked context are named (a fork at a block boundary inside the first
+    # piece names none: the few tokens to its end went into the call's own fill)
+    assert any(n["tokens"]["cached_prefix"] for n in forked)
     shared = [c for c in g["contexts"] if c["forked_by"]]
     assert shared and all(c["owner"] == "global" for c in shared)  # the system prompt's context
     assert {f for c in shared for f in c["forked_by"]} == {n["id"] for n in forked}

@@ -267,6 +267,46 @@ def test_no_context_is_kept_inside_a_prompt_before_min_prefix_cut_tokens(system:
         assert engine.fills[0] == len(tiny_tokenizer().encode(system + "Q: "))
 
 
+def test_a_short_piece_after_a_cached_prefix_is_filled_with_the_rest() -> None:
+    """Two concurrent calls share a cached global text and then a short value (a few tokens): the short
+    shared piece is not a fill (an engine step) of its own, so each call fills everything after the global
+    text in one piece; with no minimum, the short piece is filled once and kept for both."""
+
+    def fills(least: int) -> list[int]:
+        engine = FillRecordingEngine()
+        system = "You are a helpful assistant. " * 4
+
+        async def run() -> None:
+            core = make_core(config=ServeConfig(model="tiny", min_prefix_cut_tokens=least))
+            core.engines.register(engine)
+            await core.start()
+            try:
+                def call(s, q: str, r: str) -> str:  # noqa: ANN001
+                    out = core.semantic_call(s, SemanticCallRequest(
+                        session_id=s.session_id, template=system + "Q: {{q}} {{r}} A: {{a}}",
+                        parameters=[SemanticCallParameter(name="q", value=q), SemanticCallParameter(name="r", value=r),
+                                    SemanticCallParameter(name="a", is_output=True)]))
+                    return next(p.var_id for p in out.param_info if p.name == "a")
+
+                first = core.create_session()
+                await core.get_var(first, call(first, "warm", "up"), "latency", 5)  # the global text is cached
+                engine.fills.clear()
+                s = core.create_session()
+                a, b = call(s, "hi", "one two three four five six seven"), call(s, "hi", "eight nine ten eleven")
+                both = await asyncio.gather(core.get_var(s, a, "latency", 5), core.get_var(s, b, "latency", 5))
+                assert both == ["AB", "AB"]  # both needed at once: they run concurrently
+            finally:
+                await core.stop()
+
+        asyncio.run(run())
+        return engine.fills
+
+    short = len(tiny_tokenizer().encode(" hi"))
+    assert len(fills(32)) == 2 and min(fills(32)) > short + 1  # one fill each, from the cached global text
+    no_minimum = fills(0)
+    assert len(no_minimum) == 3 and sorted(no_minimum)[0] <= short + 1  # the shared piece once, then each
+
+
 def test_min_prefix_cut_tokens_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="min_prefix_cut_tokens"):
         ServeConfig(model="tiny", min_prefix_cut_tokens=-1)

@@ -141,12 +141,26 @@ def test_shared_boundaries_are_prefixes_another_live_task_has() -> None:
     alone = task([9, 9, 9], [1, 3])
     for t in (engineer_a, engineer_b, alone):
         s.submit(t)
-    assert s.shared_boundaries(engineer_a) == {2, 4}
+    assert s.shared_boundaries(engineer_a) == {4}  # 2 is shared by the same task: one fill up to 4
     assert s.shared_boundaries(alone) == set()
     s.schedule()  # running tasks count too
+    assert s.shared_boundaries(engineer_b) == {4}
+    reviewer = task([1, 2, 5, 5], [2, 4])  # the same team prompt only: the prompts branch at 2
+    s.submit(reviewer)
     assert s.shared_boundaries(engineer_b) == {2, 4}
+    assert s.shared_boundaries(reviewer) == {2}
     s.finished(engineer_a)
+    assert s.shared_boundaries(engineer_b) == {2}
+    s.queue.remove(reviewer)
     assert s.shared_boundaries(engineer_b) == set()
+
+
+def test_common_prefix_counts_tokens_past_the_last_whole_block() -> None:
+    s = GlobalScheduler(ContextManager(block=4), lambda: [EngineView("e1", 8)])
+    a, b = task([*range(10), 1, 2]), task([*range(10), 1, 3, 3])
+    assert s._common_prefix(a, b) == s._common_prefix(b, a) == 11
+    assert s._common_prefix(a, task([5, *range(11)])) == 0
+    assert s._common_prefix(a, task(list(range(8)))) == 8  # all of the shorter one
 
 
 def test_shared_blocks_are_the_longest_block_prefix_another_live_task_has() -> None:
