@@ -144,10 +144,11 @@ class ParrotRuntime(Runtime):
         self.url = url
 
     async def open_app(self, kind: str, recorder: Recorder) -> App:
-        """A session with its HTTP clients built. Building an httpx client loads the TLS trust store (tens to
-        hundreds of ms on a loaded 2-core machine); the OpenAI runtime builds its one client before any app
-        starts, so the SDK's are built here too, before the app's clock starts (the SDK builds its asyncio
-        client on first use otherwise). The session's creation (one loopback request) is here too."""
+        """A session with its HTTP clients built, before the app's clock starts, as the OpenAI runtime builds
+        its one client before any app starts (the SDK builds its asyncio client on first use otherwise). The
+        SDK's clients share one TLS context (`sdk._tls`), so only the first app's loads the trust store (tens
+        to hundreds of ms of CPU on a loaded 2-core machine, which apps arriving mid-run took from the server).
+        The session's creation (one loopback request) is here too."""
         vm = P.VirtualMachine(self.url, timeout=1800)
         await asyncio.to_thread(vm.open)
         vm._async()  # the SDK's asyncio client, built now (outside the app's time)

@@ -249,3 +249,26 @@ def test_async_session(server) -> None:
 
     text, streamed = asyncio.run(main())
     assert text == streamed  # astream of a variable already read yields its value
+
+
+def test_virtual_machines_share_one_tls_context(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a VirtualMachine (its sync and asyncio clients) does not load the TLS trust store again: an app
+    server opening one per user request pays for it once."""
+    import ssl
+
+    from parrot.frontend import sdk
+
+    loaded: list[object] = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: loaded.append(a or k) or real(*a, **k))
+    sdk._tls.cache_clear()
+
+    async def main() -> None:
+        for _ in range(3):
+            vm = P.VirtualMachine(server[0])
+            await asyncio.to_thread(vm.open)
+            vm._async()
+            await vm.aclose()
+
+    asyncio.run(main())
+    assert len(loaded) == 1
