@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
@@ -36,6 +36,18 @@ def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
     for k in range(len(tokens) // block):
         out.append(hash((out[-1], tuple(tokens[k * block:(k + 1) * block]))))
     return out
+
+
+def last_match(lo: int, hi: int, matches: Callable[[int], bool]) -> int:
+    """The largest k in [lo, hi] with matches(k), where matches holds at lo and, like equal chained block
+    hashes (block k matched implies every block before it matched), up to some k and not after."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if matches(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(eq=False)
@@ -108,14 +120,7 @@ class ContextManager:
     def matched_blocks(self, engine: str, hashes: Sequence[int]) -> int:
         """How many leading full blocks of the tokens behind `hashes` a cached context on `engine` holds
         (possibly a longer context, which cannot be forked at that length)."""
-        lo, hi = 0, len(hashes) - 1  # block k matched implies every block before it matched
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if (engine, mid, hashes[mid]) in self._blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return last_match(0, len(hashes) - 1, lambda k: (engine, k, hashes[k]) in self._blocks)
 
     def holder(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> CachedContext | None:
         """A cached context on `engine` longer than `tokens` (a whole number of blocks) that begins with them:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from parrot.serve.contexts import ContextManager, block_hashes
+from parrot.serve.contexts import ContextManager, block_hashes, last_match
 
 Criterion = Literal["latency", "throughput"]
 _ids = itertools.count()
@@ -176,14 +176,8 @@ class GlobalScheduler:
         token by token."""
         block = self.contexts.block
         ha, hb = a.hashes(block), b.hashes(block)
-        lo, hi = 0, min(len(ha), len(hb)) - 1  # chained hashes: equal at k means equal at every j < k
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if ha[mid] == hb[mid]:
-                lo = mid
-            else:
-                hi = mid - 1
-        n, end = lo * block, min(len(a.tokens), len(b.tokens))
+        n = last_match(0, min(len(ha), len(hb)) - 1, lambda k: ha[k] == hb[k]) * block
+        end = min(len(a.tokens), len(b.tokens))
         while n < end and a.tokens[n] == b.tokens[n]:
             n += 1
         return n
@@ -201,14 +195,7 @@ class GlobalScheduler:
             top = min(len(mine), len(theirs)) - 1
             if top <= best or mine[best + 1] != theirs[best + 1]:
                 continue
-            lo, hi = best + 1, top  # chained hashes: equal at k means equal at every j < k
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if mine[mid] == theirs[mid]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = lo
+            best = last_match(best + 1, top, lambda k, theirs=theirs: mine[k] == theirs[k])
         return best
 
     def finished(self, task: CompletionTask) -> None:
