@@ -256,6 +256,47 @@ def test_prefill_bits_do_not_depend_on_the_page_size(bf16: bool) -> None:
     np.testing.assert_array_equal(run(seqs8, 8, *halves), run(seqs16, PS, kc, vc))
 
 
+@pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
+def test_prefill_in_bf16_at_head_dim_128() -> None:
+    """Heads of 128 dimensions (Llama-3's, Qwen2's) in the bfloat16 mode: the bf16-rounded attention, and a
+    prompt filled whole or in two chunks gives every token the same bits."""
+    d, hkv, g, ps = 128, 2, 2, 16
+    rng = np.random.default_rng(6)
+
+    def cache() -> jax.Array:
+        a = jnp.asarray(rng.standard_normal((hkv, 12, ps, d)).astype(np.float32))
+        return jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)
+
+    kc, vc = cache(), cache()
+    pages = list(range(1, 11))
+    q = rng.standard_normal((150, hkv * g, d)).astype(np.float32)
+
+    def fill(seq: SequenceSlice, qs: np.ndarray, q_len: int) -> np.ndarray:
+        qq = jnp.pad(jnp.asarray(qs), ((0, q_len - len(qs)), (0, 0), (0, 0)))
+        batch = jax.device_put(build_batch([seq], ps, num_tokens=q_len, batch_size=1, q_len=q_len, num_pages=10))
+        attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, d**-0.5, bf16=True))
+        return np.asarray(attend(qq, kc, vc, batch))[: len(qs)]
+
+    whole = fill(SequenceSlice(list(range(150)), 0, pages), q, 256)
+    head = fill(SequenceSlice(list(range(70)), 0, pages[:5]), q[:70], 128)
+    tail = fill(SequenceSlice(list(range(80)), 70, pages), q[70:], 128)
+    np.testing.assert_array_equal(head, whole[:70])
+    np.testing.assert_array_equal(tail, whole[70:])
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64)[:, pages]
+            .reshape(hkv, -1, d) for c in (kc, vc))
+    want = np.zeros((150, hkv * g, d))
+    for j in range(150):
+        for h in range(hkv * g):
+            sc = k[h // g, : j + 1] @ bf16(q[j, h] * d**-0.5)
+            e = np.exp(sc - sc.max())
+            want[j, h] = bf16(e) @ v[h // g, : j + 1] / e.sum()
+    np.testing.assert_allclose(whole, want, atol=2e-3)
+
+
 def test_turned_off_gives_the_reason() -> None:
     code = "from parrot.engine import kernels; print(kernels.available(), kernels.unavailable_reason())"
     env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
