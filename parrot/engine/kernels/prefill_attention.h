@@ -336,12 +336,16 @@ template <int64_t D>
 inline void prefill_lane_scores(const uint32_t* qt, const uint16_t* const keys[2], float* sc) {
   constexpr int64_t pairs = D / 2;
   for (int h = 0; h < 2; ++h) {
-    const int32_t* kw = reinterpret_cast<const int32_t*>(keys[h]);
+    const uint16_t* kw = keys[h];
     __m512 acc[16];
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
     for (int64_t j = 0; j < pairs; ++j) {
       const __m512bh q = as_bh(_mm512_load_si512(qt + j * 16));
-      for (int k = 0; k < 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], q, as_bh(_mm512_set1_epi32(kw[k * pairs + j])));
+      for (int k = 0; k < 16; ++k) {
+        int32_t pair;  // dimensions 2j, 2j + 1 of key k (memcpy: the bytes are uint16_t, read as one word)
+        std::memcpy(&pair, kw + k * D + 2 * j, sizeof pair);
+        acc[k] = _mm512_dpbf16_ps(acc[k], q, as_bh(_mm512_set1_epi32(pair)));
+      }
     }
     for (int k = 0; k < 16; ++k) _mm512_store_ps(sc + (16 * h + k) * 16, acc[k]);
   }
