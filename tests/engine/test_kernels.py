@@ -257,10 +257,11 @@ def test_prefill_bits_do_not_depend_on_the_page_size(bf16: bool) -> None:
 
 
 @pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
-def test_prefill_in_bf16_at_head_dim_128() -> None:
-    """Heads of 128 dimensions (Llama-3's, Qwen2's) in the bfloat16 mode: the bf16-rounded attention, and a
-    prompt filled whole or in two chunks gives every token the same bits."""
-    d, hkv, g, ps = 128, 2, 2, 16
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_prefill_in_bf16_at_wider_heads(d: int) -> None:
+    """Heads of 128 dimensions (Llama-3's, Qwen2's) and wider in the bfloat16 mode: the bf16-rounded
+    attention, and a prompt filled whole or in two chunks gives every token the same bits."""
+    hkv, g, ps = 2, 2, 16
     rng = np.random.default_rng(6)
 
     def cache() -> jax.Array:
