@@ -799,9 +799,9 @@ class ParrotServeCore:
         keep = self.scheduler.shared_boundaries(task)
         last = len(task.boundaries) - 1
         cuts: dict[int, str | None] = {}  # prompt length -> owner of the context kept there
-        least = max(1, self.config.min_prefix_cut_tokens)  # the first position a context may be kept at
+        least = max(1, self.config.min_prefix_cut_tokens)  # the nearest a context is kept to the one it continues
         for i, b in enumerate(task.boundaries):
-            if i == last or ((rec.owners[i] is None or b in keep) and b >= least):
+            if i == last or rec.owners[i] is None or b in keep:
                 cuts[b] = rec.owners[i]
 
         def owner_at(c: int) -> str | None:  # the owner of the variable a block boundary lies in
@@ -814,7 +814,7 @@ class ParrotServeCore:
         if tail and n >= 4 * tail:  # where a prompt sharing all but a last question diverges
             blocks.add((n - tail) // block * block)
         for c in blocks:
-            if least <= c < n and c not in cuts:
+            if 0 < c < n and c not in cuts:
                 cuts[c] = owner_at(c)
         computed = 0
         held = parent  # a context this task forks next is in use: it is not evicted meanwhile
@@ -824,9 +824,10 @@ class ParrotServeCore:
             while True:
                 start = parent.num_tokens if parent is not None else 0
                 shared = self.scheduler.shared_blocks(task) * block  # a task that arrived since shares more
-                if max(start + 1, least) <= shared < n and shared not in cuts:
+                if start < shared < n and shared not in cuts:
                     cuts[shared] = owner_at(shared)
-                # the next cut at least `least` tokens on (a shorter piece goes into the next fill), or the end
+                # the next cut at least `least` tokens on (a shorter piece goes into the next fill; so no cut
+                # before `least` either), or the end
                 c = min((c for c in cuts if c > start and (c - start >= least or c == n)), default=None)
                 if c is None:
                     break

@@ -314,8 +314,7 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 //  * the softmax: the max over the 32 key vectors, one vector exp per key vector, and the sum over them in
 //    the order GCC's `_mm512_reduce_add_ps` sums a vector's lanes (key t with t + 16, then 8, 4, 2, 1
 //    apart), which the tiles' variant uses; the rescaling exp of a row whose max grew is the scalar
-//    std::exp, as there. So the two variants still give the same bits (and so did the scores-in-lanes
-//    code this replaced, 1.1-1.3x slower);
+//    std::exp, as there. So the two variants give the same bits;
 //  * the probabilities, as bfloat16 pairs of keys per row ([group][16 pairs][16 rows]), multiply the values
 //    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
 //    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
