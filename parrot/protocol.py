@@ -224,6 +224,7 @@ class RuntimeInfo(BaseModel):
     mixed_steps: int = 0  # steps that ran decodes and prompt chunks in one pass over the weights
     multi_step_launches: int = 0  # multi-step decode plans run (several decode steps in one call)
     decode_bursts: int = 0  # decode-only bursts run between prompt steps (EngineConfig.decode_bursts)
+    held_steps: int = 0  # steps planned while throughput prompts waited for latency-critical decodes
     max_batch_size: int | None = None  # sequences per step; None when the engine does not say
     aborts: int = 0  # primitives aborted before they finished
     compiled_shapes: int = 0  # step shapes compiled so far (warm-up progress)

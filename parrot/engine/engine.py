@@ -31,7 +31,7 @@ from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import AUTO_DECODE_BURSTS, Scheduler, StepPlan
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -82,8 +82,12 @@ class LLMEngine:
         bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
         if bursts is None:
             bursts = AUTO_DECODE_BURSTS if self.runner.multi_step > 1 else 0
+        hold = self.cfg.throughput_hold_ms  # unset: on where decode bursts run
+        if hold is None:
+            hold = AUTO_THROUGHPUT_HOLD_MS if bursts else 0
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
-                                   attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts)
+                                   attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
+                                   throughput_hold_ms=hold)
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -301,6 +305,7 @@ class LLMEngine:
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, mixed_steps=self.runner.mixed_steps, aborts=s.aborts,
             multi_step_launches=self.runner.multi_step_launches, decode_bursts=s.decode_bursts,
+            held_steps=s.held_steps,
             max_batch_size=self.cfg.max_batch_size,
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
@@ -325,6 +330,7 @@ class LLMEngine:
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.shapes.kv_buckets), "overlap": c.overlap,
                 "multi_step": r.multi_step, "decode_bursts": self.scheduler.burst_tokens,
+                "throughput_hold_ms": round(self.scheduler.hold_s * 1000),
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,

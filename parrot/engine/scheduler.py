@@ -30,6 +30,12 @@ that finished before its last one drops the KV beyond its tokens, as an unused a
 Decode bursts (`burst_tokens`): while more prompt tokens wait than one step beside the decodes takes,
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
 decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
+
+Throughput hold (`hold_s`): while latency-critical jobs (priority 0) decode, throughput work's prompts
+(priority > 0) wait, and the decodes run back to back (as bursts where they can), so a chat's tokens do not
+wait for a batch job's prompt steps; the same work then runs in fewer, longer prompt chunks once the chats
+are done. The wait is bounded: after `hold_s` of holding, one step fills throughput prompts, and the hold
+starts again.
 """
 
 from __future__ import annotations
@@ -100,17 +106,24 @@ class StepPlan:
 # and the prompts 903 against 769 tok/s, against a 128-token chunk beside every decode step; the longest gaps
 # between two tokens grow (p99 328 against 185 ms)
 AUTO_DECODE_BURSTS = 256
+# the longest throughput prompts wait for latency-critical decodes at a time where decode bursts run and
+# `EngineConfig.throughput_hold_ms` is not set: a chat's 32-128 tokens take ~0.2-0.9 s there
+AUTO_THROUGHPUT_HOLD_MS = 1000
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
-                 decode_bursts: int | None = None) -> None:
+                 decode_bursts: int | None = None, throughput_hold_ms: int | None = None) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
-        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value)."""
+        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value).
+        `throughput_hold_ms`: the longest throughput prompts wait beside latency-critical decodes, 0 for no
+        hold (default: `cfg.throughput_hold_ms`, none where that is unset; the engine resolves it too)."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
         self.burst_tokens = decode_bursts if decode_bursts is not None else (cfg.decode_bursts or 0)
+        hold_ms = throughput_hold_ms if throughput_hold_ms is not None else (cfg.throughput_hold_ms or 0)
+        self.hold_s = hold_ms / 1000
         # the runner's prefill attention reads KV pages in place: no cuts at attention-length buckets (`_align`),
         # and chunks of several sequences padded by their total tokens (ShapeBook.prefill_shape)
         self.attention_in_place = attention_in_place
@@ -127,6 +140,8 @@ class Scheduler:
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
         self._burst_due = False  # the last step filled prompts while decodes waited: their burst is next
         self.decode_bursts = 0  # decode-only bursts planned between prompt steps (`EngineConfig.decode_bursts`)
+        self._held_since: float | None = None  # throughput prompts wait for latency-critical decodes since then
+        self.held_steps = 0  # steps planned while throughput prompts were held (`EngineConfig.throughput_hold_ms`)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -167,12 +182,16 @@ class Scheduler:
         decoding = [job for job in sorted(self.running, key=lambda j: j.order)
                     if len(job.pending) == 1 and job.status is JobStatus.RUNNING]
         skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
-        if self.burst_tokens and decoding and self._prompt_tokens_pending() > self._beside_decodes():
+        held = self._holding(decoding)
+        prompts = self._prompt_tokens_pending(latency_only=held)
+        if held:
+            self.held_steps += 1
+        if self.burst_tokens and decoding and (prompts > self._beside_decodes() or (held and not prompts)):
             batch = decoding[: self.cfg.max_batch_size]
             spans = self._burst_spans(batch, steps, fits)
             if spans is not None:
-                if self._burst_due:  # the last step filled prompts: now the decodes' burst, alone
-                    self._burst(plan, batch, spans)
+                if self._burst_due or not prompts:  # the last step filled prompts, or only held ones wait: now
+                    self._burst(plan, batch, spans)  # the decodes' burst, alone
                     return plan
                 skipped, decoding = batch, []
         self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
@@ -186,7 +205,9 @@ class Scheduler:
         # throughput work's share beside latency-critical decodes (a chat's next token waits for it)
         background = budget
         latency_waits = any(s.job.priority == 0 for s in plan.decode) or any(j.priority == 0 for j in skipped)
-        if self.cfg.prefill_tokens_beside_latency and latency_waits:
+        if held:
+            background = 0
+        elif self.cfg.prefill_tokens_beside_latency and latency_waits:
             background = min(budget, self.cfg.prefill_tokens_beside_latency)
         longest = 0
         for job in sorted(self.running, key=lambda j: j.order):
@@ -251,11 +272,28 @@ class Scheduler:
             plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
             scheduled.add(job.job_id)
 
-    def _prompt_tokens_pending(self) -> int:
+    def _prompt_tokens_pending(self, latency_only: bool = False) -> int:
         """Prompt tokens the running jobs have to fill (beyond each one's next token; grammar-forced tokens
-        ride in decode batches)."""
+        ride in decode batches); `latency_only`: of latency-critical jobs (priority 0) only."""
         return sum(len(j.pending) for j in self.running
-                   if len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING)
+                   if len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING
+                   and not (latency_only and j.priority))
+
+    def _holding(self, decoding: list[Job]) -> bool:
+        """True if throughput prompts wait this step: latency-critical jobs decode, throughput jobs have prompt
+        tokens to fill, and they have waited less than `hold_s` since the hold began (at the bound, this step
+        fills them and the next starts a new hold)."""
+        if not (self.hold_s and any(j.priority == 0 for j in decoding)
+                and self._prompt_tokens_pending() > self._prompt_tokens_pending(latency_only=True)):
+            self._held_since = None
+            return False
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        if now - self._held_since < self.hold_s:
+            return True
+        self._held_since = None
+        return False
 
     def _beside_decodes(self) -> int:
         """Prompt tokens a step that decodes takes. Prompts that fit in one such step go beside the decodes

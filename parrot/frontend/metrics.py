@@ -33,6 +33,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_mixed_steps_total{engine}   steps that ran decodes and prompt chunks in one pass (mixed steps)
   parrot:engine_multi_step_launches_total{engine}   calls that ran several decode steps (multi-step decode)
   parrot:engine_decode_bursts_total{engine}   decode-only bursts between prompt steps (--decode-bursts)
+  parrot:engine_held_steps_total{engine}   steps planned while throughput prompts waited for latency-critical
+                                         decodes (--throughput-hold-ms)
   parrot:engine_info{engine, platform, weights, kv_dtype, kv_pages, ...}   the engine's device settings (1)
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
@@ -182,6 +184,8 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                 "in (multi-step decode).", labels=["engine"])
     bursts = CounterMetricFamily("parrot:engine_decode_bursts", "Decode-only bursts the engine ran between prompt "
                                  "steps (decode bursts).", labels=["engine"])
+    held = CounterMetricFamily("parrot:engine_held_steps", "Steps the engine planned while throughput prompts "
+                               "waited for latency-critical decodes (throughput hold).", labels=["engine"])
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
                                          "max_num_batched_tokens", "overlap", "tensor_parallel_size", "cpu_matmul"])
@@ -194,9 +198,10 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
         mixed.add_metric([name], info.mixed_steps)
         multi.add_metric([name], info.multi_step_launches)
         bursts.add_metric([name], info.decode_bursts)
+        held.add_metric([name], info.held_steps)
         if info.settings:
             settings.add_metric([name, *(str(info.settings.get(k, "")) for k in keys)], 1)
-    yield from (step, host, ahead, mixed, multi, bursts, settings)
+    yield from (step, host, ahead, mixed, multi, bursts, held, settings)
 
 
 class RequestTimer:

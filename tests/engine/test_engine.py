@@ -388,10 +388,48 @@ def test_decode_bursts_keep_results() -> None:
 
 
 def test_decode_bursts_are_on_by_default_where_decode_runs_several_steps_a_call() -> None:
-    from parrot.engine.scheduler import AUTO_DECODE_BURSTS
+    from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS
 
-    assert LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).scheduler.burst_tokens == AUTO_DECODE_BURSTS
-    assert LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).scheduler.burst_tokens == 0
+    bursting = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).scheduler
+    assert bursting.burst_tokens == AUTO_DECODE_BURSTS and bursting.hold_s == AUTO_THROUGHPUT_HOLD_MS / 1000
+    stepping = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).scheduler
+    assert stepping.burst_tokens == 0 and stepping.hold_s == 0
+
+
+def test_throughput_hold_keeps_results() -> None:
+    """Latency-critical decodes that hold a throughput prompt back (`throughput_hold_ms`) give the tokens they
+    give when the prompt fills between their bursts; the held prompt's own generation too."""
+    import threading
+
+    def run(eng: LLMEngine) -> list:
+        started = threading.Event()
+        runs = [dict(max_tokens=20, ignore_eos=True), dict(max_tokens=15, ignore_eos=True, temperature=0.8, seed=5)]
+        futs = []
+        for i, sampling in enumerate(runs):
+            fill(eng, f"th{i}", prompt(70 + i, 12 + i))
+            futs.append(eng.generate_future(GenerateRequest(context_id=f"th{i}", sampling=SamplingParams(**sampling)),
+                                            on_chunk=lambda c: started.set()))
+        assert started.wait(TIMEOUT)
+        long = eng.fill_future(FillRequest(context_id="thB", token_ids=prompt(95, 300), priority=1))
+        futs.append(eng.generate_future(GenerateRequest(context_id="thB", priority=1, sampling=SamplingParams(
+            max_tokens=6, ignore_eos=True))))
+        long.result(TIMEOUT)
+        out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in futs)]
+        for c in [f"th{i}" for i in range(len(runs))] + ["thB"]:
+            eng.free_future(c).result(TIMEOUT)
+        assert eng.kv.num_free_pages == eng.kv.total_pages
+        return out
+
+    eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=16,
+                                                     throughput_hold_ms=60_000)).start(precompile=False)
+    try:
+        assert eng.ping().settings["throughput_hold_ms"] == 60_000
+        held = run(eng)
+        assert eng.ping().held_steps > 0
+        eng.scheduler.hold_s = 0  # the same engine, the prompt filling between the decodes' bursts
+        assert run(eng) == held
+    finally:
+        eng.shutdown()
 
 
 def test_multi_step_gives_way_to_cascade_attention_over_a_long_shared_prefix() -> None:

@@ -461,6 +461,75 @@ def test_no_decode_burst_for_a_short_prompt_or_a_batch_that_cannot_run_several_s
     assert plan.decode and len(plan.prefill[0].tokens) == 40 and s.decode_bursts == 0
 
 
+def _chat_beside_batch_job(hold_ms: int) -> tuple[Scheduler, list[JobOutput]]:
+    """A chat (latency-critical) decoding 24 tokens when a batch job's 150-token prompt (throughput) arrives,
+    with decode bursts of 32 prompt tokens and a throughput hold of `hold_ms`."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], decode_bursts=32,
+                             throughput_hold_ms=hold_ms)
+    s = Scheduler(KVCacheManager(65, cfg.page_size), cfg, max_len=512)
+    s.add(_fill("chat", 10))
+    s.add(_gen("chat", 24))
+    outputs: list[JobOutput] = []
+    for _ in range(2):
+        plan = s.schedule(4, lambda jobs, pages, n, k: True)
+        outputs += s.update(plan, _sampled_steps(plan) if plan.steps > 1 else _sampled(plan))
+    for job in (_fill("doc", 150), _gen("doc", 6)):
+        job.priority = 1
+        s.add(job)
+    return s, outputs
+
+
+def test_throughput_prompts_wait_while_latency_critical_work_decodes() -> None:
+    """With a throughput hold, a batch job's prompt fills only once the chat beside it is done: the chat's
+    tokens come in decode bursts back to back, the prompt then in whole chunks. Without it, prompt steps and
+    bursts alternate. The results are the same."""
+    results, chat_done, doc_chunks = [], [], []
+    for hold_ms in (0, 60_000):
+        s, outputs = _chat_beside_batch_job(hold_ms)
+        plans: list = []
+        more, _ = _drive_overlapped(s, True, steps=4, plans=plans)
+        outputs += more
+        gens = {o.job.context_id: o.result for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
+        results.append({c: (r.token_ids, r.finish_reason) for c, r in gens.items()})
+        done = max(i for i, p in enumerate(plans) if any(sl.job.context_id == "chat" for sl in p.decode))
+        first_doc = next(i for i, p in enumerate(plans) if any(sl.job.context_id == "doc" for sl in p.prefill))
+        chat_done.append(done)
+        doc_chunks.append([len(sl.tokens) for p in plans for sl in p.prefill if sl.job.context_id == "doc"])
+        if hold_ms:
+            assert first_doc > done and s.held_steps == done + 1  # every plan until the chat's last was held
+            assert all(p.steps == 4 for p in plans[:done])  # bursts back to back
+        else:
+            assert first_doc < done and s.held_steps == 0
+    assert results[0] == results[1] and len(results[0]) == 2
+    assert chat_done[1] < chat_done[0]  # fewer plans until the chat's last token
+    assert doc_chunks[1][:2] == [64, 64] and max(doc_chunks[0]) == 32  # whole chunks against burst-sized ones
+
+
+def test_throughput_hold_is_bounded_and_lets_latency_critical_prompts_in() -> None:
+    """After `throughput_hold_ms` of holding, one step fills the throughput prompt, then the hold starts
+    again. A latency-critical prompt is never held; plain calls (all priority 0) hold nothing."""
+    s, _ = _chat_beside_batch_job(50)
+    fits = lambda jobs, pages, n, k: True  # noqa: E731
+    plan = s.schedule(4, fits)
+    assert plan.steps == 4 and not plan.prefill and s.held_steps == 1
+    s.update(plan, _sampled_steps(plan))
+    s._held_since -= 1.0  # the bound has passed
+    plan = s.schedule(4, fits)
+    assert not plan.decode and [(sl.job.context_id, len(sl.tokens)) for sl in plan.prefill] == [("doc", 32)]
+    s.update(plan, _sampled(plan))
+    plan = s.schedule(4, fits)  # the chat's burst, and a new hold
+    assert plan.steps == 4 and not plan.prefill and s._held_since is not None
+    s.update(plan, _sampled_steps(plan))
+    s.add(_fill("chat2", 20))  # a latency-critical prompt: filled beside the chat's decode, the doc still waits
+    plan = s.schedule(4, fits)
+    assert [sl.job.context_id for sl in plan.prefill] == ["chat2"] and plan.decode
+    s, _ = _chat_beside_batch_job(60_000)
+    for job in list(s.running) + list(s.waiting):
+        job.priority = 0
+    plan = s.schedule(4, fits)
+    assert plan.prefill and s.held_steps == 0
+
+
 def _steps(s: Scheduler, n: int) -> None:
     """`n` steps of one call each, applied before the next is planned."""
     for _ in range(n):
