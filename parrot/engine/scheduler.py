@@ -106,24 +106,18 @@ class StepPlan:
 # and the prompts 903 against 769 tok/s, against a 128-token chunk beside every decode step; the longest gaps
 # between two tokens grow (p99 328 against 185 ms)
 AUTO_DECODE_BURSTS = 256
-# the longest throughput prompts wait for latency-critical decodes at a time where decode bursts run and
-# `EngineConfig.throughput_hold_ms` is not set: a chat's 32-128 tokens take ~0.2-0.9 s there
-AUTO_THROUGHPUT_HOLD_MS = 1000
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
-                 decode_bursts: int | None = None, throughput_hold_ms: int | None = None) -> None:
+                 decode_bursts: int | None = None) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
-        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value).
-        `throughput_hold_ms`: the longest throughput prompts wait beside latency-critical decodes, 0 for no
-        hold (default: `cfg.throughput_hold_ms`, none where that is unset; the engine resolves it too)."""
+        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value)."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
         self.burst_tokens = decode_bursts if decode_bursts is not None else (cfg.decode_bursts or 0)
-        hold_ms = throughput_hold_ms if throughput_hold_ms is not None else (cfg.throughput_hold_ms or 0)
-        self.hold_s = hold_ms / 1000
+        self.hold_s = cfg.throughput_hold_ms / 1000  # the throughput hold's bound (0: no hold)
         # the runner's prefill attention reads KV pages in place: no cuts at attention-length buckets (`_align`),
         # and chunks of several sequences padded by their total tokens (ShapeBook.prefill_shape)
         self.attention_in_place = attention_in_place
