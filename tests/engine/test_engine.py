@@ -349,39 +349,42 @@ def test_multi_step_decode_keeps_results() -> None:
         single.shutdown()
 
 
+def _chats_beside_a_long_prompt(eng: LLMEngine, tag: str, runs: list[dict], priority: int = 0) -> list:
+    """Chats (`runs`: their sampling) decoding when a 300-token prompt (at `priority`) arrives and generates 6
+    tokens: every generation's tokens and finish reason; all contexts freed after."""
+    import threading
+
+    started = threading.Event()
+    futs = []
+    for i, sampling in enumerate(runs):
+        fill(eng, f"{tag}{i}", prompt(80 + i, 10 + i))
+        futs.append(eng.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=SamplingParams(**sampling)),
+                                        on_chunk=lambda c: started.set()))
+    assert started.wait(TIMEOUT)
+    long = eng.fill_future(FillRequest(context_id=f"{tag}L", token_ids=prompt(90, 300), priority=priority))
+    futs.append(eng.generate_future(GenerateRequest(context_id=f"{tag}L", priority=priority, sampling=SamplingParams(
+        max_tokens=6, ignore_eos=True))))
+    long.result(TIMEOUT)
+    out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in futs)]
+    for c in [f"{tag}{i}" for i in range(len(runs))] + [f"{tag}L"]:
+        eng.free_future(c).result(TIMEOUT)
+    assert eng.kv.num_free_pages == eng.kv.total_pages
+    return out
+
+
 def test_decode_bursts_keep_results() -> None:
     """Decodes that run as multi-step bursts between prompt steps (`decode_bursts`) while a long prompt
     fills give the tokens of mixed steps (a prompt chunk beside every decode step)."""
-    import threading
-
-    def run(eng: LLMEngine) -> list:
-        started = threading.Event()
-        runs = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=17, ignore_eos=True, temperature=0.8, seed=3),
-                dict(max_tokens=22, ignore_eos=True)]
-        futs = []
-        for i, sampling in enumerate(runs):
-            fill(eng, f"db{i}", prompt(80 + i, 10 + i))
-            futs.append(eng.generate_future(GenerateRequest(context_id=f"db{i}", sampling=SamplingParams(**sampling)),
-                                            on_chunk=lambda c: started.set()))
-        assert started.wait(TIMEOUT)
-        long = eng.fill_future(FillRequest(context_id="dbL", token_ids=prompt(90, 300)))
-        futs.append(eng.generate_future(GenerateRequest(context_id="dbL", sampling=SamplingParams(
-            max_tokens=6, ignore_eos=True))))
-        long.result(TIMEOUT)
-        out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in futs)]
-        for c in [f"db{i}" for i in range(len(runs))] + ["dbL"]:
-            eng.free_future(c).result(TIMEOUT)
-        assert eng.kv.num_free_pages == eng.kv.total_pages
-        return out
-
+    runs = [dict(max_tokens=24, ignore_eos=True), dict(max_tokens=17, ignore_eos=True, temperature=0.8, seed=3),
+            dict(max_tokens=22, ignore_eos=True)]
     eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=16)).start(precompile=False)
     try:
         assert eng.ping().settings["decode_bursts"] == 16
-        bursting = run(eng)
+        bursting = _chats_beside_a_long_prompt(eng, "db", runs)
         bursts = eng.ping().decode_bursts
         assert bursts > 0
         eng.scheduler.burst_tokens = 0  # the same engine (its compiled shapes) with mixed steps instead
-        assert run(eng) == bursting
+        assert _chats_beside_a_long_prompt(eng, "db", runs) == bursting
         assert eng.ping().decode_bursts == bursts
     finally:
         eng.shutdown()
@@ -398,35 +401,15 @@ def test_decode_bursts_are_on_by_default_where_decode_runs_several_steps_a_call(
 def test_throughput_hold_keeps_results() -> None:
     """Latency-critical decodes that hold a throughput prompt back (`throughput_hold_ms`) give the tokens they
     give when the prompt fills between their bursts; the held prompt's own generation too."""
-    import threading
-
-    def run(eng: LLMEngine) -> list:
-        started = threading.Event()
-        runs = [dict(max_tokens=20, ignore_eos=True), dict(max_tokens=15, ignore_eos=True, temperature=0.8, seed=5)]
-        futs = []
-        for i, sampling in enumerate(runs):
-            fill(eng, f"th{i}", prompt(70 + i, 12 + i))
-            futs.append(eng.generate_future(GenerateRequest(context_id=f"th{i}", sampling=SamplingParams(**sampling)),
-                                            on_chunk=lambda c: started.set()))
-        assert started.wait(TIMEOUT)
-        long = eng.fill_future(FillRequest(context_id="thB", token_ids=prompt(95, 300), priority=1))
-        futs.append(eng.generate_future(GenerateRequest(context_id="thB", priority=1, sampling=SamplingParams(
-            max_tokens=6, ignore_eos=True))))
-        long.result(TIMEOUT)
-        out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in futs)]
-        for c in [f"th{i}" for i in range(len(runs))] + ["thB"]:
-            eng.free_future(c).result(TIMEOUT)
-        assert eng.kv.num_free_pages == eng.kv.total_pages
-        return out
-
+    runs = [dict(max_tokens=20, ignore_eos=True), dict(max_tokens=15, ignore_eos=True, temperature=0.8, seed=5)]
     eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, decode_bursts=16,
                                                      throughput_hold_ms=60_000)).start(precompile=False)
     try:
         assert eng.ping().settings["throughput_hold_ms"] == 60_000
-        held = run(eng)
+        held = _chats_beside_a_long_prompt(eng, "th", runs, priority=1)
         assert eng.ping().held_steps > 0
         eng.scheduler.hold_s = 0  # the same engine, the prompt filling between the decodes' bursts
-        assert run(eng) == held
+        assert _chats_beside_a_long_prompt(eng, "th", runs, priority=1) == held
     finally:
         eng.shutdown()
 
