@@ -1,4 +1,4 @@
-"""Decodes beside long prompts, three ways side by side on the default model: chats decode while long prompts
+"""Decodes beside long prompts, four ways side by side on the default model: chats decode while long prompts
 fill (the `mixed` app workload's situation, inside one engine).
 - bursts: steps of up to `--bursts` prompt tokens alone alternate with a decode-only multi-step call of the
   chats (decode bursts, the default where multi-step decode runs);
