@@ -84,8 +84,8 @@ class EngineConfig:
     # chat's tokens then never wait for a batch job's prompt steps, and the batch job's prompts fill in longer
     # chunks once the chats are done. Plain calls are all priority 0: only an app-aware server holds anything.
     # 0 (the default): off. Measured on a 2-core EPYC Zen 4 (docs/benchmarks.md): 1000 made chats beside a
-    # map-reduce 2.6x faster at p99 and the map-reduce ~5% slower (a chat then decodes alone instead of
-    # sharing some steps with the batch job's decodes): the setting for chat-first servers
+    # map-reduce 2.6x faster at p99 and the map-reduce ~5% slower (its prompts fill later and its decodes run
+    # in more, smaller batches): the setting for chat-first servers
     throughput_hold_ms: int = 0
     # a step with decodes and prompt chunks runs both in one pass over the weights (Orca's selective
     # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
