@@ -170,7 +170,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           max_num_batched_tokens=max_tokens,
                           prefill_tokens_beside_latency=(args.prefill_tokens_beside_latency
                                                          or EngineConfig.prefill_tokens_beside_latency),
-                          decode_bursts=args.decode_bursts, throughput_hold_ms=args.throughput_hold_ms or 0,
+                          decode_bursts=args.decode_bursts, throughput_hold_ms=args.throughput_hold_ms,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
                           decode_attention=args.decode_attention, explicit=tuple(
@@ -346,9 +346,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "step; 0: off (default: 256 where multi-step decode runs, i.e. a CPU with the native "
                         "kernels; else off)")
     e.add_argument("--throughput-hold-ms", type=int, default=None, metavar="MS",
-                   help="while latency-critical work decodes, prompts of throughput work (semantic calls read as "
-                        "throughput-critical) wait, at most MS at a time, and the decodes run back to back: chats "
-                        "first, batch jobs after (e.g. 1000 for chat-first servers; default 0: off)")
+                   help="while latency-critical work decodes, throughput work (semantic calls read as "
+                        "throughput-critical) with prompts to fill waits, at most MS at a time, and the decodes run "
+                        "back to back: chats first, batch jobs after; 0: off (default: 1000 where decode bursts "
+                        "run, else off)")
     e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",

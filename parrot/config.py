@@ -78,15 +78,15 @@ class EngineConfig:
     # decode (scheduler.AUTO_DECODE_BURSTS), else off. Batches that cannot burst (no multi-step shape yet, a
     # token needing host work) keep the mixed steps. Results are the same either way
     decode_bursts: int | None = None
-    # throughput hold: while latency-critical work (priority 0) decodes, prompts of throughput work (priority >
-    # 0: semantic calls read as throughput-critical) wait, and the decodes run back to back (as decode bursts
-    # where they can); at most this many ms at a time, then one step fills them and the hold starts again. A
-    # chat's tokens then never wait for a batch job's prompt steps, and the batch job's prompts fill in longer
-    # chunks once the chats are done. Plain calls are all priority 0: only an app-aware server holds anything.
-    # 0 (the default): off. Measured on a 2-core EPYC Zen 4 (docs/benchmarks.md): 1000 made chats beside a
-    # map-reduce 2.6x faster at p99 and the map-reduce ~5% slower (its prompts fill later and its decodes run
-    # in more, smaller batches): the setting for chat-first servers
-    throughput_hold_ms: int = 0
+    # throughput hold: while latency-critical work (priority 0) decodes and throughput work (priority > 0:
+    # semantic calls read as throughput-critical) has prompts to fill, the throughput work waits (its decodes
+    # too) and the latency-critical decodes run back to back (as decode bursts where they can); at most this
+    # many ms at a time, then one step runs as without the hold and the hold starts again. A chat's tokens then
+    # never wait for a batch job's prompt steps; the batch job fills its prompts in whole chunks and decodes in
+    # the large batches it would have had. Plain calls are all priority 0: only an app-aware server holds
+    # anything. 0: off; None (auto): 1000 where the engine runs decode bursts, else off. Measured on a 2-core
+    # EPYC Zen 4 (docs/benchmarks.md): chats beside a map-reduce ~3x faster at p99, the map-reduce level
+    throughput_hold_ms: int | None = None
     # a step with decodes and prompt chunks runs both in one pass over the weights (Orca's selective
     # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
     # ModelRunner.mixed); otherwise, and when False, as two passes
@@ -128,7 +128,7 @@ class EngineConfig:
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):
             raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
-        if self.throughput_hold_ms < 0:
+        if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:
             raise ValueError("throughput_hold_ms must be 0 (off) or positive")
         if self.decode_bursts is not None and self.decode_bursts < 0:
             raise ValueError("decode_bursts must be 0 (off) or positive")

@@ -31,7 +31,7 @@ from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import AUTO_DECODE_BURSTS, Scheduler, StepPlan
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -82,8 +82,12 @@ class LLMEngine:
         bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
         if bursts is None:
             bursts = AUTO_DECODE_BURSTS if self.runner.multi_step > 1 else 0
+        hold = self.cfg.throughput_hold_ms  # unset: on where decode bursts run
+        if hold is None:
+            hold = AUTO_THROUGHPUT_HOLD_MS if bursts else 0
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
-                                   attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts)
+                                   attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
+                                   throughput_hold_ms=hold)
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)

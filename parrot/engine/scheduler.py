@@ -31,11 +31,12 @@ Decode bursts (`burst_tokens`): while more prompt tokens wait than one step besi
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
 decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
 
-Throughput hold (`hold_s`): while latency-critical jobs (priority 0) decode, throughput work's prompts
-(priority > 0) wait, and the decodes run back to back (as bursts where they can), so a chat's tokens do not
-wait for a batch job's prompt steps; the same work then runs in fewer, longer prompt chunks once the chats
-are done. The wait is bounded: after `hold_s` of holding, one step fills throughput prompts, and the hold
-starts again.
+Throughput hold (`hold_s`): while latency-critical jobs (priority 0) decode and throughput work (priority
+> 0) has prompts to fill, the throughput work waits, its decodes too, and the latency-critical decodes run
+back to back (as bursts where they can), so a chat's tokens do not wait for a batch job's prompt steps.
+The batch job then fills its prompts in whole chunks and decodes in the large batches it would have had.
+The wait is bounded: after `hold_s` of holding, one step runs as without the hold, and the hold starts
+again.
 """
 
 from __future__ import annotations
@@ -106,18 +107,23 @@ class StepPlan:
 # and the prompts 903 against 769 tok/s, against a 128-token chunk beside every decode step; the longest gaps
 # between two tokens grow (p99 328 against 185 ms)
 AUTO_DECODE_BURSTS = 256
+# the throughput hold's bound where decode bursts run and `EngineConfig.throughput_hold_ms` is not set. Measured
+# there (docs/benchmarks.md): chats beside a map-reduce ~3x faster at p99, the map-reduce level
+AUTO_THROUGHPUT_HOLD_MS = 1000
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
-                 decode_bursts: int | None = None) -> None:
+                 decode_bursts: int | None = None, throughput_hold_ms: int | None = None) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
-        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value)."""
+        `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value); the same for
+        `throughput_hold_ms` (`cfg.throughput_hold_ms`), the throughput hold's bound."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
         self.burst_tokens = decode_bursts if decode_bursts is not None else (cfg.decode_bursts or 0)
-        self.hold_s = cfg.throughput_hold_ms / 1000  # the throughput hold's bound (0: no hold)
+        hold_ms = throughput_hold_ms if throughput_hold_ms is not None else (cfg.throughput_hold_ms or 0)
+        self.hold_s = hold_ms / 1000  # the throughput hold's bound (0: no hold)
         # the runner's prefill attention reads KV pages in place: no cuts at attention-length buckets (`_align`),
         # and chunks of several sequences padded by their total tokens (ShapeBook.prefill_shape)
         self.attention_in_place = attention_in_place
@@ -180,6 +186,7 @@ class Scheduler:
         prompts = self._prompt_tokens_pending(latency_only=held)
         if held:
             self.held_steps += 1
+            decoding = [j for j in decoding if j.priority == 0]  # throughput decodes wait with their prompts
         if self.burst_tokens and decoding and (prompts > self._beside_decodes() or (held and not prompts)):
             batch = decoding[: self.cfg.max_batch_size]
             spans = self._burst_spans(batch, steps, fits)
@@ -274,9 +281,9 @@ class Scheduler:
                    and not (latency_only and j.priority))
 
     def _holding(self, decoding: list[Job]) -> bool:
-        """True if throughput prompts wait this step: latency-critical jobs decode, throughput jobs have prompt
-        tokens to fill, and they have waited less than `hold_s` since the hold began (at the bound, this step
-        fills them and the next starts a new hold)."""
+        """True if throughput work waits this step (its prompts and its decodes): latency-critical jobs decode,
+        throughput jobs have prompt tokens to fill, and they have waited less than `hold_s` since the hold
+        began (at the bound, this step runs as without a hold and the next starts a new hold)."""
         if not (self.hold_s and any(j.priority == 0 for j in decoding)
                 and self._prompt_tokens_pending() > self._prompt_tokens_pending(latency_only=True)):
             self._held_since = None

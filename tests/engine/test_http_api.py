@@ -653,7 +653,7 @@ def test_cli_engine_config() -> None:
     assert cfg.kv_buckets == [256, 512, 1024, 1536]
     with pytest.raises(ParrotError, match="multiple of the page size"):
         engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1000"]))
-    assert engine_config_from_args(build_parser().parse_args(["serve"])).throughput_hold_ms == 0
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).throughput_hold_ms is None  # auto
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--throughput-hold-ms", "1000"]))
     assert cfg.throughput_hold_ms == 1000
     with pytest.raises(ParrotError, match="throughput_hold_ms"):

@@ -530,6 +530,30 @@ def test_throughput_hold_is_bounded_and_lets_latency_critical_prompts_in() -> No
     assert plan.prefill and s.held_steps == 0
 
 
+def test_throughput_decodes_wait_with_their_prompts_during_a_hold() -> None:
+    """A batch job's decodes wait too while its other prompts are held (they decode later, in the larger batch
+    they would have had); once no throughput prompt waits, every decode runs together again."""
+    s, _ = _chat_beside_batch_job(60_000)
+    fits = lambda jobs, pages, n, k: True  # noqa: E731
+    s.hold_s = 0
+    for _ in range(40):  # the batch job's prompt fills and it decodes beside the chat
+        plan = s.schedule(4, fits)
+        s.update(plan, _sampled_steps(plan) if plan.steps > 1 else _sampled(plan))
+        if {j.context_id for j in s.running if len(j.pending) == 1} == {"chat", "doc"}:
+            break
+    assert {(j.context_id, j.kind) for j in s.running if len(j.pending) == 1} == {
+        ("chat", JobKind.GENERATE), ("doc", JobKind.GENERATE)}
+    more = _fill("doc2", 150)
+    more.priority = 1
+    s.add(more)
+    s.hold_s = 60.0
+    plan = s.schedule(4, fits)
+    assert [sl.job.context_id for sl in plan.decode] == ["chat"] and not plan.prefill and plan.steps == 4
+    s.hold_s = 0
+    plan = s.schedule(4, fits)
+    assert "doc" in {sl.job.context_id for sl in plan.decode} or plan.prefill
+
+
 def _steps(s: Scheduler, n: int) -> None:
     """`n` steps of one call each, applied before the next is planned."""
     for _ in range(n):
