@@ -116,8 +116,9 @@ WAITED = ("seconds this work already waited upstream (e.g. the task it belongs t
           "engine queues it as if it had arrived that long ago, so a task's later primitives keep its place")
 
 PRIORITY = ("0 (default) runs before 1, 1 before 2...: waiting work is admitted and prefilled by (priority, "
-            "arrival); the serve core sends 0 for latency-critical tasks and 1 for throughput tasks. With the "
-            "engine's throughput hold on, prompts of higher numbers wait while work of priority 0 decodes")
+            "arrival); the serve core sends 0 for latency-critical tasks and 1 for throughput tasks. The engine's "
+            "throughput hold makes work of higher numbers that has prompts to fill wait, its decodes too, while "
+            "work of priority 0 decodes")
 
 
 class FillRequest(BaseModel):
