@@ -182,8 +182,10 @@ class Scheduler:
         decoding = [job for job in sorted(self.running, key=lambda j: j.order)
                     if len(job.pending) == 1 and job.status is JobStatus.RUNNING]
         skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
-        held = self._holding(decoding)
-        prompts = self._prompt_tokens_pending(latency_only=held)
+        all_prompts = self._prompt_tokens_pending()
+        latency_prompts = self._prompt_tokens_pending(latency_only=True) if self.hold_s else all_prompts
+        held = self._holding(decoding, throughput_waits=all_prompts > latency_prompts)
+        prompts = latency_prompts if held else all_prompts
         if held:
             self.held_steps += 1
             decoding = [j for j in decoding if j.priority == 0]  # throughput decodes wait with their prompts
@@ -280,12 +282,12 @@ class Scheduler:
                    if len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING
                    and not (latency_only and j.priority))
 
-    def _holding(self, decoding: list[Job]) -> bool:
+    def _holding(self, decoding: list[Job], throughput_waits: bool) -> bool:
         """True if throughput work waits this step (its prompts and its decodes): latency-critical jobs decode,
-        throughput jobs have prompt tokens to fill, and they have waited less than `hold_s` since the hold
-        began (at the bound, this step runs as without a hold and the next starts a new hold)."""
-        if not (self.hold_s and any(j.priority == 0 for j in decoding)
-                and self._prompt_tokens_pending() > self._prompt_tokens_pending(latency_only=True)):
+        throughput jobs have prompt tokens to fill (`throughput_waits`), and they have waited less than
+        `hold_s` since the hold began (at the bound, this step runs as without a hold and the next starts a
+        new hold)."""
+        if not (self.hold_s and throughput_waits and any(j.priority == 0 for j in decoding)):
             self._held_since = None
             return False
         now = time.monotonic()
