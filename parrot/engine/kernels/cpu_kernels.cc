@@ -516,13 +516,14 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   }, T <= kHotRows);
 }
 
-// The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): panels of 32 weight rows, taken
-// in turn.
+// The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): chunks of whole panels of weight
+// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn.
 template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t cols = 32 * std::max<int64_t>(1, N / (32 * threads * 4));
+  const int64_t panel = how == kFillAmxTiles ? 32 : 48;
+  const int64_t cols = panel * std::max<int64_t>(1, N / (panel * threads * 4));
 #if PARROT_AMX_BF16
   if (how == kFillAmxTiles) {
     thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
