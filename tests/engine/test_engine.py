@@ -449,6 +449,8 @@ def test_mixed_steps_of_a_wide_batch_keep_results(engine: LLMEngine) -> None:
     longest KV bucket) gives the tokens of two passes."""
     import threading
 
+    if not engine.runner.mixed:
+        pytest.skip("mixed steps need prefill attention reading the pages in place (the native CPU kernels)")
     shapes: list = []
     mixed_shape = engine.runner._mixed
 
