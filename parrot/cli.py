@@ -173,7 +173,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           decode_bursts=args.decode_bursts, throughput_hold_ms=args.throughput_hold_ms,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
-                          decode_attention=args.decode_attention, explicit=tuple(
+                          decode_attention=args.decode_attention, gc_freeze=not args.no_gc_freeze, explicit=tuple(
                               name for name, given in (
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -359,6 +359,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "(default: the model's context, at most 8192)")
     e.add_argument("--disable-precompile", action="store_true",
                    help="compile shapes lazily at serve time instead of before listening")
+    e.add_argument("--no-gc-freeze", action="store_true",
+                   help="keep the garbage collector walking every object of the warm process (default: once every "
+                        "shape is compiled, the heap's objects are frozen out of its full collections, ~200 ms "
+                        "pauses each)")
     e.add_argument("--layers-per-call", type=int, default=EngineConfig.layers_per_call, metavar="N",
                    help="decoder layers per compiled call (default %(default)s: each shape compiles one layer; "
                         "0: the whole model in one call, slower to compile)")

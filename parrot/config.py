@@ -91,6 +91,13 @@ class EngineConfig:
     # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
     # ModelRunner.mixed); otherwise, and when False, as two passes
     mixed_steps: bool = True
+    # once every serving shape is compiled, collect the garbage and freeze the heap's objects into the garbage
+    # collector's permanent generation (gc.freeze), so that its full collections no longer walk them: a warm
+    # engine holds ~240,000 tracked objects, and a full collection of them took ~200 ms on a 2-core EPYC,
+    # stalling every stream. `parrot serve` / `parrot engine` turn it on (--no-gc-freeze: off); off for a
+    # library engine, whose process may build and drop engines (a frozen object caught in a cycle is never
+    # collected)
+    gc_freeze: bool = False
     # devices one engine's model is split over (Megatron-style tensor parallelism, engine/tensor_parallel.py)
     tensor_parallel_size: int = 1
     # how O and down split: "megatron" (by input rows, one all-reduce), "exact" (by output columns, their

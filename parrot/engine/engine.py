@@ -131,13 +131,14 @@ class LLMEngine:
             return  # logged by the compiler; the step that needs the shape reports it
         if self._stop:  # shut down while compiling (the queue was dropped): nothing was warmed
             return
-        self.warmup_s = time.monotonic() - t0
-        self.warm_process_uptime_s = procinfo.uptime_s()
+        warmup_s, uptime_s = time.monotonic() - t0, procinfo.uptime_s()
+        frozen = procinfo.freeze_heap() if self.cfg.gc_freeze else 0
+        self.warmup_s, self.warm_process_uptime_s = warmup_s, uptime_s  # warm (and frozen) from here
         procinfo.release_free_memory()
         rss = procinfo.rss_bytes()
-        log.info("engine %s warm: %d shapes compiled in %.1f s (process up %.1f s), resident memory %.2f GB",
+        log.info("engine %s warm: %d shapes compiled in %.1f s (process up %.1f s), resident memory %.2f GB%s",
                  self.name, self.runner.compile_status()[1], self.warmup_s, self.warm_process_uptime_s or -1,
-                 (rss or 0) / 1e9)
+                 (rss or 0) / 1e9, f", {frozen} objects frozen for the garbage collector" if frozen else "")
 
     def shutdown(self) -> None:
         self._stop = True
@@ -330,7 +331,7 @@ class LLMEngine:
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.shapes.kv_buckets), "overlap": c.overlap,
                 "multi_step": r.multi_step, "decode_bursts": self.scheduler.burst_tokens,
-                "throughput_hold_ms": round(self.scheduler.hold_s * 1000),
+                "throughput_hold_ms": round(self.scheduler.hold_s * 1000), "gc_freeze": c.gc_freeze,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,

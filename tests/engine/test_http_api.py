@@ -654,6 +654,8 @@ def test_cli_engine_config() -> None:
     with pytest.raises(ParrotError, match="multiple of the page size"):
         engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1000"]))
     assert engine_config_from_args(build_parser().parse_args(["serve"])).throughput_hold_ms is None  # auto
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).gc_freeze  # servers freeze, once warm
+    assert not engine_config_from_args(build_parser().parse_args(["engine", "--no-gc-freeze"])).gc_freeze
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--throughput-hold-ms", "1000"]))
     assert cfg.throughput_hold_ms == 1000
     with pytest.raises(ParrotError, match="throughput_hold_ms"):
