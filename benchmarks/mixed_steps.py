@@ -35,7 +35,7 @@ from parrot.config import EngineConfig
 from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import load_model
-from parrot.engine.scheduler import AUTO_DECODE_BURSTS
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
 
 DATA = Path(__file__).resolve().parents[1] / "parrot" / "bench" / "data" / "gpl-3.0.txt"
@@ -94,7 +94,7 @@ def main() -> None:
                     help="prefill tokens in a step that decodes (--prefill-tokens-beside-decodes)")
     ap.add_argument("--bursts", type=int, default=AUTO_DECODE_BURSTS,
                     help="prompt tokens a step between decode bursts (--decode-bursts)")
-    ap.add_argument("--hold-ms", type=int, default=1000,
+    ap.add_argument("--hold-ms", type=int, default=AUTO_THROUGHPUT_HOLD_MS,
                     help="the longest the held mode's prompts wait at a time (--throughput-hold-ms)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/mixed_steps.json")

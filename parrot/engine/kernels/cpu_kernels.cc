@@ -522,10 +522,11 @@ template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t panel = how == kFillAmxTiles ? 32 : 48;
-  const int64_t cols = panel * std::max<int64_t>(1, N / (panel * threads * 4));
+  // about four chunks a thread, each of whole panels
+  auto chunk = [&](int64_t panel) { return panel * std::max<int64_t>(1, N / (panel * threads * 4)); };
 #if PARROT_AMX_BF16
   if (how == kFillAmxTiles) {
+    const int64_t cols = chunk(32);
     thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
     amxbf16::pack_x(x, T, K, packed);
     const uint16_t* xb = packed.data();
@@ -536,6 +537,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
   }
 #endif
 #if PARROT_AVX512_BF16
+  const int64_t cols = chunk(16 * avx512bf16::kPanels);
   thread_local aligned::vector<uint32_t> pairs;  // the caller's; helpers read it until every chunk is done
   avx512bf16::pack_x(x, T, K, pairs);
   const uint32_t* xb = pairs.data();
@@ -543,7 +545,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
     avx512bf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
   });
 #else
-  (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N, (void)cols;
+  (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N, (void)chunk;
 #endif
 }
 
