@@ -233,6 +233,34 @@ def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool
     np.testing.assert_array_equal(mixed[30:105], whole[45:120])
 
 
+@pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
+def test_prefill_in_bf16_over_long_contexts() -> None:
+    """Keys that every query of a block sees in full go in runs of several blocks (the outputs kept in
+    registers between them): a 420-token prompt, filled whole and in three chunks (so a token's keys fall
+    in runs in one fill and block by block in another), gives every token the same bits, and the bf16-rounded
+    attention."""
+    rng = np.random.default_rng(8)
+    kc, vc = _cache(rng, 32, "bfloat16")
+    n, pages = 420, list(range(3, 30))
+    q = rng.standard_normal((n, HKV * G, D)).astype(np.float32)
+    whole, _ = _prefill([SequenceSlice(list(range(n)), 0, pages)], q, kc, vc, 512, 1, 27, 512, True)
+    for a, b in ((0, 100), (100, 261), (261, n)):
+        part, _ = _prefill([SequenceSlice(list(range(b - a)), a, pages[: -(-b // PS)])], q[a:b], kc, vc, 256, 1,
+                           27, 256, True)
+        np.testing.assert_array_equal(part[: b - a], whole[a:b])
+
+    def bf16(x: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64)[:, pages]
+            .reshape(HKV, -1, D) for c in (kc, vc))
+    for j in (130, 255, 300, 419):  # tokens whose keys went in runs
+        for h in range(HKV * G):
+            s = k[h // G, : j + 1] @ bf16(q[j, h] * D**-0.5)
+            e = np.exp(s - s.max())
+            np.testing.assert_allclose(whole[j, h], bf16(e) @ v[h // G, : j + 1] / e.sum(), atol=2e-3)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_prefill_bits_do_not_depend_on_the_page_size(bf16: bool) -> None:
     """The same keys in pages of 8 positions instead of 16 (so a block's keys span pages and are gathered, not

@@ -679,6 +679,23 @@ inline V vexp(V x) {
 }
 inline __m256 exp256(__m256 x) { return vexp(x); }
 
+// vexp of N vectors, each step applied to all of them before the next: the same operations per lane, with N
+// independent chains interleaved in program order (one vexp after another leaves its chain's latency bare).
+template <int N, typename V>
+inline void vexp_n(V x[N]) {
+  const V hi = vset(x[0], 88.3762626647949f), lo = vset(x[0], -87.3365447504019f);
+  V in[N], fx[N], y[N];
+  for (int i = 0; i < N; ++i) in[i] = x[i], x[i] = vclamp(x[i], lo, hi);
+  for (int i = 0; i < N; ++i) fx[i] = vround(vmul(x[i], vset(x[i], sampler::kLog2e)));
+  for (int i = 0; i < N; ++i) x[i] = vfnma(fx[i], vset(x[i], sampler::kLn2Hi), x[i]);
+  for (int i = 0; i < N; ++i) x[i] = vfnma(fx[i], vset(x[i], sampler::kLn2Lo), x[i]);
+  for (int i = 0; i < N; ++i) y[i] = vset(x[i], sampler::kExpPoly[0]);
+  for (int j = 1; j < 6; ++j)
+    for (int i = 0; i < N; ++i) y[i] = vfma(y[i], x[i], vset(x[i], sampler::kExpPoly[j]));
+  for (int i = 0; i < N; ++i) y[i] = vfma(y[i], vmul(x[i], x[i]), vadd(x[i], vset(x[i], 1.0f)));
+  for (int i = 0; i < N; ++i) x[i] = vzero_below(vmul(y[i], vpow2(fx[i])), in[i], lo);
+}
+
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -993,6 +1010,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
   thread_local aligned::vector<uint32_t> qpairs;
   bf16 = bf16 && PARROT_DECODE_BF16 && std::is_same_v<KV, uint16_t> && D % 64 == 0 && D <= 256;
   uint32_t* qp2 = nullptr;
+  (void)qp2;  // read only where the CPU has AVX512-BF16
 #if PARROT_DECODE_BF16
   if (bf16) {
     qpairs.resize(B * H * D / 2);

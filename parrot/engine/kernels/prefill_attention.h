@@ -319,6 +319,10 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 //    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
 //    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
 // Every lane's arithmetic is its own row's, so every row's result is still its own.
+// Blocks of keys that every row of a task sees in full go in runs of this many: a group's outputs stay in
+// registers over the run's value products (prefill_run_pairs).
+constexpr int kRunBlocks = 4;
+
 struct PrefillPairs {
   aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
   aligned::vector<uint32_t> qt;  // [groups][D/2][16]: the same, 16 rows in the lanes
@@ -327,7 +331,11 @@ struct PrefillPairs {
   aligned::vector<float> corr;   // [rows padded to 16]
   aligned::vector<int32_t> act;  // rows with keys in the block
   alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
-  aligned::vector<uint16_t> kz;  // [16][D]: a half block's keys where they are not one run in a page
+  aligned::vector<uint16_t> kz;  // [kRunBlocks][32][D]: half blocks' keys where they are not one run in a page
+  // a run of kRunBlocks blocks (prefill_run_pairs): each block's values, one group's probabilities and factors
+  aligned::vector<aligned::Bits512> vr;  // [kRunBlocks][16][D/16]
+  aligned::vector<uint32_t> ptr;         // [kRunBlocks][16 pairs][16 rows]
+  alignas(64) float corrr[kRunBlocks * 16];
 };
 
 // sc[16 h + k][lane] = the scores of keys 16 h + k for the 16 rows of `qt`; key k of half h at keys[h] + k D.
@@ -351,8 +359,10 @@ inline void prefill_lane_scores(const uint32_t* qt, const uint16_t* const keys[2
 }
 
 // One block's softmax update for the 16 rows of group `g` (rows r0 ..): their running max and sum, their
-// rescaling factor, their probabilities as bfloat16 pairs; returns the lanes with keys in the block.
-inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_t g, int64_t l0) {
+// rescaling factor (to `corr_out`, 16 floats), their probabilities as bfloat16 pairs (to `pt_out`, [16
+// pairs][16 rows]); returns the lanes with keys in the block.
+inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_t g, int64_t l0, float* corr_out,
+                                      uint32_t* pt_out) {
   const int64_t r0 = 16 * g;
   const __m512 lim = _mm512_sub_ps(_mm512_loadu_ps(s.lim.data() + r0), _mm512_set1_ps(static_cast<float>(l0)));
   const __mmask16 active = _mm512_cmp_ps_mask(lim, _mm512_setzero_ps(), _CMP_GE_OQ);
@@ -371,25 +381,31 @@ inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_
     }
   }
   // exp(old - max) where the max grew (exp(-inf) = 0 on a row's first block), else exactly 1
-  alignas(64) float o[16], m[16], c[16];
-  _mm512_store_ps(o, old), _mm512_store_ps(m, mx);
-  for (int r = 0; r < 16; ++r) c[r] = m[r] == o[r] ? 1.f : std::exp(o[r] - m[r]);
-  const __m512 corr = _mm512_load_ps(c);
+  __m512 corr = _mm512_set1_ps(1.f);
+  if (_mm512_cmp_ps_mask(mx, old, _CMP_NEQ_UQ)) {
+    alignas(64) float o[16], m[16], c[16];
+    _mm512_store_ps(o, old), _mm512_store_ps(m, mx);
+    for (int r = 0; r < 16; ++r) c[r] = m[r] == o[r] ? 1.f : std::exp(o[r] - m[r]);
+    corr = _mm512_load_ps(c);
+  }
   // e = exp(score - max) (0 for -inf scores; rows past the block have no other), summed in reduce_add's tree
   __m512 e[32];
-  for (int k = 0; k < 32; ++k) e[k] = vexp(_mm512_sub_ps(_mm512_load_ps(t.sc + 16 * k), mx));
+  for (int k0 = 0; k0 < 32; k0 += 8) {
+    for (int k = k0; k < k0 + 8; ++k) e[k] = _mm512_sub_ps(_mm512_load_ps(t.sc + 16 * k), mx);
+    vexp_n<8>(e + k0);
+  }
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_add_ps(e[i], e[i + 16]);
   for (int i = 0; i < 8; ++i) a[i] = _mm512_add_ps(a[i + 8], a[i]);
   for (int i = 0; i < 4; ++i) a[i] = _mm512_add_ps(a[i + 4], a[i]);
   const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
   _mm512_storeu_ps(s.m.data() + r0, mx);
-  _mm512_storeu_ps(t.corr.data() + r0, corr);
+  _mm512_storeu_ps(corr_out, corr);
   _mm512_storeu_ps(s.l.data() + r0, _mm512_fmadd_ps(_mm512_loadu_ps(s.l.data() + r0), corr, sum));
   // probabilities: dword r of pair p = (e[2p][r], e[2p + 1][r]) in bfloat16
   const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512i* pt = reinterpret_cast<__m512i*>(t.pt.data()) + g * 16;
+  __m512i* pt = reinterpret_cast<__m512i*>(pt_out);
   for (int p = 0; p < 16; ++p)
     _mm512_store_si512(pt + p, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(e[2 * p + 1], e[2 * p])));
   return active;
@@ -415,6 +431,24 @@ inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
 }
 
+// dst = src * inv for one row of D outputs (a multiple of 64), whose dimensions the value products leave
+// permuted within each 64 (bf16_dim): output vector w of a 64 takes its lanes from accumulators 2 (w / 2)
+// and 2 (w / 2) + 1.
+inline void prefill_store_row(const float* src, float* dst, int64_t D, float inv) {
+  // dimension 32 h + r of half h is lane 4 (r / 8) + r % 4 of accumulator 2 h + (r % 8) / 4 (permutex2var's
+  // index: + 16 for the second)
+  alignas(64) static constexpr int32_t kLanes[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                                                        {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+  const __m512i idx[2] = {_mm512_load_si512(kLanes[0]), _mm512_load_si512(kLanes[1])};
+  const __m512 f = _mm512_set1_ps(inv);
+  for (int64_t d0 = 0; d0 < D; d0 += 64)
+    for (int w = 0; w < 4; ++w) {
+      const float* a = src + d0 + 32 * (w / 2);
+      const __m512 x = _mm512_permutex2var_ps(_mm512_loadu_ps(a), idx[w % 2], _mm512_loadu_ps(a + 16));
+      _mm512_storeu_ps(dst + d0 + 16 * w, _mm512_mul_ps(x, f));
+    }
+}
+
 // The task's scaled queries in 16-row groups, transposed (rows past `rows` zero).
 inline void prefill_lane_queries(PrefillPairs& t, int64_t rows, int64_t D) {
   const int64_t pairs = D / 2, groups = (rows + 15) / 16;
@@ -429,23 +463,24 @@ inline void prefill_lane_queries(PrefillPairs& t, int64_t rows, int64_t D) {
     }
 }
 
-inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
-                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
-                                int64_t cnt) {
+// A block's values interleaved by pairs of keys into `vp` ([16][D/16]) and its two halves' keys (`keys`:
+// in place where a half's 16 keys are one run of rows in a page, else copied to `kz`, [32][D], zeros past
+// the block's end).
+inline void prefill_block_operands(const uint16_t* kb, const uint16_t* vb, const int32_t* pages, int64_t npos,
+                                   int64_t S, int64_t D, int64_t l0, int64_t cnt, aligned::Bits512* vp,
+                                   uint16_t* kz, const uint16_t* keys[2]) {
   const uint16_t* krow[32];
   const uint16_t* vrow[32];
   block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
-  const int64_t pairs = D / 2, nv = D / 16, groups = (rows + 15) / 16;
+  const int64_t nv = D / 16;
   for (int p = 0; p < 16; ++p)
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       const __m512i a = vrow[2 * p] ? _mm512_loadu_si512(vrow[2 * p] + d0) : _mm512_setzero_si512();
       const __m512i b = vrow[2 * p + 1] ? _mm512_loadu_si512(vrow[2 * p + 1] + d0) : _mm512_setzero_si512();
-      __m512i* v = reinterpret_cast<__m512i*>(t.vp.data()) + p * nv + d0 / 16;
+      __m512i* v = reinterpret_cast<__m512i*>(vp) + p * nv + d0 / 16;
       _mm512_store_si512(v, _mm512_unpacklo_epi16(a, b));
       _mm512_store_si512(v + 1, _mm512_unpackhi_epi16(a, b));
     }
-  // each half block's 16 keys: one run of rows in a page, or copied (zeros past the block's end)
-  const uint16_t* keys[2];
   for (int h = 0; h < 2; ++h) {
     bool run = krow[16 * h] != nullptr;
     for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
@@ -453,21 +488,33 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
       keys[h] = krow[16 * h];
       continue;
     }
-    uint16_t* dst = t.kz.data() + h * 16 * D;
+    uint16_t* dst = kz + h * 16 * D;
     for (int k = 0; k < 16; ++k)
       for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
     keys[h] = dst;
   }
+}
+
+inline void prefill_group_scores(const uint32_t* qt, const uint16_t* const keys[2], int64_t D, float* sc) {
+  switch (D) {
+    case 64: prefill_lane_scores<64>(qt, keys, sc); break;
+    case 128: prefill_lane_scores<128>(qt, keys, sc); break;
+    case 192: prefill_lane_scores<192>(qt, keys, sc); break;
+    default: prefill_lane_scores<256>(qt, keys, sc); break;
+  }
+}
+
+inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
+                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
+                                int64_t cnt) {
+  const uint16_t* keys[2];
+  prefill_block_operands(kb, vb, pages, npos, S, D, l0, cnt, t.vp.data(), t.kz.data(), keys);
+  const int64_t pairs = D / 2, groups = (rows + 15) / 16;
   int nact = 0;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint32_t* qt = t.qt.data() + g * pairs * 16;
-    switch (D) {
-      case 64: prefill_lane_scores<64>(qt, keys, t.sc); break;
-      case 128: prefill_lane_scores<128>(qt, keys, t.sc); break;
-      case 192: prefill_lane_scores<192>(qt, keys, t.sc); break;
-      default: prefill_lane_scores<256>(qt, keys, t.sc); break;
-    }
-    for (__mmask16 act = prefill_lane_softmax(s, t, g, l0); act; act &= act - 1)
+    prefill_group_scores(t.qt.data() + g * pairs * 16, keys, D, t.sc);
+    for (__mmask16 act = prefill_lane_softmax(s, t, g, l0, t.corr.data() + 16 * g, t.pt.data() + g * 256); act;
+         act &= act - 1)
       t.act[nact++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
   }
   for (int64_t d0 = 0; d0 < D; d0 += 64)
@@ -480,6 +527,66 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
         default: prefill_pair_values<1>(s, t, rw, D, d0); break;
       }
     }
+}
+
+// R rows of one group (`rows`, all seeing every key of the run), dimensions d0 .. d0 + 63: o = o c + P V for
+// each of the run's blocks in turn, the outputs kept in registers between blocks. The same steps as
+// prefill_pair_values block after block (o c skipped where c is exactly 1), so the same bits.
+template <int R>
+inline void prefill_run_values(PrefillScratch& s, const PrefillPairs& t, const int32_t* rows, int64_t D, int64_t d0) {
+  const int64_t nv = D / 16;
+  __m512 o[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) o[r][c] = _mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c);
+  for (int i = 0; i < kRunBlocks; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const float corr = t.corrr[16 * i + (rows[r] & 15)];
+      if (corr != 1.f)
+        for (int c = 0; c < 4; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(corr));
+    }
+    const uint32_t* pt = t.ptr.data() + 256 * i;
+    const __m512i* vi = reinterpret_cast<const __m512i*>(t.vr.data()) + i * 16 * nv + d0 / 16;
+    for (int p = 0; p < 16; ++p) {
+      const __m512i* v = vi + p * nv;
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pt[16 * p + (rows[r] & 15)])));
+        for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_load_si512(v + c)), w);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
+}
+
+// kRunBlocks whole blocks from key l0 that every row with a query sees in full (no mask, no past-the-end
+// keys): per group, the blocks' scores and softmax updates in order, then their value products at once.
+// The arithmetic of every row is prefill_block_pairs' over the same blocks.
+inline void prefill_run_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
+                              const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0) {
+  const uint16_t* keys[kRunBlocks][2];
+  for (int i = 0; i < kRunBlocks; ++i)
+    prefill_block_operands(kb, vb, pages, npos, S, D, l0 + 32 * i, 32, t.vr.data() + i * D, t.kz.data() + i * 32 * D,
+                           keys[i]);
+  const int64_t pairs = D / 2, groups = (rows + 15) / 16;
+  for (int64_t g = 0; g < groups; ++g) {
+    __mmask16 act = 0;
+    for (int i = 0; i < kRunBlocks; ++i) {
+      prefill_group_scores(t.qt.data() + g * pairs * 16, keys[i], D, t.sc);
+      act = prefill_lane_softmax(s, t, g, l0 + 32 * i, t.corrr + 16 * i, t.ptr.data() + 256 * i);
+    }
+    int n = 0;  // the group's rows with a query (every key of the run is theirs)
+    for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+      for (int a = 0; a < n; a += 4) {
+        const int32_t* rw = t.act.data() + a;
+        switch (std::min(4, n - a)) {
+          case 4: prefill_run_values<4>(s, t, rw, D, d0); break;
+          case 3: prefill_run_values<3>(s, t, rw, D, d0); break;
+          case 2: prefill_run_values<2>(s, t, rw, D, d0); break;
+          default: prefill_run_values<1>(s, t, rw, D, d0); break;
+        }
+      }
+  }
 }
 #endif
 
@@ -496,6 +603,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
   const bool bf16_cache = std::is_same<KV, uint16_t>::value;
   const bool tiles = PARROT_AMX_BF16 && bf16 == kFillAmxTiles && bf16_cache && D % 32 == 0;
   const bool pairs = PARROT_AVX512_BF16 && bf16 == kFillAvx512 && bf16_cache && D % 64 == 0 && D <= 256;
+  (void)tiles, (void)pairs;  // read only where the CPU has those codes
   const int64_t group = H / Hkv, head_stride = P * S * D;
   const int64_t per = std::max<int64_t>(1, std::min(kPrefillQueries, kPrefillMaxRows / group));
   const int64_t blocks = (Q + per - 1) / per;
@@ -522,7 +630,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     thread_local PrefillScratch s;
     s.size(rows, D, W);
     const int64_t o0 = off[b], len = lens[b], npos = maxp * S;
-    float last = -1.f;
+    float last = -1.f, first = INFINITY;  // the largest and smallest position seen by a row with a query
     for (int64_t j = 0; j < nq; ++j) {
       const bool real = idx[j] >= 0 && idx[j] < T;
       const float lim = real ? static_cast<float>(std::min<int64_t>(pos[idx[j]], len - 1) - o0) : -1.f;
@@ -535,6 +643,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         }
       }
       last = std::max(last, lim);
+      if (real) first = std::min(first, lim);
     }
     const KV* kb = kc + g * head_stride;
     const KV* vb = vc + g * head_stride;
@@ -559,13 +668,20 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     if (pairs) {
       thread_local PrefillPairs t;
       const int64_t padded = (rows + 15) / 16 * 16;  // the rows of the last group past `rows` see no key
-      t.qp.resize(rows * D / 2), t.vp.resize(D), t.kz.resize(32 * D), t.pt.resize(padded * 16), t.corr.resize(padded), t.act.resize(rows);
+      t.qp.resize(rows * D / 2), t.vp.resize(D), t.kz.resize(kRunBlocks * 32 * D), t.pt.resize(padded * 16);
+      t.corr.resize(padded), t.act.resize(rows), t.vr.resize(kRunBlocks * D), t.ptr.resize(kRunBlocks * 256);
       s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
       for (int64_t i = 0; i < rows * D; i += 32)
         _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
       prefill_lane_queries(t, rows, D);
-      for (int64_t l0 = 0; l0 < end; l0 += 32)
+      // runs of whole blocks while every row with a query sees all their keys, then block by block
+      int64_t l0 = 0;
+      const int64_t seen = first >= 0.f && first <= last ? std::min<int64_t>(end, static_cast<int64_t>(first) + 1) : 0;
+      for (; l0 + 32 * kRunBlocks <= seen; l0 += 32 * kRunBlocks)
+        prefill_run_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
+                          bt + b * maxp, npos, S, l0);
+      for (; l0 < end; l0 += 32)
         prefill_block_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
                             bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
     } else
@@ -578,10 +694,12 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         const int64_t row = j * group + h;
         const float inv = s.l[row] > 0.f ? 1.f / s.l[row] : 0.f;
         float* dst = out + (static_cast<int64_t>(idx[j]) * H + g * group + h) * D;
+#if PARROT_AVX512_BF16
         if (pairs) {  // the dimensions permuted within each 64 (bf16_dim)
-          for (int64_t i = 0; i < D; ++i) dst[bf16_dim_of(i)] = s.o[row * D + i] * inv;
+          prefill_store_row(s.o.data() + row * D, dst, D, inv);
           continue;
         }
+#endif
         for (int64_t i = 0; i < D; ++i) dst[i] = s.o[row * D + i] * inv;
       }
     }
