@@ -47,6 +47,18 @@ struct Lanes<8> {
     return _mm_cvtss_f32(m);
   }
   static float sum(V v) { return hsum(v); }
+  static V max2(V a, V b) { return _mm256_max_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  // per lane: s where k <= lim, else -inf
+  static V keep_le(V s, float k, V lim) {
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, _mm256_cmp_ps(_mm256_set1_ps(k), lim, _CMP_LE_OQ));
+  }
+  static unsigned ge(V a, float b) { return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(b), _CMP_GE_OQ))); }
+  static constexpr unsigned kAll = 0xFF;
+  // exp(old - mx), exactly 1 where they are equal (rows whose max did not grow, and rows with no keys yet)
+  static V rescale(V old, V mx) {
+    return _mm256_blendv_ps(vexp(_mm256_sub_ps(old, mx)), _mm256_set1_ps(1.f), _mm256_cmp_ps(old, mx, _CMP_EQ_OQ));
+  }
 };
 
 #ifdef __AVX512F__
@@ -66,6 +78,16 @@ struct Lanes<16> {
   }
   static float max(V v) { return _mm512_reduce_max_ps(v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V max2(V a, V b) { return _mm512_max_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V keep_le(V s, float k, V lim) {
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmp_ps_mask(_mm512_set1_ps(k), lim, _CMP_LE_OQ), s);
+  }
+  static unsigned ge(V a, float b) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(b), _CMP_GE_OQ); }
+  static constexpr unsigned kAll = 0xFFFF;
+  static V rescale(V old, V mx) {
+    return _mm512_mask_mov_ps(vexp(_mm512_sub_ps(old, mx)), _mm512_cmp_ps_mask(old, mx, _CMP_EQ_OQ), _mm512_set1_ps(1.f));
+  }
 };
 constexpr int kPrefillLanes = 16;
 #else
@@ -175,6 +197,179 @@ void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, cons
         _mm256_storeu_ps(o, acc);
       }
     }
+  }
+}
+
+// ---- float32 with W query rows in the lanes ---------------------------------------------------------
+// The float32 path for heads whose D is a multiple of kF32Dims<W> (the tiles above take the rest). Keys go
+// in blocks of 32 positions, widened once per block to float32 rows ([32][D], zeros past the block's end)
+// for every group of W rows:
+//  * scores: per group, 8 (AVX2) or 16 keys at a time, one query vector ([D][W], transposed once per task)
+//    times each key's element broadcast, summed over D in order;
+//  * softmax: vertical over the block's 32 key vectors (a row's max, its rescaling exp and its exps as
+//    lanes, the sum as a fixed tree), so no reductions across lanes and no scalar exps;
+//  * values: R rows x NV vectors of dimensions in registers, one value vector loaded for the R rows, each
+//    row's probability broadcast; blocks that every row of the task sees in full go in runs of kRunBlocks,
+//    the outputs staying in registers from one block to the next.
+// Each lane is one row, and every row's arithmetic (block boundaries from key 0, sums in a fixed order) is
+// its own, so a token's result is still the same bits in any chunk or batch.
+constexpr int kRunBlocks = 4;  // whole blocks whose values go in one pass (here and in the bf16 pairs below)
+
+template <int W>
+struct F32Shape;
+template <>
+struct F32Shape<8> {  // 16 ymm registers: 8 score accumulators; values 4 rows x 2 vectors
+  static constexpr int kKeys = 8, kRows = 4, kVecs = 2;
+};
+template <>
+struct F32Shape<16> {  // 32 zmm registers: 16 score accumulators; values 4 rows x 4 vectors
+  static constexpr int kKeys = 16, kRows = 4, kVecs = 4;
+};
+template <int W>
+constexpr int64_t kF32Dims = W * F32Shape<W>::kVecs;  // D must be a multiple of this
+
+struct PrefillF32 {
+  aligned::vector<float> qt;  // [groups][D][W]: scaled queries, W rows in the lanes
+  aligned::vector<float> kw, vw;  // [kRunBlocks][32][D]: keys and values of the blocks in hand, float32
+  aligned::vector<float> pr;  // [kRunBlocks][32][W]: one group's probabilities
+  aligned::vector<float> corr;  // [kRunBlocks][W]: its rescaling factors
+  aligned::vector<int32_t> act;
+  alignas(64) float sc[32 * 16];  // one group's scores, [key][W]
+};
+
+// keys and values l0 .. l0 + cnt - 1 of a KV head as float32 rows (zeros after cnt)
+template <typename KV>
+inline void f32_block(const KV* kb, const KV* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t D,
+                      int64_t l0, int64_t cnt, float* kw, float* vw) {
+  for (int i = 0; i < 32; ++i) {
+    const int64_t l = l0 + i;
+    float* kd = kw + i * D;
+    float* vd = vw + i * D;
+    if (i >= cnt || l >= npos) {
+      std::fill(kd, kd + D, 0.f), std::fill(vd, vd + D, 0.f);
+      continue;
+    }
+    const int64_t at = (static_cast<int64_t>(pages[l / S]) * S + l % S) * D;
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(kd + d, load8(kb + at + d)), _mm256_storeu_ps(vd + d, load8(vb + at + d));
+  }
+}
+
+template <int W>
+inline void f32_scores(const float* qt, const float* kw, int64_t D, float* sc) {
+  using L = Lanes<W>;
+  constexpr int KS = F32Shape<W>::kKeys;
+  for (int k0 = 0; k0 < 32; k0 += KS) {
+    typename L::V acc[KS];
+    for (int k = 0; k < KS; ++k) acc[k] = L::zero();
+    const float* kr = kw + k0 * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const typename L::V q = L::load(qt + d * W);
+      for (int k = 0; k < KS; ++k) acc[k] = L::fma(q, L::set1(kr[k * D + d]), acc[k]);
+    }
+    for (int k = 0; k < KS; ++k) L::store(sc + (k0 + k) * W, acc[k]);
+  }
+}
+
+// One block's softmax update for the W rows of group g (rows r0 ..): running max and sum, rescaling factor
+// (`corr`), probabilities ([32][W] to `pr`); returns the lanes with keys in the block.
+template <int W>
+inline unsigned f32_softmax(PrefillScratch& s, PrefillF32& t, int64_t r0, int64_t l0, float* corr_out, float* pr) {
+  using L = Lanes<W>;
+  using V = typename L::V;
+  const V lim = L::sub(L::load(s.lim.data() + r0), L::set1(static_cast<float>(l0)));
+  const unsigned active = L::ge(lim, 0.f);
+  if (!active) return 0;
+  const V old = L::load(s.m.data() + r0);
+  V mx = old;
+  if (L::ge(lim, 31.f) == L::kAll) {  // every row sees the whole block
+    for (int k = 0; k < 32; ++k) mx = L::max2(mx, L::load(t.sc + k * W));
+  } else {
+    for (int k = 0; k < 32; ++k) {
+      const V v = L::keep_le(L::load(t.sc + k * W), static_cast<float>(k), lim);
+      L::store(t.sc + k * W, v);
+      mx = L::max2(mx, v);
+    }
+  }
+  const V corr = L::rescale(old, mx);
+  V e[32];
+  for (int k0 = 0; k0 < 32; k0 += 8) {
+    for (int k = k0; k < k0 + 8; ++k) e[k] = L::sub(L::load(t.sc + k * W), mx);
+    vexp_n<8>(e + k0);
+  }
+  for (int k = 0; k < 32; ++k) L::store(pr + k * W, e[k]);
+  for (int i = 0; i < 16; ++i) e[i] = L::add(e[i], e[i + 16]);
+  for (int i = 0; i < 8; ++i) e[i] = L::add(e[i], e[i + 8]);
+  for (int i = 0; i < 4; ++i) e[i] = L::add(e[i], e[i + 4]);
+  const V sum = L::add(L::add(e[0], e[2]), L::add(e[1], e[3]));
+  L::store(s.m.data() + r0, mx);
+  L::store(corr_out, corr);
+  L::store(s.l.data() + r0, L::fma(L::load(s.l.data() + r0), corr, sum));
+  return active;
+}
+
+// R rows (`rows`) of one group, dimensions d0 ..: o = o c + P V for nb blocks in turn (keys < cnt in the
+// last), the outputs in registers throughout; a rescale by exactly 1 is skipped.
+template <int W, int R>
+inline void f32_values(PrefillScratch& s, const PrefillF32& t, const int32_t* rows, int nb, int64_t cnt, int64_t D,
+                       int64_t d0) {
+  using L = Lanes<W>;
+  constexpr int NV = F32Shape<W>::kVecs;
+  typename L::V o[R][NV];
+  int lane[R];
+  for (int r = 0; r < R; ++r) {
+    lane[r] = rows[r] % W;
+    for (int c = 0; c < NV; ++c) o[r][c] = L::load(s.o.data() + rows[r] * D + d0 + c * W);
+  }
+  for (int i = 0; i < nb; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const float c = t.corr[i * W + lane[r]];
+      if (c != 1.f)
+        for (int v = 0; v < NV; ++v) o[r][v] = L::mul(o[r][v], L::set1(c));
+    }
+    const float* pr = t.pr.data() + i * 32 * W;
+    const float* vw = t.vw.data() + i * 32 * D + d0;
+    const int64_t kn = i == nb - 1 ? cnt : 32;
+    for (int64_t k = 0; k < kn; ++k) {
+      typename L::V vv[NV];
+      for (int c = 0; c < NV; ++c) vv[c] = L::load(vw + k * D + c * W);
+      for (int r = 0; r < R; ++r) {
+        const typename L::V p = L::set1(pr[k * W + lane[r]]);
+        for (int c = 0; c < NV; ++c) o[r][c] = L::fma(p, vv[c], o[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) L::store(s.o.data() + rows[r] * D + d0 + c * W, o[r][c]);
+}
+
+// nb blocks from key l0 (nb > 1 only where every row with a query sees all their keys; keys < cnt in the last)
+template <int W, typename KV>
+void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const KV* kb, const KV* vb,
+                const int32_t* pages, int64_t npos, int64_t S, int64_t l0, int nb, int64_t cnt) {
+  constexpr int R = F32Shape<W>::kRows;
+  for (int i = 0; i < nb; ++i)
+    f32_block(kb, vb, pages, npos, S, D, l0 + 32 * i, i == nb - 1 ? cnt : 32, t.kw.data() + i * 32 * D,
+              t.vw.data() + i * 32 * D);
+  const int64_t groups = (rows + W - 1) / W;
+  for (int64_t g = 0; g < groups; ++g) {
+    unsigned act = 0;
+    for (int i = 0; i < nb; ++i) {
+      f32_scores<W>(t.qt.data() + g * D * W, t.kw.data() + i * 32 * D, D, t.sc);
+      const unsigned a = f32_softmax<W>(s, t, g * W, l0 + 32 * i, t.corr.data() + i * W, t.pr.data() + i * 32 * W);
+      if (i == 0) act = a;
+    }
+    int n = 0;  // rows with keys in the first block (with nb > 1: in every block)
+    for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(g * W + __builtin_ctz(act));
+    for (int64_t d0 = 0; d0 < D; d0 += kF32Dims<W>)
+      for (int a = 0; a < n; a += R) {
+        const int32_t* rw = t.act.data() + a;
+        switch (std::min(R, n - a)) {
+          case 4: f32_values<W, 4>(s, t, rw, nb, cnt, D, d0); break;
+          case 3: f32_values<W, 3>(s, t, rw, nb, cnt, D, d0); break;
+          case 2: f32_values<W, 2>(s, t, rw, nb, cnt, D, d0); break;
+          default: f32_values<W, 1>(s, t, rw, nb, cnt, D, d0); break;
+        }
+      }
   }
 }
 
@@ -319,10 +514,6 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 //    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
 //    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
 // Every lane's arithmetic is its own row's, so every row's result is still its own.
-// Blocks of keys that every row of a task sees in full go in runs of this many: a group's outputs stay in
-// registers over the run's value products (prefill_run_pairs).
-constexpr int kRunBlocks = 4;
-
 struct PrefillPairs {
   aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
   aligned::vector<uint32_t> qt;  // [groups][D/2][16]: the same, 16 rows in the lanes
@@ -604,6 +795,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
   const bool tiles = PARROT_AMX_BF16 && bf16 == kFillAmxTiles && bf16_cache && D % 32 == 0;
   const bool pairs = PARROT_AVX512_BF16 && bf16 == kFillAvx512 && bf16_cache && D % 64 == 0 && D <= 256;
   (void)tiles, (void)pairs;  // read only where the CPU has those codes
+  const bool f32lanes = !tiles && !pairs && D % kF32Dims<W> == 0;  // float32, W rows in the lanes
   const int64_t group = H / Hkv, head_stride = P * S * D;
   const int64_t per = std::max<int64_t>(1, std::min(kPrefillQueries, kPrefillMaxRows / group));
   const int64_t blocks = (Q + per - 1) / per;
@@ -648,6 +840,8 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     const KV* kb = kc + g * head_stride;
     const KV* vb = vc + g * head_stride;
     const int64_t end = std::min<int64_t>(static_cast<int64_t>(last) + 1, npos);
+    // keys 0 .. seen - 1 are seen by every row with a query: whole blocks there go in runs (f32 and pairs)
+    const int64_t seen = first >= 0.f && first <= last ? std::min<int64_t>(end, static_cast<int64_t>(first) + 1) : 0;
 #if PARROT_AMX_BF16
     if (tiles) {
       thread_local PrefillTiles t;
@@ -675,9 +869,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
       prefill_lane_queries(t, rows, D);
-      // runs of whole blocks while every row with a query sees all their keys, then block by block
       int64_t l0 = 0;
-      const int64_t seen = first >= 0.f && first <= last ? std::min<int64_t>(end, static_cast<int64_t>(first) + 1) : 0;
       for (; l0 + 32 * kRunBlocks <= seen; l0 += 32 * kRunBlocks)
         prefill_run_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
                           bt + b * maxp, npos, S, l0);
@@ -686,8 +878,26 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
                             bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
     } else
 #endif
-    for (int64_t l0 = 0; l0 < end; l0 += W)
-      prefill_tile<W>(s, rows, D, kb, vb, bt + b * maxp, npos, S, l0, std::min<int64_t>(W, end - l0));
+    if (f32lanes) {
+      thread_local PrefillF32 t;
+      const int64_t groups = (rows + W - 1) / W, padded = groups * W;  // rows past `rows` see no key
+      t.qt.resize(groups * D * W), t.kw.resize(kRunBlocks * 32 * D), t.vw.resize(kRunBlocks * 32 * D);
+      t.pr.resize(kRunBlocks * 32 * W), t.corr.resize(kRunBlocks * W), t.act.resize(padded);
+      s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
+      for (int64_t g = 0; g < groups; ++g)
+        for (int w = 0; w < W; ++w) {
+          const int64_t row = g * W + w;
+          for (int64_t d = 0; d < D; ++d) t.qt[(g * D + d) * W + w] = row < rows ? s.qs[row * D + d] : 0.f;
+        }
+      int64_t l0 = 0;
+      for (; l0 + 32 * kRunBlocks <= seen; l0 += 32 * kRunBlocks)
+        f32_blocks<W>(s, t, rows, D, kb, vb, bt + b * maxp, npos, S, l0, kRunBlocks, 32);
+      for (; l0 < end; l0 += 32)
+        f32_blocks<W>(s, t, rows, D, kb, vb, bt + b * maxp, npos, S, l0, 1, std::min<int64_t>(32, end - l0));
+    } else {
+      for (int64_t l0 = 0; l0 < end; l0 += W)
+        prefill_tile<W>(s, rows, D, kb, vb, bt + b * maxp, npos, S, l0, std::min<int64_t>(W, end - l0));
+    }
     for (int64_t j = 0; j < nq; ++j) {
       if (idx[j] < 0 || idx[j] >= T) continue;
       for (int64_t h = 0; h < group; ++h) {
