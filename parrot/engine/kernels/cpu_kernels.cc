@@ -550,8 +550,10 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
 }
 
 // Rows with fill[t] > 0 in bfloat16 where fill_path() says so, the others exactly: each kind gathered into
-// a call of its own, so a row's result depends only on its own kind. The trailing rows with fill[t] < 0 (a
-// step's padding: the batch's tokens come first) are not computed: their outputs are zeros.
+// a call of its own, so a row's result depends only on its own kind. The AVX2 code takes both kinds
+// exactly, and still apart: its sums are the same row by row only up to kSmallT rows, so a mixed step's
+// generated rows must not share a call with its prompt rows. The trailing rows with fill[t] < 0 (a step's
+// padding: the batch's tokens come first) are not computed: their outputs are zeros.
 template <int Q>
 void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
                           const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs) {
@@ -560,18 +562,19 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
   if (T < all) std::memset(y + T * N, 0, sizeof(float) * (all - T) * N);
   if (T == 0) return;
   const int how = fill_path();
+  const bool avx2 = !PARROT_VNNI || g_path.load(std::memory_order_relaxed) == kPathAvx2;
   int64_t nfill = 0;
-  if (how != kFillExact)
+  if (how != kFillExact || avx2)
     for (int64_t t = 0; t < T; ++t) nfill += fill[t] > 0;
-  if (nfill == T) return qmatmul_bf16<Q>(pool, how, x, T, K, w, y, N);
-  if (nfill > 0) {
+  if (nfill == T && how != kFillExact) return qmatmul_bf16<Q>(pool, how, x, T, K, w, y, N);
+  if (nfill > 0 && nfill < T) {
     thread_local aligned::vector<float> xs, ys;
     for (int kind = 0; kind < 2; ++kind) {
       const int64_t n = kind ? nfill : T - nfill;
       xs.resize(n * K), ys.resize(n * N);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
-      if (kind) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
+      if (kind && how != kFillExact) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
       else qmatmul<Q>(pool, xs.data(), n, K, w, wt, ys.data(), N, limbs);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
