@@ -5,19 +5,19 @@
 // parallel_chunks from there).
 //
 // Work. One task is (sequence, KV head, block of up to kQueries query tokens); its rows are the block's
-// (query, group head) pairs, so a key is read once for all of them. Keys go in tiles of W positions
-// (W = the vector width: 16 on AVX-512, 8 on AVX2), only up to the last position some row may see:
-// a causal chunk does half the work of the padded square XLA's masked product computes.
-//  * scores: the tile's keys transposed to [D][W] (widened from bfloat16 on the way), eight rows at a
-//    time, one broadcast query element and one multiply-add per dimension and row;
-//  * softmax: per row, the running maximum and sum are updated by the tile's masked scores;
-//  * values: four rows x up to 4W dimensions in registers, one value row loaded for the four.
+// (query, group head) pairs, so a key is read once for all of them, and only up to the last position some
+// row may see: a causal chunk does half the work of the padded square XLA's masked product computes.
+// Three variants, each below with its own notes:
+//  * float32 (`f32_blocks`; AVX2-only CPUs, and the exact mode everywhere): blocks of 32 keys, W query
+//    rows in a vector's lanes (W = 16 on AVX-512, 8 on AVX2);
+//  * bfloat16 products over a bfloat16 cache, in the engine's bfloat16 mode: on AMX's bf16 tiles
+//    (`prefill_block_tiles`) or with AVX512-BF16's pair products (`prefill_block_pairs`);
+//  * heads whose D the float32 variant does not take: tiles of W keys (`prefill_tile`): the tile's keys
+//    transposed to [D][W], eight rows at a time; per row, the running maximum and sum updated by the
+//    tile's masked scores; values four rows x up to 4W dimensions in registers.
 //
-// Prompts of the engine's bfloat16 mode over a bfloat16 cache take the same structure on AMX's bf16 tiles
-// where the CPU has them (`prefill_block_tiles` below: queries and probabilities rounded to bfloat16).
-//
-// Numbers. Every row's arithmetic depends only on its own query, position and keys: tiles start at key 0
-// and go in order, a tile past the row's position leaves it alone, masked scores give exact zeros. So a
+// Numbers. Every row's arithmetic depends only on its own query, position and keys: blocks (tiles) start at
+// key 0 and go in order, one past the row's position leaves it alone, masked scores give exact zeros. So a
 // token's attention is the same bits whatever chunk or batch it is filled in, and whichever other rows
 // share its task.
 #pragma once
@@ -215,15 +215,28 @@ void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, cons
 // its own, so a token's result is still the same bits in any chunk or batch.
 constexpr int kRunBlocks = 4;  // whole blocks whose values go in one pass (here and in the bf16 pairs below)
 
+// f(std::integral_constant<int, R>, rows + a) for n rows taken four at a time (R = 4, the last 1-4)
+template <typename F>
+inline void in_fours(const int32_t* rows, int n, F&& f) {
+  for (int a = 0; a < n; a += 4) {
+    switch (std::min(4, n - a)) {
+      case 4: f(std::integral_constant<int, 4>{}, rows + a); break;
+      case 3: f(std::integral_constant<int, 3>{}, rows + a); break;
+      case 2: f(std::integral_constant<int, 2>{}, rows + a); break;
+      default: f(std::integral_constant<int, 1>{}, rows + a); break;
+    }
+  }
+}
+
 template <int W>
 struct F32Shape;
 template <>
-struct F32Shape<8> {  // 16 ymm registers: 8 score accumulators; values 4 rows x 2 vectors
-  static constexpr int kKeys = 8, kRows = 4, kVecs = 2;
+struct F32Shape<8> {  // 16 ymm registers: 8 score accumulators; values (four rows at a time) x 2 vectors
+  static constexpr int kKeys = 8, kVecs = 2;
 };
 template <>
-struct F32Shape<16> {  // 32 zmm registers: 16 score accumulators; values 4 rows x 4 vectors
-  static constexpr int kKeys = 16, kRows = 4, kVecs = 4;
+struct F32Shape<16> {  // 32 zmm registers: 16 score accumulators; values (four rows at a time) x 4 vectors
+  static constexpr int kKeys = 16, kVecs = 4;
 };
 template <int W>
 constexpr int64_t kF32Dims = W * F32Shape<W>::kVecs;  // D must be a multiple of this
@@ -346,7 +359,6 @@ inline void f32_values(PrefillScratch& s, const PrefillF32& t, const int32_t* ro
 template <int W, typename KV>
 void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const KV* kb, const KV* vb,
                 const int32_t* pages, int64_t npos, int64_t S, int64_t l0, int nb, int64_t cnt) {
-  constexpr int R = F32Shape<W>::kRows;
   for (int i = 0; i < nb; ++i)
     f32_block(kb, vb, pages, npos, S, D, l0 + 32 * i, i == nb - 1 ? cnt : 32, t.kw.data() + i * 32 * D,
               t.vw.data() + i * 32 * D);
@@ -361,15 +373,7 @@ void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const
     int n = 0;  // rows with keys in the first block (with nb > 1: in every block)
     for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(g * W + __builtin_ctz(act));
     for (int64_t d0 = 0; d0 < D; d0 += kF32Dims<W>)
-      for (int a = 0; a < n; a += R) {
-        const int32_t* rw = t.act.data() + a;
-        switch (std::min(R, n - a)) {
-          case 4: f32_values<W, 4>(s, t, rw, nb, cnt, D, d0); break;
-          case 3: f32_values<W, 3>(s, t, rw, nb, cnt, D, d0); break;
-          case 2: f32_values<W, 2>(s, t, rw, nb, cnt, D, d0); break;
-          default: f32_values<W, 1>(s, t, rw, nb, cnt, D, d0); break;
-        }
-      }
+      in_fours(t.act.data(), n, [&](auto r, const int32_t* rw) { f32_values<W, decltype(r)::value>(s, t, rw, nb, cnt, D, d0); });
   }
 }
 
@@ -709,15 +713,7 @@ inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows
       t.act[nact++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
   }
   for (int64_t d0 = 0; d0 < D; d0 += 64)
-    for (int a = 0; a < nact; a += 4) {
-      const int32_t* rw = t.act.data() + a;
-      switch (std::min(4, nact - a)) {
-        case 4: prefill_pair_values<4>(s, t, rw, D, d0); break;
-        case 3: prefill_pair_values<3>(s, t, rw, D, d0); break;
-        case 2: prefill_pair_values<2>(s, t, rw, D, d0); break;
-        default: prefill_pair_values<1>(s, t, rw, D, d0); break;
-      }
-    }
+    in_fours(t.act.data(), nact, [&](auto r, const int32_t* rw) { prefill_pair_values<decltype(r)::value>(s, t, rw, D, d0); });
 }
 
 // R rows of one group (`rows`, all seeing every key of the run), dimensions d0 .. d0 + 63: o = o c + P V for
@@ -768,15 +764,7 @@ inline void prefill_run_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, 
     int n = 0;  // the group's rows with a query (every key of the run is theirs)
     for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
     for (int64_t d0 = 0; d0 < D; d0 += 64)
-      for (int a = 0; a < n; a += 4) {
-        const int32_t* rw = t.act.data() + a;
-        switch (std::min(4, n - a)) {
-          case 4: prefill_run_values<4>(s, t, rw, D, d0); break;
-          case 3: prefill_run_values<3>(s, t, rw, D, d0); break;
-          case 2: prefill_run_values<2>(s, t, rw, D, d0); break;
-          default: prefill_run_values<1>(s, t, rw, D, d0); break;
-        }
-      }
+      in_fours(t.act.data(), n, [&](auto r, const int32_t* rw) { prefill_run_values<decltype(r)::value>(s, t, rw, D, d0); });
   }
 }
 #endif
