@@ -326,6 +326,35 @@ def test_prefill_in_bf16_at_wider_heads(d: int) -> None:
     np.testing.assert_allclose(whole, want, atol=2e-3)
 
 
+@pytest.mark.parametrize("d", [80, 128])
+def test_prefill_in_float32_at_other_head_sizes(d: int) -> None:
+    """float32 over a float32 cache at head sizes other than 64 (128: Llama-3's; 80: rows in the lanes
+    with the AVX2 code, tiles of keys with AVX-512's), a 300-token prompt (runs of whole blocks): the exact
+    attention, and the same bits filled whole or in two chunks."""
+    hkv, g, ps, n = 2, 2, 16, 300
+    rng = np.random.default_rng(9)
+    kc, vc = (jnp.asarray(rng.standard_normal((hkv, 20, ps, d)).astype(np.float32)) for _ in range(2))
+    pages = list(range(1, 20))
+    q = rng.standard_normal((n, hkv * g, d)).astype(np.float32)
+
+    def fill(start: int, stop: int, q_len: int) -> np.ndarray:
+        qq = jnp.pad(jnp.asarray(q[start:stop]), ((0, q_len - (stop - start)), (0, 0), (0, 0)))
+        seq = SequenceSlice(list(range(stop - start)), start, pages[: -(-stop // ps)])
+        batch = jax.device_put(build_batch([seq], ps, num_tokens=q_len, batch_size=1, q_len=q_len, num_pages=19))
+        attend = jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, d**-0.5))
+        return np.asarray(attend(qq, kc, vc, batch))[: stop - start]
+
+    whole = fill(0, n, 512)
+    np.testing.assert_array_equal(fill(0, 130, 256), whole[:130])
+    np.testing.assert_array_equal(fill(130, n, 256), whole[130:])
+    k, v = (np.asarray(c, np.float64)[:, pages].reshape(hkv, -1, d) for c in (kc, vc))
+    for j in (0, 131, 299):
+        for h in range(hkv * g):
+            sc = k[h // g, : j + 1] @ (q[j, h].astype(np.float64) * d**-0.5)
+            e = np.exp(sc - sc.max())
+            np.testing.assert_allclose(whole[j, h], e @ v[h // g, : j + 1] / e.sum(), rtol=1e-4, atol=1e-5)
+
+
 def test_turned_off_gives_the_reason() -> None:
     code = "from parrot.engine import kernels; print(kernels.available(), kernels.unavailable_reason())"
     env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu")
