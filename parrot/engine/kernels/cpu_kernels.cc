@@ -668,22 +668,9 @@ inline __m512 vpow2(__m512 fx) {
 inline __m512 vzero_below(__m512 y, __m512 x, __m512 lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
 #endif
 
-template <typename V>
-inline V vexp(V x) {
-  const V hi = vset(x, 88.3762626647949f), lo = vset(x, -87.3365447504019f), in = x;
-  x = vclamp(x, lo, hi);
-  const V fx = vround(vmul(x, vset(x, sampler::kLog2e)));  // the constants and polynomial of sampler.h's exp
-  x = vfnma(fx, vset(x, sampler::kLn2Hi), x);
-  x = vfnma(fx, vset(x, sampler::kLn2Lo), x);
-  V y = vset(x, sampler::kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) y = vfma(y, x, vset(x, sampler::kExpPoly[i]));
-  y = vfma(y, vmul(x, x), vadd(x, vset(x, 1.0f)));
-  return vzero_below(vmul(y, vpow2(fx)), in, lo);
-}
-inline __m256 exp256(__m256 x) { return vexp(x); }
-
-// vexp of N vectors, each step applied to all of them before the next: the same operations per lane, with N
-// independent chains interleaved in program order (one vexp after another leaves its chain's latency bare).
+// exp of N vectors in place (the constants and polynomial of sampler.h's exp), each step applied to all of
+// them before the next: N independent chains interleaved in program order (one exp after another leaves
+// its chain's latency bare). The operations per lane do not depend on N.
 template <int N, typename V>
 inline void vexp_n(V x[N]) {
   const V hi = vset(x[0], 88.3762626647949f), lo = vset(x[0], -87.3365447504019f);
@@ -698,6 +685,13 @@ inline void vexp_n(V x[N]) {
   for (int i = 0; i < N; ++i) y[i] = vfma(y[i], vmul(x[i], x[i]), vadd(x[i], vset(x[i], 1.0f)));
   for (int i = 0; i < N; ++i) x[i] = vzero_below(vmul(y[i], vpow2(fx[i])), in[i], lo);
 }
+
+template <typename V>
+inline V vexp(V x) {
+  vexp_n<1>(&x);
+  return x;
+}
+inline __m256 exp256(__m256 x) { return vexp(x); }
 
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

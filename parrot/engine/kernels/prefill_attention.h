@@ -11,7 +11,7 @@
 //  * float32 (`f32_blocks`; AVX2-only CPUs, and the exact mode everywhere): blocks of 32 keys, W query
 //    rows in a vector's lanes (W = 16 on AVX-512, 8 on AVX2);
 //  * bfloat16 products over a bfloat16 cache, in the engine's bfloat16 mode: on AMX's bf16 tiles
-//    (`prefill_block_tiles`) or with AVX512-BF16's pair products (`prefill_block_pairs`);
+//    (`prefill_block_tiles`) or with AVX512-BF16's pair products (`prefill_pair_blocks`);
 //  * heads whose D the float32 variant does not take: tiles of W keys (`prefill_tile`): the tile's keys
 //    transposed to [D][W], eight rows at a time; per row, the running maximum and sum updated by the
 //    tile's masked scores; values four rows x up to 4W dimensions in registers.
@@ -514,23 +514,19 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 //    the order GCC's `_mm512_reduce_add_ps` sums a vector's lanes (key t with t + 16, then 8, 4, 2, 1
 //    apart), which the tiles' variant uses; the rescaling exp of a row whose max grew is the scalar
 //    std::exp, as there. So the two variants give the same bits;
-//  * the probabilities, as bfloat16 pairs of keys per row ([group][16 pairs][16 rows]), multiply the values
+//  * the probabilities, as bfloat16 pairs of keys per row ([16 pairs][16 rows] per block), multiply the values
 //    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
 //    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
 // Every lane's arithmetic is its own row's, so every row's result is still its own.
 struct PrefillPairs {
   aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
   aligned::vector<uint32_t> qt;  // [groups][D/2][16]: the same, 16 rows in the lanes
-  aligned::vector<aligned::Bits512> vp;  // [16][D/16]: key pairs interleaved per dimension
-  aligned::vector<uint32_t> pt;  // [groups][16 pairs of keys][16 rows]: probabilities
-  aligned::vector<float> corr;   // [rows padded to 16]
-  aligned::vector<int32_t> act;  // rows with keys in the block
+  aligned::vector<aligned::Bits512> vp;  // [kRunBlocks][16][D/16]: each block's key pairs interleaved per dimension
+  aligned::vector<uint32_t> pt;  // [kRunBlocks][16 pairs of keys][16 rows]: one group's probabilities
+  alignas(64) float corr[kRunBlocks * 16];  // its rescaling factors
+  aligned::vector<int32_t> act;  // rows with keys in the first block
   alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
   aligned::vector<uint16_t> kz;  // [kRunBlocks][32][D]: half blocks' keys where they are not one run in a page
-  // a run of kRunBlocks blocks (prefill_run_pairs): each block's values, one group's probabilities and factors
-  aligned::vector<aligned::Bits512> vr;  // [kRunBlocks][16][D/16]
-  aligned::vector<uint32_t> ptr;         // [kRunBlocks][16 pairs][16 rows]
-  alignas(64) float corrr[kRunBlocks * 16];
 };
 
 // sc[16 h + k][lane] = the scores of keys 16 h + k for the 16 rows of `qt`; key k of half h at keys[h] + k D.
@@ -606,26 +602,6 @@ inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_
   return active;
 }
 
-template <int R>
-inline void prefill_pair_values(PrefillScratch& s, PrefillPairs& t, const int32_t* rows, int64_t D, int64_t d0) {
-  const int64_t nv = D / 16;
-  __m512 o[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c)
-      o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c), _mm512_set1_ps(t.corr[rows[r]]));
-  const uint32_t* pr[R];
-  for (int r = 0; r < R; ++r) pr[r] = t.pt.data() + (rows[r] >> 4) * 256 + (rows[r] & 15);
-  for (int p = 0; p < 16; ++p) {
-    const __m512i* v = reinterpret_cast<const __m512i*>(t.vp.data()) + p * nv + d0 / 16;
-    for (int r = 0; r < R; ++r) {
-      const __m512bh w = as_bh(_mm512_set1_epi32(static_cast<int>(pr[r][16 * p])));
-      for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], as_bh(_mm512_load_si512(v + c)), w);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
-}
-
 // dst = src * inv for one row of D outputs (a multiple of 64), whose dimensions the value products leave
 // permuted within each 64 (bf16_dim): output vector w of a 64 takes its lanes from accumulators 2 (w / 2)
 // and 2 (w / 2) + 1.
@@ -699,40 +675,23 @@ inline void prefill_group_scores(const uint32_t* qt, const uint16_t* const keys[
   }
 }
 
-inline void prefill_block_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
-                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
-                                int64_t cnt) {
-  const uint16_t* keys[2];
-  prefill_block_operands(kb, vb, pages, npos, S, D, l0, cnt, t.vp.data(), t.kz.data(), keys);
-  const int64_t pairs = D / 2, groups = (rows + 15) / 16;
-  int nact = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    prefill_group_scores(t.qt.data() + g * pairs * 16, keys, D, t.sc);
-    for (__mmask16 act = prefill_lane_softmax(s, t, g, l0, t.corr.data() + 16 * g, t.pt.data() + g * 256); act;
-         act &= act - 1)
-      t.act[nact++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
-  }
-  for (int64_t d0 = 0; d0 < D; d0 += 64)
-    in_fours(t.act.data(), nact, [&](auto r, const int32_t* rw) { prefill_pair_values<decltype(r)::value>(s, t, rw, D, d0); });
-}
-
-// R rows of one group (`rows`, all seeing every key of the run), dimensions d0 .. d0 + 63: o = o c + P V for
-// each of the run's blocks in turn, the outputs kept in registers between blocks. The same steps as
-// prefill_pair_values block after block (o c skipped where c is exactly 1), so the same bits.
+// R rows of one group (`rows`), dimensions d0 .. d0 + 63: o = o c + P V for nb blocks in turn, the outputs
+// kept in registers between blocks (o c skipped where c is exactly 1: the same bits).
 template <int R>
-inline void prefill_run_values(PrefillScratch& s, const PrefillPairs& t, const int32_t* rows, int64_t D, int64_t d0) {
+inline void prefill_pair_values(PrefillScratch& s, const PrefillPairs& t, const int32_t* rows, int nb, int64_t D,
+                                int64_t d0) {
   const int64_t nv = D / 16;
   __m512 o[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) o[r][c] = _mm512_loadu_ps(s.o.data() + rows[r] * D + d0 + 16 * c);
-  for (int i = 0; i < kRunBlocks; ++i) {
+  for (int i = 0; i < nb; ++i) {
     for (int r = 0; r < R; ++r) {
-      const float corr = t.corrr[16 * i + (rows[r] & 15)];
+      const float corr = t.corr[16 * i + (rows[r] & 15)];
       if (corr != 1.f)
         for (int c = 0; c < 4; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(corr));
     }
-    const uint32_t* pt = t.ptr.data() + 256 * i;
-    const __m512i* vi = reinterpret_cast<const __m512i*>(t.vr.data()) + i * 16 * nv + d0 / 16;
+    const uint32_t* pt = t.pt.data() + 256 * i;
+    const __m512i* vi = reinterpret_cast<const __m512i*>(t.vp.data()) + i * 16 * nv + d0 / 16;
     for (int p = 0; p < 16; ++p) {
       const __m512i* v = vi + p * nv;
       for (int r = 0; r < R; ++r) {
@@ -745,26 +704,27 @@ inline void prefill_run_values(PrefillScratch& s, const PrefillPairs& t, const i
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s.o.data() + rows[r] * D + d0 + 16 * c, o[r][c]);
 }
 
-// kRunBlocks whole blocks from key l0 that every row with a query sees in full (no mask, no past-the-end
-// keys): per group, the blocks' scores and softmax updates in order, then their value products at once.
-// The arithmetic of every row is prefill_block_pairs' over the same blocks.
-inline void prefill_run_pairs(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
-                              const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0) {
+// nb blocks from key l0 (nb > 1 only where every row with a query sees all their keys; keys < cnt in the
+// last): per group, the blocks' scores and softmax updates in order, then their value products at once.
+inline void prefill_pair_blocks(PrefillScratch& s, PrefillPairs& t, int64_t rows, int64_t D, const uint16_t* kb,
+                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0, int nb,
+                                int64_t cnt) {
   const uint16_t* keys[kRunBlocks][2];
-  for (int i = 0; i < kRunBlocks; ++i)
-    prefill_block_operands(kb, vb, pages, npos, S, D, l0 + 32 * i, 32, t.vr.data() + i * D, t.kz.data() + i * 32 * D,
-                           keys[i]);
+  for (int i = 0; i < nb; ++i)
+    prefill_block_operands(kb, vb, pages, npos, S, D, l0 + 32 * i, i == nb - 1 ? cnt : 32, t.vp.data() + i * D,
+                           t.kz.data() + i * 32 * D, keys[i]);
   const int64_t pairs = D / 2, groups = (rows + 15) / 16;
   for (int64_t g = 0; g < groups; ++g) {
     __mmask16 act = 0;
-    for (int i = 0; i < kRunBlocks; ++i) {
+    for (int i = 0; i < nb; ++i) {
       prefill_group_scores(t.qt.data() + g * pairs * 16, keys[i], D, t.sc);
-      act = prefill_lane_softmax(s, t, g, l0 + 32 * i, t.corrr + 16 * i, t.ptr.data() + 256 * i);
+      const __mmask16 a = prefill_lane_softmax(s, t, g, l0 + 32 * i, t.corr + 16 * i, t.pt.data() + 256 * i);
+      if (i == 0) act = a;
     }
-    int n = 0;  // the group's rows with a query (every key of the run is theirs)
+    int n = 0;  // rows with keys in the first block (with nb > 1: in every block)
     for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
     for (int64_t d0 = 0; d0 < D; d0 += 64)
-      in_fours(t.act.data(), n, [&](auto r, const int32_t* rw) { prefill_run_values<decltype(r)::value>(s, t, rw, D, d0); });
+      in_fours(t.act.data(), n, [&](auto r, const int32_t* rw) { prefill_pair_values<decltype(r)::value>(s, t, rw, nb, D, d0); });
   }
 }
 #endif
@@ -850,20 +810,20 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     if (pairs) {
       thread_local PrefillPairs t;
       const int64_t padded = (rows + 15) / 16 * 16;  // the rows of the last group past `rows` see no key
-      t.qp.resize(rows * D / 2), t.vp.resize(D), t.kz.resize(kRunBlocks * 32 * D), t.pt.resize(padded * 16);
-      t.corr.resize(padded), t.act.resize(rows), t.vr.resize(kRunBlocks * D), t.ptr.resize(kRunBlocks * 256);
+      t.qp.resize(rows * D / 2), t.vp.resize(kRunBlocks * D), t.kz.resize(kRunBlocks * 32 * D);
+      t.pt.resize(kRunBlocks * 256), t.act.resize(padded);
       s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
       for (int64_t i = 0; i < rows * D; i += 32)
         _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
       prefill_lane_queries(t, rows, D);
       int64_t l0 = 0;
+      const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb);
+      const uint16_t* vh = reinterpret_cast<const uint16_t*>(vb);
       for (; l0 + 32 * kRunBlocks <= seen; l0 += 32 * kRunBlocks)
-        prefill_run_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
-                          bt + b * maxp, npos, S, l0);
+        prefill_pair_blocks(s, t, rows, D, kh, vh, bt + b * maxp, npos, S, l0, kRunBlocks, 32);
       for (; l0 < end; l0 += 32)
-        prefill_block_pairs(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
-                            bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
+        prefill_pair_blocks(s, t, rows, D, kh, vh, bt + b * maxp, npos, S, l0, 1, std::min<int64_t>(32, end - l0));
     } else
 #endif
     if (f32lanes) {
