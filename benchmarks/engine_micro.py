@@ -7,8 +7,11 @@ machine's floors measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -37,8 +40,11 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
-          matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on") -> str:
+          matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on",
+          huge: str = "on") -> str:
     name = f"weights_{weights}"
+    if huge != "on":
+        name += f"_huge_pages_{huge}"
     if matmul != "auto":
         name += f"_matmul_{matmul}"
     if cpu_attention != "auto":
@@ -57,7 +63,7 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
-        team: list[str] | None = None) -> dict:
+        team: list[str] | None = None, huge: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -71,15 +77,16 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
-            for att in attention:
+            for att, hp in itertools.product(attention, huge or ["on"]):
                 t = time.perf_counter()
                 cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
                                    layers_per_call=lpc or None, weights=w, decode_attention=att)
-                r = ModelRunner(loaded.config, loaded.weights, cfg)
+                with _huge_pages(hp):
+                    r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
                 for mm, ca, ti, tm in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
                                                         tiled or ["on"], team or ["on"]):
-                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm)
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp)
                     runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm)
                     load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
@@ -175,6 +182,21 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     kernels.use_tiled(True)
     kernels.use_team(default_team)
     return result
+
+
+@contextlib.contextmanager
+def _huge_pages(setting: str) -> Iterator[None]:
+    """A runner's weights placed in huge pages (on, the default) or in XLA's own memory (off), see
+    parrot.engine.huge_pages."""
+    before = os.environ.get("PARROT_HUGE_PAGES")
+    os.environ["PARROT_HUGE_PAGES"] = "0" if setting == "off" else before or "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PARROT_HUGE_PAGES"]
+        else:
+            os.environ["PARROT_HUGE_PAGES"] = before
 
 
 def _matmul_path(name: str, select: object) -> str | None:
@@ -288,11 +310,14 @@ def main() -> None:
     ap.add_argument("--cpu-team", nargs="+", default=["on"], choices=["on", "off"],
                     help="a decode step's kernel calls on the kernels' own hot helper threads (on) or XLA's "
                          "intra-op pool (off), side by side in one process")
+    ap.add_argument("--huge-pages", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the weights in transparent huge pages (on) or in XLA's own memory (off), side by side "
+                         "in one process (a runner each; the same results)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team)
+            args.cpu_tiled, args.cpu_team, args.huge_pages)
     print(report(r))
     write_json(r, args.out)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from parrot.engine import quant
+from parrot.engine import huge_pages, quant
 from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.precision import exact
@@ -61,13 +61,15 @@ Weight = np.ndarray | QuantizedTensor
 
 
 def _param(w: np.ndarray | jax.Array, dtype: jnp.dtype) -> nnx.Param:
+    if isinstance(w, np.ndarray):
+        return nnx.Param(huge_pages.put(w.astype(jnp.dtype(dtype), copy=False)))
     return nnx.Param(jnp.asarray(w, dtype=dtype))
 
 
 def _matrix(w: Weight, dtype: jnp.dtype) -> tuple[nnx.Param, str | None]:
     """A projection's parameter and its block type (None: a float matrix in `dtype`)."""
     if isinstance(w, QuantizedTensor):
-        return nnx.Param(jnp.asarray(w.data)), w.qtype
+        return nnx.Param(huge_pages.put(w.data)), w.qtype
     return _param(w, dtype), None
 
 
@@ -78,7 +80,7 @@ def _tiled(w: Weight, enabled: bool) -> nnx.Param | None:
     if not enabled or not isinstance(w, QuantizedTensor):
         return None
     tiled = quant.tiled(w)
-    return None if tiled is None else nnx.Param(jnp.asarray(tiled))
+    return None if tiled is None else nnx.Param(huge_pages.put(tiled))
 
 
 def _value(p: nnx.Param | None) -> jax.Array | None:
