@@ -41,8 +41,10 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
           matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on",
-          huge: str = "on") -> str:
+          huge: str = "on", avx2_int8: str = "on") -> str:
     name = f"weights_{weights}"
+    if avx2_int8 != "on":
+        name += f"_avx2_int8_{avx2_int8}"
     if huge != "on":
         name += f"_huge_pages_{huge}"
     if matmul != "auto":
@@ -63,7 +65,7 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
-        team: list[str] | None = None, huge: list[str] | None = None) -> dict:
+        team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -73,7 +75,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # call the same FFI target; kernels.use_matmul switches the code behind it before each call)
     matmul: dict[str, str] = {}
     cpu_att: dict[str, str] = {}  # decode attention's products on a CPU: auto, bf16 (where it can) or f32
-    switches: dict[str, tuple[str, str]] = {}  # the tiled weights' reading and the kernels' team: on or off
+    # the tiled weights' reading, the kernels' team and the AVX2 code's integer generated rows: on or off
+    switches: dict[str, tuple[str, str, str]] = {}
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
@@ -84,10 +87,10 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                 with _huge_pages(hp):
                     r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
-                for mm, ca, ti, tm in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
-                                                        tiled or ["on"], team or ["on"]):
-                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp)
-                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm)
+                for mm, ca, ti, tm, ai in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
+                                                            tiled or ["on"], team or ["on"], avx2_int8 or ["on"]):
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai)
+                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai)
                     load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
     default_fills = kernels.bf16_fills() is not None
@@ -103,6 +106,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_decode_bf16(default_decode_bf16 if cpu_att[name] == "auto" else cpu_att[name] == "bf16")
             kernels.use_tiled(switches[name][0] == "on")
             kernels.use_team(switches[name][1] == "on")
+            kernels.use_avx2_int8(switches[name][2] == "on")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -181,6 +185,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     kernels.use_decode_bf16(default_decode_bf16)
     kernels.use_tiled(True)
     kernels.use_team(default_team)
+    kernels.use_avx2_int8(True)
     return result
 
 
@@ -310,6 +315,9 @@ def main() -> None:
     ap.add_argument("--cpu-team", nargs="+", default=["on"], choices=["on", "off"],
                     help="a decode step's kernel calls on the kernels' own hot helper threads (on) or XLA's "
                          "intra-op pool (off), side by side in one process")
+    ap.add_argument("--cpu-avx2-int8", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the AVX2 code's generated rows on 2 limbs in integer sums from the tiled weights (on: the "
+                         "VNNI code's bits) or in float32 (off), side by side in one process")
     ap.add_argument("--huge-pages", nargs="+", default=["on"], choices=["on", "off"],
                     help="the weights in transparent huge pages (on) or in XLA's own memory (off), side by side "
                          "in one process (a runner each; the same results)")
@@ -317,7 +325,7 @@ def main() -> None:
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team, args.huge_pages)
+            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8)
     print(report(r))
     write_json(r, args.out)
 

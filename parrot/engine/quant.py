@@ -65,9 +65,10 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def tiled(w: QuantizedTensor) -> np.ndarray | None:
-    """The matrix's copy laid out for the native VNNI code's lanes (kernels.tile_rows), which `linear`'s
-    products of few rows read instead of `w.data` (the same results in less time: no transposes or
-    gathers per block); None where the kernels or their VNNI code are not available."""
+    """The matrix's copy laid out for the native integer codes' lanes (kernels.tile_rows), which `linear`'s
+    products of generated rows read instead of `w.data` (VNNI's: the same results in less time, no
+    transposes or gathers per block; the AVX2 code's on 2 limbs: the VNNI code's results); None where the
+    kernels are not available."""
     return kernels.tile_rows(w.data, w.qtype, w.data.shape[1] // BLOCK_BYTES[w.qtype] * 32)
 
 
@@ -110,7 +111,7 @@ def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.flo
     `dtype` is bfloat16, the native path multiplies prompt rows in bfloat16 (AMX's bf16 tiles or AVX512-BF16
     where the CPU has them), and generated rows with activations to 15 bits (2 limbs); other dtypes multiply
     every row exactly. The native path skips the trailing padding rows (zeros). `tiled`: the matrix's copy
-    for the VNNI code (kernels.tile_rows), read by the native products of few rows."""
+    for the integer codes (kernels.tile_rows), read by the native products of generated rows."""
     t, k = x.shape
     if t <= KERNEL_MAX_ROWS and kernels.available():
         bf16 = jnp.dtype(dtype) == jnp.bfloat16

@@ -236,11 +236,19 @@ class ModelRunner:
                                                        and cfg.num_heads // cfg.num_kv_heads >= 4)
         self.decode_kernel = (wanted and self.kv_dtype == jnp.bfloat16 and self.mesh is None
                               and gpu_attention.available())
+        # the dtype quantized products are asked in (quant.linear's `dtype`): the prefill dtype, but bfloat16 on a
+        # CPU in the default mode without bf16 products as well: its native kernels then multiply prompt rows
+        # exactly (they have no bf16 code there) and generated rows on 2 limbs, the integer sums every CPU's
+        # kernels give them bit for bit (the AVX2 code's from vpmaddubsw, kernels/avx2_int8.h)
+        self.qdtype = prefill_dtype
+        if (not (ecfg.dtype or dtype) and prefill_dtype == jnp.float32 and jax.default_backend() == "cpu"
+                and kernels.available()):
+            self.qdtype = jnp.dtype(jnp.bfloat16)
         if self.mesh is None:
-            model = Llama(cfg, weights, self.dtype, self.act_dtype, prefill_dtype, decode_kernel=self.decode_kernel)
+            model = Llama(cfg, weights, self.dtype, self.act_dtype, self.qdtype, decode_kernel=self.decode_kernel)
         else:  # built on the host, then placed on the mesh shard by shard
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                model = Llama(mcfg, weights, self.dtype, self.act_dtype, prefill_dtype, self.tp, self.tp_exact)
+                model = Llama(mcfg, weights, self.dtype, self.act_dtype, self.qdtype, self.tp, self.tp_exact)
         del weights
         # multi-step decode loops run the layers as a loop (one layer's code per executable) where they can
         self._layer_loop = (LayerLoop.of(model, self.kv_storage_dtype)
@@ -436,6 +444,14 @@ class ModelRunner:
         """How prompt rows are multiplied in bfloat16 (`kernels.bf16_fills`), None where this engine fills
         prompts exactly (float32 mode, or no bf16 code on this CPU)."""
         return kernels.bf16_fills() if self.prefill_dtype == jnp.bfloat16 else None
+
+    @property
+    def generated_row_limbs(self) -> int | None:
+        """The activations' limbs of generated rows' quantized products on the native kernels: 2 (15 bits below
+        each block's largest: the default mode), 3 (23 bits: the float32 mode), None where XLA multiplies."""
+        if jax.default_backend() != "cpu" or not kernels.available():
+            return None
+        return 2 if self.qdtype == jnp.bfloat16 else 3
 
     @property
     def decode_attention_bf16(self) -> bool:

@@ -249,7 +249,7 @@ def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_pat
     row's result the same alone and in any batch (VNNI in token groups of 16; AMX: VNNI up to 16 rows, the
     tiles above)."""
     if native_path == "avx2":
-        pytest.skip("the AVX2 code is exact: it has no limbs")
+        pytest.skip("the AVX2 code takes 2 limbs from the tiled copy only (test_avx2_code_puts_generated_rows...)")
     q = quant.quantize(_random(576, 80), qtype)
     x = np.random.default_rng(11).standard_normal((70, 576)).astype(np.float32)
     d = jnp.asarray(q.data)
@@ -273,7 +273,7 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
     zero and a NaN makes its row NaN, in either token group, and every other row is the same bits as alone
     (where the weight-rows-in-lanes code computes it)."""
     if native_path == "avx2":
-        pytest.skip("the AVX2 code is exact: it has no limbs")
+        pytest.skip("the AVX2 code takes 2 limbs from the tiled copy only (test_avx2_code_puts_generated_rows...)")
     q = quant.quantize(_random(96, 40), qtype)
     x = np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32)
     x[0, :32] = 1e-35
@@ -296,11 +296,13 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
     """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
     row the bits its GGUF rows give: any number of rows (tiled below 64, tokens in lanes from there), a
     last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
-    activations."""
+    activations. (The AVX2 code puts generated rows on 2 limbs only from the tiled copy: the next test.)"""
+    if native_path == "avx2" and limbs == 2:
+        pytest.skip("the AVX2 code's 2 limbs read the tiled copy only (test_avx2_code_puts_generated_rows...)")
     q = quant.quantize(_random(576, 200), qtype)
     tiled = quant.tiled(q)
     if tiled is None:
-        pytest.skip("this CPU (or this build) has no VNNI code")
+        pytest.skip("the native kernels are not available")
     assert tiled.nbytes == q.data.nbytes + (16 - 200 % 16) * q.data.shape[1]  # the last tile padded to 16 rows
     d, t = jnp.asarray(q.data), jnp.asarray(tiled)
     f = jax.jit(lambda x, d, fill, t: kernels.qmatmul(x, d, qtype, fill, limbs, t))
@@ -317,6 +319,82 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
         got = np.asarray(f(x, d, fill, t))
         np.testing.assert_array_equal(got, ref)
         assert np.isfinite(np.delete(got, 2 if rows > 2 else [], axis=0)).all()
+
+
+@pytest.fixture
+def avx2_code():  # noqa: ANN201
+    """The AVX2 code switched on (every CPU the kernels run on has it), the best code after."""
+    if not kernels.available():
+        pytest.skip("native CPU kernels unavailable")
+    before = kernels.matmul_path()
+    assert kernels.use_matmul("avx2") == "avx2" and kernels.avx2_int8()
+    yield
+    kernels.use_matmul(before)
+    kernels.use_avx2_int8(True)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_avx2_code_puts_generated_rows_on_two_limbs(avx2_code: None, qtype: str) -> None:
+    """The AVX2 code, asked for 2 limbs with the tiled copy (the default mode's generated rows): activations
+    to 15 bits below their block's largest, within the 2-limb bound of the float product; a row the same
+    bits alone and in a batch of any size; a tiny block counts as zero, a NaN or infinity makes its row
+    NaN; prompt rows of a mixed call exact (float32, as with 3 limbs); switched off, float32 for all."""
+    q = quant.quantize(_random(576, 200), qtype)
+    d, t = jnp.asarray(q.data), jnp.asarray(quant.tiled(q))
+    f = jax.jit(lambda x, fill: kernels.qmatmul(x, d, qtype, fill, 2, t))
+    x = np.random.default_rng(3).standard_normal((70, 576)).astype(np.float32)
+    x[4, 32:64] = 1e-35
+    x[9, 100] = np.nan
+    x[50, 7] = -np.inf
+    gen = np.zeros(70, np.int32)
+    got = np.asarray(f(x, gen))
+    assert np.isnan(got[[9, 50]]).all() and np.isfinite(np.delete(got, [9, 50], axis=0)).all()
+    ok = np.delete(np.arange(70), [9, 50])
+    ref = x[ok].astype(np.float64) @ q.dequantize().astype(np.float64)
+    w = np.abs(q.dequantize().astype(np.float64)).reshape(18, 32, 200).sum(axis=1)
+    bound = (np.abs(x[ok]).reshape(len(ok), 18, 32).max(axis=2) / 2**15) @ w
+    assert (np.abs(got[ok] - ref) <= bound + 1e-5 * np.abs(ref) + 1e-6).all()
+    exact = np.asarray(jax.jit(lambda x: kernels.qmatmul(x, d, qtype, None, 3, t))(x))
+    assert not np.array_equal(got[ok], exact[ok])  # 15 bits, not float32
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], gen[:1])) for i in range(70)])
+    for size in [2, 3, 16, 17, 33, 70]:  # every size: one code for generated rows
+        for start in range(0, 70 - size + 1, size):
+            np.testing.assert_array_equal(np.asarray(f(x[start:start + size], gen[:size])), alone[start:start + size])
+    mixed = gen.copy()
+    mixed[1::3] = 1  # prompt rows among them
+    both = np.asarray(f(x, mixed))
+    np.testing.assert_array_equal(both[mixed == 0], got[mixed == 0])
+    np.testing.assert_array_equal(both[mixed == 1], exact[mixed == 1])
+    kernels.use_avx2_int8(False)
+    np.testing.assert_array_equal(np.asarray(f(x, gen)), exact)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_avx2_codes_generated_rows_are_the_vnni_codes_bits(qtype: str) -> None:
+    """Generated rows on 2 limbs: the AVX2 code's integer sums give every row the VNNI code's bits (its rows
+    and its tokens-in-lanes code, 64 rows and more), tiny and non-finite activations included: a sequence
+    decodes the same on an AVX2-only CPU as on an AVX-512 one."""
+    if "avx512-vnni" not in kernels.matmul_paths():
+        pytest.skip("this CPU (or this build) has no VNNI code to compare with")
+    q = quant.quantize(_random(576, 200), qtype)
+    d, t = jnp.asarray(q.data), jnp.asarray(quant.tiled(q))
+    before = kernels.matmul_path()
+    try:
+        for rows in [1, 5, 16, 17, 40, 64, 100]:
+            x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+            x *= np.exp(np.random.default_rng(rows + 1).standard_normal((rows, 1))).astype(np.float32)
+            x[0, :32] = 0.0
+            if rows > 2:
+                x[1, 64:96] = 1e-35
+                x[2, 300] = np.nan
+            fill = np.zeros(rows, np.int32)
+            out = {}
+            for path in ("avx512-vnni", "avx2"):
+                kernels.use_matmul(path)
+                out[path] = np.asarray(kernels.qmatmul(jnp.asarray(x), d, qtype, jnp.asarray(fill), 2, t))
+            np.testing.assert_array_equal(out["avx2"].view(np.uint32), out["avx512-vnni"].view(np.uint32))
+    finally:
+        kernels.use_matmul(before)
 
 
 def test_no_tiled_copy_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,9 @@ version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU
 they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
-The quantized product has three codes: "avx2" (vector code, every CPU the kernels run on), "avx512-vnni"
+The quantized product has three codes: "avx2" (vector code, every CPU the kernels run on; generated rows
+asked for on 2 limbs in the integer sums of the VNNI code, the same bits, from the tiled weights,
+avx2_int8.h, unless `PARROT_AVX2_INT8=0` or `use_avx2_int8(False)`), "avx512-vnni"
 (exact integer sums on AVX-512 VNNI for any number of rows, vnni_matmul.h: Intel since Cascade Lake, AMD
 since Zen 4) and "amx-int8" (VNNI for a few rows, AMX's integer tiles for more, amx_matmul.h: Intel since
 Sapphire Rapids). The best the CPU has runs unless `PARROT_CPU_MATMUL` names another; `matmul_path()`
@@ -44,7 +46,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
                                                      "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h",
-                                                     "sampler.h", "logprobs.h", "team.h"))
+                                                     "sampler.h", "logprobs.h", "team.h", "tiled_rows.h",
+                                                     "avx2_int8.h"))
 FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
@@ -128,6 +131,8 @@ def _load() -> None:
     lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.parrot_team_enable.argtypes = [ctypes.c_int]
     lib.parrot_team_enable(0 if os.environ.get("PARROT_KERNEL_TEAM", "1") == "0" else 1)
+    lib.parrot_avx2_int8_enable.argtypes = [ctypes.c_int]
+    lib.parrot_avx2_int8_enable(0 if os.environ.get("PARROT_AVX2_INT8", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
     fills_off = "0" in (os.environ.get("PARROT_BF16_FILLS", "1"), os.environ.get("PARROT_AMX_BF16", "1"))
     lib.parrot_bf16_enable(0 if fills_off else 1)
@@ -192,6 +197,18 @@ def use_tiled(on: bool) -> bool:
     return available() and bool(_state["lib"].parrot_tiled_enable(1 if on else 0))
 
 
+def avx2_int8() -> bool:
+    """Whether the AVX2 code multiplies generated rows asked for on 2 limbs in integers (see `use_avx2_int8`)."""
+    return available() and bool(_state["lib"].parrot_avx2_int8_enable(-1))
+
+
+def use_avx2_int8(on: bool) -> bool:
+    """Whether the AVX2 code multiplies generated rows asked for on 2 limbs (the bfloat16 mode) in exact
+    integer sums from the tiled weights, the VNNI code's bits (on, the default; `PARROT_AVX2_INT8=0` starts a
+    process with it off), or in float32 with the dequantized weights (off); returns whether it does."""
+    return available() and bool(_state["lib"].parrot_avx2_int8_enable(1 if on else 0))
+
+
 def team() -> bool:
     """Whether the kernels' own helper threads take a decode step's calls (see `use_team`)."""
     return available() and bool(_state["lib"].parrot_team_enable(-1))
@@ -248,11 +265,13 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
 
 
 def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
-    """A quantized [N, k] matrix's GGUF block rows (uint8 [N, k / 32 * block bytes]) laid out for the VNNI
-    code's lanes (vnni_matmul.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in the
-    order the lanes take them): uint8 [bytes], for `qmatmul(..., tiled=...)`. None where the kernels or
-    their VNNI code are not available, or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone)."""
-    if not available() or "avx512-vnni" not in matmul_paths() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
+    """A quantized [N, k] matrix's GGUF block rows (uint8 [N, k / 32 * block bytes]) laid out for the integer
+    codes' lanes (tiled_rows.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in
+    the order the lanes take them): uint8 [bytes], for `qmatmul(..., tiled=...)`, which VNNI's products of
+    few rows and the AVX2 code's generated rows on 2 limbs read. None where the kernels are not available,
+    or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone: the AVX2 code multiplies generated
+    rows in float32)."""
+    if not available() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
         return None
     lib, n, q = _state["lib"], data.shape[0], QTYPES[qtype]
     size = lib.parrot_tile_rows(q, None, n, k, None)

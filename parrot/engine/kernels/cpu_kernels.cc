@@ -9,7 +9,8 @@
 // into chunks that XLA's intra-op threads take in turn.
 //
 // Three codes multiply (`parrot_matmul_select` chooses; the best the CPU has by default): the AVX2 code
-// below (every x86-64 CPU with AVX2/FMA/F16C), AVX-512 VNNI for any number of rows (vnni_matmul.h: exact
+// below (every x86-64 CPU with AVX2/FMA/F16C; generated tokens' rows asked for on 2 limbs in the integer
+// sums of the VNNI code, from vpmaddubsw: avx2_int8.h, the same bits), AVX-512 VNNI for any number of rows (vnni_matmul.h: exact
 // integer sums of the weights' integers and the activations' byte limbs, so a row's result is the same bits
 // in any batch; with 2 limbs and many rows, the tokens in lanes and 16-bit products; Intel since Cascade
 // Lake, AMD since Zen 4), and on CPUs with AMX-INT8 (Intel Sapphire
@@ -51,9 +52,11 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "aligned.h"
+#include "avx2_int8.h"
 #include "logprobs.h"
 #include "team.h"
 #include "sampler.h"
+#include "tiled_rows.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define PARROT_VNNI 1
@@ -468,8 +471,12 @@ inline bool request_tiles() {
 #endif
 }
 
+// The block format of a QType, for the kernels' templates.
+template <int Q>
+using Format = std::conditional_t<Q == kQ8_0, tiled::Q8_0, std::conditional_t<Q == kQ4_0, tiled::Q4_0, tiled::Q4_1>>;
+
 #if PARROT_VNNI
-// `wt`: the same weights tiled for the lanes (vnni::tile_rows), or null
+// `wt`: the same weights tiled for the lanes (tiled::tile_rows), or null
 template <class F>
 void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
                int64_t N) {
@@ -481,15 +488,19 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64
   vnni::rows<F>(xp, w, n0, n1, y, N);
 }
 
-// The block format of a QType, for the kernels' templates.
-template <int Q>
-using Format = std::conditional_t<Q == kQ8_0, vnni::Q8_0, std::conditional_t<Q == kQ4_0, vnni::Q4_0, vnni::Q4_1>>;
 #endif
 
-// The exact product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
+// Whether the AVX2 code multiplies generated tokens' rows on 2 limbs in integers (avx2_int8.h) where it is
+// asked for 2 limbs and has the tiled weights: on (the default; parrot_avx2_int8_enable) or float32 with the
+// dequantized weights.
+std::atomic<bool> g_avx2_int8{true};
+
+// The product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
+// `generated`: the rows are generated tokens' (the AVX2 code takes them on 2 limbs in integers, the same
+// bits as VNNI's, where `limbs` is 2 and `wt` is given; prompt rows it multiplies in float32).
 template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt,
-             float* y, int64_t N, int limbs) {
+             float* y, int64_t N, int limbs, bool generated = true) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // chunks of output rows small enough to spread over the threads, large enough to amortize claiming
 #ifndef PARROT_CPT
@@ -510,7 +521,15 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     return;
   }
 #endif
-  (void)limbs, (void)wt;
+  if (generated && limbs == 2 && wt != nullptr && g_avx2_int8.load(std::memory_order_relaxed)) {
+    thread_local avx2i8::Packed packed;  // this thread's; the helpers read it until every chunk is done
+    const avx2i8::Packed* xp = &packed;
+    avx2i8::pack(x, T, K, packed, Format<Q>::kSigned);
+    parallel_chunks(pool, chunks, [&](int64_t c) {
+      avx2i8::rows<Format<Q>>(*xp, wt, c * rows, std::min(N, (c + 1) * rows), y, N);
+    }, T <= kHotRows);
+    return;
+  }
   parallel_chunks(pool, chunks, [&](int64_t c) {
     qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
   }, T <= kHotRows);
@@ -575,39 +594,35 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
       if (kind && how != kFillExact) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
-      else qmatmul<Q>(pool, xs.data(), n, K, w, wt, ys.data(), N, limbs);
+      else qmatmul<Q>(pool, xs.data(), n, K, w, wt, ys.data(), N, limbs, kind == 0);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
     }
     return;
   }
-  qmatmul<Q>(pool, x, T, K, w, wt, y, N, limbs);
+  qmatmul<Q>(pool, x, T, K, w, wt, y, N, limbs, nfill == 0);
 }
 
 std::atomic<bool> g_tiled{true};  // see parrot_tiled_enable
 
-// Tiles a [N, K] matrix of `qtype` for VNNI's lanes into `out` (vnni::tile_rows; null: only sizes it);
-// returns its bytes, -1 where this build has no VNNI code.
+// Tiles a [N, K] matrix of `qtype` for the integer codes' lanes into `out` (tiled::tile_rows; null: only
+// sizes it); returns its bytes.
 int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
-#if PARROT_VNNI
   auto tile = [&](auto format) -> int64_t {
     using F = decltype(format);
-    if (out != nullptr) vnni::tile_rows<F>(w, N, K, out);
-    return vnni::tiled_bytes<F>(N, K);
+    if (out != nullptr) tiled::tile_rows<F>(w, N, K, out);
+    return tiled::tiled_bytes<F>(N, K);
   };
   switch (qtype) {
-    case kQ8_0: return tile(vnni::Q8_0{});
-    case kQ4_0: return tile(vnni::Q4_0{});
-    case kQ4_1: return tile(vnni::Q4_1{});
+    case kQ8_0: return tile(tiled::Q8_0{});
+    case kQ4_0: return tile(tiled::Q4_0{});
+    case kQ4_1: return tile(tiled::Q4_1{});
   }
-#else
-  (void)qtype, (void)w, (void)N, (void)K, (void)out;
-#endif
   return -1;
 }
 
-// `wt`: the same weights tiled for VNNI's lanes (parrot_tile_rows), used by the products of few rows; empty:
-// none (only `w` is read).
+// `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), used by the products of
+// generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs); empty: none (only `w` is read).
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
                        ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
   auto xd = x.dimensions();
@@ -1295,8 +1310,8 @@ extern "C" int parrot_matmul_select(int path) {
   return g_path.load();
 }
 
-// GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out`, tiled for VNNI's lanes (vnni::tile_rows; out
-// null: nothing written); returns the tiled bytes, or -1 where this build has no VNNI code.
+// GGUF block rows w [N, K / 32 blocks] of `qtype` -> `out`, tiled for the integer codes' lanes
+// (tiled::tile_rows; out null: nothing written); returns the tiled bytes, or -1 for an unknown block type.
 extern "C" int64_t parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
   return tile_rows(qtype, w, N, K, out);
 }
@@ -1306,6 +1321,13 @@ extern "C" int64_t parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, 
 extern "C" int parrot_tiled_enable(int on) {
   if (on >= 0) g_tiled.store(on != 0);
   return g_tiled.load() ? 1 : 0;
+}
+
+// The AVX2 code's integer products of generated rows on 2 limbs (avx2_int8.h) on (1) or off (0: float32
+// with the dequantized weights; -1: unchanged); returns whether they are on.
+extern "C" int parrot_avx2_int8_enable(int on) {
+  if (on >= 0) g_avx2_int8.store(on != 0);
+  return g_avx2_int8.load() ? 1 : 0;
 }
 
 // The kernels' helper threads on (1) or off (0, -1: unchanged); returns whether they are on.

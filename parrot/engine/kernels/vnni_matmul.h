@@ -32,16 +32,20 @@
 #include <vector>
 
 #include "aligned.h"
+#include "avx2_int8.h"
+#include "tiled_rows.h"
 
 namespace vnni {
 
 constexpr int kGroupRows = 16;  // activation rows (tokens) multiplied per pass over 16 weight rows
 
-// Block formats: bytes per block, where the 32 weights start, signed (Q8_0) or nibbles, and the minimum
-// (0: none, 1: Q4_1's float16 after d, 2: Q4_0's -8 d).
-struct Q8_0 { static constexpr int kBytes = 34, kQs = 2, kMin = 0; static constexpr bool kSigned = true; };
-struct Q4_0 { static constexpr int kBytes = 18, kQs = 2, kMin = 2; static constexpr bool kSigned = false; };
-struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static constexpr bool kSigned = false; };
+using tiled::Q4_0;
+using tiled::Q4_1;
+using tiled::Q8_0;
+using tiled::kTileBlockBytes;
+using tiled::kTileScaleBytes;
+using tiled::tile_rows;
+using tiled::tiled_bytes;
 
 // ---- activations ----------------------------------------------------------------------------------
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
@@ -85,7 +89,9 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
       const float* xb = x + t * K + b * 32;
       const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
       const int64_t at = (tile * p.blocks + b) * 16 + col;
-      p.sums[at] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      const __m256 halves[4] = {_mm512_castps512_ps256(x0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x0), 1)),
+                                _mm512_castps512_ps256(x1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x1), 1))};
+      p.sums[at] = avx2i8::sum32(halves);  // one tree of additions whatever the compiler: the AVX2 code's
       const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
       // (max_ps passes a NaN on only from its second operand, so NaNs are looked for apart)
       const bool nan = (_mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q)) != 0;
@@ -272,44 +278,7 @@ void group_vnni(const XPack& xp, int64_t g, const uint8_t* w16, int64_t n, int r
 }
 
 // ---- weight rows tiled for the lanes ---------------------------------------------------------------
-// The same weights laid out for `group_vnni`'s lanes ahead of time (tile_rows, once per matrix), so that a
-// block of 16 rows is three or more aligned 64-byte loads instead of 16 row reads, transposes and a gather
-// of the scales: per tile of 16 rows (the last one padded with zero rows), block after block, the 16 rows'
-// float16 scales d, then (Q4_1) their minima m, then the rows' weight bytes in lanes: 64-byte group c holds
-// bytes 4c..4c+3 of row p at 4p (Q8_0's as unsigned bytes, 128 added). Lane p is row p here, and every
-// lane computes what `group_vnni` computes for that row (block_tokens), so the outputs are the same bits.
-// On a 2-core Zen 4 (two threads, 30 layers' matrices in turn) this took a Q4_1 product from 1 to 16 rows
-// 1.13-1.45x less time.
-template <class F> constexpr int kTileScaleBytes = F::kMin == 1 ? 64 : 32;
-template <class F> constexpr int kTileBlockBytes = kTileScaleBytes<F> + (F::kSigned ? 512 : 256);
-
-template <class F>
-int64_t tiled_bytes(int64_t N, int64_t K) {
-  return (N + 15) / 16 * (K / 32) * kTileBlockBytes<F>;
-}
-
-// GGUF block rows w [N][K / 32 blocks] -> the tiled layout (tiled_bytes(N, K) bytes at `out`).
-template <class F>
-void tile_rows(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t blocks = K / 32, ldw = blocks * F::kBytes;
-  std::memset(out, 0, tiled_bytes<F>(N, K));
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t p = n % 16;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* src = w + n * ldw + b * F::kBytes;
-      uint8_t* dst = out + ((n / 16) * blocks + b) * kTileBlockBytes<F>;
-      std::memcpy(dst + 2 * p, src, 2);
-      if constexpr (F::kMin == 1) std::memcpy(dst + 32 + 2 * p, src + 2, 2);
-      uint8_t* q = dst + kTileScaleBytes<F>;
-      for (int c = 0; c < (F::kSigned ? 8 : 4); ++c)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t v = src[F::kQs + 4 * c + j];
-          q[64 * c + 4 * p + j] = F::kSigned ? static_cast<uint8_t>(v ^ 0x80) : v;
-        }
-    }
-  }
-}
-
+// (tiled_rows.h lays them out.)
 // As group_vnni, on one tile of the tiled layout (`tile`: its first block); `fetch`: the next tile.
 // (`rows<F, true>` runs it.)
 template <class F, int TT, int LIMBS>

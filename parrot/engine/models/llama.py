@@ -74,9 +74,9 @@ def _matrix(w: Weight, dtype: jnp.dtype) -> tuple[nnx.Param, str | None]:
 
 
 def _tiled(w: Weight, enabled: bool) -> nnx.Param | None:
-    """A quantized matrix's copy tiled for the native VNNI code's lanes (kernels.tile_rows), which its
-    products of few rows (decode steps) read instead; None where not `enabled` (tensor parallelism shards
-    the matrices), for float matrices and where the CPU has no VNNI code."""
+    """A quantized matrix's copy tiled for the native integer codes' lanes (kernels.tile_rows), which its
+    products of generated rows (decode steps) read instead; None where not `enabled` (tensor parallelism
+    shards the matrices), for float matrices and where the native kernels are unavailable."""
     if not enabled or not isinstance(w, QuantizedTensor):
         return None
     tiled = quant.tiled(w)
