@@ -66,9 +66,8 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 def tiled(w: QuantizedTensor) -> np.ndarray | None:
     """The matrix's copy laid out for the native integer codes' lanes (kernels.tile_rows), which `linear`'s
-    products of generated rows read instead of `w.data` (VNNI's: the same results in less time, no
-    transposes or gathers per block; the AVX2 code's on 2 limbs: the VNNI code's results); None where the
-    kernels are not available."""
+    products of generated rows read instead of `w.data` (the same results in less time: no transposes or
+    gathers per block); None where the kernels are not available."""
     return kernels.tile_rows(w.data, w.qtype, w.data.shape[1] // BLOCK_BYTES[w.qtype] * 32)
 
 

@@ -247,9 +247,7 @@ def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_pat
     """The bfloat16 mode's generated rows on the integer paths: activations to 15 bits below their block's
     largest (2 limbs), so within sum over blocks of max|x| / 2^15 * sum|w| of the float product, and a
     row's result the same alone and in any batch (VNNI in token groups of 16; AMX: VNNI up to 16 rows, the
-    tiles above)."""
-    if native_path == "avx2":
-        pytest.skip("the AVX2 code takes 2 limbs from the tiled copy only (test_avx2_code_puts_generated_rows...)")
+    tiles above; the AVX2 code's integer sums, 8 weight rows at a time)."""
     q = quant.quantize(_random(576, 80), qtype)
     x = np.random.default_rng(11).standard_normal((70, 576)).astype(np.float32)
     d = jnp.asarray(q.data)
@@ -272,8 +270,6 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
     """With 2 limbs and enough rows for VNNI's tokens-in-lanes code, a block of tiny activations counts as
     zero and a NaN makes its row NaN, in either token group, and every other row is the same bits as alone
     (where the weight-rows-in-lanes code computes it)."""
-    if native_path == "avx2":
-        pytest.skip("the AVX2 code takes 2 limbs from the tiled copy only (test_avx2_code_puts_generated_rows...)")
     q = quant.quantize(_random(96, 40), qtype)
     x = np.random.default_rng(5).standard_normal((40, 96)).astype(np.float32)
     x[0, :32] = 1e-35
@@ -296,9 +292,7 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
     """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
     row the bits its GGUF rows give: any number of rows (tiled below 64, tokens in lanes from there), a
     last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
-    activations. (The AVX2 code puts generated rows on 2 limbs only from the tiled copy: the next test.)"""
-    if native_path == "avx2" and limbs == 2:
-        pytest.skip("the AVX2 code's 2 limbs read the tiled copy only (test_avx2_code_puts_generated_rows...)")
+    activations; on every code, the AVX2 code's generated rows on 2 limbs included."""
     q = quant.quantize(_random(576, 200), qtype)
     tiled = quant.tiled(q)
     if tiled is None:
@@ -335,10 +329,11 @@ def avx2_code():  # noqa: ANN201
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_avx2_code_puts_generated_rows_on_two_limbs(avx2_code: None, qtype: str) -> None:
-    """The AVX2 code, asked for 2 limbs with the tiled copy (the default mode's generated rows): activations
-    to 15 bits below their block's largest, within the 2-limb bound of the float product; a row the same
-    bits alone and in a batch of any size; a tiny block counts as zero, a NaN or infinity makes its row
-    NaN; prompt rows of a mixed call exact (float32, as with 3 limbs); switched off, float32 for all."""
+    """The AVX2 code, asked for 2 limbs (the default mode's generated rows): activations to 15 bits below
+    their block's largest, within the 2-limb bound of the float product; a row the same bits alone and in a
+    batch of any size, and from the tiled copy or the GGUF rows alone; a tiny block counts as zero, a NaN
+    or infinity makes its row NaN; prompt rows of a mixed call exact (float32, as with 3 limbs); switched
+    off, float32 for all."""
     q = quant.quantize(_random(576, 200), qtype)
     d, t = jnp.asarray(q.data), jnp.asarray(quant.tiled(q))
     f = jax.jit(lambda x, fill: kernels.qmatmul(x, d, qtype, fill, 2, t))
@@ -365,6 +360,8 @@ def test_avx2_code_puts_generated_rows_on_two_limbs(avx2_code: None, qtype: str)
     both = np.asarray(f(x, mixed))
     np.testing.assert_array_equal(both[mixed == 0], got[mixed == 0])
     np.testing.assert_array_equal(both[mixed == 1], exact[mixed == 1])
+    rows = np.asarray(jax.jit(lambda x: kernels.qmatmul(x, d, qtype, None, 2))(x))  # the GGUF rows alone
+    np.testing.assert_array_equal(rows.view(np.uint32), got.view(np.uint32))
     kernels.use_avx2_int8(False)
     np.testing.assert_array_equal(np.asarray(f(x, gen)), exact)
 

@@ -8,8 +8,8 @@ they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
 The quantized product has three codes: "avx2" (vector code, every CPU the kernels run on; generated rows
-asked for on 2 limbs in the integer sums of the VNNI code, the same bits, from the tiled weights,
-avx2_int8.h, unless `PARROT_AVX2_INT8=0` or `use_avx2_int8(False)`), "avx512-vnni"
+asked for on 2 limbs in the integer sums of the VNNI code, the same bits, avx2_int8.h, unless
+`PARROT_AVX2_INT8=0` or `use_avx2_int8(False)`), "avx512-vnni"
 (exact integer sums on AVX-512 VNNI for any number of rows, vnni_matmul.h: Intel since Cascade Lake, AMD
 since Zen 4) and "amx-int8" (VNNI for a few rows, AMX's integer tiles for more, amx_matmul.h: Intel since
 Sapphire Rapids). The best the CPU has runs unless `PARROT_CPU_MATMUL` names another; `matmul_path()`
@@ -204,7 +204,7 @@ def avx2_int8() -> bool:
 
 def use_avx2_int8(on: bool) -> bool:
     """Whether the AVX2 code multiplies generated rows asked for on 2 limbs (the bfloat16 mode) in exact
-    integer sums from the tiled weights, the VNNI code's bits (on, the default; `PARROT_AVX2_INT8=0` starts a
+    integer sums, the VNNI code's bits (on, the default; `PARROT_AVX2_INT8=0` starts a
     process with it off), or in float32 with the dequantized weights (off); returns whether it does."""
     return available() and bool(_state["lib"].parrot_avx2_int8_enable(1 if on else 0))
 
@@ -269,8 +269,7 @@ def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
     codes' lanes (tiled_rows.h, `tile_rows`: per 16 rows and block, their scales, then their weight bytes in
     the order the lanes take them): uint8 [bytes], for `qmatmul(..., tiled=...)`, which VNNI's products of
     few rows and the AVX2 code's generated rows on 2 limbs read. None where the kernels are not available,
-    or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone: the AVX2 code multiplies generated
-    rows in float32)."""
+    or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone: the same results)."""
     if not available() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
         return None
     lib, n, q = _state["lib"], data.shape[0], QTYPES[qtype]

@@ -4,7 +4,8 @@
 //
 // Numbers. As `vnni::pack_x` with 2 limbs: each block of 32 activations is x = s * (65536 l0 + 256 l1),
 // s = max|x| / 2^22, with l0, l1 signed bytes (x rounded to 2^14 steps of the block's largest), and the
-// weights' integers are the blocks' as the file stores them (the tiled copy, tiled_rows.h). The sums
+// weights' integers are the blocks' as the file stores them (the tiled copy, tiled_rows.h, or the GGUF rows,
+// transposed per block). The sums
 // S_l = sum_k w_k l_k are exact in integers, so S = 256 S0 + S1 is the integer VNNI sums; then float32
 // computes, block after block, acc += float(S) * (d * 256 s) and acc += m * sum(x), the steps and the
 // order of `vnni::block_tokens`. The block's sum(x) is reduced in the same tree as `vnni::pack_x`'s.
@@ -30,6 +31,8 @@
 
 #include "aligned.h"
 #include "tiled_rows.h"
+
+#define PARROT_INLINE inline __attribute__((always_inline))
 
 namespace avx2i8 {
 
@@ -115,7 +118,7 @@ inline void pack(const float* x, int64_t T, int64_t K, Packed& p, bool pairs = f
 }
 
 // sum over the block's 8 groups of vpmaddubsw(w[c], limb word c broadcast), in int16 (see the header)
-inline __m256i limb_products(const __m256i w[8], const uint32_t* words) {
+PARROT_INLINE __m256i limb_products(const __m256i w[8], const uint32_t* words) {
   __m256i a = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(static_cast<int>(words[0])));
   __m256i b = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(static_cast<int>(words[1])));
   for (int c = 2; c < 8; c += 2) {
@@ -125,87 +128,157 @@ inline __m256i limb_products(const __m256i w[8], const uint32_t* words) {
   return _mm256_add_epi16(a, b);
 }
 
-// One half (8 weight rows, `half` 0 or 1) of one tile of the tiled layout (`tile`: its first block) for
-// every token, into acc [T][8].
-template <class F>
-void half_tile(const Packed& p, const uint8_t* tile, int half, const uint8_t* fetch, float* acc) {
-  using tiled::kTileBlockBytes;
-  using tiled::kTileScaleBytes;
-  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const int64_t T = p.T, blocks = p.blocks;
-  for (int64_t t = 0; t < T; ++t) _mm256_store_ps(acc + 8 * t, _mm256_setzero_ps());
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = tile + b * kTileBlockBytes<F>;
-    if (fetch != nullptr)
-      for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(fetch + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
-    __m256 m = _mm256_setzero_ps();
-    if constexpr (F::kMin == 1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
-    else if constexpr (F::kMin == 2) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-    const uint8_t* q = blk + kTileScaleBytes<F> + 32 * half;
-    __m256i w[8];  // Q4: the 32 weights' 4-byte groups, each row's in its lane
-    alignas(32) __m256i wide[16];  // Q8_0: weights 2j, 2j + 1 of each row as an int16 pair
-    if constexpr (F::kSigned) {
-      const __m256i lo = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
-                                          0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
-      const __m256i hi = _mm256_add_epi8(lo, _mm256_setr_epi8(2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0,
-                                                               2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0));
-      const __m256i c128 = _mm256_set1_epi16(128);
-      for (int c = 0; c < 8; ++c) {  // bytes are w + 128: widened, then 128 taken off
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
-        wide[2 * c] = _mm256_sub_epi16(_mm256_shuffle_epi8(v, lo), c128);
-        wide[2 * c + 1] = _mm256_sub_epi16(_mm256_shuffle_epi8(v, hi), c128);
-      }
-    } else {
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
-        w[c] = _mm256_and_si256(v, nib);
-        w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-      }
-    }
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t at = t * blocks + b;
-      const uint32_t* words = p.words.data() + at * 16;
-      (void)words;
-      __m256i S2;  // sum w xi = 256 S0 + S1, exactly VNNI's
-      if constexpr (F::kSigned) {  // int16 pairs: |w xi + w' xi'| <= 2^22.1, 16 of them well within int32
-        const uint32_t* xp = p.pairs.data() + at * 16;
-        __m256i a = _mm256_madd_epi16(wide[0], _mm256_set1_epi32(static_cast<int>(xp[0])));
-        __m256i b2 = _mm256_madd_epi16(wide[1], _mm256_set1_epi32(static_cast<int>(xp[1])));
-        for (int j = 2; j < 16; j += 2) {
-          a = _mm256_add_epi32(a, _mm256_madd_epi16(wide[j], _mm256_set1_epi32(static_cast<int>(xp[j]))));
-          b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(wide[j + 1], _mm256_set1_epi32(static_cast<int>(xp[j + 1]))));
-        }
-        S2 = _mm256_add_epi32(a, b2);
-      } else {
-        const __m256i S0 = _mm256_madd_epi16(limb_products(w, words), ones);
-        const __m256i S1 = _mm256_madd_epi16(limb_products(w, words + 8), ones);
-        S2 = _mm256_add_epi32(_mm256_slli_epi32(S0, 8), S1);
-      }
-      float* a = acc + 8 * t;
-      __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S2), _mm256_mul_ps(d, _mm256_set1_ps(p.s256[at])), _mm256_load_ps(a));
-      if constexpr (F::kMin != 0) r = _mm256_fmadd_ps(m, _mm256_set1_ps(p.sums[at]), r);
-      _mm256_store_ps(a, r);
-    }
+// One block of 8 weight rows, each row in a 32-bit lane: scales d, minima m, and the weights as the
+// products take them (Q4: 8 vectors of 4-byte groups of nibbles; Q8_0: 16 vectors of int16 pairs).
+struct RowBlock {
+  __m256 d, m;
+  __m256i w[8];
+  alignas(32) __m256i wide[16];
+};
+
+// Q8_0: groups g[c] (bytes 4c..4c+3 of each lane's row, as w + 128) -> int16 pairs (2j, 2j + 1)
+PARROT_INLINE void widen_signed(const __m256i g[8], RowBlock& rb) {
+  const __m256i lo = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1,
+                                      0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+  const __m256i hi = _mm256_add_epi8(lo, _mm256_setr_epi8(2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0,
+                                                           2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0));
+  const __m256i c128 = _mm256_set1_epi16(128);
+  for (int c = 0; c < 8; ++c) {  // widened, then 128 taken off
+    rb.wide[2 * c] = _mm256_sub_epi16(_mm256_shuffle_epi8(g[c], lo), c128);
+    rb.wide[2 * c + 1] = _mm256_sub_epi16(_mm256_shuffle_epi8(g[c], hi), c128);
   }
 }
 
-// Output columns [n0, n1) (n0 a multiple of 16) of every token of `p`, from the tiled copy `wt`.
+// Q4: groups g[c] (bytes 4c..4c+3 of the 16 nibble bytes) -> weights 4c.. (low nibbles), 16 + 4c.. (high)
+PARROT_INLINE void split_nibbles(const __m256i g[4], RowBlock& rb) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    rb.w[c] = _mm256_and_si256(g[c], nib);
+    rb.w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(g[c], 4), nib);
+  }
+}
+
+// Block `b` of half `half` (rows 8 half..) of a tile of the tiled layout (`tile`: its first block).
 template <class F>
-void rows(const Packed& p, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
+PARROT_INLINE void tiled_block(const uint8_t* tile, int64_t b, int half, RowBlock& rb) {
+  const uint8_t* blk = tile + b * tiled::kTileBlockBytes<F>;
+  rb.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+  rb.m = _mm256_setzero_ps();
+  if constexpr (F::kMin == 1) rb.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
+  const uint8_t* q = blk + tiled::kTileScaleBytes<F> + 32 * half;
+  __m256i g[8];
+  for (int c = 0; c < (F::kSigned ? 8 : 4); ++c) g[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+  if constexpr (F::kSigned) widen_signed(g, rb);
+  else split_nibbles(g, rb);
+}
+
+// 8 rows' 16 bytes (a[r]) -> out[c]: their 4-byte group c, lane r from row r
+inline void transpose8x4(const __m128i a[8], __m256i out[4]) {
+  __m256i y[4];
+  for (int i = 0; i < 4; ++i) y[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(a[i]), a[i + 4], 1);
+  const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2), out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3), out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+alignas(32) inline constexpr uint8_t kZeroBlock[64] = {};
+
+// Block `b` of 8 GGUF rows (`rows[r]`: row r's first block; kZeroBlock past the matrix's last row).
+template <class F>
+PARROT_INLINE void gguf_block(const uint8_t* const rows[8], int64_t b, RowBlock& rb) {
+  alignas(16) uint16_t d[8], m[8];
+  __m128i a[8], a2[8];
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* blk = rows[r] == kZeroBlock ? kZeroBlock : rows[r] + b * F::kBytes;
+    std::memcpy(d + r, blk, 2);
+    if constexpr (F::kMin == 1) std::memcpy(m + r, blk + 2, 2);
+    a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kQs));
+    if constexpr (F::kSigned) a2[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + F::kQs + 16));
+  }
+  rb.d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d)));
+  rb.m = _mm256_setzero_ps();
+  if constexpr (F::kMin == 1) rb.m = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(m)));
+  __m256i g[8];
+  transpose8x4(a, g);
+  if constexpr (F::kSigned) {
+    transpose8x4(a2, g + 4);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // signed bytes -> w + 128, as tiled
+    for (int c = 0; c < 8; ++c) g[c] = _mm256_xor_si256(g[c], flip);
+    widen_signed(g, rb);
+  } else {
+    split_nibbles(g, rb);
+  }
+}
+
+// Every token's products with one block of 8 weight rows, added into acc [T][8] (the steps of
+// vnni::block_tokens for 2 limbs).
+template <class F>
+PARROT_INLINE void block_tokens(const Packed& p, int64_t b, const RowBlock& rb, float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 m = rb.m;
+  if constexpr (F::kMin == 2) m = _mm256_mul_ps(rb.d, _mm256_set1_ps(-8.f));
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int64_t at = t * p.blocks + b;
+    __m256i S2;  // sum w xi = 256 S0 + S1, exactly VNNI's
+    if constexpr (F::kSigned) {  // int16 pairs: |w xi + w' xi'| <= 2^22.1, 16 of them well within int32
+      const uint32_t* xp = p.pairs.data() + at * 16;
+      __m256i a = _mm256_madd_epi16(rb.wide[0], _mm256_set1_epi32(static_cast<int>(xp[0])));
+      __m256i a2 = _mm256_madd_epi16(rb.wide[1], _mm256_set1_epi32(static_cast<int>(xp[1])));
+      for (int j = 2; j < 16; j += 2) {
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(rb.wide[j], _mm256_set1_epi32(static_cast<int>(xp[j]))));
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(rb.wide[j + 1], _mm256_set1_epi32(static_cast<int>(xp[j + 1]))));
+      }
+      S2 = _mm256_add_epi32(a, a2);
+    } else {
+      const uint32_t* words = p.words.data() + at * 16;
+      const __m256i S0 = _mm256_madd_epi16(limb_products(rb.w, words), ones);
+      const __m256i S1 = _mm256_madd_epi16(limb_products(rb.w, words + 8), ones);
+      S2 = _mm256_add_epi32(_mm256_slli_epi32(S0, 8), S1);
+    }
+    float* out = acc + 8 * t;
+    __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S2), _mm256_mul_ps(rb.d, _mm256_set1_ps(p.s256[at])), _mm256_load_ps(out));
+    if constexpr (F::kMin != 0) r = _mm256_fmadd_ps(m, _mm256_set1_ps(p.sums[at]), r);
+    _mm256_store_ps(out, r);
+  }
+}
+
+// Output columns [n0, n1) (n0 a multiple of 16) of every token of `p`: 8 weight rows at a time, from the
+// tiled copy `wt` where given, else from the GGUF rows `w` (transposed per block: the same integers, the
+// same bits).
+template <class F>
+void rows(const Packed& p, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
   thread_local aligned::vector<float> acc;
   acc.resize(p.T * 8);
-  const int64_t tile_bytes = p.blocks * tiled::kTileBlockBytes<F>;
-  for (int64_t n = n0; n < n1; n += 16) {
-    const uint8_t* tile = wt + n / 16 * tile_bytes;
-    for (int half = 0; half < 2 && n + 8 * half < n1; ++half) {
-      const uint8_t* fetch = half == 1 && n + 16 < n1 ? tile + tile_bytes : nullptr;
-      half_tile<F>(p, tile, half, fetch, acc.data());
-      const int cols = static_cast<int>(std::min<int64_t>(8, n1 - n - 8 * half));
-      for (int64_t t = 0; t < p.T; ++t) std::memcpy(y + t * N + n + 8 * half, acc.data() + 8 * t, 4 * cols);
+  const int64_t blocks = p.blocks, ldw = blocks * F::kBytes, tile_bytes = blocks * tiled::kTileBlockBytes<F>;
+  for (int64_t n = n0; n < n1; n += 8) {
+    const int cols = static_cast<int>(std::min<int64_t>(8, n1 - n));
+    const uint8_t* tile = wt != nullptr ? wt + n / 16 * tile_bytes : nullptr;
+    const int half = static_cast<int>(n / 8 % 2);
+    const uint8_t* rows8[8];
+    for (int r = 0; r < 8; ++r) rows8[r] = r < cols ? w + (n + r) * ldw : kZeroBlock;
+    for (int64_t t = 0; t < p.T; ++t) _mm256_store_ps(acc.data() + 8 * t, _mm256_setzero_ps());
+    for (int64_t b = 0; b < blocks; ++b) {
+      RowBlock rb;
+      if (tile != nullptr) {
+        if (half == 1 && n + 8 < n1)  // the next tile, while this one's second half is read
+          for (int o = 0; o < tiled::kTileBlockBytes<F>; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(tile + tile_bytes + b * tiled::kTileBlockBytes<F> + o), _MM_HINT_T0);
+        tiled_block<F>(tile, b, half, rb);
+      } else {
+        if (n + 8 < n1) {  // the next 8 rows (contiguous), a slice per block
+          const int64_t per = (8 * ldw + 64 * blocks - 1) / (64 * blocks) * 64;
+          for (int64_t o = b * per; o < std::min(8 * ldw, (b + 1) * per); o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (n + 8) * ldw + o), _MM_HINT_T0);
+        }
+        gguf_block<F>(rows8, b, rb);
+      }
+      block_tokens<F>(p, b, rb, acc.data());
     }
+    for (int64_t t = 0; t < p.T; ++t) std::memcpy(y + t * N + n, acc.data() + 8 * t, 4 * cols);
   }
 }
 
 }  // namespace avx2i8
+
+#undef PARROT_INLINE

@@ -491,13 +491,12 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64
 #endif
 
 // Whether the AVX2 code multiplies generated tokens' rows on 2 limbs in integers (avx2_int8.h) where it is
-// asked for 2 limbs and has the tiled weights: on (the default; parrot_avx2_int8_enable) or float32 with the
-// dequantized weights.
+// asked for 2 limbs: on (the default; parrot_avx2_int8_enable) or float32 with the dequantized weights.
 std::atomic<bool> g_avx2_int8{true};
 
 // The product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
 // `generated`: the rows are generated tokens' (the AVX2 code takes them on 2 limbs in integers, the same
-// bits as VNNI's, where `limbs` is 2 and `wt` is given; prompt rows it multiplies in float32).
+// bits as VNNI's, where `limbs` is 2, from `wt` where given; prompt rows it multiplies in float32).
 template <int Q>
 void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt,
              float* y, int64_t N, int limbs, bool generated = true) {
@@ -521,12 +520,12 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     return;
   }
 #endif
-  if (generated && limbs == 2 && wt != nullptr && g_avx2_int8.load(std::memory_order_relaxed)) {
+  if (generated && limbs == 2 && g_avx2_int8.load(std::memory_order_relaxed)) {
     thread_local avx2i8::Packed packed;  // this thread's; the helpers read it until every chunk is done
     const avx2i8::Packed* xp = &packed;
     avx2i8::pack(x, T, K, packed, Format<Q>::kSigned);
     parallel_chunks(pool, chunks, [&](int64_t c) {
-      avx2i8::rows<Format<Q>>(*xp, wt, c * rows, std::min(N, (c + 1) * rows), y, N);
+      avx2i8::rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N);
     }, T <= kHotRows);
     return;
   }
@@ -621,8 +620,8 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
   return -1;
 }
 
-// `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), used by the products of
-// generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs); empty: none (only `w` is read).
+// `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
+// generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
                        ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
   auto xd = x.dimensions();

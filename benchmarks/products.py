@@ -1,0 +1,137 @@
+"""The quantized products alone: `kernels.qmatmul` on the default model's matrix shapes, generated rows
+(a decode step's) on 2 limbs as the default mode asks for them, each native code this CPU has side by side
+in one run, the codes taking turns.
+
+    python -m benchmarks.products [--rows 1 4 16 64] [--repeats 30] [--codes ...] [--weights-in huge xla]
+
+Codes: "avx2 float32" (the AVX2 code with the dequantized weights: `use_avx2_int8(False)`), "avx2 int8" (its
+integer sums from the tiled weights, kernels/avx2_int8.h), and where the CPU has them "avx512-vnni" and
+"amx-int8". Each call multiplies 30 different matrices of a shape in turn (a step's layers: the weights
+come from memory, not the cache). Prints the median microseconds per matrix and each code's ratio to the
+first, with the CPU's name and the machine's floors; writes JSON. `--weights-in huge xla` measures each
+code with the matrices in huge pages (parrot.engine.huge_pages, as the engine places them) and in XLA's
+own memory, in turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+SHAPES = {  # name: (block type, N, K) of SmolLM2-135M's matrices
+    "gate|up q4_1 3072x576": ("q4_1", 3072, 576),
+    "down q4_1 576x1536": ("q4_1", 576, 1536),
+    "head part q8_0 8192x576": ("q8_0", 8192, 576),
+}
+LAYERS = 30
+
+
+def _chain(qtype: str):  # noqa: ANN202
+    """Every matrix of `mats` times x in turn, each call waiting on the one before (as a step's layers)."""
+    import jax.numpy as jnp
+
+    from parrot.engine import kernels
+
+    def f(x, mats):  # noqa: ANN001, ANN202
+        acc = jnp.zeros((), jnp.float32)
+        for d, t in mats:
+            acc = acc + kernels.qmatmul(x + acc * 0, d, qtype, jnp.zeros(x.shape[0], jnp.int32), 2, t)[0, 0]
+        return acc
+
+    return f
+
+
+def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: list[str] | None = None) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.floors import measure
+    from parrot import procinfo
+    from parrot.engine import huge_pages, kernels, quant
+
+    if not kernels.available():
+        raise SystemExit(f"the native kernels are unavailable: {kernels.unavailable_reason()}")
+    have = ["avx2 float32", "avx2 int8"] + [p for p in kernels.matmul_paths() if p != "avx2"]
+    codes = [c for c in have if codes is None or c in codes]
+    places = places or ["huge"]
+    configs = [f"{c}, {p}" if len(places) > 1 else c for c in codes for p in places]
+    before = kernels.matmul_path()
+
+    def select(config: str) -> None:
+        code = config.split(",")[0]
+        kernels.use_matmul(code.split()[0])
+        kernels.use_avx2_int8(code != "avx2 float32")
+
+    def put(a: np.ndarray, place: str) -> jax.Array:
+        return huge_pages.put(a) if place == "huge" else jnp.asarray(a)
+
+    rng = np.random.default_rng(0)
+    result: dict = {"machine": procinfo.cpu_name(), "jax": jax.__version__, "codes": configs, "rows": rows,
+                    "layers": LAYERS, "huge_pages": huge_pages.enabled(), "us_per_matrix": {}}
+    for shape, (qtype, n, k) in SHAPES.items():
+        one = quant.quantize((rng.standard_normal((k, n)) * 0.05).astype(np.float32), qtype)
+        mats: dict[str, list] = {p: [] for p in places}
+        for i in range(LAYERS):  # the same values, 30 copies in memory
+            data = np.roll(one.data, i, axis=0)
+            tiled = kernels.tile_rows(data, qtype, k)
+            for p in places:
+                mats[p].append((put(data, p), put(tiled, p)))
+
+        f = jax.jit(_chain(qtype))
+
+        result["us_per_matrix"][shape] = {}
+        for r in rows:
+            x = jnp.asarray(rng.standard_normal((r, k)).astype(np.float32))
+            times: dict[str, list[float]] = {c: [] for c in configs}
+
+            def go(c: str, f=f, x=x, mats=mats) -> None:  # noqa: ANN001
+                select(c)
+                f(x, mats[c.split(", ")[1] if len(places) > 1 else places[0]]).block_until_ready()
+
+            for c in configs:  # compile and warm each configuration once
+                go(c)
+            for _ in range(repeats):
+                for c in configs:
+                    t0 = time.perf_counter()
+                    go(c)
+                    times[c].append((time.perf_counter() - t0) / LAYERS * 1e6)
+            result["us_per_matrix"][shape][r] = {c: float(np.median(v)) for c, v in times.items()}
+    kernels.use_matmul(before)
+    kernels.use_avx2_int8(True)
+    result["floors"] = measure()
+    return result
+
+
+def report(r: dict) -> str:
+    fl = r["floors"]
+    lines = [f"CPU {r['machine']}, JAX {r['jax']}; floors {fl['memory_read_gbs']:.1f} GB/s read, "
+             f"{fl['gemm_fp32_gflops']:.0f} GFLOP/s fp32 GEMM; medians over {r['layers']} matrices a call, in turns"]
+    first = r["codes"][0]
+    for shape, by_rows in r["us_per_matrix"].items():
+        for rows, us in by_rows.items():
+            cells = "  ".join(f"{c} {t:8.1f} us ({us[first] / t:4.2f}x)" for c, t in us.items())
+            lines.append(f"{shape:24s} {rows:>3} rows: {cells}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--codes", nargs="+", default=None,
+                    help="the codes to measure (default: every one this CPU has): 'avx2 float32', 'avx2 int8', "
+                         "avx512-vnni, amx-int8")
+    ap.add_argument("--weights-in", nargs="+", default=["huge"], choices=["huge", "xla"],
+                    help="where the matrices lie: huge pages (as the engine places them) or XLA's memory")
+    ap.add_argument("--out", default="benchmarks/results/products.json")
+    args = ap.parse_args()
+    from benchmarks.report import write_json
+
+    r = run(args.rows, args.repeats, args.codes, args.weights_in)
+    print(report(r))
+    write_json(r, args.out)
+
+
+if __name__ == "__main__":
+    main()
