@@ -261,7 +261,7 @@ void rows(const Packed& p, const uint8_t* w, const uint8_t* wt, int64_t n0, int6
     for (int64_t b = 0; b < blocks; ++b) {
       RowBlock rb;
       if (tile != nullptr) {
-        if (half == 1 && n + 8 < n1)  // the next tile, while this one's second half is read
+        if (half == 0 && n + 16 < n1)  // the next tile, a block at a time, while this one's first half is read
           for (int o = 0; o < tiled::kTileBlockBytes<F>; o += 64)
             _mm_prefetch(reinterpret_cast<const char*>(tile + tile_bytes + b * tiled::kTileBlockBytes<F> + o), _MM_HINT_T0);
         tiled_block<F>(tile, b, half, rb);
