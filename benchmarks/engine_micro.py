@@ -309,18 +309,18 @@ def main() -> None:
     ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
                     help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 "
                          "pairs where the CPU has AVX512-BF16; f32: float32)")
-    ap.add_argument("--cpu-tiled", nargs="+", default=["on"], choices=["on", "off"],
-                    help="the products of few rows reading the weights' copy tiled for VNNI's lanes (on) or the "
-                         "GGUF rows (off), side by side in one process (the same results)")
-    ap.add_argument("--cpu-team", nargs="+", default=["on"], choices=["on", "off"],
-                    help="a decode step's kernel calls on the kernels' own hot helper threads (on) or XLA's "
-                         "intra-op pool (off), side by side in one process")
-    ap.add_argument("--cpu-avx2-int8", nargs="+", default=["on"], choices=["on", "off"],
-                    help="the AVX2 code's generated rows on 2 limbs in integer sums from the tiled weights (on: the "
-                         "VNNI code's bits) or in float32 (off), side by side in one process")
-    ap.add_argument("--huge-pages", nargs="+", default=["on"], choices=["on", "off"],
-                    help="the weights in transparent huge pages (on) or in XLA's own memory (off), side by side "
-                         "in one process (a runner each; the same results)")
+    switches = {  # on/off settings measured side by side in one process
+        "--cpu-tiled": "the products of few rows reading the weights' copy tiled for VNNI's lanes (on) or the GGUF "
+                       "rows (off; the same results)",
+        "--cpu-team": "a decode step's kernel calls on the kernels' own hot helper threads (on) or XLA's intra-op "
+                      "pool (off)",
+        "--cpu-avx2-int8": "the AVX2 code's generated rows on 2 limbs in integer sums (on: the VNNI code's bits) or "
+                           "in float32 (off)",
+        "--huge-pages": "the weights in transparent huge pages (on) or in XLA's own memory (off; a runner each, the "
+                        "same results)",
+    }
+    for flag, text in switches.items():
+        ap.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=text)
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
