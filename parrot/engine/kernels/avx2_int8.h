@@ -261,9 +261,11 @@ void rows(const Packed& p, const uint8_t* w, const uint8_t* wt, int64_t n0, int6
     for (int64_t b = 0; b < blocks; ++b) {
       RowBlock rb;
       if (tile != nullptr) {
-        if (half == 0 && n + 16 < n1)  // the next tile, a block at a time, while this one's first half is read
-          for (int o = 0; o < tiled::kTileBlockBytes<F>; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(tile + tile_bytes + b * tiled::kTileBlockBytes<F> + o), _MM_HINT_T0);
+        if (n + 16 - 8 * half < n1) {  // the next tile, in 2 x blocks slices: one a block of either half
+          const int64_t per = (tile_bytes + 128 * blocks - 1) / (128 * blocks) * 64, j = half * blocks + b;
+          for (int64_t o = j * per; o < std::min(tile_bytes, (j + 1) * per); o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(tile + tile_bytes + o), _MM_HINT_T0);
+        }
         tiled_block<F>(tile, b, half, rb);
       } else {
         if (n + 8 < n1) {  // the next 8 rows (contiguous), a slice per block
