@@ -237,9 +237,10 @@ class ModelRunner:
         self.decode_kernel = (wanted and self.kv_dtype == jnp.bfloat16 and self.mesh is None
                               and gpu_attention.available())
         # the dtype quantized products are asked in (quant.linear's `dtype`): the prefill dtype, but bfloat16 on a
-        # CPU in the default mode without bf16 products as well: its native kernels then multiply prompt rows
-        # exactly (they have no bf16 code there) and generated rows on 2 limbs, the integer sums every CPU's
-        # kernels give them bit for bit (the AVX2 code's from vpmaddubsw, kernels/avx2_int8.h)
+        # CPU in the default mode without bf16 products as well: its native kernels then multiply generated rows
+        # on 2 limbs, the integer sums every CPU's kernels give them bit for bit (the AVX2 code's from
+        # vpmaddubsw, kernels/avx2_int8.h), and prompt rows without bf16 products (float32 with the AVX2 code,
+        # on 2 limbs too with VNNI's)
         self.qdtype = prefill_dtype
         if (not (ecfg.dtype or dtype) and prefill_dtype == jnp.float32 and jax.default_backend() == "cpu"
                 and kernels.available()):
