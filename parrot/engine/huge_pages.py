@@ -101,14 +101,3 @@ def put(a: np.ndarray) -> jax.Array:
     pages where the platform has them."""
     return _arena.put(a)
 
-
-def resident_huge_bytes() -> int:
-    """Bytes of this process's anonymous memory in huge pages now (/proc/self/smaps_rollup; 0 where
-    unknown)."""
-    try:
-        for line in open("/proc/self/smaps_rollup"):
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -37,10 +37,10 @@
 namespace avx2i8 {
 
 // Activations packed for the products: per token and block, each limb's 32 bytes as 8 words (word c:
-// activations 4c..4c+3), the block's 256 s and sum(x), and (Q8_0) the 2-limb integers as int16 pairs.
+// activations 4c..4c+3; Q4) or the 2-limb integers as int16 pairs (Q8_0), the block's 256 s and sum(x).
 struct Packed {
   int64_t T = 0, blocks = 0;
-  aligned::vector<uint32_t> words;   // [T][blocks][2 limbs][8]
+  aligned::vector<uint32_t> words;   // [T][blocks][2 limbs][8] (Q4)
   aligned::vector<float> s256;       // [T][blocks]
   aligned::vector<float> sums;       // [T][blocks]
   aligned::vector<uint32_t> pairs;   // `pairs` packs (Q8_0): [T][blocks][16], xi[2j], xi[2j + 1] as int16
@@ -67,12 +67,13 @@ inline uint64_t low_bytes(__m256i v) {
   return lo | (static_cast<uint64_t>(hi) << 32);
 }
 
-// x [T, K] -> p, the values of vnni::pack_x(x, T, K, ..., limbs = 2) (scales256, sums, the limbs' bytes and
-// sums), laid out for `rows`; with `pairs`, each 2-limb integer xi = 256 l0 + l1 as int16 pairs too.
+// x [T, K] -> p, the values of vnni::pack_x(x, T, K, ..., limbs = 2) (scales256, sums, the limbs' bytes),
+// laid out for `rows`; with `pairs` (Q8_0's products), each 2-limb integer xi = 256 l0 + l1 as int16 pairs
+// instead of the limbs' bytes.
 inline void pack(const float* x, int64_t T, int64_t K, Packed& p, bool pairs = false) {
   p.T = T, p.blocks = K / 32;
   p.pairs.resize(pairs ? T * p.blocks * 16 : 0);
-  p.words.resize(T * p.blocks * 16);
+  p.words.resize(pairs ? 0 : T * p.blocks * 16);
   p.s256.resize(T * p.blocks);
   p.sums.resize(T * p.blocks);
   const __m256i c128 = _mm256_set1_epi32(128), c255 = _mm256_set1_epi32(255);
@@ -83,10 +84,8 @@ inline void pack(const float* x, int64_t T, int64_t K, Packed& p, bool pairs = f
       __m256 v[4];
       for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
       p.sums[at] = sum32(v);
-      uint32_t* words = p.words.data() + at * 16;
-      std::memset(words, 0, 64);
-      uint32_t* xpairs = pairs ? p.pairs.data() + at * 16 : nullptr;
-      if (pairs) std::memset(xpairs, 0, 64);
+      uint32_t* out = (pairs ? p.pairs.data() : p.words.data()) + at * 16;  // limb words or int16 pairs
+      std::memset(out, 0, 64);
       p.s256[at] = 0.f;
       const __m256 mx = _mm256_max_ps(_mm256_max_ps(abs256(v[0]), abs256(v[1])), _mm256_max_ps(abs256(v[2]), abs256(v[3])));
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -104,15 +103,16 @@ inline void pack(const float* x, int64_t T, int64_t K, Packed& p, bool pairs = f
       const __m256 inv = _mm256_set1_ps(16384.f / a);
       for (int i = 0; i < 4; ++i) {  // activations 8i..8i+7: words 2i, 2i + 1 of each limb
         const __m256i xi = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        if (pairs) {  // int32 -> int16 (|xi| <= 2^14 + 1), in order: pairs 4i..4i+3
+          const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * i), h);
+          continue;
+        }
         const __m256i l1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(xi, c128), c255), c128);
         const __m256i l0 = _mm256_srai_epi32(_mm256_sub_epi32(xi, l1), 8);
         const uint64_t b0 = low_bytes(l0), b1 = low_bytes(l1);
-        std::memcpy(words + 2 * i, &b0, 8);
-        std::memcpy(words + 8 + 2 * i, &b1, 8);
-        if (pairs) {  // int32 -> int16 (|xi| <= 2^14 + 1), in order: pairs 4i..4i+3
-          const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(xi), _mm256_extracti128_si256(xi, 1));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(xpairs + 4 * i), h);
-        }
+        std::memcpy(out + 2 * i, &b0, 8);
+        std::memcpy(out + 8 + 2 * i, &b1, 8);
       }
     }
 }
@@ -261,18 +261,11 @@ void rows(const Packed& p, const uint8_t* w, const uint8_t* wt, int64_t n0, int6
     for (int64_t b = 0; b < blocks; ++b) {
       RowBlock rb;
       if (tile != nullptr) {
-        if (n + 16 - 8 * half < n1) {  // the next tile, in 2 x blocks slices: one a block of either half
-          const int64_t per = (tile_bytes + 128 * blocks - 1) / (128 * blocks) * 64, j = half * blocks + b;
-          for (int64_t o = j * per; o < std::min(tile_bytes, (j + 1) * per); o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(tile + tile_bytes + o), _MM_HINT_T0);
-        }
+        if (n + 16 - 8 * half < n1)  // the next tile, a slice a block of either half
+          tiled::prefetch_slice(tile + tile_bytes, tile_bytes, half * blocks + b, 2 * blocks);
         tiled_block<F>(tile, b, half, rb);
       } else {
-        if (n + 8 < n1) {  // the next 8 rows (contiguous), a slice per block
-          const int64_t per = (8 * ldw + 64 * blocks - 1) / (64 * blocks) * 64;
-          for (int64_t o = b * per; o < std::min(8 * ldw, (b + 1) * per); o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(w + (n + 8) * ldw + o), _MM_HINT_T0);
-        }
+        if (n + 8 < n1) tiled::prefetch_slice(w + (n + 8) * ldw, 8 * ldw, b, blocks);  // the next 8 rows
         gguf_block<F>(rows8, b, rb);
       }
       block_tokens<F>(p, b, rb, acc.data());

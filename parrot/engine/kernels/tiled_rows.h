@@ -1,12 +1,24 @@
-// Block formats and the weights' tiled layout, shared by the integer codes: AVX-512 VNNI (vnni_matmul.h, and
+// Block formats, the weights' tiled layout and their prefetching, shared by the integer codes: AVX-512 VNNI (vnni_matmul.h, and
 // AMX's tiles through it) and the AVX2 code's integer products (avx2_int8.h). Plain C++: included by
 // cpu_kernels.cc on every CPU.
 #pragma once
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace tiled {
+
+// The next weight rows (contiguous: `bytes` from `next`) are fetched into the cache a slice (`j` of
+// `slices`) per block while this tile's blocks are read: short rows leave the hardware prefetcher little
+// to go on.
+inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t j, int64_t slices) {
+  const int64_t per = (bytes + 64 * slices - 1) / (64 * slices) * 64;
+  for (int64_t o = j * per; o < std::min(bytes, (j + 1) * per); o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+}
 
 // Block formats: bytes per block, where the 32 weights start, signed (Q8_0) or nibbles, and the minimum
 // (0: none, 1: Q4_1's float16 after d, 2: Q4_0's -8 d).

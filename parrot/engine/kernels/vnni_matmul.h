@@ -43,6 +43,7 @@ using tiled::Q4_0;
 using tiled::Q4_1;
 using tiled::Q8_0;
 using tiled::kTileBlockBytes;
+using tiled::prefetch_slice;
 using tiled::kTileScaleBytes;
 using tiled::tile_rows;
 using tiled::tiled_bytes;
@@ -143,14 +144,6 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
 
 // ---- shared pieces --------------------------------------------------------------------------------
 alignas(64) inline constexpr uint8_t kZeros[32] = {};
-
-// The next 16 weight rows (contiguous: `bytes` from `next`) are fetched into the cache a slice per block
-// while this tile's blocks are read: short rows leave the hardware prefetcher little to go on.
-inline void prefetch_slice(const uint8_t* next, int64_t bytes, int64_t j, int64_t slices) {
-  const int64_t per = (bytes + 64 * slices - 1) / (64 * slices) * 64;
-  for (int64_t o = j * per; o < std::min(bytes, (j + 1) * per); o += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
-}
 
 // 16 rows' scales d (and minima m) for one block, from the first 4 bytes of each row's block.
 template <class F>
