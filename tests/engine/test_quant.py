@@ -242,6 +242,58 @@ def test_trailing_padding_rows_are_skipped(limbs: int, kinds: str) -> None:
     assert not np.all(np.asarray(f(x, d, np.maximum(fill, 0)))[9:] == 0.0)  # unmarked, they are computed
 
 
+def _swiglu64(gu: np.ndarray) -> np.ndarray:
+    g, u = np.split(gu.astype(np.float64), 2, axis=1)
+    with np.errstate(over="ignore"):
+        return g / (1.0 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 70])  # a decode row; a step's 16 (two chunks of the gate); many
+def test_a_gated_product_multiplies_swiglu_of_its_input(native_path: str, qtype: str, rows: int) -> None:
+    """`glu`: the kernel multiplies silu(gate) * up of a [T, 2K] input (SwiGLU's gate, computed in the call):
+    the product of swiglu in float64 with the exactly dequantized matrix, on every code, gates far out in
+    either tail included; a NaN in a row's gate makes that row NaN."""
+    q = quant.quantize(_random(576, 200), qtype)
+    gu = np.random.default_rng(rows).standard_normal((rows, 1152)).astype(np.float32) * 3
+    gu[0, :4] = [-100.0, 100.0, 0.0, 60.0]
+    if rows > 1:
+        gu[1, 5] = np.nan
+    got = np.asarray(jax.jit(lambda x, d: kernels.qmatmul(x, d, qtype, glu=True))(gu, jnp.asarray(q.data)))
+    ref = _swiglu64(gu) @ q.dequantize().astype(np.float64)
+    ok = [0] + list(range(2, rows))
+    np.testing.assert_allclose(got[ok], ref[ok], rtol=1e-5, atol=1e-5 * np.abs(ref[ok]).max())
+    if rows > 1:
+        assert np.isnan(got[1]).all()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not available")
+@pytest.mark.parametrize("limbs", [2, 3])
+def test_a_gated_row_is_the_same_alone_in_a_batch_and_beside_prompt_rows(limbs: int) -> None:
+    """The gate is computed row by row, so a gated product's row is the same bits alone, in a batch of any
+    size, with padding after it, and beside prompt rows (fill); exact (3 limbs), it is quant.linear's XLA
+    product within float32 rounding (the exps differ by ~1 ulp)."""
+    q = quant.quantize(_random(1536, 96), "q4_1")
+    d = jnp.asarray(q.data)
+    gu = np.random.default_rng(limbs).standard_normal((40, 3072)).astype(np.float32) * 2
+    f = jax.jit(lambda x, fill: kernels.qmatmul(x, d, "q4_1", fill, limbs, glu=True))
+    alone = np.concatenate([np.asarray(f(gu[i:i + 1], np.zeros(1, np.int32))) for i in range(len(gu))])
+    exact_avx2 = kernels.matmul_path() == "avx2" and limbs == 3  # its float32 panels: the same up to 16 rows
+    for size in (3, 16) if exact_avx2 else (3, 16, 40):
+        np.testing.assert_array_equal(np.asarray(f(gu[:size], np.zeros(size, np.int32))), alone[:size])
+    fill = np.zeros(16, np.int32)
+    fill[10:] = -1
+    padded = np.asarray(f(gu[:16], fill))
+    np.testing.assert_array_equal(padded[:10], alone[:10])
+    np.testing.assert_array_equal(padded[10:], 0.0)
+    mixed = np.arange(16, dtype=np.int32) % 2  # odd rows: prompt tokens' (bfloat16 where the CPU has it)
+    np.testing.assert_array_equal(np.asarray(f(gu[:16], mixed))[::2], alone[:16:2])
+    if limbs == 3:  # exact, as XLA's float32 path (more rows than the kernels take) with its own swiglu
+        x = jnp.asarray(np.tile(gu, (quant.KERNEL_MAX_ROWS // len(gu) + 1, 1)))
+        xla = np.asarray(jax.jit(lambda x: quant.linear(x, d, "q4_1", glu=True))(x))[: len(gu)]
+        np.testing.assert_allclose(xla, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_two_limbs_round_activations_to_15_bits_the_same_in_any_batch(native_path: str, qtype: str) -> None:
     """The bfloat16 mode's generated rows on the integer paths: activations to 15 bits below their block's

@@ -620,14 +620,19 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
   return -1;
 }
 
+// silu(x[t, :K]) * x[t, K:] of rows [0, T) of x [T, 2K], in this thread's buffer (defined below, with exp).
+const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K);
+
 // `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
 // generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
-                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs,
+                       int32_t glu) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
-  const int64_t T = xd[0], K = xd[1], N = wd[0];
+  if (glu && xd[1] % 2) return ffi::Error::InvalidArgument("qmatmul: a gated x needs an even number of columns");
+  const int64_t T = xd[0], K = glu ? xd[1] / 2 : xd[1], N = wd[0];
   if (K % 32) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of 32");
   const int64_t blocks = K / 32;
   const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
@@ -638,6 +643,11 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
+  if (glu) {  // the rows the product reads (not the trailing padding: see qmatmul_rows_of_kind)
+    int64_t rows = T;
+    while (rows > 0 && fp[rows - 1] < 0) --rows;
+    xp = swiglu_rows(pool, xp, rows, K);
+  }
   const uint8_t* wp = w.typed_data();
   const uint8_t* tp = nullptr;
   if (wt.element_count() > 0) {
@@ -706,6 +716,50 @@ inline V vexp(V x) {
   return x;
 }
 inline __m256 exp256(__m256 x) { return vexp(x); }
+
+inline __m256 vdiv(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
+#ifdef __AVX512F__
+inline __m512 vdiv(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
+#endif
+
+// silu(g) * u = (g * (1 / (1 + exp(-g)))) * u, XLA's steps for jax.nn.silu, for the 32 lanes at g and u (two
+// AVX-512 vectors, or four AVX2 ones: the same operations per lane, so the same bits on either CPU)
+template <typename V, int N>
+inline void swiglu32(const float* g, const float* u, float* out) {
+  constexpr int L = sizeof(V) / 4;
+  auto load = [](const float* p) {
+    if constexpr (L == 16) return _mm512_loadu_ps(p);
+    else return _mm256_loadu_ps(p);
+  };
+  V gv[N], e[N];
+  for (int i = 0; i < N; ++i) gv[i] = load(g + L * i), e[i] = vmul(gv[i], vset(gv[i], -1.f));
+  vexp_n<N>(e);
+  for (int i = 0; i < N; ++i) {
+    const V one = vset(gv[i], 1.f);
+    const V r = vmul(vmul(gv[i], vdiv(one, vadd(e[i], one))), load(u + L * i));
+    if constexpr (L == 16) _mm512_storeu_ps(out + L * i, r);
+    else _mm256_storeu_ps(out + L * i, r);
+  }
+}
+
+const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K) {
+  thread_local aligned::vector<float> buf;  // this thread's: the product's threads read it until they are done
+  buf.resize(std::max<int64_t>(1, T * K));
+  float* out = buf.data();
+  // chunks of whole rows, ~8K values each (a decode step's 16 rows of 1,536: two chunks)
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(T, 8192 / std::max<int64_t>(1, K)));
+  parallel_chunks(pool, (T + per - 1) / per, [&](int64_t c) {
+    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t)
+      for (int64_t k = 0; k < K; k += 32) {
+#ifdef __AVX512F__
+        swiglu32<__m512, 2>(x + t * 2 * K + k, x + t * 2 * K + K + k, out + t * K + k);
+#else
+        swiglu32<__m256, 4>(x + t * 2 * K + k, x + t * 2 * K + K + k, out + t * K + k);
+#endif
+      }
+  }, T <= kHotRows);
+  return out;
+}
 
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1217,14 +1271,14 @@ ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands,
 // parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
 ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
-                           int32_t qtype, int32_t limbs) {
+                           int32_t qtype, int32_t limbs, int32_t glu) {
   auto i = picked_layer(layer, rest.size(), 2);
   if (!i.has_value()) return i.error();
   const size_t n = rest.size() / 2;
   auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
   auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
   if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
-  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs);
+  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs, glu);
 }
 
 // parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
@@ -1359,7 +1413,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs"));
+                                  .Attr<int32_t>("limbs")
+                                  .Attr<int32_t>("glu"));         // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
@@ -1386,7 +1441,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
                                   .RemainingArgs()               // L weights, then L tiled copies
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs"));
+                                  .Attr<int32_t>("limbs")
+                                  .Attr<int32_t>("glu"));         // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                               ffi::Ffi::Bind()

@@ -27,7 +27,7 @@ from parrot.engine import huge_pages, quant
 from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.precision import exact
-from parrot.engine.quant import QuantizedTensor
+from parrot.engine.quant import QuantizedTensor, swiglu
 
 KVCache = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]  # (k per layer, v per layer)
 TP_AXIS = "tp"  # the mesh axis tensor-parallel shards are split over
@@ -98,13 +98,14 @@ def _fuse(parts: list[Weight]) -> Weight:
 
 
 def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
-            fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
+            fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False) -> jax.Array:
     """x @ W for a float [in, out] matrix, or a block-quantized one (`dtype`: what a dequantized matrix is
     multiplied in when XLA does the product, and by the native kernel for prompt tokens' rows: `fill`,
-    see quant.linear; `tiled`: its copy for the VNNI code, see `_tiled`)."""
+    see quant.linear; `tiled`: its copy for the VNNI code, see `_tiled`). `glu`: x is a gated pair and the
+    product is of `swiglu(x)` (computed in the native kernel where it runs: quant.linear)."""
     if qtype is None:
-        return matmul(x, w)
-    return quant.linear(x, w, qtype, dtype, fill, tiled)
+        return matmul(swiglu(x) if glu else x, w)
+    return quant.linear(x, w, qtype, dtype, fill, tiled, glu)
 
 
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
@@ -182,12 +183,6 @@ def qkv_heads(cfg: LlamaConfig, qkv: jax.Array, heads: int, kv_heads: int, cos: 
     return q, k, qkv[:, qd + kvd :].reshape(t, kv_heads, d)
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-    """silu(gate) * up of the fused gate|up projection's output."""
-    f = gu.shape[-1] // 2
-    return jax.nn.silu(gu[:, :f]) * gu[:, f:]
-
-
 class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
@@ -238,6 +233,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
         gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t))
+        if self.tp == 1:  # the gate inside the down product (a device's share under tp is gathered after it)
+            return project(gu, self.w_down[...], self.w_down_q, self.qdtype, fill, _value(self.w_down_t), glu=True)
         return row_project(swiglu(gu), self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
                            _value(self.w_down_t))
 
