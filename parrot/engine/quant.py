@@ -17,6 +17,7 @@ Both compute the product with the same dequantized matrix; they differ only in s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -103,32 +104,49 @@ def dequantize_rows(data: jax.Array, rows: jax.Array, qtype: str, k: int, dtype:
     return dequantize(data[rows], qtype, k, dtype)
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-    """silu(gate) * up of a fused gate|up projection's output [T, 2F] (`linear(..., glu=True)` multiplies
-    it inside the native kernel, with the same steps)."""
-    f = gu.shape[-1] // 2
-    return jax.nn.silu(gu[:, :f]) * gu[:, f:]
+def native(rows: int) -> bool:
+    """Whether `linear` multiplies `rows` rows in the native kernel (which can take a prologue)."""
+    return rows <= KERNEL_MAX_ROWS and kernels.available()
+
+
+_prologues = {"on": os.environ.get("PARROT_PROLOGUES", "1") != "0"}
+
+
+def prologues(rows: int) -> bool:
+    """Whether a product of `rows` rows takes its input's norm or gate as the native kernel's prologue: where
+    the kernel runs, unless `PARROT_PROLOGUES=0` or `use_prologues(False)` (then XLA computes them). Read
+    when a step is traced."""
+    return _prologues["on"] and native(rows)
+
+
+def use_prologues(on: bool | None = None) -> bool:
+    """Switch the prologues on or off for the steps traced from now on (side-by-side benchmarks; None: leave
+    the setting); returns it."""
+    if on is not None:
+        _prologues["on"] = on
+    return _prologues["on"]
 
 
 def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32,
-           fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False) -> jax.Array:
+           fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False,
+           norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
     """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
     `fill` ([T], batch.fill_rows: 1 for a prompt token's row, 0 for a generated token's, -1 for padding): where
     `dtype` is bfloat16, the native path multiplies prompt rows in bfloat16 (AMX's bf16 tiles or AVX512-BF16
     where the CPU has them), and generated rows with activations to 15 bits (2 limbs); other dtypes multiply
     every row exactly. The native path skips the trailing padding rows (zeros). `tiled`: the matrix's copy
-    for the integer codes (kernels.tile_rows), read by the native products of generated rows. `glu`: x is a
-    gated pair [T, 2K] and the product is of `swiglu(x)` (the native kernel computes it in the call, which
-    saves XLA's pass over it: 25 of ~310 us of glue per layer in a decode step of 16 rows on a 2-core Zen 4)."""
-    t = x.shape[0]
-    if t <= KERNEL_MAX_ROWS and kernels.available():
+    for the integer codes (kernels.tile_rows), read by the native products of generated rows. `glu` (x a
+    gated pair [T, 2K]) and `norm` / `eps` (an RMSNorm's weight): the native kernel's prologues
+    (`kernels.qmatmul`), where it runs (`native`): each saves XLA's own pass over x, and no other path takes
+    them (models/llama.py `project` computes them in XLA there)."""
+    t, k = x.shape
+    if native(t):
         bf16 = jnp.dtype(dtype) == jnp.bfloat16
         if fill is not None and not bf16:
             fill = jnp.minimum(fill, 0)  # exact rows throughout; padding stays marked
-        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled, glu).astype(x.dtype)
-    if glu:
-        x = swiglu(x)
-    k = x.shape[1]
+        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled, glu, norm, eps).astype(x.dtype)
+    if glu or norm is not None:
+        raise ValueError("a product's prologue (glu, norm) runs in the native kernel only")
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

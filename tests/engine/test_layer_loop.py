@@ -119,3 +119,46 @@ def test_multi_step_loops_over_the_layers_decode_the_unrolled_tokens(dtype: str 
         finally:
             eng.shutdown()
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_qmatmul_pick_takes_the_prologues_of_qmatmul(qtype: str) -> None:
+    """The norm and the gate: the picked layer's product with either prologue is the plain kernel's."""
+    rng = np.random.default_rng(5)
+    mats = [quant.quantize((rng.standard_normal((96, 64)) * 0.05).astype(np.float32), qtype) for _ in range(LAYERS)]
+    ws = [jnp.asarray(m.data) for m in mats]
+    tiled = [None if quant.tiled(m) is None else jnp.asarray(quant.tiled(m)) for m in mats]
+    x = jnp.asarray(rng.standard_normal((16, 96)).astype(np.float32))
+    gu = jnp.asarray(rng.standard_normal((16, 192)).astype(np.float32))
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, 96).astype(np.float32))
+    fill = jnp.zeros(16, jnp.int32)
+    for i in range(LAYERS):
+        normed = kernels.qmatmul_pick(x, jnp.int32(i), ws, tiled, qtype, fill, 2, norm=norm, eps=1e-5)
+        gated = kernels.qmatmul_pick(gu, jnp.int32(i), ws, tiled, qtype, fill, 2, glu=True)
+        assert np.array_equal(_bits(normed), _bits(kernels.qmatmul(x, ws[i], qtype, fill, 2, tiled[i], norm=norm,
+                                                                   eps=1e-5)))
+        assert np.array_equal(_bits(gated), _bits(kernels.qmatmul(gu, ws[i], qtype, fill, 2, tiled[i], glu=True)))
+
+
+@pytest.mark.parametrize("dtype", ["float32", None])
+def test_the_prologues_give_xlas_logits_within_float32_rounding(dtype: str | None) -> None:
+    """The norms and the gate inside the products' calls (quant.prologues) against XLA's own passes
+    (`use_prologues(False)`, as `PARROT_PROLOGUES=0`): a prompt's logits agree within float32 rounding."""
+    from parrot.engine.runner import ModelRunner
+
+    model = _quantized_tiny()
+    tokens = list(np.random.default_rng(0).integers(3, TINY.vocab_size, 40))
+    logits = {}
+    before = quant.use_prologues()
+    try:
+        for on in (True, False):
+            quant.use_prologues(on)
+            runner = ModelRunner(model.config, model.weights, tiny_engine_config(dtype=dtype))
+            logits[on] = np.asarray(runner.prefill_logits(tokens, 0, [1, 2, 3]))
+            runner.close()
+    finally:
+        quant.use_prologues(before)
+    scale = np.abs(logits[False]).max()
+    np.testing.assert_allclose(logits[True], logits[False], rtol=1e-4, atol=1e-4 * scale)
+    if dtype == "float32":  # exact products: the norms' last bits show (bfloat16 prompt rows may round them away)
+        assert not np.array_equal(logits[True], logits[False])  # the switch reached the traced step

@@ -271,8 +271,8 @@ def test_a_gated_product_multiplies_swiglu_of_its_input(native_path: str, qtype:
 @pytest.mark.parametrize("limbs", [2, 3])
 def test_a_gated_row_is_the_same_alone_in_a_batch_and_beside_prompt_rows(limbs: int) -> None:
     """The gate is computed row by row, so a gated product's row is the same bits alone, in a batch of any
-    size, with padding after it, and beside prompt rows (fill); exact (3 limbs), it is quant.linear's XLA
-    product within float32 rounding (the exps differ by ~1 ulp)."""
+    size, with padding after it, and beside prompt rows (fill); exact (3 limbs), it is the product of XLA's
+    swiglu (models/llama.py) within float32 rounding (the exps differ by ~1 ulp)."""
     q = quant.quantize(_random(1536, 96), "q4_1")
     d = jnp.asarray(q.data)
     gu = np.random.default_rng(limbs).standard_normal((40, 3072)).astype(np.float32) * 2
@@ -288,10 +288,81 @@ def test_a_gated_row_is_the_same_alone_in_a_batch_and_beside_prompt_rows(limbs: 
     np.testing.assert_array_equal(padded[10:], 0.0)
     mixed = np.arange(16, dtype=np.int32) % 2  # odd rows: prompt tokens' (bfloat16 where the CPU has it)
     np.testing.assert_array_equal(np.asarray(f(gu[:16], mixed))[::2], alone[:16:2])
-    if limbs == 3:  # exact, as XLA's float32 path (more rows than the kernels take) with its own swiglu
-        x = jnp.asarray(np.tile(gu, (quant.KERNEL_MAX_ROWS // len(gu) + 1, 1)))
-        xla = np.asarray(jax.jit(lambda x: quant.linear(x, d, "q4_1", glu=True))(x))[: len(gu)]
+    if limbs == 3:  # exact, as the product of XLA's swiglu (models/llama.py)
+        from parrot.engine.models.llama import swiglu
+
+        xla = np.asarray(jax.jit(lambda x: kernels.qmatmul(swiglu(x), d, "q4_1"))(gu))
         np.testing.assert_allclose(xla, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
+def _rms_norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_a_normed_product_multiplies_rmsnorm_of_its_input(native_path: str, qtype: str, rows: int) -> None:
+    """`norm`: the kernel multiplies RMSNorm(x) with the given weight (and eps): the product of the norm in
+    float64 with the exactly dequantized matrix, on every code; a row of zeros stays zeros."""
+    q = quant.quantize(_random(576, 200), qtype)
+    rng = np.random.default_rng(rows)
+    x = (rng.standard_normal((rows, 576)) * rng.uniform(0.01, 30, (rows, 1))).astype(np.float32)
+    w = rng.uniform(0.2, 2.0, 576).astype(np.float32)
+    if rows > 1:
+        x[1] = 0.0
+    got = np.asarray(jax.jit(lambda x, d, w: kernels.qmatmul(x, d, qtype, norm=w, eps=1e-5))(x, jnp.asarray(q.data), w))
+    ref = _rms_norm64(x, w, 1e-5) @ q.dequantize().astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if rows > 1:
+        np.testing.assert_array_equal(got[1], 0.0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not available")
+@pytest.mark.parametrize("limbs", [2, 3])
+def test_a_normed_row_is_the_same_alone_in_a_batch_and_beside_prompt_rows(limbs: int) -> None:
+    """The norm is computed row by row in a fixed order, so a normed product's row is the same bits alone,
+    in a batch of any size, with padding after it, and beside prompt rows; exact (3 limbs), it is the
+    product of XLA's norm (models/llama.py `rms_norm`) within float32 rounding (its rsqrt approximates)."""
+    from parrot.engine.models.llama import rms_norm
+
+    q = quant.quantize(_random(576, 96), "q4_1")
+    d = jnp.asarray(q.data)
+    rng = np.random.default_rng(limbs)
+    x = rng.standard_normal((40, 576)).astype(np.float32) * 4
+    w = jnp.asarray(rng.uniform(0.2, 2.0, 576).astype(np.float32))
+    f = jax.jit(lambda x, fill: kernels.qmatmul(x, d, "q4_1", fill, limbs, norm=w, eps=1e-5))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], np.zeros(1, np.int32))) for i in range(len(x))])
+    exact_avx2 = kernels.matmul_path() == "avx2" and limbs == 3  # its float32 panels: the same up to 16 rows
+    for size in (3, 16) if exact_avx2 else (3, 16, 40):
+        np.testing.assert_array_equal(np.asarray(f(x[:size], np.zeros(size, np.int32))), alone[:size])
+    fill = np.zeros(16, np.int32)
+    fill[10:] = -1
+    padded = np.asarray(f(x[:16], fill))
+    np.testing.assert_array_equal(padded[:10], alone[:10])
+    np.testing.assert_array_equal(padded[10:], 0.0)
+    mixed = np.arange(16, dtype=np.int32) % 2  # odd rows: prompt tokens' (bfloat16 where the CPU has it)
+    np.testing.assert_array_equal(np.asarray(f(x[:16], mixed))[::2], alone[:16:2])
+    if limbs == 3:
+        xla = np.asarray(jax.jit(lambda x: kernels.qmatmul(rms_norm(x, w, 1e-5), d, "q4_1"))(x))
+        np.testing.assert_allclose(xla, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native CPU kernels are not available")
+def test_a_prologue_is_refused_where_it_cannot_run() -> None:
+    """A norm weight of the wrong size is an error of the call, and quant.linear refuses a prologue on XLA's
+    path (more rows than the kernels take), which has none: models/llama.py `project` computes it there."""
+    q = quant.quantize(_random(64, 32), "q4_1")
+    d = jnp.asarray(q.data)
+    x = np.ones((2, 64), np.float32)
+    with pytest.raises(Exception, match="norm's weight must have K values"):
+        np.asarray(kernels.qmatmul(jnp.asarray(x), d, "q4_1", norm=jnp.ones(65), eps=1e-5))
+    with pytest.raises(Exception, match="a norm or a gate, not both"):
+        np.asarray(kernels.qmatmul(jnp.asarray(np.ones((2, 128), np.float32)), d, "q4_1", glu=True,
+                                   norm=jnp.ones(64), eps=1e-5))
+    big = jnp.ones((quant.KERNEL_MAX_ROWS + 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match="native kernel only"):
+        quant.linear(big, d, "q4_1", norm=jnp.ones(64), eps=1e-5)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -622,16 +622,19 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
 
 // silu(x[t, :K]) * x[t, K:] of rows [0, T) of x [T, 2K], in this thread's buffer (defined below, with exp).
 const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K);
+// RMSNorm of rows [0, T) of x [T, K] with weight w, in this thread's buffer (defined below).
+const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w, float eps);
 
 // `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
 // generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
-                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs,
-                       int32_t glu) {
+                       ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> y,
+                       int32_t qtype, int32_t limbs, int32_t glu, float eps) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
   if (glu && xd[1] % 2) return ffi::Error::InvalidArgument("qmatmul: a gated x needs an even number of columns");
+  if (glu && norm.element_count() > 0) return ffi::Error::InvalidArgument("qmatmul: a norm or a gate, not both");
   const int64_t T = xd[0], K = glu ? xd[1] / 2 : xd[1], N = wd[0];
   if (K % 32) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of 32");
   const int64_t blocks = K / 32;
@@ -643,10 +646,16 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
-  if (glu) {  // the rows the product reads (not the trailing padding: see qmatmul_rows_of_kind)
-    int64_t rows = T;
+  if (glu || norm.element_count() > 0) {  // the rows the product reads (not the trailing padding: see
+    int64_t rows = T;                      // qmatmul_rows_of_kind)
     while (rows > 0 && fp[rows - 1] < 0) --rows;
-    xp = swiglu_rows(pool, xp, rows, K);
+    if (glu) {
+      xp = swiglu_rows(pool, xp, rows, K);
+    } else {
+      if (static_cast<int64_t>(norm.element_count()) != K)
+        return ffi::Error::InvalidArgument("qmatmul: the norm's weight must have K values");
+      xp = rms_rows(pool, xp, rows, K, norm.typed_data(), eps);
+    }
   }
   const uint8_t* wp = w.typed_data();
   const uint8_t* tp = nullptr;
@@ -758,6 +767,39 @@ const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64
         swiglu32<__m256, 4>(x + t * 2 * K + k, x + t * 2 * K + K + k, out + t * K + k);
 #endif
       }
+  }, T <= kHotRows);
+  return out;
+}
+
+// The norm of one row, as models/llama.py's rms_norm computes it in XLA (row_sum's additions: the squares'
+// halves added elementwise while the width is even, then the rest in order; sum * (1 / K) + eps), except
+// the inverse square root, which is 1 / sqrt here (correctly rounded twice: the same bits on every CPU)
+// where XLA's rsqrt approximates. Each step is elementwise or in a fixed order, so the same bits on AVX2
+// and AVX-512 builds, alone or in any batch. `sq`: K floats of scratch.
+inline void rms_row(const float* x, int64_t K, const float* w, float eps, float* sq, float* out) {
+  for (int64_t j = 0; j < K; ++j) sq[j] = x[j] * x[j];  // stored before they are added (no fused multiply-add)
+  int64_t width = K;
+  while (width % 2 == 0 && width > 1) {
+    const int64_t half = width / 2;
+    for (int64_t j = 0; j < half; ++j) sq[j] = sq[j] + sq[j + half];
+    width = half;
+  }
+  float total = sq[0];
+  for (int64_t j = 1; j < width; ++j) total = total + sq[j];
+  const float r = 1.0f / std::sqrt(total * (1.0f / static_cast<float>(K)) + eps);
+  for (int64_t j = 0; j < K; ++j) out[j] = x[j] * r * w[j];
+}
+
+const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w, float eps) {
+  thread_local aligned::vector<float> buf;  // this thread's: the product's threads read it until they are done
+  buf.resize(std::max<int64_t>(1, T * K));
+  float* out = buf.data();
+  // a decode step's rows on the calling thread (it packs them next), a prompt's in chunks of whole rows
+  const int64_t per = T <= kHotRows ? T : std::max<int64_t>(1, std::min<int64_t>(T, 8192 / std::max<int64_t>(1, K)));
+  parallel_chunks(pool, (T + per - 1) / per, [&](int64_t c) {
+    thread_local aligned::vector<float> sq;
+    sq.resize(K);
+    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t) rms_row(x + t * K, K, w, eps, sq.data(), out + t * K);
   }, T <= kHotRows);
   return out;
 }
@@ -1271,15 +1313,15 @@ ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands,
 
 // parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
 ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
-                           int32_t qtype, int32_t limbs, int32_t glu) {
+                           ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> norm, ffi::RemainingArgs rest,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs, int32_t glu, float eps) {
   auto i = picked_layer(layer, rest.size(), 2);
   if (!i.has_value()) return i.error();
   const size_t n = rest.size() / 2;
   auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
   auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
   if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
-  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs, glu);
+  return QMatmulImpl(pool, x, *w, *wt, fill, norm, y, qtype, limbs, glu, eps);
 }
 
 // parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
@@ -1412,10 +1454,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // wt: w tiled for VNNI's lanes, or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K]: multiply RMSNorm(x) with this weight, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("glu"));         // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
+                                  .Attr<int32_t>("glu")          // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
+                                  .Attr<float>("eps"));          // the norm's epsilon
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
@@ -1439,11 +1483,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or empty (as parrot_qmatmul)
                                   .RemainingArgs()               // L weights, then L tiled copies
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("glu"));         // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
+                                  .Attr<int32_t>("glu")
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                               ffi::Ffi::Bind()
