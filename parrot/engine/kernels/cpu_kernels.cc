@@ -776,18 +776,36 @@ const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64
 // the inverse square root, which is 1 / sqrt here (correctly rounded twice: the same bits on every CPU)
 // where XLA's rsqrt approximates. Each step is elementwise or in a fixed order, so the same bits on AVX2
 // and AVX-512 builds, alone or in any batch. `sq`: K floats of scratch.
+template <typename V>
 inline void rms_row(const float* x, int64_t K, const float* w, float eps, float* sq, float* out) {
-  for (int64_t j = 0; j < K; ++j) sq[j] = x[j] * x[j];  // stored before they are added (no fused multiply-add)
+  constexpr int64_t L = sizeof(V) / 4;
+  auto load = [](const float* p) {
+    if constexpr (L == 16) return _mm512_loadu_ps(p);
+    else return _mm256_loadu_ps(p);
+  };
+  auto store = [](float* p, V v) {
+    if constexpr (L == 16) _mm512_storeu_ps(p, v);
+    else _mm256_storeu_ps(p, v);
+  };
+  // every step below is elementwise or in a fixed order: the vector width changes no bits
+  int64_t j = 0;
+  for (; j + L <= K; j += L) store(sq + j, vmul(load(x + j), load(x + j)));
+  for (; j < K; ++j) sq[j] = x[j] * x[j];
   int64_t width = K;
   while (width % 2 == 0 && width > 1) {
     const int64_t half = width / 2;
-    for (int64_t j = 0; j < half; ++j) sq[j] = sq[j] + sq[j + half];
+    j = 0;
+    for (; j + L <= half; j += L) store(sq + j, vadd(load(sq + j), load(sq + j + half)));
+    for (; j < half; ++j) sq[j] = sq[j] + sq[j + half];
     width = half;
   }
   float total = sq[0];
-  for (int64_t j = 1; j < width; ++j) total = total + sq[j];
-  const float r = 1.0f / std::sqrt(total * (1.0f / static_cast<float>(K)) + eps);
-  for (int64_t j = 0; j < K; ++j) out[j] = x[j] * r * w[j];
+  for (j = 1; j < width; ++j) total = total + sq[j];
+  const float var = total * (1.0f / static_cast<float>(K));
+  const float r = 1.0f / std::sqrt(var + eps);
+  const V rv = vset(V{}, r);
+  for (j = 0; j + L <= K; j += L) store(out + j, vmul(vmul(load(x + j), rv), load(w + j)));
+  for (; j < K; ++j) out[j] = x[j] * r * w[j];
 }
 
 const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w, float eps) {
@@ -799,7 +817,13 @@ const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t 
   parallel_chunks(pool, (T + per - 1) / per, [&](int64_t c) {
     thread_local aligned::vector<float> sq;
     sq.resize(K);
-    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t) rms_row(x + t * K, K, w, eps, sq.data(), out + t * K);
+    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t) {
+#ifdef __AVX512F__
+      rms_row<__m512>(x + t * K, K, w, eps, sq.data(), out + t * K);
+#else
+      rms_row<__m256>(x + t * K, K, w, eps, sq.data(), out + t * K);
+#endif
+    }
   }, T <= kHotRows);
   return out;
 }
