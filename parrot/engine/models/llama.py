@@ -117,18 +117,24 @@ def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
 
 
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
-                fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
+                fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
-    columns). Megatron: `w` holds the matching input rows and the partial products are summed over
-    the devices (one all-reduce; the order of the sum changes with tp). `exact`: `w` holds all input rows
-    of this device's output columns, `x` is gathered first and the outputs after (two all-gathers;
-    each output is computed as on one device, so greedy outputs do not change with tp)."""
+    columns; `glu`: its gate | up pair, whose SwiGLU `project` computes). Megatron: `w` holds the matching
+    input rows and the partial products are summed over the devices (one all-reduce; the order of the sum
+    changes with tp). `exact`: `w` holds all input rows of this device's output columns, `x` is gathered
+    first (a pair's gates and ups apart, into one device's order) and the outputs after (all-gathers; each
+    output is computed as on one device, so greedy outputs do not change with tp)."""
     if tp == 1:
-        return project(x, w, qtype, dtype, fill, tiled)
+        return project(x, w, qtype, dtype, fill, tiled, glu)
     if not exact:
-        return jax.lax.psum(project(x, w, qtype, dtype, fill), TP_AXIS)
-    full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
-    return jax.lax.all_gather(project(full, w, qtype, dtype, fill), TP_AXIS, axis=1, tiled=True)
+        return jax.lax.psum(project(x, w, qtype, dtype, fill, glu=glu), TP_AXIS)
+    if glu:
+        f = x.shape[1] // 2
+        full = jnp.concatenate([jax.lax.all_gather(x[:, :f], TP_AXIS, axis=1, tiled=True),
+                                jax.lax.all_gather(x[:, f:], TP_AXIS, axis=1, tiled=True)], axis=1)
+    else:
+        full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(project(full, w, qtype, dtype, fill, glu=glu), TP_AXIS, axis=1, tiled=True)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -250,10 +256,8 @@ class MLP(nnx.Module):
         """`norm`: applied to x on its way into the gate|up product (`project`)."""
         gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t),
                      norm=norm)
-        if self.tp == 1:  # the gate inside the down product (a device's share under tp is gathered after it)
-            return project(gu, self.w_down[...], self.w_down_q, self.qdtype, fill, _value(self.w_down_t), glu=True)
-        return row_project(swiglu(gu), self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
-                           _value(self.w_down_t))
+        return row_project(gu, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+                           _value(self.w_down_t), glu=True)
 
 
 class DecoderLayer(nnx.Module):
