@@ -21,7 +21,7 @@ from benchmarks import floors
 from benchmarks.report import write_json
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import kernels, quant
+from parrot.engine import kernels
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
 from parrot.engine.runner import ModelRunner
@@ -41,10 +41,8 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
           matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on",
-          huge: str = "on", avx2_int8: str = "on", prologues: str = "on") -> str:
+          huge: str = "on", avx2_int8: str = "on") -> str:
     name = f"weights_{weights}"
-    if prologues != "on":
-        name += f"_prologues_{prologues}"
     if avx2_int8 != "on":
         name += f"_avx2_int8_{avx2_int8}"
     if huge != "on":
@@ -67,8 +65,7 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
-        team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None,
-        prologues: list[str] | None = None) -> dict:
+        team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -78,13 +75,12 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # call the same FFI target; kernels.use_matmul switches the code behind it before each call)
     matmul: dict[str, str] = {}
     cpu_att: dict[str, str] = {}  # decode attention's products on a CPU: auto, bf16 (where it can) or f32
-    # the tiled weights' reading, the kernels' team, the AVX2 code's integer generated rows and the products'
-    # prologues (a runner each: chosen when a step is traced): on or off
-    switches: dict[str, tuple[str, str, str, str]] = {}
+    # the tiled weights' reading, the kernels' team and the AVX2 code's integer generated rows: on or off
+    switches: dict[str, tuple[str, str, str]] = {}
     attention = attention or ["auto"]
     for w in weights:
         for lpc in layers:
-            for att, hp, pro in itertools.product(attention, huge or ["on"], prologues or ["on"]):
+            for att, hp in itertools.product(attention, huge or ["on"]):
                 t = time.perf_counter()
                 cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
                                    layers_per_call=lpc or None, weights=w, decode_attention=att)
@@ -93,14 +89,13 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                 jax.block_until_ready(r.weights)
                 for mm, ca, ti, tm, ai in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
                                                             tiled or ["on"], team or ["on"], avx2_int8 or ["on"]):
-                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai, pro)
-                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai, pro)
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai)
+                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai)
                     load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
     default_fills = kernels.bf16_fills() is not None
     default_decode_bf16 = kernels.decode_bf16()
     default_team = kernels.team()
-    default_prologues = quant.use_prologues()
 
     def select(name: str) -> None:
         if kernels.available():
@@ -112,7 +107,6 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_tiled(switches[name][0] == "on")
             kernels.use_team(switches[name][1] == "on")
             kernels.use_avx2_int8(switches[name][2] == "on")
-        quant.use_prologues(switches[name][3] == "on")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -192,7 +186,6 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     kernels.use_tiled(True)
     kernels.use_team(default_team)
     kernels.use_avx2_int8(True)
-    quant.use_prologues(default_prologues)
     return result
 
 
@@ -325,8 +318,6 @@ def main() -> None:
                            "in float32 (off)",
         "--huge-pages": "the weights in transparent huge pages (on) or in XLA's own memory (off; a runner each, the "
                         "same results)",
-        "--prologues": "the norms and SwiGLU's gate inside the products' native calls (on) or XLA's own passes "
-                       "(off; a runner each)",
     }
     for flag, text in switches.items():
         ap.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=text)
@@ -334,7 +325,7 @@ def main() -> None:
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.prologues)
+            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8)
     print(report(r))
     write_json(r, args.out)
 

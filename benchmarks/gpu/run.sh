@@ -14,9 +14,13 @@
 # One call to the machine carries at most 64 MiB with the working tree (~9 MiB), so the model's four parts
 # take three calls, e.g. (carry paths in brackets): `setup` [.gpu/whl, .gpu/model/part-00,
 # .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all` [.gpu/model/part-02].
-# Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept. Results go to
-# $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits (seconds):
-# BENCH_TIMEOUT (300), TESTS_TIMEOUT (240).
+# The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
+# minute or more of the lease. With a lease of 15 minutes, make it one call: `all` carrying [.gpu/whl]
+# alone, timeout_s 600 (the stages fit in 570 s: setup ~20 s, BENCH_TIMEOUT 300, TESTS_TIMEOUT 240); the
+# tests that read the default model then skip, and everything else, the figures included, runs on
+# random weights. Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
+# Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
+# (seconds): BENCH_TIMEOUT (300), TESTS_TIMEOUT (240).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/parrot-gpu-out}

@@ -17,7 +17,6 @@ Both compute the product with the same dequantized matrix; they differ only in s
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import jax
@@ -104,54 +103,20 @@ def dequantize_rows(data: jax.Array, rows: jax.Array, qtype: str, k: int, dtype:
     return dequantize(data[rows], qtype, k, dtype)
 
 
-def native(rows: int) -> bool:
-    """Whether `linear` multiplies `rows` rows in the native kernel (which can take a prologue)."""
-    return rows <= KERNEL_MAX_ROWS and kernels.available()
-
-
-_prologues = {"on": os.environ.get("PARROT_PROLOGUES", "1") != "0"}
-# rows up to which a product takes its input's norm or gate as a prologue: a decode step's, whose activations
-# are in the cache, where XLA's own passes over them cost more than the product's loop over them (a decode
-# step of 64 sequences 1.1x faster on a 2-core Zen 4). A prompt chunk's passes stream from memory either way
-# (512 rows: the gate|up output is 6.3 MB), and in XLA they took less time (prefill 1.05x faster).
-PROLOGUE_MAX_ROWS = 64
-
-
-def prologues(rows: int) -> bool:
-    """Whether a product of `rows` rows takes its input's norm or gate as the native kernel's prologue: where
-    the kernel runs, up to PROLOGUE_MAX_ROWS rows, unless `PARROT_PROLOGUES=0` or `use_prologues(False)`
-    (then XLA computes them). Read when a step is traced."""
-    return _prologues["on"] and rows <= PROLOGUE_MAX_ROWS and native(rows)
-
-
-def use_prologues(on: bool | None = None) -> bool:
-    """Switch the prologues on or off for the steps traced from now on (side-by-side benchmarks; None: leave
-    the setting); returns it."""
-    if on is not None:
-        _prologues["on"] = on
-    return _prologues["on"]
-
-
 def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32,
-           fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False,
-           norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+           fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
     `fill` ([T], batch.fill_rows: 1 for a prompt token's row, 0 for a generated token's, -1 for padding): where
     `dtype` is bfloat16, the native path multiplies prompt rows in bfloat16 (AMX's bf16 tiles or AVX512-BF16
     where the CPU has them), and generated rows with activations to 15 bits (2 limbs); other dtypes multiply
     every row exactly. The native path skips the trailing padding rows (zeros). `tiled`: the matrix's copy
-    for the integer codes (kernels.tile_rows), read by the native products of generated rows. `glu` (x a
-    gated pair [T, 2K]) and `norm` / `eps` (an RMSNorm's weight): the native kernel's prologues
-    (`kernels.qmatmul`), where it runs (`native`): each saves XLA's own pass over x, and no other path takes
-    them (models/llama.py `project` computes them in XLA there)."""
+    for the integer codes (kernels.tile_rows), read by the native products of generated rows."""
     t, k = x.shape
-    if native(t):
+    if t <= KERNEL_MAX_ROWS and kernels.available():
         bf16 = jnp.dtype(dtype) == jnp.bfloat16
         if fill is not None and not bf16:
             fill = jnp.minimum(fill, 0)  # exact rows throughout; padding stays marked
-        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled, glu, norm, eps).astype(x.dtype)
-    if glu or norm is not None:
-        raise ValueError("a product's prologue (glu, norm) runs in the native kernel only")
+        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled).astype(x.dtype)
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

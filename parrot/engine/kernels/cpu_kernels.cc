@@ -620,22 +620,14 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
   return -1;
 }
 
-// silu(x[t, :K]) * x[t, K:] of rows [0, T) of x [T, 2K], in this thread's buffer (defined below, with exp).
-const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K);
-// RMSNorm of rows [0, T) of x [T, K] with weight w, in this thread's buffer (defined below).
-const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w, float eps);
-
 // `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
 // generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
-                       ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> norm, ffi::ResultBuffer<ffi::F32> y,
-                       int32_t qtype, int32_t limbs, int32_t glu, float eps) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
-  if (glu && xd[1] % 2) return ffi::Error::InvalidArgument("qmatmul: a gated x needs an even number of columns");
-  if (glu && norm.element_count() > 0) return ffi::Error::InvalidArgument("qmatmul: a norm or a gate, not both");
-  const int64_t T = xd[0], K = glu ? xd[1] / 2 : xd[1], N = wd[0];
+  const int64_t T = xd[0], K = xd[1], N = wd[0];
   if (K % 32) return ffi::Error::InvalidArgument("qmatmul: K must be a multiple of 32");
   const int64_t blocks = K / 32;
   const int64_t bytes = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
@@ -646,17 +638,6 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
-  if (glu || norm.element_count() > 0) {  // the rows the product reads (not the trailing padding: see
-    int64_t rows = T;                      // qmatmul_rows_of_kind)
-    while (rows > 0 && fp[rows - 1] < 0) --rows;
-    if (glu) {
-      xp = swiglu_rows(pool, xp, rows, K);
-    } else {
-      if (static_cast<int64_t>(norm.element_count()) != K)
-        return ffi::Error::InvalidArgument("qmatmul: the norm's weight must have K values");
-      xp = rms_rows(pool, xp, rows, K, norm.typed_data(), eps);
-    }
-  }
   const uint8_t* wp = w.typed_data();
   const uint8_t* tp = nullptr;
   if (wt.element_count() > 0) {
@@ -725,108 +706,6 @@ inline V vexp(V x) {
   return x;
 }
 inline __m256 exp256(__m256 x) { return vexp(x); }
-
-inline __m256 vdiv(__m256 a, __m256 b) { return _mm256_div_ps(a, b); }
-#ifdef __AVX512F__
-inline __m512 vdiv(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
-#endif
-
-// silu(g) * u = (g * (1 / (1 + exp(-g)))) * u, XLA's steps for jax.nn.silu, for the 32 lanes at g and u (two
-// AVX-512 vectors, or four AVX2 ones: the same operations per lane, so the same bits on either CPU)
-template <typename V, int N>
-inline void swiglu32(const float* g, const float* u, float* out) {
-  constexpr int L = sizeof(V) / 4;
-  auto load = [](const float* p) {
-    if constexpr (L == 16) return _mm512_loadu_ps(p);
-    else return _mm256_loadu_ps(p);
-  };
-  V gv[N], e[N];
-  for (int i = 0; i < N; ++i) gv[i] = load(g + L * i), e[i] = vmul(gv[i], vset(gv[i], -1.f));
-  vexp_n<N>(e);
-  for (int i = 0; i < N; ++i) {
-    const V one = vset(gv[i], 1.f);
-    const V r = vmul(vmul(gv[i], vdiv(one, vadd(e[i], one))), load(u + L * i));
-    if constexpr (L == 16) _mm512_storeu_ps(out + L * i, r);
-    else _mm256_storeu_ps(out + L * i, r);
-  }
-}
-
-const float* swiglu_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K) {
-  thread_local aligned::vector<float> buf;  // this thread's: the product's threads read it until they are done
-  buf.resize(std::max<int64_t>(1, T * K));
-  float* out = buf.data();
-  // a decode step's rows on the calling thread, which packs them next (split, half the gate crossed between the
-  // cores again: 15 us against 8 at 16 rows of 1,536); a prompt's in chunks of whole rows, ~8K values each
-  const int64_t per = T <= kHotRows ? T : std::max<int64_t>(1, std::min<int64_t>(T, 8192 / std::max<int64_t>(1, K)));
-  parallel_chunks(pool, (T + per - 1) / per, [&](int64_t c) {
-    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t)
-      for (int64_t k = 0; k < K; k += 32) {
-#ifdef __AVX512F__
-        swiglu32<__m512, 2>(x + t * 2 * K + k, x + t * 2 * K + K + k, out + t * K + k);
-#else
-        swiglu32<__m256, 4>(x + t * 2 * K + k, x + t * 2 * K + K + k, out + t * K + k);
-#endif
-      }
-  }, T <= kHotRows);
-  return out;
-}
-
-// The norm of one row, as models/llama.py's rms_norm computes it in XLA (row_sum's additions: the squares'
-// halves added elementwise while the width is even, then the rest in order; sum * (1 / K) + eps), except
-// the inverse square root, which is 1 / sqrt here (correctly rounded twice: the same bits on every CPU)
-// where XLA's rsqrt approximates. Each step is elementwise or in a fixed order, so the same bits on AVX2
-// and AVX-512 builds, alone or in any batch. `sq`: K floats of scratch.
-template <typename V>
-inline void rms_row(const float* x, int64_t K, const float* w, float eps, float* sq, float* out) {
-  constexpr int64_t L = sizeof(V) / 4;
-  auto load = [](const float* p) {
-    if constexpr (L == 16) return _mm512_loadu_ps(p);
-    else return _mm256_loadu_ps(p);
-  };
-  auto store = [](float* p, V v) {
-    if constexpr (L == 16) _mm512_storeu_ps(p, v);
-    else _mm256_storeu_ps(p, v);
-  };
-  // every step below is elementwise or in a fixed order: the vector width changes no bits
-  int64_t j = 0;
-  for (; j + L <= K; j += L) store(sq + j, vmul(load(x + j), load(x + j)));
-  for (; j < K; ++j) sq[j] = x[j] * x[j];
-  int64_t width = K;
-  while (width % 2 == 0 && width > 1) {
-    const int64_t half = width / 2;
-    j = 0;
-    for (; j + L <= half; j += L) store(sq + j, vadd(load(sq + j), load(sq + j + half)));
-    for (; j < half; ++j) sq[j] = sq[j] + sq[j + half];
-    width = half;
-  }
-  float total = sq[0];
-  for (j = 1; j < width; ++j) total = total + sq[j];
-  const float var = total * (1.0f / static_cast<float>(K));
-  const float r = 1.0f / std::sqrt(var + eps);
-  const V rv = vset(V{}, r);
-  for (j = 0; j + L <= K; j += L) store(out + j, vmul(vmul(load(x + j), rv), load(w + j)));
-  for (; j < K; ++j) out[j] = x[j] * r * w[j];
-}
-
-const float* rms_rows(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* w, float eps) {
-  thread_local aligned::vector<float> buf;  // this thread's: the product's threads read it until they are done
-  buf.resize(std::max<int64_t>(1, T * K));
-  float* out = buf.data();
-  // a decode step's rows on the calling thread (it packs them next), a prompt's in chunks of whole rows
-  const int64_t per = T <= kHotRows ? T : std::max<int64_t>(1, std::min<int64_t>(T, 8192 / std::max<int64_t>(1, K)));
-  parallel_chunks(pool, (T + per - 1) / per, [&](int64_t c) {
-    thread_local aligned::vector<float> sq;
-    sq.resize(K);
-    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t) {
-#ifdef __AVX512F__
-      rms_row<__m512>(x + t * K, K, w, eps, sq.data(), out + t * K);
-#else
-      rms_row<__m256>(x + t * K, K, w, eps, sq.data(), out + t * K);
-#endif
-    }
-  }, T <= kHotRows);
-  return out;
-}
 
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1337,15 +1216,15 @@ ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands,
 
 // parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
 ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> norm, ffi::RemainingArgs rest,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs, int32_t glu, float eps) {
+                           ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
+                           int32_t qtype, int32_t limbs) {
   auto i = picked_layer(layer, rest.size(), 2);
   if (!i.has_value()) return i.error();
   const size_t n = rest.size() / 2;
   auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
   auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
   if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
-  return QMatmulImpl(pool, x, *w, *wt, fill, norm, y, qtype, limbs, glu, eps);
+  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs);
 }
 
 // parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
@@ -1478,12 +1357,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // wt: w tiled for VNNI's lanes, or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K]: multiply RMSNorm(x) with this weight, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("glu")          // 1: x is [T, 2K], multiply silu(x[:, :K]) * x[:, K:]
-                                  .Attr<float>("eps"));          // the norm's epsilon
+                                  .Attr<int32_t>("limbs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
@@ -1507,13 +1383,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm [K] or empty (as parrot_qmatmul)
                                   .RemainingArgs()               // L weights, then L tiled copies
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("glu")
-                                  .Attr<float>("eps"));
+                                  .Attr<int32_t>("limbs"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                               ffi::Ffi::Bind()

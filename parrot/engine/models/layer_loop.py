@@ -74,23 +74,12 @@ class LayerLoop:
         fill = batch.fill_rows if bf16 else jnp.minimum(batch.fill_rows, 0)  # as quant.linear
         limbs = 2 if bf16 else 3
 
-        def project(i: jax.Array, h: jax.Array, m: int, glu: bool = False, norm: jax.Array | None = None) -> jax.Array:
-            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs, glu, norm,
-                                        cfg.rms_eps).astype(h.dtype)
-
-        fused = quant.prologues(x.shape[0])  # the norms and the gate inside the products' calls (llama.project)
-
-        def normed(i: jax.Array, h: jax.Array, m: int, norms: jax.Array) -> jax.Array:
-            if fused:
-                return project(i, h, m, norm=norms[i])
-            return project(i, rms_norm(h, norms[i], cfg.rms_eps), m)
-
-        def gated(i: jax.Array, gu: jax.Array, m: int) -> jax.Array:
-            return project(i, gu, m, glu=True) if fused else project(i, swiglu(gu), m)
+        def project(i: jax.Array, h: jax.Array, m: int) -> jax.Array:
+            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs).astype(h.dtype)
 
         def layer(i: jax.Array, carry: tuple) -> tuple:
             x, ks, vs = carry
-            qkv = normed(i, x, 0, attn_norms)
+            qkv = project(i, rms_norm(x, attn_norms[i], cfg.rms_eps), 0)
             if bias is not None:
                 qkv = qkv + bias[i]
             q, k, v = qkv_heads(cfg, qkv, cfg.num_heads, cfg.num_kv_heads, cos, sin)
@@ -99,7 +88,7 @@ class LayerLoop:
                                           batch.prefix_pages, batch.prefix_len, batch.in_prefix,
                                           cfg.head_dim**-0.5, bf16).astype(q.dtype)
             x = x + project(i, o.reshape(x.shape[0], -1), 1)
-            x = x + gated(i, normed(i, x, 2, ffn_norms), 3)
+            x = x + project(i, swiglu(project(i, rms_norm(x, ffn_norms[i], cfg.rms_eps), 2)), 3)
             return x, ks, vs
 
         x, ks, vs = jax.lax.fori_loop(0, len(layers), layer, (x, list(ks), list(vs)))

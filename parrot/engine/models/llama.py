@@ -98,43 +98,28 @@ def _fuse(parts: list[Weight]) -> Weight:
 
 
 def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
-            fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False,
-            norm: RMSNorm | None = None) -> jax.Array:
+            fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """x @ W for a float [in, out] matrix, or a block-quantized one (`dtype`: what a dequantized matrix is
     multiplied in when XLA does the product, and by the native kernel for prompt tokens' rows: `fill`,
-    see quant.linear; `tiled`: its copy for the VNNI code, see `_tiled`). The product's input goes through
-    `norm` first, or, `glu`, x is a gated pair and the product is of `swiglu(x)`: inside the native kernel's
-    call where it runs (quant.prologues; each saved XLA's own pass over x: 25 us of a layer's ~310 of glue
-    at 16 rows, ~500 us at 512 on a 2-core Zen 4), else in XLA."""
-    if qtype is not None and quant.prologues(x.shape[0]):
-        w_norm, eps = (None, 0.0) if norm is None else (norm.weight[...], norm.eps)
-        return quant.linear(x, w, qtype, dtype, fill, tiled, glu, w_norm, eps)
-    if norm is not None:
-        x = norm(x)
-    if glu:
-        x = swiglu(x)
-    return matmul(x, w) if qtype is None else quant.linear(x, w, qtype, dtype, fill, tiled)
+    see quant.linear; `tiled`: its copy for the VNNI code, see `_tiled`)."""
+    if qtype is None:
+        return matmul(x, w)
+    return quant.linear(x, w, qtype, dtype, fill, tiled)
 
 
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
-                fill: jax.Array | None = None, tiled: jax.Array | None = None, glu: bool = False) -> jax.Array:
+                fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
-    columns; `glu`: its gate | up pair, whose SwiGLU `project` computes). Megatron: `w` holds the matching
-    input rows and the partial products are summed over the devices (one all-reduce; the order of the sum
-    changes with tp). `exact`: `w` holds all input rows of this device's output columns, `x` is gathered
-    first (a pair's gates and ups apart, into one device's order) and the outputs after (all-gathers; each
-    output is computed as on one device, so greedy outputs do not change with tp)."""
+    columns). Megatron: `w` holds the matching input rows and the partial products are summed over
+    the devices (one all-reduce; the order of the sum changes with tp). `exact`: `w` holds all input rows
+    of this device's output columns, `x` is gathered first and the outputs after (two all-gathers;
+    each output is computed as on one device, so greedy outputs do not change with tp)."""
     if tp == 1:
-        return project(x, w, qtype, dtype, fill, tiled, glu)
+        return project(x, w, qtype, dtype, fill, tiled)
     if not exact:
-        return jax.lax.psum(project(x, w, qtype, dtype, fill, glu=glu), TP_AXIS)
-    if glu:
-        f = x.shape[1] // 2
-        full = jnp.concatenate([jax.lax.all_gather(x[:, :f], TP_AXIS, axis=1, tiled=True),
-                                jax.lax.all_gather(x[:, f:], TP_AXIS, axis=1, tiled=True)], axis=1)
-    else:
-        full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
-    return jax.lax.all_gather(project(full, w, qtype, dtype, fill, glu=glu), TP_AXIS, axis=1, tiled=True)
+        return jax.lax.psum(project(x, w, qtype, dtype, fill), TP_AXIS)
+    full = jax.lax.all_gather(x, TP_AXIS, axis=1, tiled=True)
+    return jax.lax.all_gather(project(full, w, qtype, dtype, fill), TP_AXIS, axis=1, tiled=True)
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -173,12 +158,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(var + eps) * weight
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
-    """silu(gate) * up of the fused gate|up projection's output."""
-    f = gu.shape[-1] // 2
-    return jax.nn.silu(gu[:, :f]) * gu[:, f:]
-
-
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -203,6 +182,12 @@ def qkv_heads(cfg: LlamaConfig, qkv: jax.Array, heads: int, kv_heads: int, cos: 
     return q, k, qkv[:, qd + kvd :].reshape(t, kv_heads, d)
 
 
+def swiglu(gu: jax.Array) -> jax.Array:
+    """silu(gate) * up of the fused gate|up projection's output."""
+    f = gu.shape[-1] // 2
+    return jax.nn.silu(gu[:, :f]) * gu[:, f:]
+
+
 class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
@@ -221,13 +206,12 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch, k_cache: jax.Array,
-        v_cache: jax.Array, norm: RMSNorm | None = None,
+        v_cache: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """`norm`: the layer's input norm, applied to x on its way into the QKV product (`project`)."""
         cfg = self.cfg
         t = x.shape[0]
         fill = batch.fill_rows
-        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t), norm=norm)
+        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         q, k, v = qkv_heads(cfg, qkv, cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cos, sin)
@@ -252,12 +236,10 @@ class MLP(nnx.Module):
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
         self.w_gate_up_t, self.w_down_t = _tiled(gate_up, tp == 1), _tiled(w["w_down"], tp == 1)
 
-    def __call__(self, x: jax.Array, fill: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
-        """`norm`: applied to x on its way into the gate|up product (`project`)."""
-        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t),
-                     norm=norm)
-        return row_project(gu, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
-                           _value(self.w_down_t), glu=True)
+    def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
+        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t))
+        return row_project(swiglu(gu), self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+                           _value(self.w_down_t))
 
 
 class DecoderLayer(nnx.Module):
@@ -269,9 +251,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
-        a, k_cache, v_cache = self.attn(x, cos, sin, batch, k_cache, v_cache, norm=self.attn_norm)
+        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
         x = x + a
-        return x + self.mlp(x, batch.fill_rows, norm=self.ffn_norm), k_cache, v_cache
+        return x + self.mlp(self.ffn_norm(x), batch.fill_rows), k_cache, v_cache
 
 
 class Llama(nnx.Module):
@@ -375,14 +357,12 @@ def lm_logits(w: HeadWeights, x: jax.Array, logits_index: jax.Array, tp_axis: st
     float32 logits [B, vocab]. With
     `tp_axis` (inside `shard_map`), `w.proj` is this device's slice of the vocabulary: the slices'
     logits are gathered, and cut to `vocab_size` (the vocabulary may be padded to a multiple of tp)."""
-    h = x[jnp.maximum(logits_index, 0)]
+    h = rms_norm(x[jnp.maximum(logits_index, 0)], w.norm, w.eps)
     if w.qtype is not None:  # padding rows (index -1) are skipped by the native product: zero logits
-        native = quant.prologues(h.shape[0])  # the final norm inside the product's call (see `project`)
-        logits = quant.linear(h if native else rms_norm(h, w.norm, w.eps), w.proj, w.qtype, w.qdtype,
-                              jnp.where(logits_index < 0, -1, 0), w.tiled, norm=w.norm if native else None,
-                              eps=w.eps).astype(jnp.float32)
+        logits = quant.linear(h, w.proj, w.qtype, w.qdtype, jnp.where(logits_index < 0, -1, 0),
+                              w.tiled).astype(jnp.float32)
     else:
-        logits = matmul(rms_norm(h, w.norm, w.eps), w.proj.T if w.tied else w.proj).astype(jnp.float32)
+        logits = matmul(h, w.proj.T if w.tied else w.proj).astype(jnp.float32)
     if tp_axis is not None:
         logits = jax.lax.all_gather(logits, tp_axis, axis=1, tiled=True)[:, :vocab_size]
     return logits
