@@ -11,9 +11,10 @@
 #                                         8 processes, each limited to 8% of the GPU's memory
 #   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
 #
-# One call to the machine carries at most 64 MiB with the working tree (~9 MiB), so the model's four parts
-# take three calls, e.g. (carry paths in brackets): `setup` [.gpu/whl, .gpu/model/part-00,
-# .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all` [.gpu/model/part-02].
+# One call to the machine carries at most 64 MiB with the working tree (~15 MiB; the wheels ~15 MiB), so
+# the model's four parts take three calls, e.g. (carry paths in brackets): `setup` [.gpu/whl,
+# .gpu/model/part-00, .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all`
+# [.gpu/model/part-02].
 # The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
 # minute or more of the lease. With a lease of 15 minutes, make it one call: `all` carrying [.gpu/whl]
 # alone, timeout_s 600 (the stages fit in 570 s: setup ~20 s, BENCH_TIMEOUT 300, TESTS_TIMEOUT 240); the
