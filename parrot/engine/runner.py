@@ -242,8 +242,7 @@ class ModelRunner:
         # vpmaddubsw, kernels/avx2_int8.h), and prompt rows without bf16 products (float32 with the AVX2 code,
         # on 2 limbs too with VNNI's)
         self.qdtype = prefill_dtype
-        if (not (ecfg.dtype or dtype) and prefill_dtype == jnp.float32 and jax.default_backend() == "cpu"
-                and kernels.available()):
+        if not (ecfg.dtype or dtype) and prefill_dtype == jnp.float32 and kernels.available():  # (a CPU backend)
             self.qdtype = jnp.dtype(jnp.bfloat16)
         if self.mesh is None:
             model = Llama(cfg, weights, self.dtype, self.act_dtype, self.qdtype, decode_kernel=self.decode_kernel)
@@ -450,7 +449,7 @@ class ModelRunner:
     def generated_row_limbs(self) -> int | None:
         """The activations' limbs of generated rows' quantized products on the native kernels: 2 (15 bits below
         each block's largest: the default mode), 3 (23 bits: the float32 mode), None where XLA multiplies."""
-        if jax.default_backend() != "cpu" or not kernels.available():
+        if not kernels.available():  # (they run on a CPU backend only)
             return None
         return 2 if self.qdtype == jnp.bfloat16 else 3
 

@@ -39,14 +39,9 @@ namespace vnni {
 
 constexpr int kGroupRows = 16;  // activation rows (tokens) multiplied per pass over 16 weight rows
 
-using tiled::Q4_0;
-using tiled::Q4_1;
-using tiled::Q8_0;
 using tiled::kTileBlockBytes;
-using tiled::prefetch_slice;
 using tiled::kTileScaleBytes;
-using tiled::tile_rows;
-using tiled::tiled_bytes;
+using tiled::prefetch_slice;
 
 // ---- activations ----------------------------------------------------------------------------------
 // Token tiles of tn = min(T, 16) tokens (the last one padded with zero tokens).
