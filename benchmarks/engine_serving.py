@@ -1,6 +1,7 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
     python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N] [--compare-bursts R]
+                                        [--compare-multi-step K [K ...] [--rounds R]]
                                         [--temperature T [--top-p P] [--top-k K] [--min-p M]]
                                         [--out benchmarks/results/engine_serving.json]
 
@@ -18,7 +19,9 @@
    chunk) and the sampled tokens that needed no mask.
 With `--compare-bursts R`, part 1 runs with decode bursts off and on in turns (the order alternating), R
 rounds of each, on one engine (the scheduler's setting switched between runs: one precompile), and reports
-each mode's medians and the on/off ratios.
+each mode's medians and the on/off ratios. With `--compare-multi-step 1 2 4 8` (and `--multi-step 8`), part 1
+runs with each count of decode steps per call in turns, `--rounds` rounds, on the loops compiled for the
+engine's count (a loop stops after its plan's steps): one precompile, each count's medians.
 All shapes are precompiled first; shape misses during the runs are reported (should be 0).
 """
 
@@ -28,6 +31,7 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -108,18 +112,43 @@ MEDIAN_KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", 
                "tpot_p99_ms")
 
 
+def compare(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int, rounds: int,
+            modes: dict[str, Callable[[], None]]) -> dict:
+    """Part 1 at one concurrency in each of `modes` (a name and what sets it on the engine), in turns, the
+    order reversed every other round; each mode's medians."""
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    for r in range(rounds):
+        for name in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+            modes[name]()
+            runs[name].append(throughput(eng, rng, conc, prompt_len, out_len))
+    med = {name: {k: float(np.median([x[k] for x in rs])) for k in MEDIAN_KEYS} for name, rs in runs.items()}
+    return {"concurrency": conc, "rounds": rounds, **med, "runs": runs}
+
+
 def compare_bursts(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
                    rounds: int, on: int) -> dict:
     """Part 1 at one concurrency with decode bursts off (0) and on (`on` prompt tokens), in turns."""
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
-    for r in range(rounds):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            eng.scheduler.burst_tokens = on if mode == "on" else 0
-            runs[mode].append(throughput(eng, rng, conc, prompt_len, out_len))
+    def burst(tokens: int) -> Callable[[], None]:
+        return lambda: setattr(eng.scheduler, "burst_tokens", tokens)
+
+    r = compare(eng, rng, conc, prompt_len, out_len, rounds, {"off": burst(0), "on": burst(on)})
     eng.scheduler.burst_tokens = on
-    med = {mode: {k: float(np.median([x[k] for x in rs])) for k in MEDIAN_KEYS} for mode, rs in runs.items()}
-    return {"concurrency": conc, "rounds": rounds, "burst_tokens": on, "off": med["off"], "on": med["on"],
-            "runs": runs, "on_over_off": {k: med["on"][k] / med["off"][k] for k in MEDIAN_KEYS}}
+    return {**r, "burst_tokens": on, "on_over_off": {k: r["on"][k] / r["off"][k] for k in MEDIAN_KEYS}}
+
+
+def compare_multi_step(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
+                       rounds: int, values: list[int]) -> dict:
+    """Part 1 at one concurrency with each of `values` decode steps per call, in turns. Each runs on the
+    loops compiled for the engine's own multi-step count (a loop stops after its plan's steps), so one
+    precompile serves all; 1 means one step a call (the overlap alone)."""
+    own = eng.runner.multi_step
+
+    def steps(k: int) -> Callable[[], None]:
+        return lambda: setattr(eng.runner, "multi_step", k)
+
+    r = compare(eng, rng, conc, prompt_len, out_len, rounds, {f"multi_step_{k}": steps(k) for k in values})
+    eng.runner.multi_step = own
+    return r
 
 
 def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
@@ -219,6 +248,10 @@ def main() -> None:
     ap.add_argument("--compare-bursts", type=int, default=0, metavar="R",
                     help="part 1 with decode bursts off and on, in turns, R rounds each (medians); bursts on means "
                          "--decode-bursts N, else the engine's own setting, else 256")
+    ap.add_argument("--compare-multi-step", type=int, nargs="+", default=None, metavar="K",
+                    help="part 1 with each of these decode steps per call (1: one step a call; each at most "
+                         "--multi-step, whose loops serve them all), in turns, --rounds rounds (medians)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of --compare-multi-step")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="part 1 samples at this temperature (default 0: greedy), with the three options below")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -272,7 +305,28 @@ def main() -> None:
                           f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
                           f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms (medians of "
                           f"{args.compare_bursts})", flush=True)
-        for c in [] if args.structured_only or args.compare_bursts else levels:
+        if args.compare_multi_step:
+            if max(args.compare_multi_step) > eng.runner.multi_step or min(args.compare_multi_step) < 1:
+                raise SystemExit(f"--compare-multi-step takes 1 to the engine's multi-step count "
+                                 f"({eng.runner.multi_step}: set it with --multi-step)")
+            result["compare_multi_step"] = []
+            for c in levels:
+                r = compare_multi_step(eng, rng, c, prompt_len, out_len, args.rounds, args.compare_multi_step)
+                result["compare_multi_step"].append(r)
+                for k in args.compare_multi_step:
+                    m = r[f"multi_step_{k}"]
+                    print(f"concurrency {c:3d}, multi-step {k}: {m['output_tokens_per_s']:7.1f} output tok/s, "
+                          f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
+                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms p99 {m['tpot_p99_ms']:.1f}ms "
+                          f"(medians of {args.rounds})", flush=True)
+            first = result["compare_multi_step"][0]
+            result["compare_multi_step_ratio_vs_c1"] = {
+                f"multi_step_{k}": {r["concurrency"]: r[f"multi_step_{k}"]["output_tokens_per_s"]
+                                    / first[f"multi_step_{k}"]["output_tokens_per_s"]
+                                    for r in result["compare_multi_step"]} for k in args.compare_multi_step}
+            print(f"ratios vs concurrency 1: {result['compare_multi_step_ratio_vs_c1']}")
+        compared = args.compare_bursts or args.compare_multi_step
+        for c in [] if args.structured_only or compared else levels:
             r = throughput(eng, rng, c, prompt_len, out_len, sampling)
             result["throughput"].append(r)
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "

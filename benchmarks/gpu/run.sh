@@ -21,7 +21,7 @@
 # tests that read the default model then skip, and everything else, the figures included, runs on
 # random weights. Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
 # Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
-# (seconds): BENCH_TIMEOUT (300), TESTS_TIMEOUT (240).
+# (seconds): BENCH_TIMEOUT (300; engine_serving at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/parrot-gpu-out}
@@ -61,19 +61,44 @@ info() {
 }
 
 bench() {
+  # engine_serving first (#11's concurrency-16 target: one, two, four and eight decode steps a call in turns,
+  # on one precompile), then engine_micro with what is left (the 8B batch-1 target; the layers one call at
+  # a time and the whole model in one call, side by side)
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
-  timeout $((end - SECONDS)) $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --quick \
-    --multi-step 8 --compare-bursts 2 --out "$OUT/engine_serving-1.7b-multistep8.json" 2>&1 | tee "$OUT/engine_serving.log"
-  [ $((end - SECONDS)) -gt 30 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
-    --load-format dummy --batches 1 64 --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
+  local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
+  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
+    --multi-step 8 --compare-multi-step 1 2 4 8 --rounds 2 --out "$OUT/engine_serving-1.7b.json" 2>&1 \
+    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving.log"
+  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
+    --load-format dummy --batches 1 64 --layers-per-call 1 0 --out "$OUT/engine_micro-8b.json" 2>&1 \
+    | tee "$OUT/engine_micro.log"
 }
 
+# the device's tests first (what changed since the last GPU run near the front), the host-only ones last;
+# the native CPU kernels' own tests are left out (they need no GPU)
+GPU_TESTS=(tests/engine/test_engine_model.py tests/engine/test_sampling.py tests/engine/test_engine.py
+  tests/engine/test_scheduler.py tests/engine/test_shapes.py tests/engine/test_layer_loop.py
+  tests/engine/test_reference.py tests/engine/test_precision.py tests/engine/test_batch.py tests/engine/test_runner.py
+  tests/engine/test_attention.py tests/engine/test_gpu_attention.py tests/engine/test_device.py
+  tests/engine/test_dummy_weights.py tests/engine/test_logprobs.py tests/engine/test_structured.py
+  tests/engine/test_kv_cache.py tests/engine/test_warmup.py tests/engine/test_compiler.py
+  tests/engine/test_compile_cache.py tests/engine/test_step_trace.py tests/engine/test_http_api.py
+  tests/engine/test_loader.py tests/engine/test_tensor_parallel.py tests/engine/test_tokenizer.py
+  tests/serve tests/frontend tests/integration)
+
 tests() {
+  # every test's outcome goes to tests-full.log as it ends, so a run stopped at its time limit still says
+  # what passed and failed; a test that hangs is stopped after TEST_TIMEOUT seconds where pytest-timeout is
   local t=${TESTS_TIMEOUT:-240}
-  [ $# -eq 0 ] && set -- tests/engine tests/serve
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout "$t" $PY -m pytest -q -n 8 -p no:cacheprovider \
-    --junitxml="$OUT/junit.xml" "$@" 2>&1 | tail -60 | tee "$OUT/tests.log"
+  [ $# -eq 0 ] && set -- "${GPU_TESTS[@]}"
+  local extra=()
+  $PY -c "import pytest_timeout" 2>/dev/null && extra=(--timeout "${TEST_TIMEOUT:-150}")
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-0.06} timeout "$t" $PY -m pytest -v -rfE -n "${TEST_PROCS:-12}" \
+    -p no:cacheprovider "${extra[@]}" --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests-full.log" 2>&1
+  grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests-full.log" | sed -E 's/.* (PASSED|FAILED|ERROR|SKIPPED) .*/\1/' \
+    | sort | uniq -c | tee "$OUT/tests.log"
+  grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/tests-full.log" | tail -40 | tee -a "$OUT/tests.log"
 }
 
 stage=${1:-all}
