@@ -7,15 +7,17 @@ the engine's weight dtype (bfloat16 on accelerators, float32 on a CPU unless `--
 tensor at a time: no float32 copy of the whole model on the host. Draws are deterministic (a seed per
 tensor name), scaled so that activations stay in range (normal * 0.02, norms 1).
 
-Text needs a tokenizer: a dummy model uses the default model's (SmolLM2, 49,152 tokens). Every preset's
-vocabulary is at least that large, so prompt tokens are always valid ids; sampled ids past the tokenizer's
-vocabulary decode to nothing.
+Text needs a tokenizer: a dummy model uses the default model's (SmolLM2, 49,152 tokens), or where that is
+not installed (a machine that received only the code) one of bytes (`Tokenizer.byte_level`, 259 tokens).
+Every preset's vocabulary is at least that large, so prompt tokens are always valid ids; sampled ids past
+the tokenizer's vocabulary decode to nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import zlib
 from pathlib import Path
 
@@ -25,6 +27,8 @@ import jax.numpy as jnp
 from parrot.engine.models.llama import LlamaConfig, weight_names
 from parrot.engine.tokenizer import Tokenizer, load_tokenizer
 from parrot.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # published configurations (config.json of each model); "tiny-llama" is for tests
 PRESETS: dict[str, LlamaConfig] = {
@@ -84,7 +88,11 @@ def _draw(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, scale: float
 
 
 def dummy_tokenizer(cfg: LlamaConfig) -> Tokenizer:
-    tok = load_tokenizer(None)
+    try:
+        tok = load_tokenizer(None)
+    except ModelLoadError:  # the default model is not installed
+        log.info("dummy model: the default model is not installed; using a byte-level tokenizer")
+        tok = Tokenizer.byte_level()
     if cfg.vocab_size < tok.vocab_size:
         raise ModelLoadError(f"a dummy model needs a vocabulary of at least {tok.vocab_size} tokens (the default "
                              f"tokenizer's); this one has {cfg.vocab_size}")

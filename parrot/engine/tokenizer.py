@@ -21,6 +21,11 @@ _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
 
+BYTE_LEVEL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 class Tokenizer:
     """Encodes text to ids, decodes ids to text and renders chat messages with the model's template."""
 
@@ -99,6 +104,21 @@ class Tokenizer:
             chat_template=cfg.get("chat_template"),
             add_bos_token=bool(cfg.get("add_bos_token", False)),
         )
+
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """A tokenizer of no model's: the 256 byte-level symbols (one token per byte, no merges) and ChatML's
+        three special tokens after them, with a ChatML template. Random-weight models use it where the
+        default model is not installed."""
+        symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(symbols)}, merges=[], fuse_unk=False,
+                                         byte_fallback=False))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        eos = backend.token_to_id("<|endoftext|>")
+        return cls(backend, None, eos, BYTE_LEVEL_CHAT_TEMPLATE, extra_stop_ids=[backend.token_to_id("<|im_end|>")])
 
     # ---- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:

@@ -68,3 +68,23 @@ def test_cli_generate_with_dummy_weights() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout + r.stderr
     assert "[dummy:tiny-llama]" in out and "finish: length" in out
+
+
+def test_a_dummy_model_needs_no_installed_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that received only the code (no default model) still runs random-weight models: their text
+    goes through a byte-level tokenizer."""
+    from parrot.engine import model_files
+
+    def missing() -> None:
+        raise ModelLoadError("the default model is not installed")
+
+    monkeypatch.setattr(model_files, "default_model_path", missing)
+    m = load_model("tiny-llama", load_format="dummy", progress=False)
+    assert m.tokenizer.vocab_size == 259 and m.tokenizer.decode(m.tokenizer.encode("naïve, ok")) == "naïve, ok"
+    eng = LLMEngine(m, EngineConfig(kv_memory_mb=8, precompile=False, compilation_cache_dir=None)).start()
+    try:
+        prompt = m.tokenizer.encode(m.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+        out = eng.complete(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        assert len(out.response.token_ids) == 5 and isinstance(out.response.text, str)
+    finally:
+        eng.shutdown()
