@@ -23,7 +23,7 @@ spec() {
 }
 PKGS=(gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection typing-extensions
       regex llguidance tokenizers safetensors prometheus-client openai distro jiter anyio sniffio h11 click
-      pytest-xdist execnet pyyaml)
+      pytest-xdist execnet pyyaml opentelemetry-api httpx2 httpcore2 truststore)
 specs=()
 for p in "${PKGS[@]}"; do specs+=("$(spec "$p")"); done
 python -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \

@@ -4,11 +4,13 @@
 #
 #   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
-#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, multi-step decode, decode
-#                                         bursts off and on in turns) and engine_micro (Llama-3-8B shape),
+#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, one, two, four and eight decode
+#                                         steps a call in turns on one precompile) and engine_micro (Llama-3-8B
+#                                         shape, layers one call at a time and the whole model in one call),
 #                                         random weights (--load-format dummy)
-#   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: tests/engine tests/serve),
-#                                         8 processes, each limited to 8% of the GPU's memory
+#   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
+#                                         device's tests first), 8 processes, a file's tests in one process,
+#                                         each process limited to 8% of the GPU's memory
 #   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
 #
 # One call to the machine carries at most 64 MiB with the working tree (~15 MiB; the wheels ~15 MiB), so
@@ -16,12 +18,15 @@
 # .gpu/model/part-00, .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all`
 # [.gpu/model/part-02].
 # The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
-# minute or more of the lease. With a lease of 15 minutes, make it one call: `all` carrying [.gpu/whl]
-# alone, timeout_s 600 (the stages fit in 570 s: setup ~20 s, BENCH_TIMEOUT 300, TESTS_TIMEOUT 240); the
-# tests that read the default model then skip, and everything else, the figures included, runs on
-# random weights. Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
+# minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27): two calls back to back, each
+# carrying [.gpu/whl] alone: `BENCH_TIMEOUT=400 bash benchmarks/gpu/run.sh bench` (timeout_s 430; it took
+# 225 s, 106 s of it engine_serving's precompile), then at once `TESTS_TIMEOUT=<what is left, less 60>
+# bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
+# figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
+# Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
 # Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
-# (seconds): BENCH_TIMEOUT (300; engine_serving at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240).
+# (seconds): BENCH_TIMEOUT (300; engine_serving at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240),
+# and TEST_TIMEOUT (600) for one test where pytest-timeout is installed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/parrot-gpu-out}
@@ -93,9 +98,12 @@ tests() {
   local t=${TESTS_TIMEOUT:-240}
   [ $# -eq 0 ] && set -- "${GPU_TESTS[@]}"
   local extra=()
-  $PY -c "import pytest_timeout" 2>/dev/null && extra=(--timeout "${TEST_TIMEOUT:-150}")
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-0.06} timeout "$t" $PY -m pytest -v -rfE -n "${TEST_PROCS:-12}" \
-    -p no:cacheprovider "${extra[@]}" --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests-full.log" 2>&1
+  $PY -c "import pytest_timeout" 2>/dev/null && extra=(--timeout "${TEST_TIMEOUT:-600}")
+  # a file's tests go to one process (--dist loadfile): its engine fixtures are built and precompiled once
+  # (compiling for the GPU is the tests' main cost there: 75 shapes of a tiny engine took 148 s with 12
+  # processes compiling at once)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-0.08} timeout "$t" $PY -m pytest -v -rfE -n "${TEST_PROCS:-8}" \
+    --dist loadfile -p no:cacheprovider "${extra[@]}" --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests-full.log" 2>&1
   grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests-full.log" | sed -E 's/.* (PASSED|FAILED|ERROR|SKIPPED) .*/\1/' \
     | sort | uniq -c | tee "$OUT/tests.log"
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/tests-full.log" | tail -40 | tee -a "$OUT/tests.log"

@@ -55,8 +55,10 @@ def test_bad_names_fail_clearly(tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(ModelLoadError, match="unknown load format"):
         load_model("smollm2", load_format="pt", progress=False)
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 200, "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 1, "num_attention_heads": 4}))
+    # fewer tokens than any tokenizer a dummy model takes (the default model's 49,152, or 259 bytes and
+    # specials where it is not installed)
     with pytest.raises(ModelLoadError, match="vocabulary of at least"):
         load_model(tmp_path, load_format="dummy", progress=False)
 

@@ -86,7 +86,9 @@ def test_a_warm_server_engine_freezes_its_heap_for_the_collector() -> None:
     eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
     try:
         _warm(eng)
-        assert gc.get_freeze_count() == 0 and eng.settings()["gc_freeze"] is False
+        # the engine froze nothing (a library may freeze a few hundred objects of its own: 375 were frozen
+        # on a GPU machine; a frozen warm heap is many thousands, as below)
+        assert gc.get_freeze_count() < 1000 and eng.settings()["gc_freeze"] is False
     finally:
         eng.shutdown()
     eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL, gc_freeze=True)).start(precompile=True)
