@@ -104,7 +104,7 @@ tests() {
   # processes compiling at once)
   XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-0.08} timeout "$t" $PY -m pytest -v -rfE -n "${TEST_PROCS:-8}" \
     --dist loadfile -p no:cacheprovider "${extra[@]}" --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests-full.log" 2>&1
-  grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests-full.log" | sed -E 's/.* (PASSED|FAILED|ERROR|SKIPPED) .*/\1/' \
+  grep -E "^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests-full.log" | grep -oE '(PASSED|FAILED|ERROR|SKIPPED)' \
     | sort | uniq -c | tee "$OUT/tests.log"
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/tests-full.log" | tail -40 | tee -a "$OUT/tests.log"
 }
