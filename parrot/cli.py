@@ -55,7 +55,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-step", type=int, default=None, metavar="K",
                    help="with overlap, a stable decode batch runs up to K decode steps per call, tokens sampled and "
                         "stop tokens checked on the device; each such shape compiles a loop of decode steps. 1: off; "
-                        "default: 4 on a CPU with the native kernels, else 1")
+                        "default: 4 on a CPU with the native kernels and on accelerators, else 1")
+    p.add_argument("--multi-step-max-batch", type=int, default=None, metavar="B",
+                   help="the largest decode batch a multi-step loop runs (one loop compiled per batch bucket up to "
+                        "it); default: every batch bucket on a CPU, 4 on accelerators (where larger batches' steps "
+                        "keep the device busy without it)")
     p.add_argument("--no-layer-loop", action="store_true",
                    help="compile each multi-step decode loop with its decoder layers unrolled (default on a CPU with "
                         "the native kernels: the layers as a loop, one layer's code per executable)")
@@ -192,6 +196,7 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, overlap=not args.no_overlap,
                             mixed_steps=not args.no_mixed_steps, multi_step=args.multi_step,
+                            multi_step_max_batch=args.multi_step_max_batch,
                             layer_loop=not args.no_layer_loop,
                             tensor_parallel_size=args.tensor_parallel_size,
                             tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
@@ -279,7 +284,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--kv-dtype", args.kv_dtype), ("--decode-attention", args.decode_attention),
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode),
-                                ("--multi-step", args.multi_step)):
+                                ("--multi-step", args.multi_step),
+                                ("--multi-step-max-batch", args.multi_step_max_batch)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.no_overlap:

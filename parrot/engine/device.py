@@ -30,12 +30,17 @@ MIN_KV_BYTES = 64 * 2**20
 
 # padding buckets where an accelerator's step time is still flat in the batch (H100: decode at batch 64
 # costs 1.5x batch 1 for an 8B model) and prefill chunks amortize the per-step cost
-ACCELERATOR_BUCKETS = {
+ACCELERATOR_DEFAULTS = {
     "bs_buckets": [1, 2, 4, 8, 16, 32, 64, 128, 256],
     "max_batch_size": 256,
     "token_buckets": [16, 32, 64, 128, 256, 512, 1024, 2048],
     "max_num_batched_tokens": 2048,
     "prefill_tokens_beside_decodes": 512,  # a 512-token chunk of an 8B model is ~16 ms on an H100
+    # multi-step decode for small batches (one step a call is host-bound there; at 16 sequences an H100's
+    # step was device-bound, and loops only delayed prompts): 1.7B shape on an H100, medians of two runs
+    # (docs/benchmarks.md): 1 stream 156 -> 321 tok/s, 4 streams 783 -> 1,120, with 4 steps a call
+    "multi_step": 4,
+    "multi_step_max_batch": 4,
 }
 
 
@@ -77,7 +82,7 @@ def for_device(cfg: EngineConfig, platform: str | None = None) -> EngineConfig:
     if platform == "cpu":
         return _for_cpu(cfg)
     base = EngineConfig()
-    changes = {k: v for k, v in ACCELERATOR_BUCKETS.items()
+    changes = {k: v for k, v in ACCELERATOR_DEFAULTS.items()
                if k not in cfg.explicit and getattr(cfg, k) == getattr(base, k)}
     if not changes:
         return cfg

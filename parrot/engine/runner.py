@@ -281,10 +281,11 @@ class ModelRunner:
         # tokens sampled and fed on the device); one process on one device only
         auto = AUTO_MULTI_STEP if self.prefill_in_place else 1
         self.multi_step = (ecfg.multi_step if ecfg.multi_step is not None else auto) if self.mesh is None else 1
-        # batches a multi-step shape is compiled for: every batch bucket (each loop is an executable of its own,
-        # ~16-20 MB resident with its layers as a loop; at 32 and 64 sequences ~1.13x and ~1.2x the tokens per
-        # second of one step a call on a 2-core EPYC, medians of three and two runs: docs/benchmarks.md)
-        self.multi_max_batch = ecfg.bs_buckets[-1]
+        # batches a multi-step shape is compiled for: the buckets up to `multi_step_max_batch`, by default every
+        # one on a CPU (each loop is an executable of its own, ~16-20 MB resident with its layers as a loop; at
+        # 32 and 64 sequences ~1.13x and ~1.2x the tokens per second of one step a call on a 2-core EPYC,
+        # medians of three and two runs: docs/benchmarks.md) and up to 4 on accelerators (device.py)
+        self.multi_max_batch = min(ecfg.multi_step_max_batch or ecfg.bs_buckets[-1], ecfg.bs_buckets[-1])
         self.multi_step_launches = 0  # multi-step plans run
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
                                 self.multi_max_batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parrot.config import EngineConfig
-from parrot.engine.device import ACCELERATOR_BUCKETS, CPU_KV_MEMORY_MB, DeviceMemory, for_device, kv_budget_bytes
+from parrot.engine.device import ACCELERATOR_DEFAULTS, CPU_KV_MEMORY_MB, DeviceMemory, for_device, kv_budget_bytes
 
 GIB = 2**30
 H100 = DeviceMemory("gpu", "NVIDIA H100 80GB HBM3", 80 * GIB, 1 * GIB)
@@ -39,9 +39,12 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     cpu = for_device(EngineConfig(), "cpu")
     assert cpu.bs_buckets == EngineConfig().bs_buckets and cpu.max_num_batched_tokens == 512
     gpu = for_device(EngineConfig(), "gpu")
-    assert gpu.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"] and gpu.max_batch_size == 256
+    assert gpu.bs_buckets == ACCELERATOR_DEFAULTS["bs_buckets"] and gpu.max_batch_size == 256
     assert gpu.max_num_batched_tokens == 2048 and max(gpu.token_buckets) == 2048
     assert gpu.prefill_tokens_beside_decodes == 512 and EngineConfig().prefill_tokens_beside_decodes == 128
+    # multi-step decode for small batches only (loops where one step a call is host-bound)
+    assert (gpu.multi_step, gpu.multi_step_max_batch) == (4, 4) and cpu.multi_step is None
+    assert for_device(EngineConfig(multi_step=1), "gpu").multi_step == 1  # set by the user: kept
     mine = for_device(EngineConfig(bs_buckets=[1, 8], max_batch_size=8), "gpu")
     assert mine.bs_buckets == [1, 8] and mine.max_batch_size == 8  # set by the user: kept
     assert mine.max_num_batched_tokens == 2048
@@ -49,7 +52,7 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     fixed = for_device(EngineConfig(max_batch_size=64, max_num_batched_tokens=512,
                                     explicit=("max_batch_size", "max_num_batched_tokens")), "gpu")
     assert fixed.max_batch_size == 64 and fixed.max_num_batched_tokens == 512
-    assert fixed.bs_buckets == ACCELERATOR_BUCKETS["bs_buckets"]
+    assert fixed.bs_buckets == ACCELERATOR_DEFAULTS["bs_buckets"]
     with pytest.raises(ValueError, match="explicit names fields"):
         EngineConfig(explicit=("max_batch",))
 

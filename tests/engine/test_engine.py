@@ -349,6 +349,23 @@ def test_multi_step_decode_keeps_results() -> None:
         single.shutdown()
 
 
+def test_multi_step_only_up_to_its_batch_limit() -> None:
+    """`multi_step_max_batch` (accelerators' default: 4): larger decode batches run one step a call, smaller
+    ones the loops, with the outputs of one step a call."""
+    capped = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, multi_step_max_batch=2)).start(precompile=False)
+    single = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).start(precompile=False)
+    try:
+        runs = [dict(max_tokens=n, ignore_eos=True) for n in (3, 6, 9, 17, 22)]
+        results = [[(r.token_ids, r.finish_reason) for r in gen_many(eng, "cap", runs)] for eng in (single, capped)]
+        assert results[0] == results[1]
+        loops = [s for s in capped.runner.compiled if s.steps > 1]
+        assert loops and all(s.batch <= 2 for s in loops) and capped.ping().multi_step_launches > 0
+        assert capped.settings()["multi_step_max_batch"] == 2 and single.settings()["multi_step_max_batch"] is None
+    finally:
+        capped.shutdown()
+        single.shutdown()
+
+
 def _chats_beside_a_long_prompt(eng: LLMEngine, tag: str, runs: list[dict], priority: int = 0) -> list:
     """Chats (`runs`: their sampling) decoding when a 300-token prompt (at `priority`) arrives and generates 6
     tokens: every generation's tokens and finish reason; all contexts freed after."""
