@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -24,8 +25,10 @@ from parrot.config import EngineConfig
 from parrot.engine import kernels
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
-from parrot.engine.runner import ModelRunner
+from parrot.engine.runner import MULTI_STOP_IDS, ModelRunner
+from parrot.engine.sampling import SamplingBatch
 from parrot.engine.shapes import Shape
+from parrot.protocol import SamplingParams
 
 
 def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
@@ -65,7 +68,8 @@ def _name(layers_per_call: int, weights: str, several_layers: bool, attention: s
 def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeats: int,
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
-        team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None) -> dict:
+        team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None,
+        loop_steps: int = 0) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -160,6 +164,17 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             piped = _pipelined_ms(runners[name], build_batch(seqs, ps, shape.tokens, shape.batch, 1, shape.pages))
             result["decode"][name][f"batch_{b}"] = {"context": decode_ctx, "ms_per_step": ms,
                                                     "tokens_per_s": b * 1e3 / ms, "pipelined_ms_per_step": piped}
+        if loop_steps > 1:  # multi-step decode: loop_steps decode steps a call, as the engine runs a stable batch
+            per_loop = -(-(decode_ctx - 1 + loop_steps) // ps)
+            lseqs = [SequenceSlice(s.tokens, s.start, list(range(1 + i * per_loop, 1 + (i + 1) * per_loop)))
+                     for i, s in enumerate(seqs)]
+            for name, r in runners.items():
+                select(name)
+                t = time.perf_counter()
+                _loop_ms_per_token(r, lseqs, loop_steps, calls=1)  # compiles the loop
+                result["compile_s"][f"{name}: loop of {loop_steps}, batch={b}"] = time.perf_counter() - t
+                result["decode"][name][f"batch_{b}"] |= {
+                    "loop_steps": loop_steps, "loop_ms_per_token": _loop_ms_per_token(r, lseqs, loop_steps)}
     result["rss_gb"] = (procinfo.rss_bytes() or 0) / 1e9
 
     fl = floors.measure()
@@ -227,6 +242,23 @@ def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
     return float(np.median(times))
 
 
+def _loop_ms_per_token(r: ModelRunner, seqs: list[SequenceSlice], steps: int, calls: int = 5) -> float:
+    """Median ms per decode step of `steps`-step decode loops (`ModelRunner.run_loop`, greedy), `calls` of them
+    dispatched back to back and waited for at the end, as the engine chains a stable batch's loops."""
+    b = len(seqs)
+    shape = dataclasses.replace(r.shapes.decode_shape(b, max(s.start for s in seqs) + steps), steps=steps)
+    batch = build_batch(seqs, r.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages)
+    sampling = SamplingBatch.build([SamplingParams(max_tokens=steps)] * b, [0] * b, shape.batch, [0] * b)
+    stops = np.full((shape.batch, MULTI_STOP_IDS), -1, np.int32)
+    limit = np.where(np.arange(shape.batch) < b, steps, 0).astype(np.int32)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready([r.run_loop(shape, batch, sampling, stops, limit)[0] for _ in range(calls)])
+        times.append((time.perf_counter() - t) / (calls * steps) * 1e3)
+    return float(np.median(times))
+
+
 def _weight_bytes(r: ModelRunner) -> int:
     """Bytes of the weights a decode step reads (quantized matrices at their stored size; a tied
     embedding, which is also the LM head, once; a matrix with a copy tiled for the VNNI code, `name_t`
@@ -272,8 +304,10 @@ def report(r: dict) -> str:
         lines.append(f"[{name}] prefill {p['tokens']} tokens: {p['median_s']:.3f} s = {p['tokens_per_s']:.0f} tok/s "
                      f"({c['ratios']['prefill_fraction_of_floor']:.0%} of floor)")
         for batch, d in c["decode"].items():
+            loop = (f"; loops of {d['loop_steps']} steps {d['loop_ms_per_token']:.2f} ms/step"
+                    if "loop_steps" in d else "")
             lines.append(f"[{name}] decode {batch} (context {d['context']}): {d['ms_per_step']:.1f} ms/step = "
-                         f"{d['tokens_per_s']:.0f} tok/s; pipelined {d['pipelined_ms_per_step']:.2f} ms/step")
+                         f"{d['tokens_per_s']:.0f} tok/s; pipelined {d['pipelined_ms_per_step']:.2f} ms/step{loop}")
         lines.append(f"[{name}] decode batch 1 is {c['ratios']['decode_batch_1_over_floor']:.2f}x the float32 floor")
         d = c["decode"]
         for batch in d:
@@ -321,11 +355,14 @@ def main() -> None:
     }
     for flag, text in switches.items():
         ap.add_argument(flag, nargs="+", default=["on"], choices=["on", "off"], help=text)
+    ap.add_argument("--loop-steps", type=int, default=0, metavar="K",
+                    help="also time decode loops of K steps a call (multi-step decode, as the engine runs a stable "
+                         "batch), per step")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8)
+            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps)
     print(report(r))
     write_json(r, args.out)
 

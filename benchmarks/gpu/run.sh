@@ -6,8 +6,9 @@
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
 #   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape: the engine's defaults, then one,
 #                                         two, four and eight decode steps a call in turns on one precompile)
-#                                         and engine_micro (Llama-3-8B shape, layers one call at a time and the
-#                                         whole model in one call), random weights (--load-format dummy)
+#                                         and engine_micro (Llama-3-8B shape: one step a call, and loops of
+#                                         four steps a call as the engine runs small batches), random weights
+#                                         (--load-format dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
@@ -69,7 +70,7 @@ info() {
 bench() {
   # engine_serving with the engine's defaults (#11's concurrency-16 target), then with one, two, four and
   # eight decode steps a call for every batch in turns on one precompile, then engine_micro with what is
-  # left (the 8B batch-1 target; the layers one call at a time and the whole model in one call)
+  # left (the 8B batch-1 target: one step a call, synced and pipelined, and loops of four steps a call)
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
@@ -82,7 +83,7 @@ bench() {
     --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-multi-step.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
-    --load-format dummy --batches 1 64 --layers-per-call 1 0 --out "$OUT/engine_micro-8b.json" 2>&1 \
+    --load-format dummy --batches 1 64 --loop-steps 4 --out "$OUT/engine_micro-8b.json" 2>&1 \
     | tee "$OUT/engine_micro.log"
 }
 

@@ -554,11 +554,6 @@ class ModelRunner:
         slots = plan.decode
         shape = self.shapes.multi_shape(len(slots), max(s.start + s.steps for s in slots))
         assert shape is not None and plan.steps <= shape.steps and not plan.prefill
-        exe, compiled_now = self.compiler.get(shape)
-        if compiled_now and self.precompiled:
-            self.shape_misses += 1
-            log.warning("compiled shape %s at serve time (not precompiled)", shape)
-        assert exe.loop is not None
         batch = build_batch([SequenceSlice(s.tokens, s.start, s.pages) for s in slots], self.page_size,
                             shape.tokens, shape.batch, shape.q_len, shape.pages)
         stops = np.full((shape.batch, MULTI_STOP_IDS), -1, np.int32)
@@ -571,14 +566,26 @@ class ModelRunner:
             limit[b] = s.steps
         params = [s.job.sampling for s in slots]
         sampling = SamplingBatch.build(params, _sampler_steps(slots, prev), shape.batch, [p.seed or 0 for p in params])
-        splice = _pending_splice(slots, shape.tokens, prev)
+        out, last = self.run_loop(shape, batch, sampling, stops, limit, _pending_splice(slots, shape.tokens, prev))
+        return Launched([(out, len(slots))], True, steps=plan.steps, last=last)
+
+    def run_loop(self, shape: Shape, batch: ForwardBatch, sampling: SamplingBatch, stops: np.ndarray,
+                 limit: np.ndarray, splice: tuple[np.ndarray, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a multi-step shape's decode loop (`shape.steps` > 1) on a host batch of its shape: each row
+        takes up to `limit[b]` steps, stopping at its `stops`. Returns the tokens ([steps, B], -1 past a
+        row's end) and the last step's, without waiting for them."""
+        exe, compiled_now = self.compiler.get(shape)
+        if compiled_now and self.precompiled:
+            self.shape_misses += 1
+            log.warning("compiled shape %s at serve time (not precompiled)", shape)
+        assert exe.loop is not None
         t0 = time.perf_counter()
         batch = self._spliced(self._to_device(batch, shape), shape, splice)
         out, last, ks, vs = exe.loop(self.weights, batch, list(self.kv[0]), list(self.kv[1]), sampling, stops, limit)
         self.kv = (tuple(ks), tuple(vs))
         self.dispatch_s += time.perf_counter() - t0
         self.multi_step_launches += 1
-        return Launched([(out, len(slots))], True, steps=plan.steps, last=last)
+        return out, last
 
     def _run_slots(self, slots: list[Slot], decode: bool, prev: Launched | None = None,
                    shape: Shape | None = None) -> jax.Array | np.ndarray | None:
