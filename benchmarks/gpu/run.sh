@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
+#   bash benchmarks/gpu/run.sh flags      engine_micro (Llama-3-8B shape, batch 1) with XLA's command buffers
+#                                         (CUDA graphs) as they are, off, and for loops too: a process each
 #   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
 #
 # One call to the machine carries at most 64 MiB with the working tree (~15 MiB; the wheels ~15 MiB), so
@@ -28,7 +30,7 @@
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
 # Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
 # (seconds): BENCH_TIMEOUT (300; each engine_serving run at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240),
-# and TEST_TIMEOUT (600) for one test where pytest-timeout is installed.
+# TEST_TIMEOUT (600) for one test where pytest-timeout is installed, FLAGS_TIMEOUT (240).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/parrot-gpu-out}
@@ -87,6 +89,23 @@ bench() {
     | tee "$OUT/engine_micro.log"
 }
 
+xla_flags() {
+  # the 8B step with XLA's command buffers (CUDA graphs) as they are, off, and taking loops and conditionals
+  # too (a multi-step loop is a while loop): each setting in a process of its own, within FLAGS_TIMEOUT
+  local t=${FLAGS_TIMEOUT:-240}
+  local end=$((SECONDS + t))
+  local i=0
+  for flags in "" "--xla_gpu_enable_command_buffer=" \
+      "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
+    i=$((i + 1))
+    [ $((end - SECONDS)) -gt 45 ] || break
+    echo "XLA_FLAGS=$flags" | tee -a "$OUT/xla_flags.log"
+    XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b --load-format dummy \
+      --batches 1 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
+      | grep -E "decode batch|prefill" | tee -a "$OUT/xla_flags.log"
+  done
+}
+
 # the device's tests first (what changed since the last GPU run near the front), the host-only ones last;
 # the native CPU kernels' own tests are left out (they need no GPU)
 GPU_TESTS=(tests/engine/test_engine_model.py tests/engine/test_sampling.py tests/engine/test_engine.py
@@ -123,6 +142,7 @@ case $stage in
   setup) info ;;
   bench) info; bench ;;
   tests) info; tests "$@" ;;
+  flags) info; xla_flags ;;
   all) info; bench; tests "$@" ;;
-  *) echo "unknown stage $stage (setup, bench, tests, all)"; exit 2 ;;
+  *) echo "unknown stage $stage (setup, bench, tests, flags, all)"; exit 2 ;;
 esac
