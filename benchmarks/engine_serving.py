@@ -94,7 +94,9 @@ def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: 
     vocab = eng.vocab_size
     clients = [Client(eng, f"t{conc}-{i}", rng.integers(100, vocab, prompt_len).tolist(), out_len,
                       sampling=None if not sampling else {**sampling, "seed": i}) for i in range(conc)]
+    before = eng.ping()
     wall = run_clients(clients)
+    after = eng.ping()  # the engine's own medians of its last steps (the run's end: its decode batch)
     ttft = [c.token_times[0] - c.start for c in clients]
     itl = [b - a for c in clients for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
     # time per output token of each request, first token to last: multi-step decode streams its tokens in
@@ -105,11 +107,15 @@ def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: 
     return {"concurrency": conc, "requests": conc, "wall_s": wall, "output_tokens": out_tokens,
             "output_tokens_per_s": out_tokens / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_ms": _pct(itl, 50) * 1e3, "itl_p99_ms": _pct(itl, 99) * 1e3,
-            "tpot_p50_ms": _pct(tpot, 50) * 1e3, "tpot_p99_ms": _pct(tpot, 99) * 1e3}
+            "tpot_p50_ms": _pct(tpot, 50) * 1e3, "tpot_p99_ms": _pct(tpot, 99) * 1e3,
+            "engine_step_ms": after.recent_step_ms, "engine_host_ms": after.recent_host_ms,
+            "engine_steps": after.steps - before.steps,
+            "loop_calls": after.multi_step_launches - before.multi_step_launches,
+            "preemptions": after.preemptions - before.preemptions}
 
 
 MEDIAN_KEYS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
-               "tpot_p99_ms")
+               "tpot_p99_ms", "engine_step_ms", "engine_host_ms")
 
 
 def compare(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int, rounds: int,
@@ -133,7 +139,8 @@ def compare_bursts(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_l
 
     r = compare(eng, rng, conc, prompt_len, out_len, rounds, {"off": burst(0), "on": burst(on)})
     eng.scheduler.burst_tokens = on
-    return {**r, "burst_tokens": on, "on_over_off": {k: r["on"][k] / r["off"][k] for k in MEDIAN_KEYS}}
+    return {**r, "burst_tokens": on, "on_over_off": {k: r["on"][k] / r["off"][k] if r["off"][k] else float("nan")
+                                                     for k in MEDIAN_KEYS}}
 
 
 def compare_multi_step(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
@@ -322,7 +329,8 @@ def main() -> None:
                     m = r[f"multi_step_{k}"]
                     print(f"concurrency {c:3d}, multi-step {k}: {m['output_tokens_per_s']:7.1f} output tok/s, "
                           f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
-                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms p99 {m['tpot_p99_ms']:.1f}ms "
+                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms p99 {m['tpot_p99_ms']:.1f}ms; "
+                          f"engine step {m['engine_step_ms']:.2f}ms, host {m['engine_host_ms']:.2f}ms "
                           f"(medians of {args.rounds})", flush=True)
             first = result["compare_multi_step"][0]
             result["compare_multi_step_ratio_vs_c1"] = {
@@ -337,7 +345,9 @@ def main() -> None:
             print(f"concurrency {c:3d}: {r['output_tokens_per_s']:7.1f} output tok/s, "
                   f"TTFT p50 {r['ttft_p50_s']:.2f}s p99 {r['ttft_p99_s']:.2f}s, "
                   f"ITL p50 {r['itl_p50_ms']:.0f}ms p99 {r['itl_p99_ms']:.0f}ms, "
-                  f"TPOT p50 {r['tpot_p50_ms']:.1f}ms p99 {r['tpot_p99_ms']:.1f}ms", flush=True)
+                  f"TPOT p50 {r['tpot_p50_ms']:.1f}ms p99 {r['tpot_p99_ms']:.1f}ms; engine step "
+                  f"{r['engine_step_ms']:.2f}ms, host {r['engine_host_ms']:.2f}ms; {r['engine_steps']} steps, "
+                  f"{r['loop_calls']} loop calls, {r['preemptions']} preemptions", flush=True)
         if result["throughput"]:
             base = result["throughput"][0]["output_tokens_per_s"]
             result["throughput_ratio_vs_c1"] = {
