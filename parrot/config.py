@@ -63,9 +63,9 @@ class EngineConfig:
     # multi-step decode: with overlap, a stable decode batch's ahead step runs up to this many decode steps
     # in one call, sampling (greedy or the plain sampler) and checking stop tokens on the device; its tokens
     # reach the host together. 1: off; None (auto): 4 where attention reads the KV pages in place (the native
-    # CPU kernels: one shape per batch bucket, 1.1-1.3x the tokens per second of one step a call there),
-    # else 1. Each multi-step shape compiles a loop of decode steps (precompiled last);
-    # results are the same as step by step
+    # CPU kernels: one shape per batch bucket, 1.1-1.3x the tokens per second of one step a call there) and
+    # on accelerators (`device.ACCELERATOR_DEFAULTS`, for small batches), else 1. Each multi-step shape
+    # compiles a loop of decode steps (precompiled last); results are the same as step by step
     multi_step: int | None = None
     # the largest decode batch a multi-step loop runs (loops are compiled for the batch buckets up to it);
     # None: every batch bucket, or on accelerators `device.ACCELERATOR_DEFAULTS`' (there one step a call is

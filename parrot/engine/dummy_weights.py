@@ -94,6 +94,6 @@ def dummy_tokenizer(cfg: LlamaConfig) -> Tokenizer:
         log.info("dummy model: the default model is not installed; using a byte-level tokenizer")
         tok = Tokenizer.byte_level()
     if cfg.vocab_size < tok.vocab_size:
-        raise ModelLoadError(f"a dummy model needs a vocabulary of at least {tok.vocab_size} tokens (the default "
+        raise ModelLoadError(f"a dummy model needs a vocabulary of at least {tok.vocab_size} tokens (its "
                              f"tokenizer's); this one has {cfg.vocab_size}")
     return tok
