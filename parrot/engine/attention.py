@@ -74,10 +74,11 @@ def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
 
 def paged_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch, scale: float,
-    gpu_kernel: bool = False, bf16: bool = False,
+    gpu_kernel: bool = False, bf16: bool = False, fused: bool = False,
 ) -> jax.Array:
     """q: [T, H, D] (flat). Returns [T, H, D]; tokens not in `q_index` get zeros. `gpu_kernel`: plain
-    decode steps over a bfloat16 cache go through gpu_attention's kernel. `bf16` (the engine's bfloat16
+    decode steps over a bfloat16 cache go through gpu_attention's kernel; `fused`: plain decode steps
+    through XLA's lowering without a gathered copy of the pages (`_decode_fused`). `bf16` (the engine's bfloat16
     mode): where attention reads the pages in place on a CPU, prefill steps may multiply in bfloat16 on
     AMX's bf16 tiles (`kernels.paged_prefill`) and decode steps with AVX512-BF16's pair products
     (`kernels.paged_decode`)."""
@@ -92,6 +93,8 @@ def paged_attention(
             return _prefill_in_place(q, k_cache, v_cache, batch, scale, bf16)
     if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
         return _decode_gpu(q, k_cache, v_cache, batch, scale)
+    if fused and qlen == 1 and batch.prefix_pages.shape[0] == 0:
+        return _decode_fused(q, k_cache, v_cache, batch, scale)
     qb = q.at[batch.q_index].get(mode="fill", fill_value=0).reshape(bsz, qlen, hkv, group, d) * scale
     # [Hkv, B, Q*G, D]: rows ordered (query, group)
     qh = qb.transpose(2, 0, 1, 3, 4).reshape(hkv, bsz, qlen * group, d)
@@ -159,6 +162,39 @@ def _decode_gpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: For
     rows = batch.q_index[:, 0]
     qb = q.at[rows].get(mode="fill", fill_value=0)  # [B, H, D]
     o = gpu_attention.paged_decode(qb, k_cache, v_cache, batch.block_tables, batch.kv_lens, scale)
+    return jnp.zeros((t, h, d), q.dtype).at[rows].set(o, mode="drop")
+
+
+def _decode_fused(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
+                  scale: float) -> jax.Array:
+    """One query per sequence in XLA's lowering, its scores and outputs written as reductions (multiply and
+    sum, not matrix products) over KV rows read through the block table: XLA can then fuse the page gather
+    into each reduction (on GPUs), so the pages are read once and never copied, where the gathered lowering
+    writes every sequence's pages out and reads them again. Sums in float32."""
+    t, h, d = q.shape
+    hkv, _, page_size, _ = k_cache.shape
+    group = h // hkv
+    rows = batch.q_index[:, 0]
+    bsz = rows.shape[0]
+    qb = q.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale  # [B, H, D]
+    qh = qb.reshape(bsz, hkv, group, d).transpose(1, 0, 2, 3)  # [Hkv, B, G, D]
+    pos = jnp.arange(batch.block_tables.shape[1] * page_size, dtype=jnp.int32)  # [L]
+    pages = batch.block_tables[:, pos // page_size]  # [B, L]
+    slots = jnp.broadcast_to(pos % page_size, pages.shape)
+
+    def rows_of(cache: jax.Array) -> jax.Array:  # [Hkv, B, L, D], each KV row read where it is
+        r = cache[:, pages, slots]
+        if r.dtype == jnp.uint16:  # a bfloat16 cache's bit patterns
+            r = jax.lax.bitcast_convert_type(r, jnp.bfloat16)
+        return r.astype(jnp.float32)
+
+    s = jnp.sum(qh[:, :, :, None, :] * rows_of(k_cache)[:, :, None, :, :], axis=-1)  # [Hkv, B, G, L]
+    kv_pos = batch.kv_offset[:, None] + pos[None, :]  # [B, L]
+    qpos = batch.positions.at[rows].get(mode="fill", fill_value=-1)  # [B]
+    mask = (kv_pos <= qpos[:, None]) & (kv_pos < batch.kv_lens[:, None])
+    _, e, total = _partial(s, mask[None, :, None, :])
+    o = jnp.sum(e[..., None] * rows_of(v_cache)[:, :, None, :, :], axis=3) / jnp.maximum(total, 1e-30)
+    o = o.transpose(1, 0, 2, 3).reshape(bsz, h, d).astype(q.dtype)  # [B, H, D]
     return jnp.zeros((t, h, d), q.dtype).at[rows].set(o, mode="drop")
 
 
