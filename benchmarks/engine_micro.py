@@ -121,6 +121,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
+        "decode_attention_by_config": {name: "kernel" if r.decode_kernel else "fused" if r.decode_fused else "xla"
+                                       for name, r in runners.items()},
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,
@@ -331,7 +333,7 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "
                          "or a directory with a config.json)")
-    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel"],
+    ap.add_argument("--decode-attention", nargs="+", default=["auto"], choices=["auto", "xla", "kernel", "fused"],
                     help="decode attention per configuration (GPUs; see EngineConfig.decode_attention)")
     ap.add_argument("--cpu-matmul", nargs="+", default=["auto"],
                     choices=["auto", "amx", "amx-int8", "avx512-bf16", "avx512-vnni", "avx2"],

@@ -372,9 +372,11 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--layers-per-call", type=int, default=EngineConfig.layers_per_call, metavar="N",
                    help="decoder layers per compiled call (default %(default)s: each shape compiles one layer; "
                         "0: the whole model in one call, slower to compile)")
-    e.add_argument("--decode-attention", choices=["auto", "xla", "kernel"], default=EngineConfig.decode_attention,
+    e.add_argument("--decode-attention", choices=["auto", "xla", "kernel", "fused"],
+                   default=EngineConfig.decode_attention,
                    help="decode attention over a bfloat16 KV cache on GPUs: the Pallas kernel reading pages in "
-                        "place, XLA's gathering lowering, or auto (the kernel for 4+ query heads per KV head)")
+                        "place, XLA's gathering lowering, XLA's lowering as reductions without a gathered copy "
+                        "(fused), or auto (the kernel for 4+ query heads per KV head)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,9 +109,11 @@ class EngineConfig:
     # input gathered: greedy outputs equal one device's), "auto" (exact on CPUs, megatron on accelerators)
     tensor_parallel_mode: str = "auto"
     # decode attention over a bfloat16 cache on GPUs: "kernel" (a Pallas kernel that reads the KV pages in
-    # place, where it compiles), "xla" (XLA's lowering, which gathers the pages first), "auto" (the kernel
-    # for grouped-query models with 4+ query heads per KV head, where it measured as fast or faster on an
-    # H100; XLA's lowering otherwise). CPUs and float32 caches always use their own paths.
+    # place, where it compiles), "xla" (XLA's lowering, which gathers the pages first), "fused" (XLA's lowering
+    # as reductions over the KV rows read through the block table, no gathered copy; any cache dtype),
+    # "auto" (the kernel for grouped-query models with 4+ query heads per KV head, where it measured as fast
+    # or faster on an H100; XLA's gathered lowering otherwise). CPUs whose native kernels read the pages in
+    # place always use them.
     decode_attention: str = "auto"
     # fields set on purpose: on accelerators `device.for_device` raises the batch and token limits that
     # equal these defaults, except those named here (the CLI names the options it was given)
@@ -134,8 +136,8 @@ class EngineConfig:
         unknown = set(self.explicit) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"explicit names fields EngineConfig does not have: {sorted(unknown)}")
-        if self.decode_attention not in ("auto", "xla", "kernel"):
-            raise ValueError("decode_attention must be 'auto', 'xla' or 'kernel'")
+        if self.decode_attention not in ("auto", "xla", "kernel", "fused"):
+            raise ValueError("decode_attention must be 'auto', 'xla', 'kernel' or 'fused'")
         if self.kv_dtype not in ("auto", "f32", "bf16"):
             raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
         if self.weights not in ("auto", "f32", "bf16"):

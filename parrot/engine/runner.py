@@ -236,6 +236,7 @@ class ModelRunner:
                                                        and cfg.num_heads // cfg.num_kv_heads >= 4)
         self.decode_kernel = (wanted and self.kv_dtype == jnp.bfloat16 and self.mesh is None
                               and gpu_attention.available())
+        self.decode_fused = ecfg.decode_attention == "fused"  # XLA's lowering without a gathered copy
         # the dtype quantized products are asked in (quant.linear's `dtype`): the prefill dtype, but bfloat16 on a
         # CPU in the default mode without bf16 products as well: its native kernels then multiply generated rows
         # on 2 limbs, the integer sums every CPU's kernels give them bit for bit (the AVX2 code's from
@@ -245,10 +246,12 @@ class ModelRunner:
         if not (ecfg.dtype or dtype) and prefill_dtype == jnp.float32 and kernels.available():  # (a CPU backend)
             self.qdtype = jnp.dtype(jnp.bfloat16)
         if self.mesh is None:
-            model = Llama(cfg, weights, self.dtype, self.act_dtype, self.qdtype, decode_kernel=self.decode_kernel)
+            model = Llama(cfg, weights, self.dtype, self.act_dtype, self.qdtype, decode_kernel=self.decode_kernel,
+                          decode_fused=self.decode_fused)
         else:  # built on the host, then placed on the mesh shard by shard
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
-                model = Llama(mcfg, weights, self.dtype, self.act_dtype, self.qdtype, self.tp, self.tp_exact)
+                model = Llama(mcfg, weights, self.dtype, self.act_dtype, self.qdtype, self.tp, self.tp_exact,
+                              decode_fused=self.decode_fused)
         del weights
         # multi-step decode loops run the layers as a loop (one layer's code per executable) where they can
         self._layer_loop = (LayerLoop.of(model, self.kv_storage_dtype)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +81,35 @@ def test_fused_decode_attention_matches_dense() -> None:
     assert np.all(out[len(seqs):] == 0)  # padding rows
     gathered = np.asarray(paged_attention(jnp.asarray(q), k16, v16, batch, D**-0.5))
     np.testing.assert_allclose(out, gathered, atol=2e-2)  # XLA's gathered lowering, bfloat16 products
+
+
+FUSED_ENGINE = """
+from parrot.engine.engine import LLMEngine
+from parrot.protocol import SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+from tests.engine.test_engine import gen_many
+
+runs = [dict(max_tokens=n, ignore_eos=True) for n in (5, 9, 14)]
+out = []
+for mode in ("xla", "fused"):
+    eng = LLMEngine(tiny_model(), tiny_engine_config(decode_attention=mode, kv_dtype="f32")).start(precompile=False)
+    assert eng.runner.decode_fused == (mode == "fused") and not eng.runner.prefill_in_place
+    out.append([r.token_ids for r in gen_many(eng, mode, runs)])
+    eng.shutdown()
+assert out[0] == out[1], out
+print("same tokens", sum(map(len, out[1])))
+"""
+
+
+def test_an_engine_decoding_with_fused_attention_gives_the_same_tokens() -> None:
+    """`decode_attention="fused"` through the engine (a CPU without the native kernels, so attention is XLA's
+    there as on a GPU): greedy tokens of a batch equal XLA's gathered lowering's, in float32."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PARROT_CPU_KERNELS="0", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", FUSED_ENGINE], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=root)
+    assert r.returncode == 0 and "same tokens 28" in r.stdout, r.stderr[-3000:]
 
 
 def test_shared_prefix_attention_equals_ordinary_attention() -> None:

@@ -192,10 +192,11 @@ class Attention(nnx.Module):
     """Q, K and V come from one fused `[hidden, (heads + 2 kv_heads) * head_dim]` projection."""
 
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, qdtype: jnp.dtype,
-                 tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False) -> None:
+                 tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False, decode_fused: bool = False) -> None:
         self.cfg = cfg
         self.qdtype = qdtype
         self.decode_kernel = decode_kernel  # decode steps through gpu_attention's kernel (see paged_attention)
+        self.decode_fused = decode_fused  # decode steps in XLA's lowering without a gathered copy of the pages
         self.tp, self.tp_exact = tp, tp_exact  # tp > 1: this device's heads only (see `row_project`)
         qkv = _fuse([w["wq"], w["wk"], w["wv"]])
         self.wqkv, self.wqkv_q = _matrix(qkv, dtype)
@@ -218,7 +219,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, batch.slot_mapping)
         v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel,
-                            bf16=jnp.dtype(self.qdtype) == jnp.bfloat16)
+                            bf16=jnp.dtype(self.qdtype) == jnp.bfloat16, fused=self.decode_fused)
         out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill,
                           _value(self.wo_t))
         return out, k_cache, v_cache
@@ -244,9 +245,10 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: LlamaConfig, w: dict[str, Weight], dtype: jnp.dtype, act_dtype: jnp.dtype,
-                 qdtype: jnp.dtype, tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False) -> None:
+                 qdtype: jnp.dtype, tp: int = 1, tp_exact: bool = False, decode_kernel: bool = False,
+                 decode_fused: bool = False) -> None:
         self.attn_norm = RMSNorm(w["attn_norm"], cfg.rms_eps, act_dtype)
-        self.attn = Attention(cfg, w, dtype, qdtype, tp, tp_exact, decode_kernel)
+        self.attn = Attention(cfg, w, dtype, qdtype, tp, tp_exact, decode_kernel, decode_fused)
         self.ffn_norm = RMSNorm(w["ffn_norm"], cfg.rms_eps, act_dtype)
         self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
@@ -264,11 +266,12 @@ class Llama(nnx.Module):
     `qdtype` that in which a quantized matrix is multiplied when XLA does the product (large batches).
     `tp` > 1: the layers run on tensor-parallel shards (engine/tensor_parallel.py arranges the weights;
     the runner calls the layers inside `shard_map`; `tp_exact`: see `row_project`). `decode_kernel`: decode
-    attention through the GPU kernel (engine/gpu_attention.py) where the cache is bfloat16."""
+    attention through the GPU kernel (engine/gpu_attention.py) where the cache is bfloat16; `decode_fused`:
+    through XLA's lowering without a gathered copy of the pages (attention.paged_attention)."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], dtype: jnp.dtype = jnp.float32,
                  act_dtype: jnp.dtype | None = None, qdtype: jnp.dtype | None = None, tp: int = 1,
-                 tp_exact: bool = False, decode_kernel: bool = False):
+                 tp_exact: bool = False, decode_kernel: bool = False, decode_fused: bool = False):
         self.cfg = cfg
         act_dtype = act_dtype or dtype
         self.act_dtype = act_dtype
@@ -280,7 +283,7 @@ class Llama(nnx.Module):
         self.head_t = _tiled(embed if cfg.tie_word_embeddings else weights["lm_head"], tp == 1)
         self.layers = nnx.List(
             DecoderLayer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")},
-                         dtype, act_dtype, self.qdtype, tp, tp_exact, decode_kernel)
+                         dtype, act_dtype, self.qdtype, tp, tp_exact, decode_kernel, decode_fused)
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(weights["norm"], cfg.rms_eps, act_dtype)
