@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--multi-step-max-batch", type=int, default=None, metavar="B",
                     help="the largest decode batch a multi-step loop runs (EngineConfig.multi_step_max_batch; "
                          "default: the engine's, 4 on accelerators)")
+    ap.add_argument("--decode-attention", choices=["auto", "xla", "kernel", "fused"], default="auto",
+                    help="decode attention on GPUs (EngineConfig.decode_attention)")
     ap.add_argument("--decode-bursts", type=int, default=None, metavar="N",
                     help="prompt steps of up to N tokens alone alternating with decode-only bursts "
                          "(EngineConfig.decode_bursts; default: the engine's)")
@@ -277,7 +279,7 @@ def main() -> None:
     cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
-                       multi_step_max_batch=args.multi_step_max_batch,
+                       multi_step_max_batch=args.multi_step_max_batch, decode_attention=args.decode_attention,
                        decode_bursts=args.decode_bursts,
                        explicit=("max_batch_size", "max_num_batched_tokens", "bs_buckets"))
     model = load_model(args.model, load_format=args.load_format)
@@ -289,6 +291,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     result: dict = {"model": model.source, "precompile_s": compile_s, "shapes": len(eng.runner.compiled),
                     "multi_step": eng.runner.multi_step, "multi_step_max_batch": eng.runner.multi_max_batch,
+                    "decode_attention": args.decode_attention,
                     "decode_bursts": cfg.decode_bursts,
                     "sampling": sampling or "greedy", "throughput": [], "quick": quick}
     try:

@@ -4,11 +4,11 @@
 #
 #   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
-#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape: the engine's defaults, then one,
-#                                         two, four and eight decode steps a call in turns on one precompile)
-#                                         and engine_micro (Llama-3-8B shape: one step a call, and loops of
-#                                         four steps a call as the engine runs small batches), random weights
-#                                         (--load-format dummy)
+#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, the engine's defaults);
+#                                         engine_micro's decode attention (1.7B: gathered against fused; 8B:
+#                                         the kernel against fused, and loops of four steps a call); then
+#                                         engine_serving with one, two, four and eight decode steps a call in
+#                                         turns on one precompile; random weights (--load-format dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
@@ -70,23 +70,27 @@ info() {
 }
 
 bench() {
-  # engine_serving with the engine's defaults (#11's concurrency-16 target), then with one, two, four and
-  # eight decode steps a call for every batch in turns on one precompile, then engine_micro with what is
-  # left (the 8B batch-1 target: one step a call, synced and pipelined, and loops of four steps a call)
+  # in order of what #11 needs: engine_serving with the engine's defaults (the concurrency-16 target); decode
+  # attention of the 1.7B shape (MHA: XLA's gathered lowering against the fused one, which copies no pages)
+  # and of the 8B shape (the kernel against the fused lowering, and loops of four steps: the batch-1
+  # target); then engine_serving with one, two, four and eight decode steps a call for every batch, in turns
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
   timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
     --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-default.log"
+  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
+    --load-format dummy --batches 1 16 64 --decode-attention xla fused --out "$OUT/engine_micro-1.7b.json" 2>&1 \
+    | grep -E "decode batch|prefill|floors" | tee "$OUT/engine_micro-1.7b.log"
+  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
+    --load-format dummy --batches 1 64 --decode-attention auto fused --loop-steps 4 \
+    --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
   serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
   [ "$serving" -gt 60 ] && timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
     --multi-step 8 --multi-step-max-batch 64 --compare-multi-step 1 2 4 8 --rounds 2 \
     --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-multi-step.log"
-  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
-    --load-format dummy --batches 1 64 --loop-steps 4 --out "$OUT/engine_micro-8b.json" 2>&1 \
-    | tee "$OUT/engine_micro.log"
 }
 
 xla_flags() {
