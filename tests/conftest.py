@@ -54,8 +54,10 @@ def batch_invariant_mode() -> dict:
     """EngineConfig settings in which batching and forking never change greedy results on this backend:
     the default mode on a CPU (its kernels sum each row in one order up to batch 16); float32 with
     HIGHEST-precision products on accelerators, whose bfloat16 products sum in an order that depends on
-    the batch (docs/benchmarks.md, accelerators)."""
-    return {} if jax.default_backend() == "cpu" else {"dtype": "float32", "kv_dtype": "f32"}
+    the batch (docs/benchmarks.md, accelerators), and one step a call there: accelerators run multi-step
+    loops for small batches only, and a loop is another XLA program than a single step (its sums may be
+    ordered otherwise), so a sequence alone and the same sequence among many would run different code."""
+    return {} if jax.default_backend() == "cpu" else {"dtype": "float32", "kv_dtype": "f32", "multi_step": 1}
 
 
 @pytest.fixture(scope="session")
