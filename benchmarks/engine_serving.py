@@ -252,6 +252,9 @@ def main() -> None:
     ap.add_argument("--multi-step-max-batch", type=int, default=None, metavar="B",
                     help="the largest decode batch a multi-step loop runs (EngineConfig.multi_step_max_batch; "
                          "default: the engine's, 4 on accelerators)")
+    ap.add_argument("--kv-memory-mb", type=int, default=2048,
+                    help="the KV pool (MB; 2048 by default: 64 clients' 384 tokens of a 1.7B-shaped MHA model need "
+                         "~4.8 GB, so that level preempts)")
     ap.add_argument("--decode-attention", choices=["auto", "xla", "kernel", "fused"], default="auto",
                     help="decode attention on GPUs (EngineConfig.decode_attention)")
     ap.add_argument("--decode-bursts", type=int, default=None, metavar="N",
@@ -276,7 +279,8 @@ def main() -> None:
     quick = args.quick
     levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
-    cfg = EngineConfig(model=args.model, kv_memory_mb=2048, max_batch_size=max(levels), max_num_batched_tokens=512,
+    cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max(levels),
+                       max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
                        multi_step_max_batch=args.multi_step_max_batch, decode_attention=args.decode_attention,

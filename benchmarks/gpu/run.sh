@@ -77,7 +77,7 @@ bench() {
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
-  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
+  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --kv-memory-mb 8192 \
     --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-default.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
