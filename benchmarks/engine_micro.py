@@ -82,11 +82,15 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # the tiled weights' reading, the kernels' team and the AVX2 code's integer generated rows: on or off
     switches: dict[str, tuple[str, str, str]] = {}
     attention = attention or ["auto"]
+    # the pool holds every page the steps below write (pages 1.. of each sequence; page 0 is scratch): the
+    # native CPU kernels index it without bounds checks
+    ps0 = EngineConfig().page_size
+    pages = 1 + max(-(-prompt_len // ps0), max(batches) * -(-(decode_ctx - 1 + max(loop_steps, 1)) // ps0))
     for w in weights:
         for lpc in layers:
             for att, hp in itertools.product(attention, huge or ["on"]):
                 t = time.perf_counter()
-                cfg = EngineConfig(model=model, kv_memory_mb=2048, compilation_cache_dir=None,
+                cfg = EngineConfig(model=model, kv_pages=pages, compilation_cache_dir=None,
                                    layers_per_call=lpc or None, weights=w, decode_attention=att)
                 with _huge_pages(hp):
                     r = ModelRunner(loaded.config, loaded.weights, cfg)
