@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, the engine's defaults);
 #                                         engine_micro's decode attention (1.7B: gathered against fused; 8B:
 #                                         the kernel against fused, and loops of four steps a call); then
-#                                         engine_serving with one, two, four and eight decode steps a call in
-#                                         turns on one precompile; random weights (--load-format dummy)
+#                                         engine_serving with one and four decode steps a call for every batch
+#                                         in turns on one precompile; random weights (--load-format dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
@@ -73,7 +73,7 @@ bench() {
   # in order of what #11 needs: engine_serving with the engine's defaults (the concurrency-16 target); decode
   # attention of the 1.7B shape (MHA: XLA's gathered lowering against the fused one, which copies no pages)
   # and of the 8B shape (the kernel against the fused lowering, and loops of four steps: the batch-1
-  # target); then engine_serving with one, two, four and eight decode steps a call for every batch, in turns
+  # target); then engine_serving with one and four decode steps a call for every batch, in turns
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
@@ -88,7 +88,7 @@ bench() {
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
   serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
   [ "$serving" -gt 60 ] && timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
-    --multi-step 8 --multi-step-max-batch 64 --compare-multi-step 1 2 4 8 --rounds 2 \
+    --multi-step 4 --multi-step-max-batch 64 --compare-multi-step 1 4 --rounds 2 \
     --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-multi-step.log"
 }
