@@ -101,9 +101,7 @@ def paged_attention(
     qpos = batch.positions.at[batch.q_index].get(mode="fill", fill_value=-1)  # [B, Q]
     k = gather_pages(k_cache, batch.block_tables)  # [Hkv, B, L, D]
     v = gather_pages(v_cache, batch.block_tables)
-    kv_pos = batch.kv_offset[:, None] + jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]  # [B, L]
-    mask = (kv_pos[:, None, :] <= qpos[:, :, None]) & (kv_pos[:, None, :] < batch.kv_lens[:, None, None])
-    mask = jnp.repeat(mask, group, axis=1)[None]  # [1, B, Q*G, L]
+    mask = jnp.repeat(_visible(batch, k.shape[2], qpos), group, axis=1)[None]  # [1, B, Q*G, L]
     s = jnp.einsum("hbmd,hbld->hbml", qh, k, precision=exact(qh, k))
     m_s, e_s, l_s = _partial(s, mask)
     o = jnp.einsum("hbml,hbld->hbmd", e_s, v, precision=exact(e_s, v))
@@ -114,6 +112,13 @@ def paged_attention(
     o = o.reshape(hkv, bsz, qlen, group, d).transpose(1, 2, 0, 3, 4).reshape(bsz * qlen, h, d).astype(q.dtype)
     out = jnp.zeros((t, h, d), q.dtype)
     return out.at[batch.q_index.reshape(-1)].set(o, mode="drop")
+
+
+def _visible(batch: ForwardBatch, length: int, qpos: jax.Array) -> jax.Array:
+    """[B, Q, L]: which of each sequence's `length` KV positions (from its `kv_offset`) query q sees: up to
+    its own position `qpos[b, q]`, within the sequence's KV."""
+    kv_pos = batch.kv_offset[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]  # [B, L]
+    return (kv_pos[:, None, :] <= qpos[:, :, None]) & (kv_pos[:, None, :] < batch.kv_lens[:, None, None])
 
 
 def _decode_in_place(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: ForwardBatch,
@@ -172,28 +177,20 @@ def _decode_fused(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: F
     into each reduction (on GPUs), so the pages are read once and never copied, where the gathered lowering
     writes every sequence's pages out and reads them again. Sums in float32."""
     t, h, d = q.shape
-    hkv, _, page_size, _ = k_cache.shape
+    hkv = k_cache.shape[0]
     group = h // hkv
     rows = batch.q_index[:, 0]
     bsz = rows.shape[0]
     qb = q.at[rows].get(mode="fill", fill_value=0).astype(jnp.float32) * scale  # [B, H, D]
     qh = qb.reshape(bsz, hkv, group, d).transpose(1, 0, 2, 3)  # [Hkv, B, G, D]
-    pos = jnp.arange(batch.block_tables.shape[1] * page_size, dtype=jnp.int32)  # [L]
-    pages = batch.block_tables[:, pos // page_size]  # [B, L]
-    slots = jnp.broadcast_to(pos % page_size, pages.shape)
-
-    def rows_of(cache: jax.Array) -> jax.Array:  # [Hkv, B, L, D], each KV row read where it is
-        r = cache[:, pages, slots]
-        if r.dtype == jnp.uint16:  # a bfloat16 cache's bit patterns
-            r = jax.lax.bitcast_convert_type(r, jnp.bfloat16)
-        return r.astype(jnp.float32)
-
-    s = jnp.sum(qh[:, :, :, None, :] * rows_of(k_cache)[:, :, None, :, :], axis=-1)  # [Hkv, B, G, L]
-    kv_pos = batch.kv_offset[:, None] + pos[None, :]  # [B, L]
+    # the pages as gather expressions [Hkv, B, L, D], consumed by reductions (never by a matrix product,
+    # which would make XLA write them out first)
+    k = gather_pages(k_cache, batch.block_tables).astype(jnp.float32)
+    v = gather_pages(v_cache, batch.block_tables).astype(jnp.float32)
+    s = jnp.sum(qh[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, B, G, L]
     qpos = batch.positions.at[rows].get(mode="fill", fill_value=-1)  # [B]
-    mask = (kv_pos <= qpos[:, None]) & (kv_pos < batch.kv_lens[:, None])
-    _, e, total = _partial(s, mask[None, :, None, :])
-    o = jnp.sum(e[..., None] * rows_of(v_cache)[:, :, None, :, :], axis=3) / jnp.maximum(total, 1e-30)
+    _, e, total = _partial(s, _visible(batch, k.shape[2], qpos[:, None])[None])  # mask [1, B, 1, L]
+    o = jnp.sum(e[..., None] * v[:, :, None, :, :], axis=3) / jnp.maximum(total, 1e-30)
     o = o.transpose(1, 0, 2, 3).reshape(bsz, h, d).astype(q.dtype)  # [B, H, D]
     return jnp.zeros((t, h, d), q.dtype).at[rows].set(o, mode="drop")
 
