@@ -28,8 +28,9 @@ DEFAULT_MEMORY_UTILIZATION = 0.9  # on accelerators when `memory_utilization` is
 ACTIVATION_RESERVE = 0.05  # of device memory, kept free for a step's activations and temporaries
 MIN_KV_BYTES = 64 * 2**20
 
-# padding buckets where an accelerator's step time is still flat in the batch (H100: decode at batch 64
-# costs 1.5x batch 1 for an 8B model) and prefill chunks amortize the per-step cost
+# accelerators' defaults (`for_device`): padding buckets where an accelerator's step time is still flat in the
+# batch (H100: decode at batch 64 costs 1.5x batch 1 for an 8B model) and prefill chunks amortize the
+# per-step cost; multi-step decode for small batches (below)
 ACCELERATOR_DEFAULTS = {
     "bs_buckets": [1, 2, 4, 8, 16, 32, 64, 128, 256],
     "max_batch_size": 256,
