@@ -1,7 +1,7 @@
 """Engine serving benchmark: many concurrent primitives on the real model through LLMEngine.
 
     python -m benchmarks.engine_serving [--quick] [--multi-step K] [--decode-bursts N] [--compare-bursts R]
-                                        [--compare-multi-step K [K ...] [--rounds R]]
+                                        [--compare-multi-step K [K ...] [--rounds R]] [--compare-prefill R]
                                         [--temperature T [--top-p P] [--top-k K] [--min-p M]]
                                         [--out benchmarks/results/engine_serving.json]
 
@@ -21,13 +21,17 @@ With `--compare-bursts R`, part 1 runs with decode bursts off and on in turns (t
 rounds of each, on one engine (the scheduler's setting switched between runs: one precompile), and reports
 each mode's medians and the on/off ratios. With `--compare-multi-step 1 2 4 8` (and `--multi-step 8`), part 1
 runs with each count of decode steps per call in turns, `--rounds` rounds, on the loops compiled for the
-engine's count (a loop stops after its plan's steps): one precompile, each count's medians.
+engine's count (a loop stops after its plan's steps): one precompile, each count's medians. With
+`--compare-prefill R`, part 1 runs with the prefill settings of the GPU runs of 2026-11-24 and 11-27 and the
+engine's own in turns (`compare_prefill`; they differ on accelerators only). The prefill budget is the
+device's: 512 tokens a step on a CPU, 2048 on accelerators (before 2026-11-28, 512 everywhere).
 All shapes are precompiled first; shape misses during the runs are reported (should be 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 import time
@@ -158,6 +162,41 @@ def compare_multi_step(eng: LLMEngine, rng: np.random.Generator, conc: int, prom
     return r
 
 
+# the prefill settings of the GPU runs of 2026-11-24 and 2026-11-27 (this benchmark then fixed 512-token steps):
+# prompt steps of up to 512 tokens, prompts batched 1 or 4 to a step, 256 prompt tokens a step between bursts
+FIXED_PREFILL = {"max_num_batched_tokens": 512, "prefill_bs_buckets": [1, 4], "decode_bursts": AUTO_DECODE_BURSTS}
+
+
+def compare_prefill(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
+                    rounds: int) -> dict:
+    """Part 1 at one concurrency with the prefill settings of earlier GPU runs (`FIXED_PREFILL`) and the
+    engine's own (on accelerators: 2048-token prompt steps, prompts batched 1, 2 or 4 to a step, the chunk
+    beside decodes between bursts), in turns. The scheduler's settings and the runner's shape book are
+    switched between runs (the fixed settings' shapes are among those compiled); on a CPU both are alike."""
+    own_cfg, own_shapes, own_bursts = eng.scheduler.cfg, eng.runner.shapes, eng.scheduler.burst_tokens
+    fixed_cfg = dataclasses.replace(own_cfg, max_num_batched_tokens=FIXED_PREFILL["max_num_batched_tokens"],
+                                    prefill_bs_buckets=FIXED_PREFILL["prefill_bs_buckets"])
+
+    def use(cfg: EngineConfig, bursts: int) -> Callable[[], None]:
+        def apply() -> None:
+            eng.scheduler.cfg, eng.scheduler.burst_tokens = cfg, bursts
+            eng.scheduler.max_prefill_batch = max(cfg.prefill_bs_buckets)
+            eng.runner.shapes = dataclasses.replace(own_shapes, ecfg=cfg)
+        return apply
+
+    fixed_bursts = FIXED_PREFILL["decode_bursts"] if own_bursts else 0
+    try:
+        r = compare(eng, rng, conc, prompt_len, out_len, rounds,
+                    {"fixed": use(fixed_cfg, fixed_bursts), "device": use(own_cfg, own_bursts)})
+    finally:
+        use(own_cfg, own_bursts)()
+    return {**r, "fixed_settings": {**FIXED_PREFILL, "decode_bursts": fixed_bursts},
+            "device_settings": {"max_num_batched_tokens": own_cfg.max_num_batched_tokens,
+                                "prefill_bs_buckets": own_cfg.prefill_bs_buckets, "decode_bursts": own_bursts},
+            "device_over_fixed": {k: r["device"][k] / r["fixed"][k] if r["fixed"][k] else float("nan")
+                                  for k in MEDIAN_KEYS}}
+
+
 def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
     vocab = eng.vocab_size
     prefix = rng.integers(100, vocab, prefix_len).tolist()
@@ -266,6 +305,10 @@ def main() -> None:
     ap.add_argument("--compare-multi-step", type=int, nargs="+", default=None, metavar="K",
                     help="part 1 with each of these decode steps per call (1: one step a call; each at most "
                          "--multi-step, whose loops serve them all), in turns, --rounds rounds (medians)")
+    ap.add_argument("--compare-prefill", type=int, default=0, metavar="R",
+                    help="part 1 with the prefill settings of earlier GPU runs (512-token prompt steps, prompts "
+                         "batched 1 or 4, 256-token prompt steps between bursts) and the engine's own, in turns, R "
+                         "rounds each (medians); alike on a CPU")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of --compare-multi-step")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="part 1 samples at this temperature (default 0: greedy), with the three options below")
@@ -279,13 +322,14 @@ def main() -> None:
     quick = args.quick
     levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
+    # the prefill budget is the device's (512 tokens a step on a CPU, 2048 on accelerators); the batch buckets
+    # stop at the largest level
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max(levels),
-                       max_num_batched_tokens=512,
                        bs_buckets=[1, 2, 4, 8, 16, 32, 64],
                        kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
                        multi_step_max_batch=args.multi_step_max_batch, decode_attention=args.decode_attention,
                        decode_bursts=args.decode_bursts,
-                       explicit=("max_batch_size", "max_num_batched_tokens", "bs_buckets"))
+                       explicit=("max_batch_size", "bs_buckets"))
     model = load_model(args.model, load_format=args.load_format)
     eng = LLMEngine(model, cfg)
     t0 = time.perf_counter()
@@ -345,7 +389,23 @@ def main() -> None:
                                     / first[f"multi_step_{k}"]["output_tokens_per_s"]
                                     for r in result["compare_multi_step"]} for k in args.compare_multi_step}
             print(f"ratios vs concurrency 1: {result['compare_multi_step_ratio_vs_c1']}")
-        compared = args.compare_bursts or args.compare_multi_step
+        if args.compare_prefill:
+            result["compare_prefill"] = []
+            for c in levels:
+                r = compare_prefill(eng, rng, c, prompt_len, out_len, args.compare_prefill)
+                result["compare_prefill"].append(r)
+                for mode in ("fixed", "device"):
+                    m = r[mode]
+                    print(f"concurrency {c:3d}, prefill {mode:6s}: {m['output_tokens_per_s']:7.1f} output tok/s, "
+                          f"TTFT p50 {m['ttft_p50_s']:.3f}s p99 {m['ttft_p99_s']:.3f}s, "
+                          f"ITL p50 {m['itl_p50_ms']:.0f}ms p99 {m['itl_p99_ms']:.0f}ms, "
+                          f"TPOT p50 {m['tpot_p50_ms']:.1f}ms; engine step {m['engine_step_ms']:.2f}ms "
+                          f"(medians of {args.compare_prefill})", flush=True)
+                print(f"concurrency {c:3d}: device / fixed output tok/s "
+                      f"{r['device_over_fixed']['output_tokens_per_s']:.3f}x", flush=True)
+            print(f"fixed: {result['compare_prefill'][0]['fixed_settings']}; "
+                  f"device: {result['compare_prefill'][0]['device_settings']}")
+        compared = args.compare_bursts or args.compare_multi_step or args.compare_prefill
         for c in [] if args.structured_only or compared else levels:
             r = throughput(eng, rng, c, prompt_len, out_len, sampling)
             result["throughput"].append(r)

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
-#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, the engine's defaults);
+#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, the engine's defaults, and in
+#                                         turns the prefill settings of the runs before 2026-11-28);
 #                                         engine_micro's decode attention (1.7B: gathered against fused; 8B:
 #                                         the kernel against fused, and loops of four steps a call); then
 #                                         engine_serving with one and four decode steps a call for every batch
@@ -70,7 +71,8 @@ info() {
 }
 
 bench() {
-  # in order of what #11 needs: engine_serving with the engine's defaults (the concurrency-16 target); decode
+  # in order of what #11 needs: engine_serving with the engine's defaults (the concurrency-16 target), beside
+  # the prefill settings of the runs before 2026-11-28 (512-token prompt steps, 256 between bursts); decode
   # attention of the 1.7B shape (MHA: XLA's gathered lowering against the fused one, which copies no pages)
   # and of the 8B shape (the kernel against the fused lowering, and loops of four steps: the batch-1
   # target); then engine_serving with one and four decode steps a call for every batch, in turns
@@ -78,7 +80,7 @@ bench() {
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
   timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --kv-memory-mb 8192 \
-    --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
+    --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-default.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
     --load-format dummy --batches 1 16 64 --decode-attention xla fused --out "$OUT/engine_micro-1.7b.json" 2>&1 \

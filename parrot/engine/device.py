@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from parrot.config import EngineConfig
 from parrot.engine import kernels
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,32 @@ ACCELERATOR_DEFAULTS = {
     "token_buckets": [16, 32, 64, 128, 256, 512, 1024, 2048],
     "max_num_batched_tokens": 2048,
     "prefill_tokens_beside_decodes": 512,  # a 512-token chunk of an 8B model is ~16 ms on an H100
+    # two prompts in one prefill step run as two sequences, not padded to four (on a CPU the native kernels
+    # skip padding rows; an accelerator computes them): 25 more prefill shapes for `parrot serve`
+    "prefill_bs_buckets": [1, 2, 4],
     # multi-step decode for small batches (one step a call is host-bound there; at 16 sequences an H100's
     # step was device-bound, and loops only delayed prompts): 1.7B shape on an H100, medians of two runs
     # (docs/benchmarks.md): 1 stream 156 -> 321 tok/s, 4 streams 783 -> 1,120, with 4 steps a call
     "multi_step": 4,
     "multi_step_max_batch": 4,
 }
+
+
+
+
+def auto_decode_bursts(cfg: EngineConfig, platform: str | None = None) -> int:
+    """Prompt tokens per step between decode bursts where `cfg.decode_bursts` is unset and the engine runs
+    multi-step decode: `scheduler.AUTO_DECODE_BURSTS` on a CPU (measured there); on accelerators the chunk a
+    step that decodes takes beside the decodes (`prefill_tokens_beside_decodes`, 512 by default), since a
+    waiting decode batch waits as long for a prompt step alone as for a chunk beside it. A prompt step there
+    costs the same few milliseconds at 256 tokens as at 512 (a 1.7B model's weights are read once either
+    way): with 256, engine_serving's 16 clients filled their prompts one a step, 16 prompt steps with
+    decode steps between them, ~0.17 s of a 0.75 s run on an H100 (2026-11-27)."""
+    platform = platform or jax.devices()[0].platform
+    if platform == "cpu":
+        return AUTO_DECODE_BURSTS
+    budget = cfg.max_num_batched_tokens
+    return min(budget, cfg.prefill_tokens_beside_decodes or budget)
 
 
 @dataclass(frozen=True)

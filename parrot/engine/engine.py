@@ -24,14 +24,14 @@ import numpy as np
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine import kernels
-from parrot.engine.device import device_memory, for_device
+from parrot.engine.device import auto_decode_bursts, device_memory, for_device
 from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.loader import LoadedModel
 from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS, Scheduler, StepPlan
+from parrot.engine.scheduler import AUTO_THROUGHPUT_HOLD_MS, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -81,7 +81,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
         if bursts is None:
-            bursts = AUTO_DECODE_BURSTS if self.runner.multi_step > 1 else 0
+            bursts = auto_decode_bursts(self.cfg) if self.runner.multi_step > 1 else 0
         hold = self.cfg.throughput_hold_ms  # unset: on where decode bursts run
         if hold is None:
             hold = AUTO_THROUGHPUT_HOLD_MS if bursts else 0
