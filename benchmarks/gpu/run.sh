@@ -4,10 +4,11 @@
 #
 #   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
-#   bash benchmarks/gpu/run.sh bench      engine_serving (SmolLM2-1.7B shape, the engine's defaults, and in
-#                                         turns the prefill settings of the runs before 2026-11-28);
-#                                         engine_micro's decode attention (1.7B: gathered against fused; 8B:
-#                                         the kernel against fused, and loops of four steps a call); then
+#   bash benchmarks/gpu/run.sh bench      engine_micro's decode attention (1.7B: gathered against fused);
+#                                         engine_serving (SmolLM2-1.7B shape, the engine's defaults, on the
+#                                         fused lowering where it won, and in turns the prefill settings of the
+#                                         runs before 2026-11-28); engine_micro's 8B decode attention (the
+#                                         kernel against fused, and loops of four steps a call); then
 #                                         engine_serving with one and four decode steps a call for every batch
 #                                         in turns on one precompile; random weights (--load-format dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
@@ -71,24 +72,35 @@ info() {
 }
 
 bench() {
-  # in order of what #11 needs: engine_serving with the engine's defaults (the concurrency-16 target), beside
-  # the prefill settings of the runs before 2026-11-28 (512-token prompt steps, 256 between bursts); decode
-  # attention of the 1.7B shape (MHA: XLA's gathered lowering against the fused one, which copies no pages)
-  # and of the 8B shape (the kernel against the fused lowering, and loops of four steps: the batch-1
-  # target); then engine_serving with one and four decode steps a call for every batch, in turns
+  # in order of what #11 needs: decode attention of the 1.7B shape (MHA: XLA's gathered lowering against the
+  # fused one, which copies no pages); engine_serving with the engine's defaults (the concurrency-16 target),
+  # on the fused lowering where it was 3% faster at batch 16, beside the prefill settings of the runs before
+  # 2026-11-28 (512-token prompt steps, 256 between bursts); decode attention of the 8B shape (the kernel
+  # against the fused lowering, and loops of four steps: the batch-1 target); then engine_serving with one
+  # and four decode steps a call for every batch, in turns
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
-  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --kv-memory-mb 8192 \
-    --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
-    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-default.log"
-  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
+  timeout $((t / 4)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
     --load-format dummy --batches 1 16 64 --decode-attention xla fused --out "$OUT/engine_micro-1.7b.json" 2>&1 \
     | grep -E "decode batch|prefill|floors" | tee "$OUT/engine_micro-1.7b.log"
+  local attention
+  attention=$($PY - "$OUT/engine_micro-1.7b.json" <<'PYEOF' 2>/dev/null || echo auto
+import json, sys
+d = json.load(open(sys.argv[1]))["by_config"]
+ms = {k: d[f"weights_auto_attention_{k}"]["decode"]["batch_16"]["pipelined_ms_per_step"] for k in ("xla", "fused")}
+print("fused" if ms["fused"] < 0.97 * ms["xla"] else "auto")
+PYEOF
+)
+  echo "engine_serving decode attention: $attention" | tee -a "$OUT/engine_serving-default.log"
+  serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
+  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --kv-memory-mb 8192 \
+    --decode-attention "$attention" --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
+    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee -a "$OUT/engine_serving-default.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
     --load-format dummy --batches 1 64 --decode-attention auto fused --loop-steps 4 \
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
-  serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
+  serving=$(( ${SERVING_TIMEOUT:-300} < end - SECONDS ? ${SERVING_TIMEOUT:-300} : end - SECONDS ))
   [ "$serving" -gt 60 ] && timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
     --multi-step 4 --multi-step-max-batch 64 --compare-multi-step 1 4 --rounds 2 \
     --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
