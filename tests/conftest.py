@@ -44,7 +44,7 @@ def tiny_engine_config(**kw) -> EngineConfig:
     an accelerator's default bfloat16); one decode step a call unless a test asks for multi-step decode."""
     base = dict(compilation_cache_dir=None, kv_memory_mb=4, dtype="float32", token_buckets=[16, 32, 64, 128],
                 multi_step=1,  # each multi-step shape compiles the whole model's loop: the tests that run it ask
-                bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16,
+                bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16, prefill_bs_buckets=[1, 4],  # as on a CPU
                 cascade_suffix_buckets=[64, 128], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
     base.update(kw)
     return EngineConfig(**base)

@@ -408,10 +408,12 @@ def test_decode_bursts_keep_results() -> None:
 
 
 def test_decode_bursts_are_on_by_default_where_decode_runs_several_steps_a_call() -> None:
-    from parrot.engine.scheduler import AUTO_DECODE_BURSTS, AUTO_THROUGHPUT_HOLD_MS
+    from parrot.engine.device import auto_decode_bursts
+    from parrot.engine.scheduler import AUTO_THROUGHPUT_HOLD_MS
 
-    bursting = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).scheduler
-    assert bursting.burst_tokens == AUTO_DECODE_BURSTS and bursting.hold_s == AUTO_THROUGHPUT_HOLD_MS / 1000
+    eng = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4))
+    bursting = eng.scheduler  # 256 prompt tokens a step on a CPU, the chunk beside decodes on accelerators
+    assert bursting.burst_tokens == auto_decode_bursts(eng.cfg) and bursting.hold_s == AUTO_THROUGHPUT_HOLD_MS / 1000
     stepping = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).scheduler
     assert stepping.burst_tokens == 0 and stepping.hold_s == 0
 
