@@ -92,6 +92,7 @@ def test_logprobs_in_the_openai_shape(client: openai.OpenAI) -> None:
 
 
 def test_langchain_structured_output_and_tools(url: str) -> None:
+    pytest.importorskip("langchain_openai", reason="langchain-openai is not installed (pip install -e '.[test]')")
     from langchain_core.messages import AIMessage
     from langchain_openai import ChatOpenAI
 
