@@ -79,10 +79,10 @@ class EngineConfig:
     # this many tokens) and a decode-only burst of multi-step decode (one call, up to `multi_step` tokens
     # each), instead of a prompt chunk of `prefill_tokens_beside_decodes` beside every decode step. Where a
     # short chunk pays a step's fixed cost for few tokens and the decodes run multi-step, this gives both
-    # kinds more per second (docs/benchmarks.md). 0: off; None (auto): where the engine runs multi-step decode, 256 on
-    # a CPU (scheduler.AUTO_DECODE_BURSTS) and the chunk beside decodes on accelerators
-    # (device.auto_decode_bursts), else off. Batches that cannot burst (no multi-step shape yet, a
-    # token needing host work) keep the mixed steps. Results are the same either way
+    # kinds more per second (docs/benchmarks.md). 0: off; None (auto): where the engine runs multi-step
+    # decode, 256 on a CPU (scheduler.AUTO_DECODE_BURSTS) and the chunk beside decodes on accelerators
+    # (device.auto_decode_bursts), else off. Batches that cannot burst (no multi-step shape yet, a token
+    # needing host work) keep the mixed steps. Results are the same either way
     decode_bursts: int | None = None
     # throughput hold: while latency-critical work (priority 0) decodes and throughput work (priority > 0:
     # semantic calls read as throughput-critical) has prompts to fill, the throughput work waits (its decodes

@@ -49,16 +49,15 @@ ACCELERATOR_DEFAULTS = {
 }
 
 
-
-
 def auto_decode_bursts(cfg: EngineConfig, platform: str | None = None) -> int:
     """Prompt tokens per step between decode bursts where `cfg.decode_bursts` is unset and the engine runs
     multi-step decode: `scheduler.AUTO_DECODE_BURSTS` on a CPU (measured there); on accelerators the chunk a
     step that decodes takes beside the decodes (`prefill_tokens_beside_decodes`, 512 by default), since a
-    waiting decode batch waits as long for a prompt step alone as for a chunk beside it. A prompt step there
-    costs the same few milliseconds at 256 tokens as at 512 (a 1.7B model's weights are read once either
-    way): with 256, engine_serving's 16 clients filled their prompts one a step, 16 prompt steps with
-    decode steps between them, ~0.17 s of a 0.75 s run on an H100 (2026-11-27)."""
+    waiting decode batch waits as long for a prompt step alone as for a chunk beside it. On an H100
+    (2026-11-27) engine_serving's 16 clients waited ~0.17 s for their last first token, of a 0.75 s run: with
+    256 tokens between bursts and 512-token steps, their 256-token prompts filled one a step, 16 prompt steps
+    with decode steps between them (the step sequence replayed on a CPU with those settings); with these
+    defaults, two a step, 7-9 prompt steps."""
     platform = platform or jax.devices()[0].platform
     if platform == "cpu":
         return AUTO_DECODE_BURSTS
