@@ -162,6 +162,16 @@ def compare_multi_step(eng: LLMEngine, rng: np.random.Generator, conc: int, prom
     return r
 
 
+def print_compared(conc: int, what: str, r: dict, modes: list[str], rounds: int) -> None:
+    """One line of medians per mode of a comparison at one concurrency."""
+    for mode in modes:
+        m = r[mode]
+        print(f"concurrency {conc:3d}, {what} {mode}: {m['output_tokens_per_s']:7.1f} output tok/s, "
+              f"TTFT p50 {m['ttft_p50_s']:.3f}s p99 {m['ttft_p99_s']:.3f}s, ITL p50 {m['itl_p50_ms']:.0f}ms "
+              f"p99 {m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms p99 {m['tpot_p99_ms']:.1f}ms; engine "
+              f"step {m['engine_step_ms']:.2f}ms, host {m['engine_host_ms']:.2f}ms (medians of {rounds})", flush=True)
+
+
 # the prefill settings of the GPU runs of 2026-11-24 and 2026-11-27 (this benchmark then fixed 512-token steps):
 # prompt steps of up to 512 tokens, prompts batched 1 or 4 to a step, 256 prompt tokens a step between bursts
 FIXED_PREFILL = {"max_num_batched_tokens": 512, "prefill_bs_buckets": [1, 4], "decode_bursts": AUTO_DECODE_BURSTS}
@@ -362,12 +372,7 @@ def main() -> None:
             for c in levels:
                 r = compare_bursts(eng, rng, c, prompt_len, out_len, args.compare_bursts, on)
                 result["compare_bursts"].append(r)
-                for mode in ("off", "on"):
-                    m = r[mode]
-                    print(f"concurrency {c:3d}, bursts {mode:3s}: {m['output_tokens_per_s']:7.1f} output tok/s, "
-                          f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
-                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms (medians of "
-                          f"{args.compare_bursts})", flush=True)
+                print_compared(c, "bursts", r, ["off", "on"], args.compare_bursts)
         if args.compare_multi_step:
             if max(args.compare_multi_step) > eng.runner.multi_step or min(args.compare_multi_step) < 1:
                 raise SystemExit(f"--compare-multi-step takes 1 to the engine's multi-step count "
@@ -376,13 +381,7 @@ def main() -> None:
             for c in levels:
                 r = compare_multi_step(eng, rng, c, prompt_len, out_len, args.rounds, args.compare_multi_step)
                 result["compare_multi_step"].append(r)
-                for k in args.compare_multi_step:
-                    m = r[f"multi_step_{k}"]
-                    print(f"concurrency {c:3d}, multi-step {k}: {m['output_tokens_per_s']:7.1f} output tok/s, "
-                          f"TTFT p50 {m['ttft_p50_s']:.2f}s, ITL p50 {m['itl_p50_ms']:.0f}ms p99 "
-                          f"{m['itl_p99_ms']:.0f}ms, TPOT p50 {m['tpot_p50_ms']:.1f}ms p99 {m['tpot_p99_ms']:.1f}ms; "
-                          f"engine step {m['engine_step_ms']:.2f}ms, host {m['engine_host_ms']:.2f}ms "
-                          f"(medians of {args.rounds})", flush=True)
+                print_compared(c, "steps a call", r, [f"multi_step_{k}" for k in args.compare_multi_step], args.rounds)
             first = result["compare_multi_step"][0]
             result["compare_multi_step_ratio_vs_c1"] = {
                 f"multi_step_{k}": {r["concurrency"]: r[f"multi_step_{k}"]["output_tokens_per_s"]
@@ -394,13 +393,7 @@ def main() -> None:
             for c in levels:
                 r = compare_prefill(eng, rng, c, prompt_len, out_len, args.compare_prefill)
                 result["compare_prefill"].append(r)
-                for mode in ("fixed", "device"):
-                    m = r[mode]
-                    print(f"concurrency {c:3d}, prefill {mode:6s}: {m['output_tokens_per_s']:7.1f} output tok/s, "
-                          f"TTFT p50 {m['ttft_p50_s']:.3f}s p99 {m['ttft_p99_s']:.3f}s, "
-                          f"ITL p50 {m['itl_p50_ms']:.0f}ms p99 {m['itl_p99_ms']:.0f}ms, "
-                          f"TPOT p50 {m['tpot_p50_ms']:.1f}ms; engine step {m['engine_step_ms']:.2f}ms "
-                          f"(medians of {args.compare_prefill})", flush=True)
+                print_compared(c, "prefill", r, ["fixed", "device"], args.compare_prefill)
                 print(f"concurrency {c:3d}: device / fixed output tok/s "
                       f"{r['device_over_fixed']['output_tokens_per_s']:.3f}x", flush=True)
             print(f"fixed: {result['compare_prefill'][0]['fixed_settings']}; "
