@@ -32,7 +32,8 @@
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
 # Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
 # (seconds): BENCH_TIMEOUT (300; each engine_serving run at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240),
-# TEST_TIMEOUT (600) for one test where pytest-timeout is installed, FLAGS_TIMEOUT (240).
+# TEST_TIMEOUT (600) for one test where pytest-timeout is installed, FLAGS_TIMEOUT (240). The tests run with
+# TEST_XLA_FLAGS (default --xla_gpu_autotune_level=0: no autotuning of products; empty: none).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/parrot-gpu-out}
@@ -148,7 +149,14 @@ tests() {
   # processes compiling at once); and every process shares one JAX compilation cache, so the tiny engines'
   # shapes that several files compile are compiled once (on a CPU a second run of three engine tests took
   # 11 s instead of 28)
-  JAX_COMPILATION_CACHE_DIR=${TEST_JAX_CACHE:-/tmp/parrot-test-jax-cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+  # XLA's autotuning of each new matrix product (its main compile cost on a GPU) off for the tests, which check
+  # results only: where this XLA takes the flag (an unknown one stops every process)
+  local xla=${TEST_XLA_FLAGS---xla_gpu_autotune_level=0}
+  if [ -n "$xla" ] && ! XLA_FLAGS="$xla" timeout 120 $PY -c "import jax; jax.devices()" > /dev/null 2>&1; then
+    echo "XLA_FLAGS=$xla refused here: the tests run without it" | tee -a "$OUT/tests.log"
+    xla=
+  fi
+  XLA_FLAGS="$xla" JAX_COMPILATION_CACHE_DIR=${TEST_JAX_CACHE:-/tmp/parrot-test-jax-cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=${TEST_MEM_FRACTION:-0.08} timeout "$t" $PY -m pytest -v -rfE -n "${TEST_PROCS:-8}" \
     --dist loadfile -p no:cacheprovider "${extra[@]}" --junitxml="$OUT/junit.xml" "$@" > "$OUT/tests-full.log" 2>&1
   grep -E "^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests-full.log" | grep -oE '(PASSED|FAILED|ERROR|SKIPPED)' \
