@@ -329,6 +329,7 @@ class LLMEngine:
                 "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
+                "prefill_bs_buckets": list(c.prefill_bs_buckets),
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.shapes.kv_buckets), "overlap": c.overlap,
                 "multi_step": r.multi_step, "multi_step_max_batch": r.multi_max_batch if r.multi_step > 1 else None,
                 "decode_bursts": self.scheduler.burst_tokens,
@@ -338,6 +339,8 @@ class LLMEngine:
                 "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,
                 "decode_attention_bf16": r.decode_attention_bf16,
+                "decode_attention": ("in place" if r.prefill_in_place else "kernel" if r.decode_kernel
+                                     else "fused" if r.decode_fused else "gathered"),
                 "prefill_attention": "in place" if r.prefill_in_place else "gathered",
                 "prefill_tokens_beside_decodes": c.prefill_tokens_beside_decodes,
                 "prefill_tokens_beside_latency": c.prefill_tokens_beside_latency,

@@ -361,6 +361,8 @@ def test_multi_step_only_up_to_its_batch_limit() -> None:
         loops = [s for s in capped.runner.compiled if s.steps > 1]
         assert loops and all(s.batch <= 2 for s in loops) and capped.ping().multi_step_launches > 0
         assert capped.settings()["multi_step_max_batch"] == 2 and single.settings()["multi_step_max_batch"] is None
+        assert capped.settings()["prefill_bs_buckets"] == [1, 4]
+        assert capped.settings()["decode_attention"] == ("in place" if capped.runner.prefill_in_place else "gathered")
     finally:
         capped.shutdown()
         single.shutdown()
