@@ -39,7 +39,7 @@ ACCELERATOR_DEFAULTS = {
     "max_num_batched_tokens": 2048,
     "prefill_tokens_beside_decodes": 512,  # a 512-token chunk of an 8B model is ~16 ms on an H100
     # two prompts in one prefill step run as two sequences, not padded to four (on a CPU the native kernels
-    # skip padding rows; an accelerator computes them): 25 more prefill shapes for `parrot serve`
+    # skip padding rows; an accelerator computes them): 39 more prefill shapes for `parrot serve` (236 in all)
     "prefill_bs_buckets": [1, 2, 4],
     # multi-step decode for small batches (one step a call is host-bound there; at 16 sequences an H100's
     # step was device-bound, and loops only delayed prompts): 1.7B shape on an H100, medians of two runs
