@@ -8,14 +8,16 @@
 #                                         engine_serving (SmolLM2-1.7B shape, the engine's defaults, on the
 #                                         fused lowering where it won, and in turns the prefill settings of the
 #                                         runs before 2026-11-28); engine_micro's 8B decode attention (the
-#                                         kernel against fused, and loops of four steps a call); then
-#                                         engine_serving with one and four decode steps a call for every batch
-#                                         in turns on one precompile; random weights (--load-format dummy)
+#                                         kernel against fused, and loops of four steps a call); then the
+#                                         `flags` stage as far as its time goes; random weights (--load-format
+#                                         dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
-#   bash benchmarks/gpu/run.sh flags      engine_micro (Llama-3-8B shape, batch 1) with XLA's command buffers
-#                                         (CUDA graphs) as they are, off, and for loops too: a process each
+#   bash benchmarks/gpu/run.sh flags      engine_micro (Llama-3-8B shape, batch 1, loops of four too) with XLA's
+#                                         settings as they are, command buffers (CUDA graphs) for loops and
+#                                         conditionals too, cuBLAS for the products, command buffers off: a
+#                                         process each
 #   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
 #
 # One call to the machine carries at most 64 MiB with the working tree (~15 MiB; the wheels ~15 MiB), so
@@ -26,8 +28,8 @@
 # minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27): two calls back to back, each
 # carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=200 bash benchmarks/gpu/run.sh bench`
 # (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~180 s with its precompile of 138
-# shapes (119 took 106 s on 2026-11-27), the 8B micro-benchmark ~100 s; the multi-step comparison only where
-# 180 s are left), then at once
+# shapes (119 took 106 s on 2026-11-27), the 8B micro-benchmark ~100 s; XLA's settings, ~50 s each, in the
+# ~100 s left), then at once
 # `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
 # figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
@@ -78,8 +80,8 @@ bench() {
   # fused one, which copies no pages); engine_serving with the engine's defaults (the concurrency-16 target),
   # on the fused lowering where it was 3% faster at batch 16, beside the prefill settings of the runs before
   # 2026-11-28 (512-token prompt steps, 256 between bursts); decode attention of the 8B shape (the kernel
-  # against the fused lowering, and loops of four steps: the batch-1 target); then engine_serving with one
-  # and four decode steps a call for every batch, in turns
+  # against the fused lowering, and loops of four steps: the batch-1 target); then XLA's settings for that
+  # step (the `flags` stage) in the time left
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
@@ -102,24 +104,23 @@ PYEOF
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
     --load-format dummy --batches 1 64 --decode-attention auto fused --loop-steps 4 \
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
-  # (its precompile alone took 106 s on 11-27: not started with less than 180 s left, which the tests can use)
-  serving=$(( ${SERVING_TIMEOUT:-300} < end - SECONDS ? ${SERVING_TIMEOUT:-300} : end - SECONDS ))
-  [ "$serving" -ge 180 ] && timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy \
-    --multi-step 4 --multi-step-max-batch 64 --compare-multi-step 1 4 --rounds 2 \
-    --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
-    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee "$OUT/engine_serving-multi-step.log"
+  # then XLA's settings for the 8B batch-1 step, as far as the stage's time goes (`xla_flags`)
+  [ $((end - SECONDS)) -ge 100 ] && FLAGS_TIMEOUT=$((end - SECONDS)) xla_flags
 }
 
 xla_flags() {
-  # the 8B step with XLA's command buffers (CUDA graphs) as they are, off, and taking loops and conditionals
-  # too (a multi-step loop is a while loop): each setting in a process of its own, within FLAGS_TIMEOUT
+  # the 8B batch-1 step (one step a call and loops of 4) with XLA's settings as they are; with command buffers
+  # (CUDA graphs) taking loops and conditionals too (a multi-step loop is a while loop whose predicate, and the
+  # sampler's cond inside it, are read by the host each step unless a graph holds them); with cuBLAS instead of
+  # Triton for the products (a batch-1 step is matrix-vector products); with command buffers off: each setting
+  # in a process of its own, in this order, within FLAGS_TIMEOUT
   local t=${FLAGS_TIMEOUT:-240}
   local end=$((SECONDS + t))
   local i=0
-  for flags in "" "--xla_gpu_enable_command_buffer=" \
-      "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
+  for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+      "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_command_buffer="; do
     i=$((i + 1))
-    [ $((end - SECONDS)) -gt 45 ] || break
+    [ $((end - SECONDS)) -gt 50 ] || break
     echo "XLA_FLAGS=$flags" | tee -a "$OUT/xla_flags.log"
     XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b --load-format dummy \
       --batches 1 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
