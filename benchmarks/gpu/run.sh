@@ -46,6 +46,10 @@ STASH=$HOME/.parrot-gpu
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+# the shapes the figures are taken on (presets of --load-format dummy); tiny-llama for both rehearses the
+# stages on any machine (`PYTHON=python MHA_MODEL=tiny-llama GQA_MODEL=tiny-llama bash benchmarks/gpu/run.sh bench`)
+MHA_MODEL=${MHA_MODEL:-smollm2-1.7b}
+GQA_MODEL=${GQA_MODEL:-llama-3-8b}
 
 setup() {
   mkdir -p "$SITE" "$STASH/model"
@@ -85,7 +89,7 @@ bench() {
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
-  timeout $((t / 4)) $PY -m benchmarks.engine_micro --model smollm2-1.7b \
+  timeout $((t / 4)) $PY -m benchmarks.engine_micro --model "$MHA_MODEL" \
     --load-format dummy --batches 1 16 64 --decode-attention xla fused --out "$OUT/engine_micro-1.7b.json" 2>&1 \
     | grep -E "decode batch|prefill|floors" | tee "$OUT/engine_micro-1.7b.log"
   local attention
@@ -98,10 +102,10 @@ PYEOF
 )
   echo "engine_serving decode attention: $attention" | tee -a "$OUT/engine_serving-default.log"
   serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
-  timeout "$serving" $PY -m benchmarks.engine_serving --model smollm2-1.7b --load-format dummy --kv-memory-mb 8192 \
+  timeout "$serving" $PY -m benchmarks.engine_serving --model "$MHA_MODEL" --load-format dummy --kv-memory-mb 8192 \
     --decode-attention "$attention" --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee -a "$OUT/engine_serving-default.log"
-  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b \
+  [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" \
     --load-format dummy --batches 1 64 --decode-attention auto fused --loop-steps 4 \
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
   # then XLA's settings for the 8B batch-1 step, as far as the stage's time goes (`xla_flags`)
@@ -122,7 +126,7 @@ xla_flags() {
     i=$((i + 1))
     [ $((end - SECONDS)) -gt 50 ] || break
     echo "XLA_FLAGS=$flags" | tee -a "$OUT/xla_flags.log"
-    XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model llama-3-8b --load-format dummy \
+    XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" --load-format dummy \
       --batches 1 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
       | grep -E "decode batch|prefill" | tee -a "$OUT/xla_flags.log"
   done
