@@ -176,14 +176,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                                          or EngineConfig.prefill_tokens_beside_latency),
                           decode_bursts=args.decode_bursts, throughput_hold_ms=args.throughput_hold_ms,
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
-                          precompile=not args.disable_precompile, layers_per_call=args.layers_per_call or None,
+                          precompile=not args.disable_precompile,
+                          layers_per_call=(EngineConfig.layers_per_call if args.layers_per_call is None
+                                           else args.layers_per_call or None),
                           decode_attention=args.decode_attention, gc_freeze=not args.no_gc_freeze, explicit=tuple(
                               name for name, given in (
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
                                   ("token_buckets", args.precompile_token_paddings),
                                   ("prefill_tokens_beside_decodes", args.prefill_tokens_beside_decodes),
-                                  ("prefill_tokens_beside_latency", args.prefill_tokens_beside_latency))
+                                  ("prefill_tokens_beside_latency", args.prefill_tokens_beside_latency),
+                                  ("layers_per_call", args.layers_per_call))
                               if given is not None))
 
 
@@ -369,9 +372,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                    help="keep the garbage collector walking every object of the warm process (default: once every "
                         "shape is compiled, the heap's objects are frozen out of its full collections, ~200 ms "
                         "pauses each)")
-    e.add_argument("--layers-per-call", type=int, default=EngineConfig.layers_per_call, metavar="N",
-                   help="decoder layers per compiled call (default %(default)s: each shape compiles one layer; "
-                        "0: the whole model in one call, slower to compile)")
+    e.add_argument("--layers-per-call", type=int, default=None, metavar="N",
+                   help="decoder layers per compiled call, in blocks of equal size (default: 1 on a CPU, each "
+                        "shape compiling one layer; 4 on accelerators, fewer dispatches a step; 0: the whole "
+                        "model in one call, slower to compile)")
     e.add_argument("--decode-attention", choices=["auto", "xla", "kernel", "fused"],
                    default=EngineConfig.decode_attention,
                    help="decode attention over a bfloat16 KV cache on GPUs: the Pallas kernel reading pages in "

@@ -46,7 +46,9 @@ class EngineConfig:
     cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256])  # own-KV lengths of forks
     precompile: bool = True
     # decoder layers per compiled call: every call of a step runs the same compiled block, so a shape
-    # compiles one block instead of the whole model (None: all layers in one call)
+    # compiles one block instead of the whole model (None: all layers in one call). Blocks are of equal size:
+    # the largest divisor of the depth up to this (runner.block_size). 1 on a CPU; 4 on accelerators
+    # (device.ACCELERATOR_DEFAULTS), where a call's dispatch costs the host more than a layer's device time
     layers_per_call: int | None = 1
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators

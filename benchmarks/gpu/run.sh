@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu/run.sh bench      engine_micro's decode attention (1.7B: gathered against fused);
 #                                         engine_serving (SmolLM2-1.7B shape, the engine's defaults, on the
 #                                         fused lowering where it won, and in turns the prefill settings of the
-#                                         runs before 2026-11-28); engine_micro's 8B decode attention (the
-#                                         kernel against fused, and loops of four steps a call); then the
+#                                         runs before 2026-11-28); engine_micro's 8B shape (one and four
+#                                         layers a call, and loops of four steps a call); then the
 #                                         `flags` stage as far as its time goes; random weights (--load-format
 #                                         dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
@@ -26,10 +26,10 @@
 # [.gpu/model/part-02].
 # The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
 # minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27): two calls back to back, each
-# carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=200 bash benchmarks/gpu/run.sh bench`
-# (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~180 s with its precompile of 138
-# shapes (119 took 106 s on 2026-11-27), the 8B micro-benchmark ~100 s; XLA's settings, ~50 s each, in the
-# ~100 s left), then at once
+# carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=220 bash benchmarks/gpu/run.sh bench`
+# (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~190 s with its precompile of 138
+# shapes of 4-layer blocks (119 one-layer shapes took 106 s on 2026-11-27), the 8B micro-benchmark ~120 s;
+# XLA's settings, ~50 s each, in what is left), then at once
 # `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
 # figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
@@ -81,16 +81,17 @@ info() {
 
 bench() {
   # in order of what #11 needs: decode attention of the 1.7B shape (MHA: XLA's gathered lowering against the
-  # fused one, which copies no pages); engine_serving with the engine's defaults (the concurrency-16 target),
-  # on the fused lowering where it was 3% faster at batch 16, beside the prefill settings of the runs before
-  # 2026-11-28 (512-token prompt steps, 256 between bursts); decode attention of the 8B shape (the kernel
-  # against the fused lowering, and loops of four steps: the batch-1 target); then XLA's settings for that
-  # step (the `flags` stage) in the time left
+  # fused one, which copies no pages; 4 layers a call, the accelerator default, so that the pipelined step is
+  # the device's); engine_serving with the engine's defaults (the concurrency-16 target), on the fused
+  # lowering where it was 3% faster at batch 16, beside the prefill settings of the runs before 2026-11-28
+  # (512-token prompt steps, 256 between bursts); the 8B shape one and four layers a call, and in loops of
+  # four steps (the batch-1 target); then XLA's settings for that step (the `flags` stage) in the time left
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
   timeout $((t / 4)) $PY -m benchmarks.engine_micro --model "$MHA_MODEL" \
-    --load-format dummy --batches 1 16 64 --decode-attention xla fused --out "$OUT/engine_micro-1.7b.json" 2>&1 \
+    --load-format dummy --batches 1 16 64 --decode-attention xla fused --layers-per-call 4 \
+    --out "$OUT/engine_micro-1.7b.json" 2>&1 \
     | grep -E "decode batch|prefill|floors" | tee "$OUT/engine_micro-1.7b.log"
   local attention
   attention=$($PY - "$OUT/engine_micro-1.7b.json" <<'PYEOF' 2>/dev/null || echo auto
@@ -106,7 +107,7 @@ PYEOF
     --decode-attention "$attention" --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
     | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee -a "$OUT/engine_serving-default.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" \
-    --load-format dummy --batches 1 64 --decode-attention auto fused --loop-steps 4 \
+    --load-format dummy --batches 1 64 --layers-per-call 1 4 --loop-steps 4 \
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
   # then XLA's settings for the 8B batch-1 step, as far as the stage's time goes (`xla_flags`)
   [ $((end - SECONDS)) -ge 100 ] && FLAGS_TIMEOUT=$((end - SECONDS)) xla_flags
@@ -127,7 +128,7 @@ xla_flags() {
     [ $((end - SECONDS)) -gt 50 ] || break
     echo "XLA_FLAGS=$flags" | tee -a "$OUT/xla_flags.log"
     XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" --load-format dummy \
-      --batches 1 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
+      --batches 1 --layers-per-call 4 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
       | grep -E "decode batch|prefill" | tee -a "$OUT/xla_flags.log"
   done
 }

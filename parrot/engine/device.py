@@ -6,7 +6,7 @@ prompts, the prefill chunk beside decodes grows from 128 to 512 tokens. On an ac
 `--gpu-memory-utilization`, weights plus KV take `memory_utilization` (default 0.9) of the device's
 memory: the pool gets what is left after the weights and a reserve for a step's activations. Bucket
 lists grow to batches of 256 sequences and prefill chunks of 2048 tokens, where the device is still
-far from compute bound; lists the user set are kept as they are.
+far from compute bound, and a step's decoder layers run 4 to a call; what the user set is kept as it is.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ ACCELERATOR_DEFAULTS = {
     # (docs/benchmarks.md): 1 stream 156 -> 321 tok/s, 4 streams 783 -> 1,120, with 4 steps a call
     "multi_step": 4,
     "multi_step_max_batch": 4,
+    # decoder layers per compiled call (blocks of equal size: `runner.block_size`). On an H100 (2026-11-27) a
+    # call cost the host ~0.2 ms, so one layer a call was host-bound: Llama-3-8B at batch 1 took 7.13 ms a
+    # step pipelined against 6.12 ms with the whole model in one call, and the same at batch 64 (10.74 / 10.80).
+    # Compiling a decode shape took 2.1 s with one layer and 5.7 s with all 32 (~0.12 s a layer more): blocks
+    # of 4 cut an 8B step's calls from 34 to 10 for ~0.35 s more a shape
+    "layers_per_call": 4,
 }
 
 

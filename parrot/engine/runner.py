@@ -183,6 +183,13 @@ def _sampler_steps(slots: list[Slot], prev: Launched | None) -> list[int]:
     return [len(s.job.output_ids) + (pending if s.source >= 0 else 0) for s in slots]
 
 
+def block_size(num_layers: int, layers_per_call: int | None) -> int:
+    """Decoder layers per compiled call: the largest divisor of `num_layers` up to `layers_per_call` (None: all),
+    so every call of a step runs one block function (30 layers at 4 a call: 3)."""
+    most = min(layers_per_call or num_layers, num_layers)
+    return max(n for n in range(1, most + 1) if num_layers % n == 0)
+
+
 class ModelRunner:
     def __init__(self, cfg: LlamaConfig, weights: dict[str, Weight], ecfg: EngineConfig,
                  dtype: jnp.dtype | None = None) -> None:
@@ -295,8 +302,8 @@ class ModelRunner:
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
-        per_call = min(ecfg.layers_per_call or cfg.num_layers, cfg.num_layers)
-        self.blocks = [(i, min(i + per_call, cfg.num_layers)) for i in range(0, cfg.num_layers, per_call)]
+        per_call = block_size(cfg.num_layers, ecfg.layers_per_call)
+        self.blocks = [(i, i + per_call) for i in range(0, cfg.num_layers, per_call)]
         graphdef, template = self._layer_graphdef, self._layer_template
         act_dtype = self.act_dtype
         axis = TP_AXIS if self.mesh is not None else None

@@ -55,6 +55,9 @@ def test_accelerator_buckets_keep_what_the_user_set() -> None:
     assert gpu.max_num_batched_tokens == 2048 and max(gpu.token_buckets) == 2048
     assert gpu.prefill_tokens_beside_decodes == 512 and EngineConfig().prefill_tokens_beside_decodes == 128
     assert gpu.prefill_bs_buckets == [1, 2, 4] and cpu.prefill_bs_buckets == [1, 4]
+    assert gpu.layers_per_call == 4 and cpu.layers_per_call == 1
+    kept = for_device(EngineConfig(layers_per_call=1, explicit=("layers_per_call",)), "gpu")
+    assert kept.layers_per_call == 1 and for_device(EngineConfig(layers_per_call=None), "gpu").layers_per_call is None
     # multi-step decode for small batches only (loops where one step a call is host-bound)
     assert (gpu.multi_step, gpu.multi_step_max_batch) == (4, 4) and cpu.multi_step is None
     assert for_device(EngineConfig(multi_step=1), "gpu").multi_step == 1  # set by the user: kept

@@ -645,6 +645,13 @@ def test_cli_engine_config() -> None:
     assert cfg.max_batch_size == 8 and cfg.precompile and cfg.max_num_batched_tokens == 512
     assert cfg.explicit == ("max_batch_size",)  # given: an accelerator keeps it even where it is the default
     assert engine_config_from_args(build_parser().parse_args(["engine"])).explicit == ()
+    # layers per call: unset keeps the default (1; 4 on accelerators), 0 is the whole model, a given one is kept
+    unset = engine_config_from_args(build_parser().parse_args(["engine"]))
+    assert unset.layers_per_call == 1 and "layers_per_call" not in unset.explicit
+    one = engine_config_from_args(build_parser().parse_args(["engine", "--layers-per-call", "1"]))
+    assert one.layers_per_call == 1 and one.explicit == ("layers_per_call",)
+    whole = engine_config_from_args(build_parser().parse_args(["engine", "--layers-per-call", "0"]))
+    assert whole.layers_per_call is None
     with pytest.raises(ParrotError, match="max-batch-size 128"):
         engine_config_from_args(build_parser().parse_args(["engine", "--max-batch-size", "128"]))
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--max-model-len", "2048"]))
