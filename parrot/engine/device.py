@@ -48,7 +48,7 @@ ACCELERATOR_DEFAULTS = {
     "multi_step_max_batch": 4,
     # decoder layers per compiled call (blocks of equal size: `runner.block_size`). On an H100 (2026-11-27) a
     # call cost the host ~0.2 ms, so one layer a call was host-bound: Llama-3-8B at batch 1 took 7.13 ms a
-    # step pipelined against 6.12 ms with the whole model in one call, and the same at batch 64 (10.74 / 10.80).
+    # step pipelined against 6.12 ms with the whole model in one call; at batch 64 they were level (10.74 / 10.80).
     # Compiling a decode shape took 2.1 s with one layer and 5.7 s with all 32 (~0.12 s a layer more): blocks
     # of 4 cut an 8B step's calls from 34 to 10 for ~0.35 s more a shape
     "layers_per_call": 4,
