@@ -44,9 +44,11 @@ def tiny_engine_config(**kw) -> EngineConfig:
     an accelerator's default bfloat16); one decode step a call unless a test asks for multi-step decode."""
     base = dict(compilation_cache_dir=None, kv_memory_mb=4, dtype="float32", token_buckets=[16, 32, 64, 128],
                 multi_step=1,  # each multi-step shape compiles the whole model's loop: the tests that run it ask
-                bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16, prefill_bs_buckets=[1, 4],  # as on a CPU
+                bs_buckets=[1, 2, 4, 8, 16], max_batch_size=16, prefill_bs_buckets=[1, 4],  # as on a CPU (explicit)
                 cascade_suffix_buckets=[64, 128], kv_buckets=[64, 128, 256, 512], max_num_batched_tokens=128)
     base.update(kw)
+    # kept on accelerators too, where `device.for_device` would raise a value equal to EngineConfig's default
+    base["explicit"] = ("prefill_bs_buckets", *kw.get("explicit", ()))
     return EngineConfig(**base)
 
 

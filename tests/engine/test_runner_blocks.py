@@ -25,7 +25,8 @@ def test_blocks_of_layers_give_the_same_tokens() -> None:
     model = LoadedModel(cfg, random_weights(cfg, seed=3), tiny_tokenizer(), "tiny-6-layers")
     tokens = []
     for per_call, blocks in ((1, [1] * 6), (4, [3, 3]), (None, [6])):
-        eng = LLMEngine(model, tiny_engine_config(layers_per_call=per_call)).start(precompile=False)
+        eng = LLMEngine(model, tiny_engine_config(layers_per_call=per_call, explicit=("layers_per_call",)))
+        eng.start(precompile=False)
         try:
             assert [b - a for a, b in eng.runner.blocks] == blocks
             done = eng.complete(list(b"blocks of layers"), SamplingParams(max_tokens=10, ignore_eos=True), timeout=300)
