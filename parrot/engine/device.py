@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from parrot.config import EngineConfig
 from parrot.engine import kernels
-from parrot.engine.scheduler import AUTO_DECODE_BURSTS
+from parrot.engine.scheduler import AUTO_DECODE_BURSTS, beside_decodes
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,7 @@ def auto_decode_bursts(cfg: EngineConfig, platform: str | None = None) -> int:
     with decode steps between them (the step sequence replayed on a CPU with those settings); with these
     defaults, two a step, 7-9 prompt steps."""
     platform = platform or jax.devices()[0].platform
-    if platform == "cpu":
-        return AUTO_DECODE_BURSTS
-    budget = cfg.max_num_batched_tokens
-    return min(budget, cfg.prefill_tokens_beside_decodes or budget)
+    return AUTO_DECODE_BURSTS if platform == "cpu" else beside_decodes(cfg)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,13 @@ AUTO_DECODE_BURSTS = 256
 AUTO_THROUGHPUT_HOLD_MS = 1000
 
 
+def beside_decodes(cfg: EngineConfig) -> int:
+    """Prompt tokens a step that decodes takes. Prompts that fit in one such step go beside the decodes at
+    once (their decode rows nearly free in a mixed step); longer ones take turns with decode bursts."""
+    budget = cfg.max_num_batched_tokens
+    return min(budget, cfg.prefill_tokens_beside_decodes or budget)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
                  decode_bursts: int | None = None, throughput_hold_ms: int | None = None) -> None:
@@ -299,10 +306,7 @@ class Scheduler:
         return False
 
     def _beside_decodes(self) -> int:
-        """Prompt tokens a step that decodes takes. Prompts that fit in one such step go beside the decodes
-        at once (their decode rows nearly free in a mixed step); longer ones take turns with decode bursts."""
-        budget = self.cfg.max_num_batched_tokens
-        return min(budget, self.cfg.prefill_tokens_beside_decodes or budget)
+        return beside_decodes(self.cfg)
 
     def _burst_spans(self, jobs: list[Job], steps: int, fits: Fits | None) -> list[int] | None:
         """`_decode_spans` of `jobs` now, where they can run as a burst (some job more than one step)."""
