@@ -12,17 +12,14 @@ from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
 from parrot.engine.runner import ModelRunner
-from parrot.engine.tokenizer import Tokenizer
+from parrot.engine.tokenizer import BYTE_LEVEL_CHAT_TEMPLATE, Tokenizer
 from parrot.errors import ModelLoadError
 
 TINY = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=512)
 
 
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+TINY_CHAT_TEMPLATE = BYTE_LEVEL_CHAT_TEMPLATE  # ChatML
 
 
 def tiny_tokenizer() -> Tokenizer:

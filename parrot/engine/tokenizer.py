@@ -60,6 +60,7 @@ class Tokenizer:
         eos_token_id: int | None,
         chat_template: str | None,
         add_bos_token: bool = False,
+        extra_stop_ids: Sequence[int] = (),
     ) -> Tokenizer:
         """Build a byte-level BPE tokenizer from the `tokenizer.ggml.*` metadata of a GGUF file."""
         vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -74,7 +75,7 @@ class Tokenizer:
                 if t in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
             ]
             backend.add_special_tokens(special)
-        return cls(backend, bos_token_id, eos_token_id, chat_template, add_bos_token)
+        return cls(backend, bos_token_id, eos_token_id, chat_template, add_bos_token, extra_stop_ids)
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
@@ -111,14 +112,10 @@ class Tokenizer:
         three special tokens after them, with a ChatML template. Random-weight models use it where the
         default model is not installed."""
         symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(symbols)}, merges=[], fuse_unk=False,
-                                         byte_fallback=False))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-        eos = backend.token_to_id("<|endoftext|>")
-        return cls(backend, None, eos, BYTE_LEVEL_CHAT_TEMPLATE, extra_stop_ids=[backend.token_to_id("<|im_end|>")])
+        n = len(symbols)  # then <|endoftext|> (n, the end of text), <|im_start|>, <|im_end|> (n + 2, a stop)
+        return cls.from_gguf_metadata(symbols + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [],
+                                      [1] * n + [_GGUF_CONTROL] * 3, None, bos_token_id=None, eos_token_id=n,
+                                      chat_template=BYTE_LEVEL_CHAT_TEMPLATE, extra_stop_ids=[n + 2])
 
     # ---- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
