@@ -172,6 +172,12 @@ def print_compared(conc: int, what: str, r: dict, modes: list[str], rounds: int)
               f"step {m['engine_step_ms']:.2f}ms, host {m['engine_host_ms']:.2f}ms (medians of {rounds})", flush=True)
 
 
+# the buckets every run of this benchmark fixes (the prefill budget stays the device's); max_batch_size: the
+# largest concurrency level
+SERVING_BUCKETS = {"bs_buckets": [1, 2, 4, 8, 16, 32, 64], "kv_buckets": [256, 512, 1024, 2048],
+                   "cascade_suffix_buckets": [256]}
+
+
 # the prefill settings of the GPU runs of 2026-11-24 and 2026-11-27 (this benchmark then fixed 512-token steps):
 # prompt steps of up to 512 tokens, prompts batched 1 or 4 to a step, 256 prompt tokens a step between bursts
 FIXED_PREFILL = {"max_num_batched_tokens": 512, "prefill_bs_buckets": [1, 4], "decode_bursts": AUTO_DECODE_BURSTS}
@@ -332,11 +338,9 @@ def main() -> None:
     quick = args.quick
     levels = [1, 16] if args.structured_only else [1, 4, 16] if quick else [1, 4, 16, 64]
     prompt_len, out_len = 256, (32 if quick else 128)
-    # the prefill budget is the device's (512 tokens a step on a CPU, 2048 on accelerators); the batch buckets
-    # stop at the largest level
+    # the prefill budget is the device's (512 tokens a step on a CPU, 2048 on accelerators)
     cfg = EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, max_batch_size=max(levels),
-                       bs_buckets=[1, 2, 4, 8, 16, 32, 64],
-                       kv_buckets=[256, 512, 1024, 2048], cascade_suffix_buckets=[256], multi_step=args.multi_step,
+                       **SERVING_BUCKETS, multi_step=args.multi_step,
                        multi_step_max_batch=args.multi_step_max_batch, decode_attention=args.decode_attention,
                        decode_bursts=args.decode_bursts,
                        explicit=("max_batch_size", "bs_buckets"))

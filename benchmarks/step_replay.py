@@ -26,7 +26,7 @@ os.environ.setdefault("PARROT_CPU_KERNELS", "0")  # attention as an accelerator 
 
 import numpy as np  # noqa: E402
 
-from benchmarks.engine_serving import FIXED_PREFILL, throughput  # noqa: E402
+from benchmarks.engine_serving import FIXED_PREFILL, SERVING_BUCKETS, throughput  # noqa: E402
 from benchmarks.report import write_json  # noqa: E402
 from parrot import procinfo  # noqa: E402
 from parrot.config import EngineConfig  # noqa: E402
@@ -39,9 +39,8 @@ from parrot.engine.step_trace import StepTrace  # noqa: E402
 
 def settings(name: str) -> EngineConfig:
     """engine_serving's configuration as an accelerator resolves it, with `name`'s prefill settings."""
-    cfg = for_device(EngineConfig(model="tiny-llama", kv_memory_mb=256, max_batch_size=64,
-                                  bs_buckets=[1, 2, 4, 8, 16, 32, 64], kv_buckets=[256, 512, 1024, 2048],
-                                  cascade_suffix_buckets=[256], explicit=("max_batch_size", "bs_buckets")), "gpu")
+    cfg = for_device(EngineConfig(model="tiny-llama", kv_memory_mb=256, max_batch_size=64, **SERVING_BUCKETS,
+                                  explicit=("max_batch_size", "bs_buckets")), "gpu")
     if name == "fixed":
         cfg = dataclasses.replace(cfg, max_num_batched_tokens=FIXED_PREFILL["max_num_batched_tokens"],
                                   prefill_bs_buckets=FIXED_PREFILL["prefill_bs_buckets"],
