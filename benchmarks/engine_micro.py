@@ -125,8 +125,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "weights_by_config": {name: r.weights_mode for name, r in runners.items()},
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
-        "decode_attention_by_config": {name: "kernel" if r.decode_kernel else "fused" if r.decode_fused else "xla"
-                                       for name, r in runners.items()},
+        "decode_attention_by_config": {name: r.decode_attention for name, r in runners.items()},
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,

@@ -339,8 +339,7 @@ class LLMEngine:
                 "bf16_tiles": kernels.bf16_tiles(),
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,
                 "decode_attention_bf16": r.decode_attention_bf16,
-                "decode_attention": ("in place" if r.prefill_in_place else "kernel" if r.decode_kernel
-                                     else "fused" if r.decode_fused else "gathered"),
+                "decode_attention": r.decode_attention,
                 "prefill_attention": "in place" if r.prefill_in_place else "gathered",
                 "prefill_tokens_beside_decodes": c.prefill_tokens_beside_decodes,
                 "prefill_tokens_beside_latency": c.prefill_tokens_beside_latency,

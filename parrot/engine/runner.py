@@ -451,6 +451,14 @@ class ModelRunner:
         return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
 
     @property
+    def decode_attention(self) -> str:
+        """How decode steps attend: "in place" (the native CPU kernels), "kernel" (the GPU kernel), "fused" (XLA's
+        lowering without a gathered copy) or "gathered" (XLA's lowering)."""
+        if self.prefill_in_place:
+            return "in place"
+        return "kernel" if self.decode_kernel else "fused" if self.decode_fused else "gathered"
+
+    @property
     def bf16_fills(self) -> str | None:
         """How prompt rows are multiplied in bfloat16 (`kernels.bf16_fills`), None where this engine fills
         prompts exactly (float32 mode, or no bf16 code on this CPU)."""
