@@ -126,6 +126,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
         "decode_attention_by_config": {name: r.decode_attention for name, r in runners.items()},
+        # loops' samplers: parts named on the host (no device branch: accelerators) or branching on the device
+        "loop_sampler": "named" if next(iter(runners.values())).host_stages else "branching",
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
         "compile_s": {}, "jax": jax.__version__,
@@ -251,9 +253,12 @@ def _loop_ms_per_token(r: ModelRunner, seqs: list[SequenceSlice], steps: int, ca
     """Median ms per decode step of `steps`-step decode loops (`ModelRunner.run_loop`, greedy), `calls` of them
     dispatched back to back and waited for at the end, as the engine chains a stable batch's loops."""
     b = len(seqs)
-    shape = dataclasses.replace(r.shapes.decode_shape(b, max(s.start for s in seqs) + steps), steps=steps)
+    params = [SamplingParams(max_tokens=steps)] * b
+    shape = r.shapes.decode_shape(b, max(s.start for s in seqs) + steps)
+    sampling = SamplingBatch.build(params, [0] * b, shape.batch, [0] * b)
+    # the loop the engine runs: its sampler's parts named where the host names them (accelerators)
+    shape = dataclasses.replace(shape, steps=steps, sampler=r.loop_stages(params) if r.host_stages else None)
     batch = build_batch(seqs, r.page_size, shape.tokens, shape.batch, shape.q_len, shape.pages)
-    sampling = SamplingBatch.build([SamplingParams(max_tokens=steps)] * b, [0] * b, shape.batch, [0] * b)
     stops = np.full((shape.batch, MULTI_STOP_IDS), -1, np.int32)
     limit = np.where(np.arange(shape.batch) < b, steps, 0).astype(np.int32)
     times = []
@@ -309,8 +314,8 @@ def report(r: dict) -> str:
         lines.append(f"[{name}] prefill {p['tokens']} tokens: {p['median_s']:.3f} s = {p['tokens_per_s']:.0f} tok/s "
                      f"({c['ratios']['prefill_fraction_of_floor']:.0%} of floor)")
         for batch, d in c["decode"].items():
-            loop = (f"; loops of {d['loop_steps']} steps {d['loop_ms_per_token']:.2f} ms/step"
-                    if "loop_steps" in d else "")
+            loop = (f"; loops of {d['loop_steps']} steps {d['loop_ms_per_token']:.2f} ms/step "
+                    f"({r['loop_sampler']} sampler)" if "loop_steps" in d else "")
             lines.append(f"[{name}] decode {batch} (context {d['context']}): {d['ms_per_step']:.1f} ms/step = "
                          f"{d['tokens_per_s']:.0f} tok/s; pipelined {d['pipelined_ms_per_step']:.2f} ms/step{loop}")
         lines.append(f"[{name}] decode batch 1 is {c['ratios']['decode_batch_1_over_floor']:.2f}x the float32 floor")

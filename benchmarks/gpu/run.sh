@@ -14,8 +14,9 @@
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
-#   bash benchmarks/gpu/run.sh flags      engine_micro (Llama-3-8B shape, batch 1, loops of four too) with XLA's
-#                                         settings as they are, command buffers (CUDA graphs) for loops and
+#   bash benchmarks/gpu/run.sh flags      engine_micro (Llama-3-8B shape, batch 1, loops of four too) with the
+#                                         settings as they are, loops branching on the device (as before
+#                                         2026-11-28), command buffers (CUDA graphs) for loops and
 #                                         conditionals too, cuBLAS for the products, command buffers off: a
 #                                         process each
 #   bash benchmarks/gpu/run.sh all        setup, then bench, then tests, each within its share of one call
@@ -114,22 +115,25 @@ PYEOF
 }
 
 xla_flags() {
-  # the 8B batch-1 step (one step a call and loops of 4) with XLA's settings as they are; with command buffers
-  # (CUDA graphs) taking loops and conditionals too (a multi-step loop is a while loop whose predicate, and the
-  # sampler's cond inside it, are read by the host each step unless a graph holds them); with cuBLAS instead of
-  # Triton for the products (a batch-1 step is matrix-vector products); with command buffers off: each setting
-  # in a process of its own, in this order, within FLAGS_TIMEOUT
+  # the 8B batch-1 step (one step a call and loops of 4) with the settings as they are; with the loop's
+  # sampler branching on the device (PARROT_HOST_STAGES=0, the loops before 2026-11-28: an open while loop and
+  # a conditional, whose predicates XLA's GPU runtime copies to the host each step); with command buffers
+  # (CUDA graphs) taking loops and conditionals too; with cuBLAS instead of Triton for the products (a batch-1
+  # step is matrix-vector products); with command buffers off: each setting in a process of its own, in this
+  # order, within FLAGS_TIMEOUT
   local t=${FLAGS_TIMEOUT:-240}
   local end=$((SECONDS + t))
   local i=0
-  for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
-      "--xla_gpu_enable_triton_gemm=false" "--xla_gpu_enable_command_buffer="; do
+  for setting in "" "PARROT_HOST_STAGES=0" \
+      "XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+      "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
     i=$((i + 1))
     [ $((end - SECONDS)) -gt 50 ] || break
-    echo "XLA_FLAGS=$flags" | tee -a "$OUT/xla_flags.log"
-    XLA_FLAGS="$flags" timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" --load-format dummy \
-      --batches 1 --layers-per-call 4 --loop-steps 4 --repeats 3 --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 \
-      | grep -E "decode batch|prefill" | tee -a "$OUT/xla_flags.log"
+    echo "setting: ${setting:-as they are}" | tee -a "$OUT/xla_flags.log"
+    # shellcheck disable=SC2086  # the setting is one NAME=VALUE word, or none
+    env XLA_FLAGS= $setting timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" \
+      --load-format dummy --batches 1 --layers-per-call 4 --loop-steps 4 --repeats 3 \
+      --out "$OUT/engine_micro-8b-flags$i.json" 2>&1 | grep -E "decode batch|prefill" | tee -a "$OUT/xla_flags.log"
   done
 }
 

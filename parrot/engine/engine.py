@@ -340,6 +340,8 @@ class LLMEngine:
                 "bf16_fills": r.bf16_fills, "mixed_steps": r.mixed,
                 "decode_attention_bf16": r.decode_attention_bf16,
                 "decode_attention": r.decode_attention,
+                # which sampler parts run: named by the host (accelerators: no branch on the device) or branched
+                "sampler_parts": "named" if r.host_stages else "device",
                 "prefill_attention": "in place" if r.prefill_in_place else "gathered",
                 "prefill_tokens_beside_decodes": c.prefill_tokens_beside_decodes,
                 "prefill_tokens_beside_latency": c.prefill_tokens_beside_latency,

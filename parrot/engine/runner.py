@@ -54,9 +54,14 @@ from parrot.engine.models.llama import (
 from parrot.engine.multihost import Mirror
 from parrot.engine.quant import QuantizedTensor
 from parrot.engine.sampling import (
+    GREEDY,
+    PLAIN,
     SamplerExtras,
     SamplingBatch,
+    SamplingParams,
+    Stages,
     greedy_sample,
+    host_stages,
     lazily_constrained,
     processed_sampler,
     sample,
@@ -297,8 +302,10 @@ class ModelRunner:
         # medians of three and two runs: docs/benchmarks.md) and up to 4 on accelerators (device.py)
         self.multi_max_batch = min(ecfg.multi_step_max_batch or ecfg.bs_buckets[-1], ecfg.bs_buckets[-1])
         self.multi_step_launches = 0  # multi-step plans run
+        # samplers and loops whose parts the host names (`sampling.Stages`) instead of branching on the device
+        self.host_stages = host_stages()
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
-                                self.multi_max_batch)
+                                self.multi_max_batch, self.host_stages)
         self.kv: KVCache = self._alloc_kv()
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
@@ -331,11 +338,14 @@ class ModelRunner:
 
         def decode_loop(w: Weights, batch: ForwardBatch, ks: list[jax.Array], vs: list[jax.Array],
                         sampling: SamplingBatch, stops: jax.Array, limit: jax.Array,
-                        steps: int) -> tuple[jax.Array, jax.Array, list, list]:
+                        steps: int, stages: Stages | None = None) -> tuple[jax.Array, jax.Array, list, list]:
             """Up to `steps` decode steps of `batch` (step 0's batch) in one call: each samples on the device
             and feeds its tokens to the next, until every row has taken `limit[b]` steps or sampled one of
             its `stops` ([B, S], -1: none). A row that is done writes its KV to the scratch slot and its
-            tokens read -1. Returns the tokens ([steps, B]), the last step's tokens and the KV."""
+            tokens read -1. Returns the tokens ([steps, B]), the last step's tokens and the KV.
+            With `stages` (the sampler's parts, named by the host) the loop runs all `steps` steps and its
+            sampler has no branch: nothing in it reads a device value on the host (XLA's GPU loops with an
+            unknown trip count and its conditionals copy their predicate to the host and wait)."""
             real = batch.logits_index >= 0
             rows = jnp.arange(batch.kv_lens.shape[0])
             width = batch.block_tables.shape[1]
@@ -358,8 +368,11 @@ class ModelRunner:
                 logits = head(w.head, x, batch.logits_index)
                 # as a step's own sampler picks: the argmax alone unless some row samples (`_sample_slots`)
                 sb = dataclasses.replace(sampling, steps=sampling.steps + j)
-                tok = jax.lax.cond(jnp.any(real & (sampling.temperature > 0)), lambda v: sample(v, sb),
-                                   greedy_sample, logits)
+                if stages is None:
+                    tok = jax.lax.cond(jnp.any(real & (sampling.temperature > 0)), lambda v: sample(v, sb),
+                                       greedy_sample, logits)
+                else:
+                    tok = sample(logits, sb, stages) if stages.stochastic else greedy_sample(logits)
                 out = out.at[j].set(jnp.where(live, tok, -1))
                 stopped = stopped | (live & jnp.any(tok[:, None] == stops, axis=1))
                 return j + 1, jnp.where(live, tok, ids), stopped, ks, vs, out
@@ -371,10 +384,13 @@ class ModelRunner:
             n = batch.kv_lens.shape[0]
             init = (jnp.int32(0), batch.input_ids, jnp.zeros(n, bool), list(ks), list(vs),
                     jnp.full((steps, n), -1, jnp.int32))
-            _, last, _, ks, vs, out = jax.lax.while_loop(more, body, init)
+            if stages is None:  # ends once every row is done
+                _, last, _, ks, vs, out = jax.lax.while_loop(more, body, init)
+            else:  # a known trip count: done rows idle to the end
+                _, last, _, ks, vs, out = jax.lax.fori_loop(0, steps, lambda _, c: body(c), init)
             return out, last, ks, vs
 
-        self._decode_loop = jax.jit(decode_loop, static_argnames=("steps",), donate_argnums=(2, 3))
+        self._decode_loop = jax.jit(decode_loop, static_argnames=("steps", "stages"), donate_argnums=(2, 3))
         self._embed = jax.jit(self._spmd(embed, lambda s: (s.embed, P(), P()), (P(), P(), P())))
         self._block_fn = block
         self._blocks: dict[int, Callable] = {}  # layers per call -> the jitted block function
@@ -499,10 +515,11 @@ class ModelRunner:
     # ---- which shape a plan runs on (the buckets themselves: self.shapes) -------------------------
     def multi_fits(self, jobs: list[Job], pages: list[list[int]], kv_len: int, steps: int) -> bool:
         """Whether a multi-step plan of these jobs (holding these KV `pages`) can run now: its shape exists and
-        is compiled (or nothing was precompiled), no job has more stop tokens than the loop checks, one
+        is compiled (or nothing was precompiled; a loop of sampler parts precompile left out is queued, to
+        compile once the engine idles), no job has more stop tokens than the loop checks, one
         process drives the device alone (no tensor parallelism, no followers to mirror the call to), and the
         jobs share no long prefix that cascade attention would read once for all of them in single steps."""
-        shape = self.shapes.multi_shape(len(jobs), kv_len)
+        shape = self.shapes.multi_shape(len(jobs), kv_len, self.loop_stages([job.sampling for job in jobs]))
         if shape is None or steps > shape.steps or self.mirror is not None or self.following:
             return False
         if any(len(job.stop_ids) > MULTI_STOP_IDS for job in jobs):
@@ -514,7 +531,18 @@ class ModelRunner:
             if (saved >= self.cascade_over_multi_bytes
                     and self.shapes.cascade_shape(len(jobs), own, shared * self.page_size) is not None):
                 return False
-        return not (self.precompiled and not self.compiler.ready(shape))
+        if self.precompiled and not self.compiler.ready(shape):
+            self.compiler.submit([shape])  # a loop of other sampler parts: compiled once the engine idles
+            return False
+        return True
+
+    def loop_stages(self, params: list[SamplingParams]) -> Stages:
+        """The sampler parts of a multi-step loop of jobs with these sampling parameters (what its shape names
+        where the host names them: `ShapeBook.multi_shape`; elsewhere unused)."""
+        if not self.host_stages:
+            return GREEDY
+        n = len(params)
+        return Stages.of(SamplingBatch.build(params, [0] * n, n, [0] * n), self.cfg.vocab_size)
 
     # ---- running ----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> np.ndarray | None:
@@ -570,7 +598,8 @@ class ModelRunner:
         """Dispatch a multi-step plan (`StepPlan.steps` > 1): its decode batch runs the shape's decode loop
         once; every slot's KV pages are in its block table from the start."""
         slots = plan.decode
-        shape = self.shapes.multi_shape(len(slots), max(s.start + s.steps for s in slots))
+        params = [s.job.sampling for s in slots]
+        shape = self.shapes.multi_shape(len(slots), max(s.start + s.steps for s in slots), self.loop_stages(params))
         assert shape is not None and plan.steps <= shape.steps and not plan.prefill
         batch = build_batch([SequenceSlice(s.tokens, s.start, s.pages) for s in slots], self.page_size,
                             shape.tokens, shape.batch, shape.q_len, shape.pages)
@@ -582,7 +611,6 @@ class ModelRunner:
             ids = sorted(s.job.stop_ids)
             stops[b, : len(ids)] = ids
             limit[b] = s.steps
-        params = [s.job.sampling for s in slots]
         sampling = SamplingBatch.build(params, _sampler_steps(slots, prev), shape.batch, [p.seed or 0 for p in params])
         out, last = self.run_loop(shape, batch, sampling, stops, limit, _pending_splice(slots, shape.tokens, prev))
         return Launched([(out, len(slots))], True, steps=plan.steps, last=last)
@@ -820,8 +848,9 @@ class ModelRunner:
         params = self._abstract(SamplingBatch.build([], [], shape.batch, []))
         extras = self._abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
         counts = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32))
-        self._part(("sampler", shape.batch),
-                   lambda: processed_sampler.lower(logits, params, extras, counts).compile())
+        plain = PLAIN if self.host_stages else None  # where the host names the parts: temperature draws
+        self._part(("sampler", shape.batch, plain),
+                   lambda: processed_sampler.lower(logits, params, extras, counts, stages=plain).compile())
         if shape.q_len == 1:  # decode: an ahead step takes its PENDING tokens from the previous one (overlap)
             self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
@@ -836,7 +865,7 @@ class ModelRunner:
         limit = jax.ShapeDtypeStruct((b,), jnp.int32)
         params = self._abstract(SamplingBatch.build([], [], b, []))
         loop = self._decode_loop.lower(w, batch, list(kv[0]), list(kv[1]), params, stops, limit,
-                                       steps=shape.steps).compile()
+                                       steps=shape.steps, stages=shape.sampler).compile()
         self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, limit).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(None, {}, None, loop)
@@ -884,17 +913,21 @@ class ModelRunner:
         if sampling is None:
             fut = self._parts.get(("greedy", int(logits.shape[0])))
             tokens = (fut.result() if fut is not None and fut.done() else self._greedy)(logits)
-        else:  # the batch size's one sampler, with neutral extras and no penalties
-            tokens = self._sampler(int(logits.shape[0]))(logits, self._put(sampling),
-                                                          *self._neutral(int(logits.shape[0])))[0]
+        else:  # the batch size's sampler, with neutral extras and no penalties
+            batch = int(logits.shape[0])
+            stages = Stages.of(sampling, self.cfg.vocab_size) if self.host_stages else None
+            tokens = self._sampler(batch, stages)(logits, self._put(sampling), *self._neutral(batch))[0]
         self.dispatch_s += time.perf_counter() - t0
         return tokens
 
-    def _sampler(self, batch: int) -> Callable:
-        """The compiled sampler of a batch size (`sampling.sample_processed`, with counts), or the jitted
-        function where its shape has not compiled it yet."""
-        fut = self._parts.get(("sampler", batch))
-        return fut.result() if fut is not None and fut.done() else processed_sampler
+    def _sampler(self, batch: int, stages: Stages | None) -> Callable:
+        """The compiled sampler of a batch size and sampler parts (`sampling.sample_processed`, with counts;
+        `stages` None: one for every batch, branching on the device), or the jitted function where no shape
+        has compiled it (other parts than precompile's: compiled on first use, once)."""
+        fut = self._parts.get(("sampler", batch, stages))
+        if fut is not None and fut.done():
+            return fut.result()
+        return functools.partial(processed_sampler, stages=stages)
 
     def _neutral(self, batch: int) -> tuple[SamplerExtras, jax.Array]:
         """Extras that change nothing and zero token counts for a batch size, kept on the device. The counts
@@ -922,8 +955,11 @@ class ModelRunner:
             self.mirror.send("processed", (self._name(logits), sampling, extras, counts))
         self._keep(None)
         batch = int(logits.shape[0])
+        # the counts the sampler reads are zeros where no job has a penalty (`_neutral`): no part of it
+        stages = Stages.of(sampling, self.cfg.vocab_size, extras, counts) if self.host_stages else None
         sampling, extras, counts = self._put((sampling, extras, counts))
-        out = self._sampler(batch)(logits, sampling, extras, self._neutral(batch)[1] if counts is None else counts)
+        out = self._sampler(batch, stages)(logits, sampling, extras,
+                                           self._neutral(batch)[1] if counts is None else counts)
         return tuple(np.asarray(a) for a in out)
 
     def copy_pages(self, copies: list[PageCopy]) -> None:

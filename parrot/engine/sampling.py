@@ -11,6 +11,12 @@ native kernels the cut-offs and draws (`kernels.sample`) and the log probabiliti
 FFI calls that take a row at a time while it is in the cache; elsewhere (or with `PARROT_CPU_SAMPLER=0`)
 XLA's code below computes the same tokens.
 
+Each part of a sampler runs only where some row of its batch needs it. By default the compiled sampler
+decides that on the device (`lax.cond`), so one executable serves every batch; on a GPU such a branch copies
+its predicate to the host and waits for the device (XLA's conditional thunk), draining the queue of steps
+the engine dispatched ahead. There the host, which built the batch, names the parts instead (`Stages`, a
+static argument): no branch is left on the device, at the cost of an executable per combination used.
+
 Log probabilities are the model's raw distribution: log_softmax of the logits before temperature,
 penalties, logit_bias and masks (vLLM's "raw_logprobs").
 """
@@ -18,6 +24,7 @@ penalties, logit_bias and masks (vLLM's "raw_logprobs").
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -30,8 +37,8 @@ from parrot.engine.structured import fill_masks, mask_words
 from parrot.errors import InvalidRequestError
 from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
-__all__ = ["SamplerExtras", "SamplingBatch", "SamplingParams", "check_sampling", "greedy_sample", "sample",
-           "sample_processed"]
+__all__ = ["SamplerExtras", "SamplingBatch", "SamplingParams", "Stages", "check_sampling", "greedy_sample",
+           "sample", "sample_processed"]
 
 
 def check_sampling(params: SamplingParams, vocab_size: int) -> None:
@@ -151,6 +158,57 @@ class SamplerExtras:
         return ex, counts
 
 
+@dataclass(frozen=True)
+class Stages:
+    """The parts of sampling some row of a batch needs, as the host knows them from the batch it built (a
+    static argument of the samplers: see the module's docstring). The defaults: the argmax alone."""
+
+    process: bool = False  # penalties, logit_bias or a mask change the logits
+    stochastic: bool = False  # some row draws (temperature > 0)
+    bounded: bool = False  # some drawing row has a top-k of at most FAST_TOP_K
+    wide_k: bool = False  # some drawing row has a larger top-k (filtering over the whole vocabulary)
+    top_p: bool = False  # some drawing row without a bounded top-k has a top-p (over the whole vocabulary)
+    logprobs: bool = False  # some row asks for log probabilities
+
+    @classmethod
+    def of(cls, sb: SamplingBatch, vocab_size: int, ex: SamplerExtras | None = None,
+           counts: np.ndarray | None = None) -> Stages:
+        """The parts a host batch needs: the same tests the device-side branches make (`_choose`,
+        `sample_processed`), on the host's arrays. `counts`: the token counts passed, if any."""
+        temp, top_k, top_p = (np.asarray(a) for a in (sb.temperature, sb.top_k, sb.top_p))
+        stochastic = temp > 0
+        head = min(FAST_TOP_K, vocab_size)
+        bounded = stochastic & (top_k > 0) & (top_k <= head)
+        wide_k = stochastic & (top_k > head)
+        by_p = stochastic & ~bounded & (top_p < 1.0)
+        process = logprobs = False
+        if ex is not None:
+            process = bool(np.any(np.asarray(ex.bias) != 0.0) or np.any(np.asarray(ex.mask) != -1))
+            if counts is not None:
+                process |= bool(np.any((np.asarray(ex.repetition) != 1.0) | (np.asarray(ex.frequency) != 0.0)
+                                       | (np.asarray(ex.presence) != 0.0)))
+            logprobs = bool(np.any(np.asarray(ex.logprobs)))
+        return cls(process, bool(stochastic.any()), bool(bounded.any()), bool(wide_k.any()), bool(by_p.any()),
+                   logprobs)
+
+
+GREEDY = Stages()  # the argmax alone
+PLAIN = Stages(stochastic=True)  # temperature (and min-p) draws: an OpenAI request's defaults
+
+
+def _said(stages: Stages | None, part: str) -> bool | None:
+    """Whether the host said a batch needs a part of sampling (None: it left that to the device)."""
+    return None if stages is None else getattr(stages, part)
+
+
+def _branch(known: bool | None, pred: jax.Array, yes: Callable, no: Callable, *args: jax.Array) -> object:
+    """`lax.cond(pred, yes, no, *args)` where the host did not say which branch runs (`known` None); else the
+    branch it named, traced alone."""
+    if known is None:
+        return jax.lax.cond(pred, yes, no, *args)
+    return (yes if known else no)(*args)
+
+
 def _clear_bits(row: np.ndarray, tokens: frozenset[int], keep_one: bool) -> None:
     """Disallow `tokens` in one packed mask row; with keep_one, not when nothing else would be allowed (a
     grammar that can only end ends: min_tokens does not outrank it)."""
@@ -190,19 +248,22 @@ def greedy_sample(logits: jax.Array) -> jax.Array:
     return argmax(logits)
 
 
-def sample(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """logits [B, V] -> token ids [B]. Rows with temperature 0 take the argmax."""
-    return _choose(logits, sb)
+def sample(logits: jax.Array, sb: SamplingBatch, stages: Stages | None = None) -> jax.Array:
+    """logits [B, V] -> token ids [B]. Rows with temperature 0 take the argmax. `stages`: the parts the host
+    says the batch needs (None: each decided on the device)."""
+    return _choose(logits, sb, stages)
 
 
 def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
-                     counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                     counts: jax.Array | None = None,
+                     stages: Stages | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [B, V] -> (token ids [B], their raw logprobs [B], the MAX_LOGPROBS most likely tokens [B, K]
     and their raw logprobs [B, K]). The logits get the penalties (with `counts`, see `SamplerExtras.build`),
     logit_bias and the mask before greedy or stochastic sampling (temperature, top-k, top-p and min-p from
     `sb`). Each stage runs only where some row of the batch needs it (the logprobs are zeros where no row
     asks for them), so neutral extras and zero counts sample as `sample` does, and one executable per
-    batch size serves every sampled step."""
+    batch size serves every sampled step; with `stages`, one per batch size and combination the host names
+    (`Stages.of` this batch: the same tokens)."""
     batch, vocab = logits.shape
     logits = logits.astype(jnp.float32)
 
@@ -224,10 +285,11 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
     def choose(v: jax.Array) -> jax.Array:  # only the work some row needs (the native sampler takes both kinds)
         if native_sampler():
             return _choose(v, sb)
-        return jax.lax.cond(jnp.any(sb.temperature > 0), lambda v: _choose(v, sb), greedy_sample, v)
+        return _branch(_said(stages, "stochastic"), jnp.any(sb.temperature > 0), lambda v: _choose(v, sb, stages),
+                       greedy_sample, v)
 
     # each branch samples, so that the logits are not copied out of a branch that leaves them as they are
-    tokens = jax.lax.cond(needed, lambda v: choose(process(v)), choose, logits)
+    tokens = _branch(_said(stages, "process"), needed, lambda v: choose(process(v)), choose, logits)
 
     if native_sampler():  # rows that do not ask are skipped (zeros)
         chosen, top_ids, top_lp = kernels.logprobs(logits, tokens, ex.logprobs, MAX_LOGPROBS)
@@ -243,7 +305,7 @@ def sample_processed(logits: jax.Array, sb: SamplingBatch, ex: SamplerExtras,
         return (jnp.zeros(batch, v.dtype), jnp.zeros((batch, MAX_LOGPROBS), v.dtype),
                 jnp.zeros((batch, MAX_LOGPROBS), jnp.int32))
 
-    chosen, top_lp, top_ids = jax.lax.cond(jnp.any(ex.logprobs), report, none, logits)
+    chosen, top_lp, top_ids = _branch(_said(stages, "logprobs"), jnp.any(ex.logprobs), report, none, logits)
     return tokens, chosen, top_ids, top_lp
 
 
@@ -251,7 +313,7 @@ FAST_TOP_K = 64  # rows keeping at most this many tokens take their cut-off from
 DRAW_SPAN = 512  # the vocabulary's spans in `_draw`
 
 
-def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+def _choose(logits: jax.Array, sb: SamplingBatch, stages: Stages | None = None) -> jax.Array:
     """Greedy rows take the argmax; sampled rows draw from the tokens that survive top-k, top-p and min-p.
     A row with a top-k of at most FAST_TOP_K takes its cut-off from the top FAST_TOP_K logits; other
     filtering rows find theirs over the whole vocabulary by bisection on a CPU (`_select`: a sort of 49,152
@@ -296,24 +358,25 @@ def _choose(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     def skip(s: jax.Array) -> jax.Array:
         return off
 
-    threshold = jnp.where(bounded[:, None], jax.lax.cond(jnp.any(bounded),
-                                                         lambda s: cut(_top_values(s, head)), skip, scaled), off)
+    threshold = jnp.where(bounded[:, None], _branch(_said(stages, "bounded"), jnp.any(bounded),
+                                                    lambda s: cut(_top_values(s, head)), skip, scaled), off)
     if whole_vocabulary_by_sort():  # accelerators sort fast; `cut` finds both cut-offs in the sorted row
         def kth_and_pth(s: jax.Array) -> tuple[jax.Array, jax.Array]:
             return cut(jnp.sort(s, axis=-1)[:, ::-1], parts=True)
 
-        kth, pth = jax.lax.cond(jnp.any(by_k | by_p), kth_and_pth, lambda s: (off, off), scaled)
+        either = None if stages is None else stages.wide_k or stages.top_p
+        kth, pth = _branch(either, jnp.any(by_k | by_p), kth_and_pth, lambda s: (off, off), scaled)
     else:
         k = jnp.minimum(jnp.maximum(sb.top_k, 1), vocab)[:, None]
-        kth = jax.lax.cond(jnp.any(by_k), lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0],
-                                                            True), skip, scaled)
+        kth = _branch(_said(stages, "wide_k"), jnp.any(by_k),
+                      lambda s: _select(s, lambda key, t: jnp.sum(key >= t, axis=-1) >= k[:, 0], True), skip, scaled)
 
         def top_p_cut(s: jax.Array) -> jax.Array:
             kept = jnp.where(s >= jnp.maximum(jnp.where(by_k[:, None], kth, off), min_p_cut), e, 0.0)
             mass = sb.top_p * jnp.sum(kept, axis=-1)
             return _select(s, lambda key, t: jnp.sum(jnp.where(key > t, kept, 0.0), axis=-1) < mass, False)
 
-        pth = jax.lax.cond(jnp.any(by_p), top_p_cut, skip, scaled)
+        pth = _branch(_said(stages, "top_p"), jnp.any(by_p), top_p_cut, skip, scaled)
     threshold = jnp.maximum(threshold, jnp.where(by_k[:, None], kth, off))
     threshold = jnp.maximum(threshold, jnp.where(by_p[:, None], pth, off))
     threshold = jnp.maximum(threshold, min_p_cut)
@@ -328,6 +391,15 @@ def native_sampler() -> bool:
     than as the XLA code below: where the native kernels are available, unless `PARROT_CPU_SAMPLER=0`
     (read when a sampler is traced)."""
     return os.environ.get("PARROT_CPU_SAMPLER", "1") != "0" and jax.default_backend() == "cpu" and kernels.available()
+
+
+def host_stages() -> bool:
+    """Whether the engine names its samplers' parts on the host (`Stages`) instead of branching on the
+    device: on accelerators, where a branch waits for the device (see the module's docstring); not on a CPU,
+    where a branch reads its predicate in the same process and one executable serves every batch
+    (`PARROT_HOST_STAGES=1` / `0` forces either; read when an engine starts)."""
+    forced = os.environ.get("PARROT_HOST_STAGES")
+    return forced == "1" if forced in ("0", "1") else jax.default_backend() != "cpu"
 
 
 def whole_vocabulary_by_sort() -> bool:
@@ -412,4 +484,5 @@ def _draw(p: jax.Array, u: jax.Array) -> jax.Array:
     return (span * c + idx).astype(jnp.int32)
 
 
-processed_sampler = jax.jit(sample_processed)  # the engine always passes `counts` (zeros: no penalties)
+# the engine always passes `counts` (zeros: no penalties)
+processed_sampler = jax.jit(sample_processed, static_argnames=("stages",))

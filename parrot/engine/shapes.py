@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
+from parrot.engine.sampling import GREEDY, PLAIN, Stages
 
 # token buckets below this serve one sequence's prefill only (a short fill, a grammar's forced tokens); a
 # batch of several fills pads to at least this many tokens each (half the small shapes to compile)
@@ -24,6 +25,8 @@ class Shape:
     pages: int
     prefix_pages: int = 0  # > 0: cascade decode with a shared prefix of this many pages
     steps: int = 1  # > 1: that many decode steps in one call (multi-step decode: `ShapeBook.multi_shape`)
+    # a loop whose sampler parts the host names (`sampling.Stages`; None: decided on the device)
+    sampler: Stages | None = None
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class ShapeBook:
     page size), and what its runner can do: attention that reads the KV pages in place (`in_place`: the
     page-table width then costs nothing, so every step takes the one width of `max_len`, and several prompts
     share one flat token bucket), mixed steps, multi-step decode (`multi_step` steps a call, for batches up
-    to `multi_max_batch`)."""
+    to `multi_max_batch`; with `host_stages`, a loop per set of sampler parts (`sampling.Stages`) and a fixed
+    count of steps, so that nothing in it waits on the host: greedy and plain-temperature loops are listed)."""
 
     ecfg: EngineConfig
     max_len: int
@@ -40,6 +44,7 @@ class ShapeBook:
     mixed: bool = False
     multi_step: int = 1
     multi_max_batch: int = 0
+    host_stages: bool = False
     kv_buckets: list[int] = field(init=False)  # the attended-length buckets, the last one max_len
 
     def __post_init__(self) -> None:
@@ -107,13 +112,15 @@ class ShapeBook:
                        if max(MIN_BATCHED_Q, b // 2) <= t <= most]
         return shapes
 
-    def multi_shape(self, batch: int, kv_len: int) -> Shape | None:
+    def multi_shape(self, batch: int, kv_len: int, stages: Stages = GREEDY) -> Shape | None:
         """The shape running `multi_step` decode steps of `batch` sequences in one call, their KV growing to
-        at most `kv_len`; None where multi-step decode is off, or no bucket holds the batch."""
+        at most `kv_len`, sampling with the parts `stages` (where the host names them); None where
+        multi-step decode is off, or no bucket holds the batch."""
         if self.multi_step <= 1 or batch > self.multi_max_batch or kv_len > self.max_len:
             return None
         b = pick_bucket(batch, self.ecfg.bs_buckets)
-        return Shape(b, b, 1, self.kv_pages_bucket(kv_len), steps=self.multi_step)
+        return Shape(b, b, 1, self.kv_pages_bucket(kv_len), steps=self.multi_step,
+                     sampler=stages if self.host_stages else None)
 
     def cascade_shape(self, batch: int, own_len: int, prefix_len: int) -> Shape | None:
         """Decode shape with a shared prefix, or None when the own KV exceeds the cascade buckets."""
@@ -140,7 +147,9 @@ class ShapeBook:
         shapes += [Shape(b, b, 1, kv // self.page_size) for b in decode_bs for kv in self.kv_buckets]
         shapes += self.mixed_shapes()
         if self.multi_step > 1:
-            shapes += list(dict.fromkeys(Shape(b, b, 1, kv // self.page_size, steps=self.multi_step)
+            samplers = (GREEDY, PLAIN) if self.host_stages else (None,)
+            shapes += list(dict.fromkeys(Shape(b, b, 1, kv // self.page_size, steps=self.multi_step, sampler=st)
+                                         for st in samplers
                                          for b in decode_bs if b <= pick_bucket(self.multi_max_batch,
                                                                                 self.ecfg.bs_buckets)
                                          for kv in self.kv_buckets))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 
 from parrot.engine.engine import LLMEngine
+from parrot.engine.sampling import GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
@@ -347,6 +349,64 @@ def test_multi_step_decode_keeps_results() -> None:
     finally:
         multi.shutdown()
         single.shutdown()
+
+
+def test_host_named_sampler_parts_keep_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accelerators' samplers and loops (`sampling.host_stages`: the sampler's parts named on the host, loops
+    of a fixed step count), forced on this CPU, give what one step a call with branching samplers gives:
+    greedy, plain and top-p draws, a stop token inside a loop, logprobs and penalties. Greedy and plain loops
+    are precompiled; a top-p batch runs one step a call and its loop compiles once the engine idles."""
+    monkeypatch.setenv("PARROT_HOST_STAGES", "1")
+    named = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).start(precompile=True)
+    monkeypatch.setenv("PARROT_HOST_STAGES", "0")
+    single = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).start(precompile=False)
+    try:
+        assert named.settings()["sampler_parts"] == "named" and single.settings()["sampler_parts"] == "device"
+        loops = {s.sampler for s in named.runner.compiled if s.steps > 1}
+        assert loops == {GREEDY, PLAIN}
+        drawn = dict(max_tokens=13, ignore_eos=True, temperature=0.9, seed=3)
+        top_p = dict(drawn, top_p=0.8, seed=4)
+        groups = [[dict(max_tokens=10, ignore_eos=True), dict(max_tokens=7, ignore_eos=True)],
+                  [drawn, dict(drawn, seed=8, max_tokens=6)],
+                  [top_p, dict(top_p, temperature=1.2)],
+                  [dict(drawn, logprobs=2), dict(max_tokens=9, ignore_eos=True, presence_penalty=1.5)]]
+        stop = gen_many(single, "st", groups[0])[0].token_ids[5]
+        groups[0].append(dict(max_tokens=10, ignore_eos=True, stop_token_ids=[stop]))
+        for i, runs in enumerate(groups):
+            launches = named.ping().multi_step_launches
+            want, got = ([(r.token_ids, r.finish_reason, r.logprobs) for r in gen_many(eng, "hs", runs)]
+                         for eng in (single, named))
+            assert got == want
+            assert i > 1 or named.ping().multi_step_launches > launches  # greedy and plain batches: loops
+        wide = Stages(stochastic=True, top_p=True)
+        for _ in range(600):  # the top-p loop, queued while serving, compiles once idle
+            if any(s.sampler == wide for s in named.runner.compiled):
+                break
+            time.sleep(0.1)
+        assert any(s.sampler == wide and s.steps > 1 for s in named.runner.compiled)
+        assert named.runner.shape_misses == 0
+    finally:
+        named.shutdown()
+        single.shutdown()
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_loops_with_named_parts_wait_on_nothing(named: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop whose sampler parts the host named compiles to loops of a known trip count and no conditional:
+    XLA's GPU runtime reads no predicate of such a loop, where it copies a conditional's or an open loop's to
+    the host and waits for the device. The branching loop (CPUs' default) has both."""
+    monkeypatch.setenv("PARROT_HOST_STAGES", "1" if named else "0")
+    runner = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4)).runner  # not started: compiled here
+    for stages in (GREEDY, Stages(stochastic=True, bounded=True, top_p=True)):
+        shape = runner.shapes.multi_shape(2, 64, stages)
+        assert shape is not None and shape.sampler == (stages if named else None)
+        hlo = runner.compiler.get(shape)[0].loop.as_text()
+        loops = [line for line in hlo.splitlines() if " while(" in line]
+        assert loops
+        if named:
+            assert " conditional(" not in hlo and all("known_trip_count" in line for line in loops)
+        else:
+            assert " conditional(" in hlo and not all("known_trip_count" in line for line in loops)
 
 
 def test_multi_step_only_up_to_its_batch_limit() -> None:

@@ -14,8 +14,12 @@ import pytest
 from parrot.engine import kernels
 from parrot.engine.engine import LLMEngine
 from parrot.engine.sampling import (
+    FAST_TOP_K,
+    GREEDY,
+    PLAIN,
     SamplerExtras,
     SamplingBatch,
+    Stages,
     _clear_bits,
     _select,
     _top_values,
@@ -377,6 +381,103 @@ def test_zero_counts_and_neutral_extras_sample_as_the_plain_sampler(samplers: Sa
     counts = np.full((4, V), 5, np.int32)  # counts without a penalty change nothing
     sb = _batch([0.0, 0.9, 0.0, 0.9])
     assert np.array_equal(np.asarray(samplers.processed(logits, sb, ex, counts)[0]), np.asarray(plain(logits, sb)))
+
+
+def test_stages_name_the_parts_a_batch_needs() -> None:
+    """`Stages.of`: the host's reading of a batch, as the device's branches read it (padding rows are greedy)."""
+    def of(*params: SamplingParams, ex: SamplerExtras | None = None, counts: np.ndarray | None = None) -> Stages:
+        return Stages.of(SamplingBatch.build(list(params), [0] * len(params), 4, [0] * len(params)), V, ex, counts)
+
+    assert of(SamplingParams(), SamplingParams(top_p=0.5, top_k=3)) == GREEDY  # filters of greedy rows: nothing
+    assert of(SamplingParams(temperature=0.7, min_p=0.1)) == PLAIN
+    assert of(SamplingParams(temperature=1.0, top_k=FAST_TOP_K, top_p=0.5)) == Stages(stochastic=True, bounded=True)
+    assert of(SamplingParams(temperature=1.0, top_k=FAST_TOP_K + 1)) == Stages(stochastic=True, wide_k=True)
+    assert of(SamplingParams(temperature=1.0, top_p=0.9), SamplingParams()) == Stages(stochastic=True, top_p=True)
+    small = Stages.of(SamplingBatch.build([SamplingParams(temperature=1.0, top_k=50)], [0], 1, [0]), 40)
+    assert small == Stages(stochastic=True, wide_k=True)  # a top-k above a 40-token vocabulary's head
+    ex = SamplerExtras.neutral(4, V)
+    assert of(SamplingParams(), ex=ex, counts=np.zeros((4, V), np.int32)) == GREEDY  # neutral extras: nothing
+    ex.logprobs[2] = True
+    assert of(SamplingParams(), ex=ex) == Stages(logprobs=True)
+    ex.presence[1] = 0.5
+    assert of(SamplingParams(), ex=ex) == Stages(logprobs=True)  # a penalty without counts is not applied
+    assert of(SamplingParams(), ex=ex, counts=np.zeros((4, V), np.int32)) == Stages(process=True, logprobs=True)
+    ex = SamplerExtras.neutral(4, V)
+    ex.mask[0, 0] = 5
+    assert of(SamplingParams(), ex=ex).process
+
+
+@pytest.mark.parametrize("sort", ["1", "0"])
+def test_samplers_with_host_named_parts_sample_as_device_branches(sort: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the host names a batch's parts (`Stages`, accelerators) the samplers trace no branch on the
+    device, and give every output the branching samplers give: random batches of greedy and drawing rows
+    (top-k small and large, top-p, min-p), logit_bias, masks, penalties and logprobs, by sort and by
+    bisection. Naming fewer parts than the batch needs changes the tokens (the names are obeyed)."""
+    monkeypatch.setenv("PARROT_CPU_SAMPLER", "0")  # XLA's code: the one with branches
+    monkeypatch.setenv("PARROT_SAMPLER_SORT", sort)
+    rng = np.random.default_rng(int(sort) + 40)
+    branching = jax.jit(lambda *a: sample_processed(*a))
+    named = jax.jit(sample_processed, static_argnames=("stages",))
+    plain_named = jax.jit(sample, static_argnames=("stages",))
+    plain = jax.jit(lambda logits, sb: sample(logits, sb))
+    vocab, seen = 700, set()
+    for trial in range(24):
+        batch = int(rng.choice([1, 2, 4]))
+        logits = (rng.standard_normal((batch, vocab)) * 2.0).astype(np.float32)
+        params = []
+        for _ in range(batch):
+            kind = rng.integers(5)
+            params.append(SamplingParams(
+                temperature=0.0 if kind == 0 else float(rng.uniform(0.5, 1.5)),
+                top_k=int(rng.choice([0, 5, FAST_TOP_K, 300])) if kind in (2, 4) else 0,
+                top_p=float(rng.uniform(0.5, 0.95)) if kind in (3, 4) else 1.0,
+                min_p=0.05 if kind == 1 else 0.0, seed=trial))
+        sb = SamplingBatch.build(params, [trial] * batch, batch, [0] * batch)
+        ex = SamplerExtras.neutral(batch, vocab)
+        counts = None
+        if trial % 3 == 1:
+            ex.bias_ids[0, :2], ex.bias[0, :2] = [7, 8], [3.0, -50.0]
+            ex.logprobs[-1] = True
+        if trial % 3 == 2:
+            ex.mask[0, 1:] = 0  # row 0 may only take the first 32 tokens
+            counts = np.zeros((batch, vocab), np.int32)
+            counts[-1, :40] = 3
+            ex.repetition[-1], ex.frequency[-1] = 1.3, 0.2
+        stages = Stages.of(sb, vocab, ex, counts)
+        seen.add(stages)
+        want = branching(logits, sb, ex, counts)
+        got = named(logits, sb, ex, counts, stages=stages)
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        plain_stages = Stages.of(sb, vocab)
+        np.testing.assert_array_equal(np.asarray(plain_named(logits, sb, stages=plain_stages)),
+                                      np.asarray(plain(logits, sb)))
+    assert len(seen) >= 8  # many combinations met
+    assert GREEDY in seen or any(not s.stochastic for s in seen)
+    # a drawing batch named greedy takes the argmax: the names decide what is traced
+    logits = (rng.standard_normal((2, vocab)) * 0.1).astype(np.float32)
+    sb = SamplingBatch.build([SamplingParams(temperature=1.5, seed=s) for s in (1, 2)], [0, 0], 2, [0, 0])
+    ex = SamplerExtras.neutral(2, vocab)
+    assert np.array_equal(np.asarray(named(logits, sb, ex, stages=GREEDY)[0]), np.asarray(argmax(logits)))
+    assert not np.array_equal(np.asarray(named(logits, sb, ex, stages=PLAIN)[0]), np.asarray(argmax(logits)))
+
+
+def test_named_parts_trace_no_branch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the parts named, the compiled samplers hold no conditional (a GPU's conditional copies its
+    predicate to the host and waits): the branching ones hold several."""
+    monkeypatch.setenv("PARROT_CPU_SAMPLER", "0")
+    monkeypatch.setenv("PARROT_SAMPLER_SORT", "1")
+    logits = np.zeros((4, V), np.float32)
+    sb = SamplingBatch.build([SamplingParams(temperature=1.0, top_p=0.9, seed=1)] * 4, [0] * 4, 4, [0] * 4)
+    ex, counts = SamplerExtras.neutral(4, V), np.zeros((4, V), np.int32)
+
+    def conditionals(stages: Stages | None) -> int:
+        jaxpr = jax.make_jaxpr(lambda *a: sample_processed(*a, stages=stages))(logits, sb, ex, counts)
+        return str(jaxpr).count(" cond[")
+
+    assert conditionals(None) >= 4
+    assert conditionals(Stages(True, True, True, True, True, True)) == 0
+    assert conditionals(Stages.of(sb, V, ex, counts)) == 0
 
 
 # ---- through the engine ---------------------------------------------------------------------------

@@ -8,13 +8,14 @@ import itertools
 import pytest
 
 from parrot.config import EngineConfig
+from parrot.engine.sampling import GREEDY, PLAIN, Stages
 from parrot.engine.shapes import MIN_BATCHED_Q, Shape, ShapeBook
 
 
-def book(in_place: bool, multi_step: int = 4, **cfg: object) -> ShapeBook:
+def book(in_place: bool, multi_step: int = 4, host_stages: bool = False, **cfg: object) -> ShapeBook:
     ecfg = EngineConfig(**{"max_batch_size": 16, "kv_buckets": [256, 512, 1024, 2048], **cfg})
     return ShapeBook(ecfg, max_len=2048, in_place=in_place, mixed=in_place, multi_step=multi_step,
-                     multi_max_batch=16)
+                     multi_max_batch=16, host_stages=host_stages)
 
 
 def test_buckets_end_at_the_model_length() -> None:
@@ -53,6 +54,20 @@ def test_multi_step_shapes_only_where_they_apply() -> None:
     assert on.multi_shape(17, 700) is None  # above multi_max_batch
     assert on.multi_shape(3, 2049) is None  # beyond the model's length
     assert book(in_place=True, multi_step=1).multi_shape(3, 700) is None
+
+
+def test_loops_per_named_sampler_parts() -> None:
+    """Where the host names the sampler's parts (accelerators), a loop's shape carries them: greedy and
+    plain-temperature loops are listed for precompile, others are named when a batch needs them."""
+    named, branching = book(in_place=False, host_stages=True), book(in_place=False)
+    wide = Stages(stochastic=True, top_p=True)
+    assert named.multi_shape(3, 700) == Shape(4, 4, 1, 1024 // 16, steps=4, sampler=GREEDY)
+    assert named.multi_shape(3, 700, wide).sampler == wide
+    assert branching.multi_shape(3, 700, wide).sampler is None  # the device branches: one loop for all
+    loops = [s for s in named.all_shapes() if s.steps > 1]
+    assert {s.sampler for s in loops} == {GREEDY, PLAIN}
+    assert len(loops) == 2 * len([s for s in branching.all_shapes() if s.steps > 1])
+    assert [s for s in named.all_shapes() if s.steps == 1] == [s for s in branching.all_shapes() if s.steps == 1]
 
 
 def test_cascade_and_mixed_shapes() -> None:
