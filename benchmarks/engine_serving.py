@@ -65,8 +65,15 @@ class Client:
         self.token_times: list[float] = []
         self.start = 0.0
         self.end = 0.0
+        self.error: BaseException | None = None  # what ended the client, if anything did
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # reported by run_clients, after every client ended
+            self.error = exc
+
+    def _run(self) -> None:
         self.start = time.perf_counter()
         self.eng.fill_future(FillRequest(context_id=self.ctx, parent_context_id=self.parent,
                                          token_ids=self.tokens)).result()
@@ -84,13 +91,20 @@ class Client:
 
 
 def run_clients(clients: list[Client]) -> float:
+    """Run the clients at once; their wall time. A client that failed fails the run (no figure is taken
+    from requests that were refused)."""
     threads = [threading.Thread(target=c.run) for c in clients]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    failed = [c for c in clients if c.error is not None]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(clients)} clients failed, e.g. {failed[0].ctx}: "
+                           f"{failed[0].error!r}") from failed[0].error
+    return wall
 
 
 def throughput(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_len: int, out_len: int,
@@ -214,7 +228,10 @@ def compare_prefill(eng: LLMEngine, rng: np.random.Generator, conc: int, prompt_
 
 
 def shared_prefix(eng: LLMEngine, rng: np.random.Generator, n: int, prefix_len: int, q_len: int, out_len: int) -> dict:
+    """`n` forks of one `prefix_len`-token context (shorter where the model's context would not hold it with
+    the question and the output) against `n` independent copies of it."""
     vocab = eng.vocab_size
+    prefix_len = min(prefix_len, eng.runner.max_len - q_len - out_len)
     prefix = rng.integers(100, vocab, prefix_len).tolist()
     questions = [rng.integers(100, vocab, q_len).tolist() for _ in range(n)]
     # independent: every client holds its own copy of the prefix
@@ -419,7 +436,7 @@ def main() -> None:
             print(f"ratios vs concurrency 1: {result['throughput_ratio_vs_c1']}")
             sp = shared_prefix(eng, rng, 16, 1000, 16, 16 if quick else 64)
             result["shared_prefix"] = sp
-            print(f"16 forks of a 1000-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
+            print(f"16 forks of a {sp['prefix_tokens']}-token prefix: {sp['forked_s']:.1f}s vs 16 independent copies "
                   f"{sp['independent_s']:.1f}s: {sp['speedup']:.2f}x")
         info = eng.ping()
         result["runtime"] = info.model_dump()
