@@ -8,7 +8,8 @@ token may change with the batch. The bound tested there, and why it holds:
 - the exact mode (float32, HIGHEST-precision products, one step a call) is batch-invariant on every backend
   (`test_engine.py`'s batching tests run in it: `batch_invariant_mode`);
 - any default-mode program's log-probabilities lie within some d of the exact ones on the same tokens
-  (measured below on this model: the fills' logprobs against the exact engine's; asserted at most TAU / 2);
+  (measured below on this model, against the exact engine's scores of the same tokens: a prompt step's, and
+  decode steps' (a generation asking for logprobs runs one step a call); asserted at most TAU / 2);
 - so two default-mode runs, alone and in a batch, give a token log-probabilities at most 2d apart, and their
   greedy choices can differ only between two tokens whose exact log-probabilities lie within 2d <= TAU:
   where the model itself barely prefers one. Tested: at the first token where a sequence generated alone
@@ -35,16 +36,22 @@ def _prompt(i: int) -> list[int]:
     return [(i * 53 + k * 7) % 250 + 3 for k in range(12 + i)]
 
 
-def _generate(eng: LLMEngine, tag: str, indices: list[int]) -> list[list[int]]:
-    """Greedy tokens of the prompts `indices`, submitted together (one decode batch)."""
+def _generate(eng: LLMEngine, tag: str, indices: list[int], logprobs: int | None = None) -> list:
+    """Greedy generations of the prompts `indices`, submitted together (one decode batch)."""
     for i in indices:
         eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=_prompt(i))).result(TIMEOUT)
-    sp = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+    sp = SamplingParams(max_tokens=TOKENS, ignore_eos=True, logprobs=logprobs)
     futs = [eng.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=sp)) for i in indices]
-    out = [f.result(TIMEOUT).token_ids for f in futs]
+    out = [f.result(TIMEOUT) for f in futs]
     for i in indices:
         eng.free_future(f"{tag}{i}").result(TIMEOUT)
     return out
+
+
+def _apart(ours: list[TokenLogprob], ref: list[TokenLogprob]) -> float:
+    """The largest difference of two scorings' logprobs of the same tokens."""
+    assert [t.token_id for t in ours] == [t.token_id for t in ref]
+    return max(abs(a.logprob - b.logprob) for a, b in zip(ours, ref, strict=True) if a.logprob is not None)
 
 
 def _scored(eng: LLMEngine, tag: str, tokens: list[int]) -> list[TokenLogprob]:
@@ -94,15 +101,18 @@ def test_greedy_tokens_change_with_the_batch_only_within_the_bound() -> None:
     default.start(precompile=False)
     exact.start(precompile=False)
     try:
-        alone = [_generate(default, "alone", [i])[0] for i in range(N)]
-        together = _generate(default, "together", list(range(N)))
+        alone = [_generate(default, "alone", [i])[0].token_ids for i in range(N)]
+        together = [r.token_ids for r in _generate(default, "together", list(range(N)))]
         if jax.default_backend() == "cpu":
             assert together == alone  # the CPU's default mode is batch-invariant: no bound needed
         deviation, flips = 0.0, []
         for i in range(N):
-            seq = _prompt(i) + alone[i]
-            ours, ref = _scored(default, f"d{i}", seq), _scored(exact, f"x{i}", seq)
-            deviation = max(deviation, *(abs(a.logprob - b.logprob) for a, b in zip(ours[1:], ref[1:], strict=True)))
+            ref = _scored(exact, f"x{i}", _prompt(i) + alone[i])
+            deviation = max(deviation, _apart(_scored(default, f"d{i}", _prompt(i) + alone[i]), ref))  # a prompt step
+            decoded = _generate(default, "scored", [i], logprobs=5)[0]  # decode steps, one a call
+            assert decoded.logprobs is not None
+            ref_decoded = _scored(exact, f"y{i}", _prompt(i) + decoded.token_ids)[len(_prompt(i)):]
+            deviation = max(deviation, _apart(decoded.logprobs, ref_decoded))
             diff = _first_difference(alone[i], together[i], ref)
             if diff is not None:
                 flips.append((i, *diff))
