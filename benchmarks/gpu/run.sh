@@ -28,9 +28,10 @@
 # The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
 # minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27): two calls back to back, each
 # carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=220 bash benchmarks/gpu/run.sh bench`
-# (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~190 s with its precompile of 138
-# shapes of 4-layer blocks (119 one-layer shapes took 106 s on 2026-11-27), the 8B micro-benchmark ~120 s;
-# XLA's settings, ~50 s each, in what is left), then at once
+# (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~200 s with its precompile of 150
+# shapes of 4-layer blocks, 24 of them loops (119 one-layer shapes took 106 s on 2026-11-27), the 8B
+# micro-benchmark ~120 s; the `flags` settings, ~50 s each, in what is left: the first two compare the loops
+# with the sampler's parts named and branching), then at once
 # `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
 # figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
