@@ -54,8 +54,8 @@ from parrot.engine.models.llama import (
 from parrot.engine.multihost import Mirror
 from parrot.engine.quant import QuantizedTensor
 from parrot.engine.sampling import (
+    COMMON_DRAWS,
     GREEDY,
-    PLAIN,
     SamplerExtras,
     SamplingBatch,
     SamplingParams,
@@ -848,9 +848,9 @@ class ModelRunner:
         params = self._abstract(SamplingBatch.build([], [], shape.batch, []))
         extras = self._abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
         counts = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32))
-        plain = PLAIN if self.host_stages else None  # where the host names the parts: temperature draws
-        self._part(("sampler", shape.batch, plain),
-                   lambda: processed_sampler.lower(logits, params, extras, counts, stages=plain).compile())
+        for stages in COMMON_DRAWS if self.host_stages else (None,):  # None: one sampler, branching on the device
+            self._part(("sampler", shape.batch, stages),
+                       lambda st=stages: processed_sampler.lower(logits, params, extras, counts, stages=st).compile())
         if shape.q_len == 1:  # decode: an ahead step takes its PENDING tokens from the previous one (overlap)
             self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
         self.compile_seconds[shape] = time.perf_counter() - t0

@@ -194,6 +194,9 @@ class Stages:
 
 GREEDY = Stages()  # the argmax alone
 PLAIN = Stages(stochastic=True)  # temperature (and min-p) draws: an OpenAI request's defaults
+# the draws most requests make, whose one-step samplers precompile compiles where the host names the parts:
+# temperature alone, with top-p (OpenAI's other knob), with a small top-k (llama.cpp's defaults: 40 and 0.95)
+COMMON_DRAWS = (PLAIN, Stages(stochastic=True, top_p=True), Stages(stochastic=True, bounded=True))
 
 
 def _said(stages: Stages | None, part: str) -> bool | None:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from parrot.engine.engine import LLMEngine
-from parrot.engine.sampling import GREEDY, PLAIN, Stages
+from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
 from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
@@ -358,14 +358,17 @@ def test_host_named_sampler_parts_keep_results(monkeypatch: pytest.MonkeyPatch) 
     are precompiled; a top-p batch runs one step a call and its loop compiles once the engine idles."""
     monkeypatch.setenv("PARROT_HOST_STAGES", "1")
     named = LLMEngine(tiny_model(), tiny_engine_config(multi_step=4, bs_buckets=[1, 2, 4], max_batch_size=4))
-    named.runner.precompile([s for s in named.runner.shapes.all_shapes() if s.steps > 1], progress=False)
-    named.start(precompile=False)  # the loops precompiled (the other shapes compile when first used)
+    step = named.runner.shapes.decode_shape(2, 64)
+    named.runner.precompile([s for s in named.runner.shapes.all_shapes() if s.steps > 1] + [step], progress=False)
+    named.start(precompile=False)  # the loops and one step precompiled (the other shapes compile when first used)
     monkeypatch.setenv("PARROT_HOST_STAGES", "0")
     single = LLMEngine(tiny_model(), tiny_engine_config(multi_step=1)).start(precompile=False)
     try:
         assert named.settings()["sampler_parts"] == "named" and single.settings()["sampler_parts"] == "device"
         loops = {s.sampler for s in named.runner.compiled if s.steps > 1}
         assert loops == {GREEDY, PLAIN}
+        # a step's shape brings its batch size's samplers of the common draws (temperature, top-p, small top-k)
+        assert {key[2] for key in named.runner._parts if key[:2] == ("sampler", 2)} == set(COMMON_DRAWS)
         drawn = dict(max_tokens=13, ignore_eos=True, temperature=0.9, seed=3)
         top_p = dict(drawn, top_p=0.8, seed=4)
         groups = [[dict(max_tokens=10, ignore_eos=True), dict(max_tokens=7, ignore_eos=True)],
