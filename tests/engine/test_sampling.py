@@ -421,12 +421,12 @@ def test_samplers_with_host_named_parts_sample_as_device_branches(sort: str, mon
     plain_named = jax.jit(sample, static_argnames=("stages",))
     plain = jax.jit(lambda logits, sb: sample(logits, sb))
     vocab, seen = 700, set()
-    for trial in range(24):
-        batch = int(rng.choice([1, 2, 4]))
+    batch = 4  # one shape: each combination of parts compiles once
+    for trial in range(16):
         logits = (rng.standard_normal((batch, vocab)) * 2.0).astype(np.float32)
         params = []
         for _ in range(batch):
-            kind = rng.integers(5)
+            kind = 0 if trial == 0 else 1 if trial == 1 else rng.integers(5)  # all greedy, all plain, mixed
             params.append(SamplingParams(
                 temperature=0.0 if kind == 0 else float(rng.uniform(0.5, 1.5)),
                 top_k=int(rng.choice([0, 5, FAST_TOP_K, 300])) if kind in (2, 4) else 0,
@@ -452,7 +452,7 @@ def test_samplers_with_host_named_parts_sample_as_device_branches(sort: str, mon
         plain_stages = Stages.of(sb, vocab)
         np.testing.assert_array_equal(np.asarray(plain_named(logits, sb, stages=plain_stages)),
                                       np.asarray(plain(logits, sb)))
-    assert len(seen) >= 8  # many combinations met
+    assert len(seen) >= 6  # many combinations met
     assert GREEDY in seen or any(not s.stochastic for s in seen)
     # a drawing batch named greedy takes the argmax: the names decide what is traced
     logits = (rng.standard_normal((2, vocab)) * 0.1).astype(np.float32)
