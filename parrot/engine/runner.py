@@ -915,10 +915,15 @@ class ModelRunner:
             tokens = (fut.result() if fut is not None and fut.done() else self._greedy)(logits)
         else:  # the batch size's sampler, with neutral extras and no penalties
             batch = int(logits.shape[0])
-            stages = Stages.of(sampling, self.cfg.vocab_size) if self.host_stages else None
-            tokens = self._sampler(batch, stages)(logits, self._put(sampling), *self._neutral(batch))[0]
+            tokens = self._sampler(batch, self._named(sampling))(logits, self._put(sampling), *self._neutral(batch))[0]
         self.dispatch_s += time.perf_counter() - t0
         return tokens
+
+    def _named(self, sampling: SamplingBatch, extras: SamplerExtras | None = None,
+               counts: np.ndarray | None = None) -> Stages | None:
+        """The sampler parts a host batch needs where the host names them (`host_stages`); None elsewhere (the
+        compiled sampler branches on the device)."""
+        return Stages.of(sampling, self.cfg.vocab_size, extras, counts) if self.host_stages else None
 
     def _sampler(self, batch: int, stages: Stages | None) -> Callable:
         """The compiled sampler of a batch size and sampler parts (`sampling.sample_processed`, with counts;
@@ -956,7 +961,7 @@ class ModelRunner:
         self._keep(None)
         batch = int(logits.shape[0])
         # the counts the sampler reads are zeros where no job has a penalty (`_neutral`): no part of it
-        stages = Stages.of(sampling, self.cfg.vocab_size, extras, counts) if self.host_stages else None
+        stages = self._named(sampling, extras, counts)
         sampling, extras, counts = self._put((sampling, extras, counts))
         out = self._sampler(batch, stages)(logits, sampling, extras,
                                            self._neutral(batch)[1] if counts is None else counts)
