@@ -18,12 +18,8 @@
 
 In the exact mode every value is computed as on one device, so greedy outputs equal one device's
 (tests/engine/test_tensor_parallel.py checks 1, 2 and 4 devices and two processes). That holds with the
-native CPU kernels (the default). With them off (`PARROT_CPU_KERNELS=0`, XLA's products and attention) on a
-CPU with bf16 prefill weights, a Fill's prompt logprobs on 2 or 4 devices were measured up to 0.05 nats from
-one device's, while the tokens and a prompt's last logits stayed equal bit for bit. The outlier is the one
-device: its Fill's logprobs differ by as much from its own prompt-by-prompt last logits (`prefill_logits` of
-each prefix), which the 2-device Fill matches (8e-6). So there one device's prompt step is not row-invariant
-in XLA's lowering; which operation is not yet found. In the Megatron
+native CPU kernels (the default); without them, one device's own prompt steps are not row-invariant in
+XLA's lowering (docs/architecture.md, "An accelerator's paths, rehearsed on a CPU"). In the Megatron
 mode O's and down's partial sums are added in another order: logits agree to float rounding, and a
 greedy output can change where two tokens' logits nearly tie.
 """
