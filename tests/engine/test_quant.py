@@ -167,6 +167,27 @@ def test_bf16_fills_equal_the_bf16_product(qtype: str, rows: int) -> None:
 
 
 @pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
+@pytest.mark.parametrize("k", [96, 1536, 4096])
+def test_bf16_fills_at_other_widths(k: int) -> None:
+    """Widths of fewer blocks than one run of the tiles' product, of several runs (their accumulators set
+    aside between runs) and of more dequantized weights than one call takes: still the bfloat16 product,
+    and a row's result the same alone and in a batch."""
+    import ml_dtypes
+
+    q = quant.quantize(_random(k, 300), "q4_1")
+    x = np.random.default_rng(k).standard_normal((45, k)).astype(np.float32)
+    f = jax.jit(lambda x, d: kernels.qmatmul(x, d, "q4_1", jnp.ones(x.shape[0], jnp.int32)))
+    d = jnp.asarray(q.data)
+    got = np.asarray(f(x, d))
+
+    def bf(a: np.ndarray) -> np.ndarray:
+        return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(got, bf(x) @ bf(q.dequantize()), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(f(x[7:8], d)), got[7:8])
+    np.testing.assert_array_equal(np.asarray(f(x[:33], d)), got[:33])
+
+
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
 def test_bf16_fills_give_a_row_the_same_result_in_any_batch() -> None:
     q = quant.quantize(_random(576, 80), "q4_1")
     x = np.random.default_rng(7).standard_normal((70, 576)).astype(np.float32)

@@ -5,14 +5,24 @@
 // Numbers. The weights are dequantized to float32 as the file defines them (d q + m) and rounded to
 // bfloat16; the activations are rounded to bfloat16; the tile unit multiplies pairs and adds them into
 // float32 accumulators. Unlike the integer path, no block's sums are read out: a block's scale is inside
-// its weights, so the accumulators run over the whole of K. Each output is computed by the same
-// instructions in the same order whatever the number of rows (padding rows are zero and only ever meet
-// their own outputs), so a row's result is bit for bit the same alone and in any batch.
+// its weights, so the accumulators run over the whole of K, block after block. Each output is computed by
+// the same instructions in the same order whatever the number of rows (padding rows are zero and only ever
+// meet their own outputs; an accumulator set aside between two runs of blocks is stored and reloaded in
+// float32, unchanged), so a row's result is bit for bit the same alone and in any batch.
 //
 // Tiles. C: [16 tokens, 16 weight rows] float32, 2 x 2 of them (tmm0-3) for two token tiles and two
-// weight tiles; A: 16 tokens x 32 activations (one quantization block), read in place from the bfloat16
-// copy of x (tmm4, tmm5); B: one block of 16 weight rows in pairs, [16 pairs, 16 rows x 2] (tmm6, tmm7),
-// dequantized once per call into a panel that every token tile then reads.
+// weight tiles; A: 16 tokens x 32 activations (one quantization block; tmm4, tmm5) from pack_x_rows' copy
+// of x, which lays each such tile out as 1 KB in a row; B: one block of 16 weight rows in pairs, [16 pairs,
+// 16 rows x 2] (tmm6, tmm7), dequantized once per call into panels of 32 rows.
+//
+// Order. The tile unit keeps up only where one of its two operands comes from the L1 cache (with both from
+// L2 it runs at half its rate), and a prompt step's output is larger than L2. So a call first dequantizes
+// all its panels (at most kPackedBytes: they stay in L2); then for each pair of token tiles and each run of
+// up to kRunBlocks blocks (the pair's 32 x 32 x kRunBlocks activations stay in L1) it takes every panel in
+// turn, its accumulators set aside in float32 between runs. y is written a pair of token tiles' rows at a
+// time (one panel at a time over every token, the order before, wrote 128 bytes of every row in turn).
+// A 512-token step's gate|up product of SmolLM2-135M took 1.8x less time so on a Xeon with AMX (two
+// threads, each layer's output in memory of its own as in a step; docs/benchmarks.md).
 
 namespace amxbf16 {
 
@@ -47,16 +57,26 @@ void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_
   }
 }
 
-// x [T, K] float32 -> bfloat16 rows, T rounded up to 32 with zero rows.
-inline void pack_x(const float* x, int64_t T, int64_t K, aligned::vector<uint16_t>& out) {
-  const int64_t Tp = (T + 31) / 32 * 32;
-  out.assign(Tp * K, 0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + t * K + k + 16), _mm512_loadu_ps(x + t * K + k));
-      _mm512_storeu_si512(out.data() + t * K + k, reinterpret_cast<__m512i>(v));
+// Rows [t0, t1) of x [T, K] float32 into `out`, bfloat16 in A tiles' order: token tile i's block b is the
+// 1 KB at (i * blocks + b) * 512, its 16 rows of 32 in turn. Rows from T on are zeros (padding to a pair
+// of token tiles: `out` holds (T + 31) / 32 * 32 rows).
+inline void pack_x_rows(const float* x, int64_t T, int64_t K, int64_t t0, int64_t t1, uint16_t* out) {
+  const int64_t blocks = K / 32;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint16_t* row = out + (t / 16) * blocks * 512 + (t % 16) * 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i v = _mm512_setzero_si512();
+      if (t < T) {
+        const float* xs = x + t * K + 32 * b;
+        v = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xs + 16), _mm512_loadu_ps(xs)));
+      }
+      _mm512_store_si512(row + b * 512, v);
     }
+  }
 }
+
+// The packed copy's rows: T rounded up to a pair of token tiles.
+inline int64_t padded_rows(int64_t T) { return (T + 31) / 32 * 32; }
 
 inline void configure() {
   amx::TileConfig cfg;
@@ -85,36 +105,67 @@ inline void store(int c, float* y, int64_t N, int64_t T, int64_t t, int64_t n, i
   for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (t + i) * N + n, buf + 16 * i, 4 * cols);
 }
 
-// Output columns [n0, n1) of every activation row (`xb`: pack_x's rows).
+constexpr int64_t kRunBlocks = 9;          // blocks per run: 18 KB of a token pair's activations
+constexpr int64_t kPackedBytes = 1 << 20;  // a call's dequantized panels at most (see panels_per_call)
+
+// The most panels of 32 weight rows one call of `rows` should take for K.
+inline int64_t panels_per_call(int64_t K) { return std::max<int64_t>(1, kPackedBytes / (K / 32 * 2048)); }
+
+// Output columns [n0, n1) of every activation row (`xb`: pack_x_rows' copy of all T rows).
 template <class F>
 void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  const int64_t blocks = K / 32, ldw = blocks * F::kBytes, Tp = (T + 31) / 32 * 32, lda = 2 * K;
+  const int64_t blocks = K / 32, ldw = blocks * F::kBytes, Tp = padded_rows(T);
+  const int64_t panels = (n1 - n0 + 31) / 32, psz = blocks * 512;  // a panel's uint32s, a token tile's uint16s
+  const int64_t runs = (blocks + kRunBlocks - 1) / kRunBlocks, run = (blocks + runs - 1) / runs;
   thread_local aligned::vector<uint32_t> panelbuf;
-  panelbuf.resize(blocks * 2 * 256);
-  uint32_t* panel = panelbuf.data();
+  thread_local aligned::vector<float> setaside;  // each panel's 4 accumulators between runs
+  panelbuf.resize(panels * psz);
+  if (runs > 1) setaside.resize(panels * 1024);
+  uint32_t* packed = panelbuf.data();
+  for (int64_t p = 0; p < panels; ++p) pack_panel<F>(w, ldw, blocks, n0 + 32 * p, n1, packed + p * psz);
   configure();
-  for (int64_t n = n0; n < n1; n += 32) {
-    pack_panel<F>(w, ldw, blocks, n, n1, panel);
-    for (int64_t t = 0; t < Tp; t += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* a = xb + t * K;
-      for (int64_t b = 0; b < blocks; ++b) {
-        _tile_loadd(4, a + 32 * b, lda);
-        _tile_loadd(5, a + 16 * K + 32 * b, lda);
-        _tile_loadd(6, panel + b * 512, 64);
-        _tile_loadd(7, panel + b * 512 + 256, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+  for (int64_t t = 0; t < Tp; t += 32) {
+    const uint16_t* a0 = xb + (t / 16) * psz;  // token tiles t / 16 and t / 16 + 1
+    const uint16_t* a1 = a0 + psz;
+    for (int64_t b0 = 0; b0 < blocks; b0 += run) {
+      const int64_t b1 = std::min(blocks, b0 + run);
+      for (int64_t p = 0; p < panels; ++p) {
+        const uint32_t* panel = packed + p * psz;
+        float* c = setaside.data() + p * 1024;
+        if (b0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, c, 64);
+          _tile_loadd(1, c + 256, 64);
+          _tile_loadd(2, c + 512, 64);
+          _tile_loadd(3, c + 768, 64);
+        }
+        for (int64_t b = b0; b < b1; ++b) {
+          _tile_loadd(4, a0 + b * 512, 64);
+          _tile_loadd(5, a1 + b * 512, 64);
+          _tile_loadd(6, panel + b * 512, 64);
+          _tile_loadd(7, panel + b * 512 + 256, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        if (b1 < blocks) {
+          _tile_stored(0, c, 64);
+          _tile_stored(1, c + 256, 64);
+          _tile_stored(2, c + 512, 64);
+          _tile_stored(3, c + 768, 64);
+          continue;
+        }
+        const int64_t n = n0 + 32 * p;
+        store(0, y, N, T, t, n, n1);
+        store(1, y, N, T, t, n + 16, n1);
+        store(2, y, N, T, t + 16, n, n1);
+        store(3, y, N, T, t + 16, n + 16, n1);
       }
-      store(0, y, N, T, t, n, n1);
-      store(1, y, N, T, t, n + 16, n1);
-      store(2, y, N, T, t + 16, n, n1);
-      store(3, y, N, T, t + 16, n + 16, n1);
     }
   }
   _tile_release();

@@ -535,7 +535,8 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
 }
 
 // The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): chunks of whole panels of weight
-// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn.
+// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn. On the tiles, the threads first make x's
+// bfloat16 copy together, a pair of token tiles at a time.
 template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
@@ -544,10 +545,12 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
   auto chunk = [&](int64_t panel) { return panel * std::max<int64_t>(1, N / (panel * threads * 4)); };
 #if PARROT_AMX_BF16
   if (how == kFillAmxTiles) {
-    const int64_t cols = chunk(32);
+    const int64_t cols = std::min(chunk(32), 32 * amxbf16::panels_per_call(K));
+    const int64_t Tp = amxbf16::padded_rows(T);
     thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
-    amxbf16::pack_x(x, T, K, packed);
-    const uint16_t* xb = packed.data();
+    packed.resize(Tp * K);
+    uint16_t* xb = packed.data();
+    parallel_chunks(pool, Tp / 32, [&](int64_t c) { amxbf16::pack_x_rows(x, T, K, 32 * c, 32 * c + 32, xb); });
     parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
       amxbf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
     });
