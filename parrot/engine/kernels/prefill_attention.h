@@ -391,117 +391,6 @@ inline void block_rows(const uint16_t* kb, const uint16_t* vb, const int32_t* pa
 
 #endif
 
-#if PARROT_AMX_BF16
-// ---- the bfloat16 variant on AMX's bf16 tiles ------------------------------------------------------
-// For prompts the engine multiplies in bfloat16 (its bfloat16 mode), over a bfloat16 cache: the scaled
-// queries and the probabilities are rounded to bfloat16, the products summed in float32 on the tiles.
-// Keys go in blocks of 32 positions. Per block: the keys as B tiles of 16 keys x 16 pairs of dimensions
-// (a 16 x 16 transpose of 32-bit pairs), the values as B tiles of 16 pairs of keys x 16 dimensions (two
-// value rows interleaved); per 16 rows: scores C = Q x K^T (D / 32 products per 16 keys), read out to the
-// same per-row softmax, then P (32 keys, bf16) x V into a fresh C tile per 16 dimensions, added to the
-// float32 output as o * corr + c. Tile rows are independent, so every row's result is still its own.
-struct PrefillTiles {
-  aligned::vector<uint16_t> qb;  // [rows padded to 16][D]: scaled queries in bfloat16
-  aligned::vector<uint32_t> bk;  // [2 halves][D / 32][16 pairs][16 keys]
-  aligned::vector<uint32_t> bv;  // [D / 16][16 pairs of keys][16 dimensions]
-  alignas(64) float sc[2][256];
-  alignas(64) uint16_t pb[16 * 32];
-  alignas(64) float pv[256];
-  alignas(64) float corr[16];
-};
-
-inline void prefill_tiles_configure() {
-  amx::TileConfig cfg;  // tmm0 scores, tmm1 queries, tmm2 keys, tmm3 probabilities, tmm4 values, tmm5 P x V
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // see amx::configure
-  _tile_loadconfig(&cfg);
-}
-
-// dst[p][n] = rows[n][off + p] for 16 rows (null: zeros) x 16 words
-inline void transpose16_words(const uint32_t* const rows[16], int64_t off, uint32_t* dst) {
-  for (int r0 = 0; r0 < 16; r0 += 8)
-    for (int c0 = 0; c0 < 16; c0 += 8) {
-      __m256 r[8];
-      for (int i = 0; i < 8; ++i)
-        r[i] = rows[r0 + i] ? _mm256_castsi256_ps(_mm256_loadu_si256(
-                                  reinterpret_cast<const __m256i*>(rows[r0 + i] + off + c0)))
-                            : _mm256_setzero_ps();
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (c0 + i) * 16 + r0), r[i]);
-    }
-}
-
-void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64_t D, const uint16_t* kb,
-                         const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
-                         int64_t cnt) {
-  using L = Lanes<16>;
-  const uint16_t* krow[32];
-  const uint16_t* vrow[32];
-  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
-  const int64_t chunks = D / 32;
-  for (int h = 0; h < 2; ++h) {
-    const uint32_t* kr[16];
-    for (int n = 0; n < 16; ++n) kr[n] = reinterpret_cast<const uint32_t*>(krow[16 * h + n]);
-    for (int64_t c = 0; c < chunks; ++c) transpose16_words(kr, c * 16, t.bk.data() + (h * chunks + c) * 256);
-  }
-  for (int64_t j = 0; j < D / 16; ++j)
-    for (int p = 0; p < 16; ++p) {
-      const __m256i a = vrow[2 * p] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p] + 16 * j))
-                                    : _mm256_setzero_si256();
-      const __m256i b = vrow[2 * p + 1]
-                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p + 1] + 16 * j))
-                            : _mm256_setzero_si256();
-      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
-      uint32_t* dst = t.bv.data() + (j * 16 + p) * 16;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(lo, hi, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
-    }
-  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-    for (int h = 0; h < 2; ++h) {
-      _tile_zero(0);
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(1, t.qb.data() + r0 * D + c * 32, D * 2);
-        _tile_loadd(2, t.bk.data() + (h * chunks + c) * 256, 64);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, t.sc[h], 64);
-    }
-    bool any = false;
-    for (int r = 0; r < 16; ++r) {
-      const int64_t row = r0 + r;
-      const float lim = row < rows ? s.lim[row] - static_cast<float>(l0) : -1.f;
-      uint16_t* prow = t.pb + 32 * r;
-      if (lim < 0.f) {  // past this row's position (or a padding row): nothing to add
-        _mm512_storeu_si512(prow, _mm512_setzero_si512());
-        t.corr[r] = 1.f;
-        continue;
-      }
-      any = true;
-      const __m512 s0 = L::keep_upto(_mm512_load_ps(t.sc[0] + 16 * r), lim);
-      const __m512 s1 = L::keep_upto(_mm512_load_ps(t.sc[1] + 16 * r), lim - 16.f);
-      const float old = s.m[row], mx = std::max(old, L::max(_mm512_max_ps(s0, s1)));  // one reduction each
-      const float corr = mx == old ? 1.f : std::exp(old - mx);
-      const __m512 e0 = vexp(L::sub(s0, L::set1(mx))), e1 = vexp(L::sub(s1, L::set1(mx)));
-      s.m[row] = mx, t.corr[r] = corr;
-      s.l[row] = s.l[row] * corr + L::sum(_mm512_add_ps(e0, e1));
-      _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
-    }
-    if (!any) continue;
-    _tile_loadd(3, t.pb, 64);
-    for (int64_t j = 0; j < D / 16; ++j) {
-      _tile_zero(5);
-      _tile_loadd(4, t.bv.data() + j * 256, 64);
-      _tile_dpbf16ps(5, 3, 4);
-      _tile_stored(5, t.pv, 64);
-      for (int r = 0; r < 16 && r0 + r < rows; ++r) {
-        float* o = s.o.data() + (r0 + r) * D + 16 * j;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(t.corr[r]), _mm512_load_ps(t.pv + 16 * r)));
-      }
-    }
-  }
-}
-#endif
-
 #if PARROT_AVX512_BF16
 // ---- the bfloat16 variant with AVX512-BF16's pair products ----------------------------------------
 // The same numbers as the tiles' variant above (scaled queries and probabilities rounded to bfloat16,
@@ -510,10 +399,10 @@ void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t rows, int64
 // over the block's 32 key vectors instead of reductions across lanes:
 //  * the task's scaled queries are transposed once ([16-row group][D/2 pairs][16 rows]);
 //  * a group's scores for 16 keys are D/2 x 16 vdpbf16ps, each key's pair j broadcast from the cache;
-//  * the softmax: the max over the 32 key vectors, one vector exp per key vector, and the sum over them in
-//    the order GCC's `_mm512_reduce_add_ps` sums a vector's lanes (key t with t + 16, then 8, 4, 2, 1
-//    apart), which the tiles' variant uses; the rescaling exp of a row whose max grew is the scalar
-//    std::exp, as there. So the two variants give the same bits;
+//  * the softmax (`prefill_lane_softmax`, which the tiles' variant below shares): the max over the 32 key
+//    vectors, one vector exp per key vector, and the sum over them in the order GCC's `_mm512_reduce_add_ps`
+//    sums a vector's lanes (key t with t + 16, then 8, 4, 2, 1 apart); the rescaling exp of a row whose
+//    max grew is the scalar std::exp;
 //  * the probabilities, as bfloat16 pairs of keys per row ([16 pairs][16 rows] per block), multiply the values
 //    interleaved by pairs of keys ([16 pairs][D/16 vectors], whose dimensions come out permuted within each
 //    64: bf16_dim): 16 x D/16 vdpbf16ps per row with a pair of its probabilities broadcast.
@@ -552,7 +441,7 @@ inline void prefill_lane_scores(const uint32_t* qt, const uint16_t* const keys[2
 // One block's softmax update for the 16 rows of group `g` (rows r0 ..): their running max and sum, their
 // rescaling factor (to `corr_out`, 16 floats), their probabilities as bfloat16 pairs (to `pt_out`, [16
 // pairs][16 rows]); returns the lanes with keys in the block.
-inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_t g, int64_t l0, float* corr_out,
+inline __mmask16 prefill_lane_softmax(PrefillScratch& s, float* sc, int64_t g, int64_t l0, float* corr_out,
                                       uint32_t* pt_out) {
   const int64_t r0 = 16 * g;
   const __m512 lim = _mm512_sub_ps(_mm512_loadu_ps(s.lim.data() + r0), _mm512_set1_ps(static_cast<float>(l0)));
@@ -561,13 +450,13 @@ inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_
   const __m512 old = _mm512_loadu_ps(s.m.data() + r0);
   __m512 mx = old;
   if (_mm512_cmp_ps_mask(lim, _mm512_set1_ps(31.f), _CMP_GE_OQ) == 0xFFFF) {  // every row sees the whole block
-    for (int k = 0; k < 32; ++k) mx = _mm512_max_ps(mx, _mm512_load_ps(t.sc + 16 * k));
+    for (int k = 0; k < 32; ++k) mx = _mm512_max_ps(mx, _mm512_load_ps(sc + 16 * k));
   } else {  // keys past a row's position (and every key of a row past the block) give it -inf
     for (int k = 0; k < 32; ++k) {
       const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY),
                                           _mm512_cmp_ps_mask(_mm512_set1_ps(static_cast<float>(k)), lim, _CMP_LE_OQ),
-                                          _mm512_load_ps(t.sc + 16 * k));
-      _mm512_store_ps(t.sc + 16 * k, v);
+                                          _mm512_load_ps(sc + 16 * k));
+      _mm512_store_ps(sc + 16 * k, v);
       mx = _mm512_max_ps(mx, v);
     }
   }
@@ -582,7 +471,7 @@ inline __mmask16 prefill_lane_softmax(PrefillScratch& s, PrefillPairs& t, int64_
   // e = exp(score - max) (0 for -inf scores; rows past the block have no other), summed in reduce_add's tree
   __m512 e[32];
   for (int k0 = 0; k0 < 32; k0 += 8) {
-    for (int k = k0; k < k0 + 8; ++k) e[k] = _mm512_sub_ps(_mm512_load_ps(t.sc + 16 * k), mx);
+    for (int k = k0; k < k0 + 8; ++k) e[k] = _mm512_sub_ps(_mm512_load_ps(sc + 16 * k), mx);
     vexp_n<8>(e + k0);
   }
   __m512 a[16];
@@ -620,17 +509,18 @@ inline void prefill_store_row(const float* src, float* dst, int64_t D, float inv
     }
 }
 
-// The task's scaled queries in 16-row groups, transposed (rows past `rows` zero).
-inline void prefill_lane_queries(PrefillPairs& t, int64_t rows, int64_t D) {
+// The task's scaled queries (`qp`: [rows][D/2] bfloat16 pairs) in 16-row groups, transposed into `qt`
+// ([groups][D/2][16]; rows past `rows` zero).
+inline void prefill_lane_queries(const uint32_t* qp, aligned::vector<uint32_t>& qt, int64_t rows, int64_t D) {
   const int64_t pairs = D / 2, groups = (rows + 15) / 16;
-  t.qt.resize(groups * pairs * 16);
+  qt.resize(groups * pairs * 16);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t j0 = 0; j0 < pairs; j0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = 16 * g + i < rows ? _mm512_load_si512(t.qp.data() + (16 * g + i) * pairs + j0) : _mm512_setzero_si512();
+        r[i] = 16 * g + i < rows ? _mm512_load_si512(qp + (16 * g + i) * pairs + j0) : _mm512_setzero_si512();
       transpose16x16(r);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(t.qt.data() + ((g * pairs) + j0 + j) * 16, r[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(qt.data() + ((g * pairs) + j0 + j) * 16, r[j]);
     }
 }
 
@@ -718,13 +608,122 @@ inline void prefill_pair_blocks(PrefillScratch& s, PrefillPairs& t, int64_t rows
     __mmask16 act = 0;
     for (int i = 0; i < nb; ++i) {
       prefill_group_scores(t.qt.data() + g * pairs * 16, keys[i], D, t.sc);
-      const __mmask16 a = prefill_lane_softmax(s, t, g, l0 + 32 * i, t.corr + 16 * i, t.pt.data() + 256 * i);
+      const __mmask16 a = prefill_lane_softmax(s, t.sc, g, l0 + 32 * i, t.corr + 16 * i, t.pt.data() + 256 * i);
       if (i == 0) act = a;
     }
     int n = 0;  // rows with keys in the first block (with nb > 1: in every block)
     for (; act; act &= act - 1) t.act[n++] = static_cast<int32_t>(16 * g + __builtin_ctz(act));
     for (int64_t d0 = 0; d0 < D; d0 += 64)
       in_fours(t.act.data(), n, [&](auto r, const int32_t* rw) { prefill_pair_values<decltype(r)::value>(s, t, rw, nb, D, d0); });
+  }
+}
+#endif
+
+#if PARROT_AMX_BF16
+// ---- the bfloat16 variant on AMX's bf16 tiles ------------------------------------------------------
+// For prompts the engine multiplies in bfloat16 (its bfloat16 mode), over a bfloat16 cache: the scaled
+// queries and the probabilities are rounded to bfloat16, the products summed in float32 on the tiles. As
+// the pair products' variant above, 16 rows go in a vector's lanes, so the softmax is vertical (its
+// `prefill_lane_softmax`, the same numbers): the tiles compute the transposes of the usual products.
+//  * scores^T = K Q^T: A is 16 keys x 32 dimensions read in place from their page (one run of 16 rows,
+//    else copied), B the group's scaled queries in pairs of dimensions ([D/2][16 rows], made once a task);
+//    C [16 keys][16 rows] for each half of the block's 32 keys;
+//  * O^T += V^T P^T: A is 16 dimensions x 32 keys (the block's values transposed once per task and block),
+//    B the probabilities in pairs of keys ([16][16 rows], as the softmax leaves them); C [16 dimensions][16
+//    rows] is added to the group's float32 output as o c + C, c the rows' rescaling in the lanes.
+// Every lane is its own row's, so every row's result is still its own.
+struct PrefillTiles {
+  aligned::vector<uint32_t> qp;  // [rows][D/2]: scaled queries in bfloat16 pairs
+  aligned::vector<uint32_t> qt;  // [groups][D/2][16]: the same, 16 rows in the lanes
+  aligned::vector<uint32_t> vt;  // [D][16]: the block's values transposed, dimension d's 32 keys in pairs
+  aligned::vector<uint16_t> kz;  // [32][D]: half blocks' keys where they are not one run in a page
+  aligned::vector<float> ot;     // [groups][D][16]: the outputs, 16 rows in the lanes
+  alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
+  alignas(64) uint32_t pt[256];   // its probabilities, [16 pairs of keys][16 rows]
+  alignas(64) float corr[16];     // its rescaling factors
+  alignas(64) float pv[256];      // a P x V tile
+};
+
+inline void prefill_tiles_configure() {
+  amx::TileConfig cfg;  // tmm0, tmm1 scores (two halves), tmm2 keys, tmm3 queries, tmm4 values, tmm5 P, tmm6 P x V
+  for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // see amx::configure
+  _tile_loadconfig(&cfg);
+}
+
+// The block's keys for the scores' A tiles (`keys`: each half's 16 rows of D, in place where they are one
+// run in a page, else copied to `kz` with zeros past the block's end) and its values transposed into `vt`.
+inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uint16_t* vb, const int32_t* pages,
+                                  int64_t npos, int64_t S, int64_t D, int64_t l0, int64_t cnt,
+                                  const uint16_t* keys[2]) {
+  const uint16_t* krow[32];
+  const uint16_t* vrow[32];
+  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
+  for (int h = 0; h < 2; ++h) {
+    bool run = krow[16 * h] != nullptr;
+    for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
+    if (run) {
+      keys[h] = krow[16 * h];
+      continue;
+    }
+    uint16_t* dst = t.kz.data() + h * 16 * D;
+    for (int k = 0; k < 16; ++k)
+      for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
+    keys[h] = dst;
+  }
+  // vt[d][p] = (v[2p][d], v[2p + 1][d]): per 16 dimensions, the keys' pairs interleaved, then transposed
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512i r[16];
+    for (int p = 0; p < 16; ++p) {
+      const __m256i a = vrow[2 * p] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p] + d0))
+                                    : _mm256_setzero_si256();
+      const __m256i b = vrow[2 * p + 1] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p + 1] + d0))
+                                        : _mm256_setzero_si256();
+      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // dims 0-3, 8-11 | 4-7, 12-15
+      r[p] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+    }
+    transpose16x16(r);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(t.vt.data() + (d0 + i) * 16, r[i]);
+  }
+}
+
+// One block of 32 keys from l0 for every group of the task's rows.
+inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t groups, int64_t D, const uint16_t* kb,
+                                const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
+                                int64_t cnt) {
+  const uint16_t* keys[2];
+  prefill_tile_operands(t, kb, vb, pages, npos, S, D, l0, cnt, keys);
+  const int64_t pairs = D / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint32_t* qt = t.qt.data() + g * pairs * 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(3, qt + c * 256, 64);
+      _tile_loadd(2, keys[0] + 32 * c, D * 2);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_loadd(2, keys[1] + 32 * c, D * 2);
+      _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, t.sc, 64);
+    _tile_stored(1, t.sc + 256, 64);
+    if (!prefill_lane_softmax(s, t.sc, g, l0, t.corr, t.pt)) continue;
+    const __m512 corr = _mm512_load_ps(t.corr);
+    const bool rescale = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
+    _tile_loadd(5, t.pt, 64);
+    float* o = t.ot.data() + g * D * 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      _tile_zero(6);
+      _tile_loadd(4, t.vt.data() + d0 * 16, 64);
+      _tile_dpbf16ps(6, 4, 5);
+      _tile_stored(6, t.pv, 64);
+      for (int i = 0; i < 16; ++i) {
+        float* od = o + (d0 + i) * 16;
+        const __m512 c = _mm512_load_ps(t.pv + 16 * i);
+        _mm512_store_ps(od, rescale ? _mm512_fmadd_ps(_mm512_load_ps(od), corr, c) : _mm512_add_ps(_mm512_load_ps(od), c));
+      }
+    }
   }
 }
 #endif
@@ -793,17 +792,26 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
 #if PARROT_AMX_BF16
     if (tiles) {
       thread_local PrefillTiles t;
-      const int64_t padded = (rows + 15) / 16 * 16;
-      t.qb.assign(padded * D, 0);
-      for (int64_t i = 0; i < rows * D; i += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.qb.data() + i),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.qs.data() + i))));
-      t.bk.resize(2 * (D / 32) * 256), t.bv.resize(D / 16 * 256);
+      const int64_t groups = (rows + 15) / 16, padded = groups * 16;  // rows past `rows` see no key
+      t.qp.resize(padded * D / 2), t.vt.resize(D * 16), t.kz.resize(32 * D);
+      t.ot.assign(groups * D * 16, 0.f);
+      s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
+      for (int64_t i = 0; i < rows * D; i += 32)
+        _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
+                                                                            _mm512_loadu_ps(s.qs.data() + i)));
+      prefill_lane_queries(t.qp.data(), t.qt, rows, D);
       prefill_tiles_configure();
       for (int64_t l0 = 0; l0 < end; l0 += 32)
-        prefill_block_tiles(s, t, rows, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
+        prefill_block_tiles(s, t, groups, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
                             bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
       _tile_release();
+      for (int64_t g = 0; g < groups; ++g)  // the outputs back to a row per token and head
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          __m512i r[16];
+          for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(t.ot.data() + (g * D + d0 + i) * 16);
+          transpose16x16(r);
+          for (int i = 0; i < 16 && 16 * g + i < rows; ++i) _mm512_storeu_si512(s.o.data() + (16 * g + i) * D + d0, r[i]);
+        }
     } else
 #endif
 #if PARROT_AVX512_BF16
@@ -816,7 +824,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
       for (int64_t i = 0; i < rows * D; i += 32)
         _mm512_store_si512(t.qp.data() + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s.qs.data() + i + 16),
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
-      prefill_lane_queries(t, rows, D);
+      prefill_lane_queries(t.qp.data(), t.qt, rows, D);
       int64_t l0 = 0;
       const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb);
       const uint16_t* vh = reinterpret_cast<const uint16_t*>(vb);
