@@ -420,3 +420,48 @@ def test_no_tiled_copy_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     q = quant.quantize(_random(64, 32), "q4_1")
     monkeypatch.setenv("PARROT_TILED_WEIGHTS", "0")
     assert quant.tiled(q) is None
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("kind", ["prompt", "generated", "mixed"])
+@pytest.mark.parametrize("rows", [1, 13, 45])
+def test_fused_swiglu_is_silu_of_gate_times_up(native_path: str, qtype: str, kind: str, rows: int) -> None:
+    """`swiglu`: the product of a fused gate|up matrix comes out as silu(gate) * up of the same products
+    ([T, N / 2]; on AMX's bf16 tiles prompt rows' in the product's epilogue), each code this CPU has, odd
+    widths included; trailing padding rows are zeros."""
+    q = quant.quantize(_random(576, 2 * 75), qtype)  # 75 output columns: whole tiles and a part
+    d = jnp.asarray(q.data)
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows + 2, 576)).astype(np.float32))
+    fill = {"prompt": np.ones(rows, np.int32), "generated": np.zeros(rows, np.int32),
+            "mixed": np.arange(rows, dtype=np.int32) % 2}[kind]
+    fill = jnp.asarray(np.concatenate([fill, [-1, -1]]).astype(np.int32))  # two padding rows
+    full = np.asarray(kernels.qmatmul(x, d, qtype, fill, 2), np.float64)
+    fused = np.asarray(kernels.qmatmul(x, d, qtype, fill, 2, swiglu=True))
+    assert fused.shape == (rows + 2, 75)
+    g, u = full[:rows, :75], full[:rows, 75:]
+    np.testing.assert_allclose(fused[:rows], g / (1 + np.exp(-g)) * u, rtol=2e-6, atol=1e-7)
+    assert np.all(fused[rows:] == 0)
+
+
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
+def test_fused_swiglu_gives_a_row_the_same_bits_alone_in_a_batch_and_beside_generated_rows() -> None:
+    """A prompt row's silu(gate) * up is the same bits alone, in a batch of prompt rows (on AMX's tiles: the
+    product's epilogue) and in a call with generated rows (the product first, then the same function)."""
+    q = quant.quantize(_random(576, 2 * 200), "q4_1")
+    d = jnp.asarray(q.data)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((40, 576)).astype(np.float32))
+    f = jax.jit(lambda x, fill: kernels.qmatmul(x, d, "q4_1", fill, 2, swiglu=True))
+    batch = np.asarray(f(x, jnp.ones(40, jnp.int32)))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], jnp.ones(1, jnp.int32))) for i in (0, 17, 39)])
+    np.testing.assert_array_equal(alone, batch[[0, 17, 39]])
+    mixed = np.asarray(f(x, jnp.asarray(np.arange(40) % 3 != 0, jnp.int32)))
+    prompt = np.arange(40) % 3 != 0
+    np.testing.assert_array_equal(mixed[prompt], batch[prompt])
+
+
+def test_fused_swiglu_takes_an_even_matrix_only() -> None:
+    if not kernels.available():
+        pytest.skip("native CPU kernels unavailable")
+    q = quant.quantize(_random(64, 33), "q8_0")
+    with pytest.raises(Exception, match="even number of rows"):
+        np.asarray(kernels.qmatmul(jnp.ones((2, 64)), jnp.asarray(q.data), "q8_0", swiglu=True))

@@ -28,21 +28,22 @@ namespace amxbf16 {
 
 using avx512bf16::block_pairs;  // one block of one weight row as 32 bfloat16, in order
 
-// The panel of weight rows [n, n + 32) (rows past n1 are zero): for each block, two B tiles of 16 rows,
-// B[pair p][row r] = (w[r][2p], w[r][2p + 1]). The rows' 32-bit pairs are transposed four at a time by
-// amx::transpose16x4, whose lane order (lane p from row 4 (p % 4) + p / 4) is its own inverse: taking
-// the rows in that order puts row p in lane p.
-// The next panel's rows (when there is one) are fetched a slice per block meanwhile.
+// A panel of 32 weight rows in two halves of 16, half h the rows [r0[h], r0[h] + 16) (rows from r1[h] on
+// are zero): for each block, two B tiles of 16 rows, B[pair p][row r] = (w[r][2p], w[r][2p + 1]). The
+// rows' 32-bit pairs are transposed four at a time by amx::transpose16x4, whose lane order (lane p from
+// row 4 (p % 4) + p / 4) is its own inverse: taking the rows in that order puts row p in lane p.
+// The next panel's rows (each half's `next` rows on) are fetched a slice per block meanwhile.
 template <class F>
-void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_t n1, uint32_t* panel) {
+void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, const int64_t r0[2], const int64_t r1[2],
+                int64_t next, uint32_t* panel) {
   alignas(64) uint8_t rowbuf[16][64];
-  const int64_t ahead = std::min<int64_t>(32, n1 - (n + 32));
   for (int64_t b = 0; b < blocks; ++b) {
-    if (ahead > 0) amx::prefetch_slice(w + (n + 32) * ldw, ahead * ldw, b, blocks);
     for (int half = 0; half < 2; ++half) {
-      const int64_t r0 = n + 16 * half;
+      const int64_t ahead = std::min<int64_t>(16, r1[half] - (r0[half] + next));
+      if (ahead > 0) amx::prefetch_slice(w + (r0[half] + next) * ldw, ahead * ldw, b, blocks);
       for (int i = 0; i < 16; ++i) {
-        const __m512i v = r0 + i < n1 ? block_pairs<F>(w + (r0 + i) * ldw + b * F::kBytes) : _mm512_setzero_si512();
+        const int64_t r = r0[half] + i;
+        const __m512i v = r < r1[half] ? block_pairs<F>(w + r * ldw + b * F::kBytes) : _mm512_setzero_si512();
         _mm512_store_si512(rowbuf[i], v);
       }
       const uint8_t* rows[16];
@@ -105,24 +106,45 @@ inline void store(int c, float* y, int64_t N, int64_t T, int64_t t, int64_t n, i
   for (int64_t i = 0; i < rows; ++i) std::memcpy(y + (t + i) * N + n, buf + 16 * i, 4 * cols);
 }
 
+// The plain product's outputs: a panel is 32 consecutive weight rows, its four C tiles go to y [T, N].
+struct Plain {
+  float* y;
+  int64_t N, T, n1;  // y's width, its rows, the end of the call's columns
+  static constexpr int64_t kCols = 32;  // output columns per panel
+  void halves(int64_t n, int64_t r0[2], int64_t r1[2]) const { r0[0] = n, r0[1] = n + 16, r1[0] = r1[1] = n1; }
+  void finish(int64_t t, int64_t n) const {
+    store(0, y, N, T, t, n, n1);
+    store(1, y, N, T, t, n + 16, n1);
+    store(2, y, N, T, t + 16, n, n1);
+    store(3, y, N, T, t + 16, n + 16, n1);
+  }
+};
+
 constexpr int64_t kRunBlocks = 9;          // blocks per run: 18 KB of a token pair's activations
 constexpr int64_t kPackedBytes = 1 << 20;  // a call's dequantized panels at most (see panels_per_call)
 
 // The most panels of 32 weight rows one call of `rows` should take for K.
 inline int64_t panels_per_call(int64_t K) { return std::max<int64_t>(1, kPackedBytes / (K / 32 * 2048)); }
 
-// Output columns [n0, n1) of every activation row (`xb`: pack_x_rows' copy of all T rows).
-template <class F>
-void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+// Output columns [n0, n1) of every activation row (`xb`: pack_x_rows' copy of all T rows), Out::kCols a
+// panel; `out` says which weight rows a panel's halves hold (`halves`) and takes its finished tiles
+// (`finish`: C tiles 0-3 are tokens t.. x half 0, t.. x half 1, t + 16.. x half 0, t + 16.. x half 1).
+template <class F, class Out>
+void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, const Out& out) {
   const int64_t blocks = K / 32, ldw = blocks * F::kBytes, Tp = padded_rows(T);
-  const int64_t panels = (n1 - n0 + 31) / 32, psz = blocks * 512;  // a panel's uint32s, a token tile's uint16s
+  const int64_t panels = (n1 - n0 + Out::kCols - 1) / Out::kCols;
+  const int64_t psz = blocks * 512;  // a panel's uint32s, a token tile's uint16s
   const int64_t runs = (blocks + kRunBlocks - 1) / kRunBlocks, run = (blocks + runs - 1) / runs;
   thread_local aligned::vector<uint32_t> panelbuf;
   thread_local aligned::vector<float> setaside;  // each panel's 4 accumulators between runs
   panelbuf.resize(panels * psz);
   if (runs > 1) setaside.resize(panels * 1024);
   uint32_t* packed = panelbuf.data();
-  for (int64_t p = 0; p < panels; ++p) pack_panel<F>(w, ldw, blocks, n0 + 32 * p, n1, packed + p * psz);
+  for (int64_t p = 0; p < panels; ++p) {
+    int64_t r0[2], r1[2];
+    out.halves(n0 + Out::kCols * p, r0, r1);
+    pack_panel<F>(w, ldw, blocks, r0, r1, Out::kCols, packed + p * psz);
+  }
   configure();
   for (int64_t t = 0; t < Tp; t += 32) {
     const uint16_t* a0 = xb + (t / 16) * psz;  // token tiles t / 16 and t / 16 + 1
@@ -160,11 +182,7 @@ void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0
           _tile_stored(3, c + 768, 64);
           continue;
         }
-        const int64_t n = n0 + 32 * p;
-        store(0, y, N, T, t, n, n1);
-        store(1, y, N, T, t, n + 16, n1);
-        store(2, y, N, T, t + 16, n, n1);
-        store(3, y, N, T, t + 16, n + 16, n1);
+        out.finish(t, n0 + Out::kCols * p);
       }
     }
   }

@@ -534,9 +534,30 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   }, T <= kHotRows);
 }
 
+#if PARROT_AMX_BF16
+// Rows asked for in bf16 on AMX's tiles (amxbf16::rows): the threads first make x's bfloat16 copy together,
+// a pair of token tiles at a time, then take chunks of whole panels of the `ncols` output columns, about
+// four a thread; `out(n1)` is the output policy of a chunk ending at column n1 (amxbf16::Plain, SwigluOut).
+template <int Q, class MakeOut>
+void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t ncols,
+              MakeOut out) {
+  constexpr int64_t kCols = decltype(out(int64_t{0}))::kCols;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t cols = kCols * std::min(std::max<int64_t>(1, ncols / (kCols * threads * 4)), amxbf16::panels_per_call(K));
+  const int64_t Tp = amxbf16::padded_rows(T);
+  thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
+  packed.resize(Tp * K);
+  uint16_t* xb = packed.data();
+  parallel_chunks(pool, Tp / 32, [&](int64_t c) { amxbf16::pack_x_rows(x, T, K, 32 * c, 32 * c + 32, xb); });
+  parallel_chunks(pool, (ncols + cols - 1) / cols, [&](int64_t c) {
+    const int64_t n1 = std::min(ncols, (c + 1) * cols);
+    amxbf16::rows<Format<Q>>(xb, T, K, w, c * cols, n1, out(n1));
+  });
+}
+#endif
+
 // The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): chunks of whole panels of weight
-// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn. On the tiles, the threads first make x's
-// bfloat16 copy together, a pair of token tiles at a time.
+// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn.
 template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
@@ -544,18 +565,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
   // about four chunks a thread, each of whole panels
   auto chunk = [&](int64_t panel) { return panel * std::max<int64_t>(1, N / (panel * threads * 4)); };
 #if PARROT_AMX_BF16
-  if (how == kFillAmxTiles) {
-    const int64_t cols = std::min(chunk(32), 32 * amxbf16::panels_per_call(K));
-    const int64_t Tp = amxbf16::padded_rows(T);
-    thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
-    packed.resize(Tp * K);
-    uint16_t* xb = packed.data();
-    parallel_chunks(pool, Tp / 32, [&](int64_t c) { amxbf16::pack_x_rows(x, T, K, 32 * c, 32 * c + 32, xb); });
-    parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
-      amxbf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
-    });
-    return;
-  }
+  if (how == kFillAmxTiles) return amx_fill<Q>(pool, x, T, K, w, N, [&](int64_t n1) { return amxbf16::Plain{y, N, T, n1}; });
 #endif
 #if PARROT_AVX512_BF16
   const int64_t cols = chunk(16 * avx512bf16::kPanels);
@@ -625,8 +635,14 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
 
 // `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
 // generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
+template <int Q>
+void qmatmul_swiglu(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
+                    const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs);
+
+// `swiglu`: y [T, N / 2] is silu(gate) * up of the product (qmatmul_swiglu); else y [T, N] is the product.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
-                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs,
+                       int32_t swiglu) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
@@ -639,6 +655,10 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (wd[1] != blocks * bytes) return ffi::Error::InvalidArgument("qmatmul: weight row size does not match K");
   if (fill.element_count() != static_cast<size_t>(T))
     return ffi::Error::InvalidArgument("qmatmul: fill must hold one flag per row of x");
+  auto yd = y->dimensions();
+  if (swiglu && N % 2) return ffi::Error::InvalidArgument("qmatmul: a fused gate|up matrix has an even number of rows");
+  if (yd.size() != 2 || yd[0] != T || yd[1] != (swiglu ? N / 2 : N))
+    return ffi::Error::InvalidArgument("qmatmul: y must be [T, N] ([T, N / 2] with swiglu)");
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
@@ -649,10 +669,15 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     if (g_tiled.load(std::memory_order_relaxed)) tp = wt.typed_data();
   }
   float* yp = y->typed_data();
+  auto run = [&](auto q) {
+    constexpr int Q = decltype(q)::value;
+    if (swiglu) qmatmul_swiglu<Q>(pool, xp, fp, T, K, wp, tp, yp, N, limbs);
+    else qmatmul_rows_of_kind<Q>(pool, xp, fp, T, K, wp, tp, yp, N, limbs);
+  };
   switch (qtype) {
-    case kQ8_0: qmatmul_rows_of_kind<kQ8_0>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
-    case kQ4_0: qmatmul_rows_of_kind<kQ4_0>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
-    default: qmatmul_rows_of_kind<kQ4_1>(pool, xp, fp, T, K, wp, tp, yp, N, limbs); break;
+    case kQ8_0: run(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ4_0: run(std::integral_constant<int, kQ4_0>{}); break;
+    default: run(std::integral_constant<int, kQ4_1>{}); break;
   }
   return ffi::Error::Success();
 }
@@ -709,6 +734,79 @@ inline V vexp(V x) {
   return x;
 }
 inline __m256 exp256(__m256 x) { return vexp(x); }
+
+// ---- silu(gate) * up of the fused gate|up product ----------------------------------------------------
+// out[j] = silu(g[j]) u[j] = g[j] / (1 + exp(-g[j])) u[j] for n values, eight lanes at a time (a short tail
+// through a buffer: every element by the same operations wherever it falls).
+inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  auto eight = [](__m256 gv, __m256 uv) {
+    const __m256 e = vexp(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)), uv);
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, eight(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+  if (j < n) {
+    alignas(32) float gb[8] = {}, ub[8] = {}, ob[8];
+    std::memcpy(gb, g + j, 4 * (n - j));
+    std::memcpy(ub, u + j, 4 * (n - j));
+    _mm256_store_ps(ob, eight(_mm256_load_ps(gb), _mm256_load_ps(ub)));
+    std::memcpy(out + j, ob, 4 * (n - j));
+  }
+}
+
+#if PARROT_AMX_BF16
+// The fused product's outputs on AMX's tiles: a panel holds 16 gate rows and the up rows of the same
+// columns (f further on), and its tiles go through silu_mul to out [T, f]: the gate|up product itself is
+// never written.
+struct SwigluOut {
+  float* out;
+  int64_t f, T, n1;  // out's width (the gate's rows), its rows, the end of the call's columns
+  static constexpr int64_t kCols = 16;
+  void halves(int64_t n, int64_t r0[2], int64_t r1[2]) const { r0[0] = n, r0[1] = f + n, r1[0] = n1, r1[1] = f + n1; }
+  void finish(int64_t t, int64_t n) const {
+    alignas(64) float g[256], u[256];
+    const int64_t cols = std::min<int64_t>(16, n1 - n);
+    for (int half = 0; half < 2; ++half) {  // tokens t.. (tiles 0, 1), then t + 16.. (tiles 2, 3)
+      const int64_t t0 = t + 16 * half;
+      if (t0 >= T) return;
+      amxbf16::tile_store(2 * half, g, 64);
+      amxbf16::tile_store(2 * half + 1, u, 64);
+      for (int64_t i = 0; i < std::min<int64_t>(16, T - t0); ++i)
+        silu_mul(g + 16 * i, u + 16 * i, out + (t0 + i) * f + n, cols);
+    }
+  }
+};
+#endif
+
+// y [T, N / 2] = silu(gate) * up of x times a fused gate|up matrix (W's first N / 2 rows the gate's, the
+// rest the up's). Where every row is a prompt's and AMX's bf16 tiles multiply them, in the tiles'
+// epilogue (SwigluOut); otherwise the product as parrot_qmatmul computes it, into a scratch, then silu_mul:
+// the same function of the same products either way.
+template <int Q>
+void qmatmul_swiglu(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
+                    const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs) {
+  const int64_t f = N / 2;
+#if PARROT_AMX_BF16
+  if (fill_path() == kFillAmxTiles) {
+    int64_t rows = T;  // the trailing padding rows (fill < 0) are not computed: zeros
+    while (rows > 0 && fill[rows - 1] < 0) --rows;
+    bool prompts = rows > 0;
+    for (int64_t t = 0; t < rows && prompts; ++t) prompts = fill[t] > 0;
+    if (prompts) {
+      if (rows < T) std::memset(y + rows * f, 0, sizeof(float) * (T - rows) * f);
+      amx_fill<Q>(pool, x, rows, K, w, f, [&](int64_t n1) { return SwigluOut{y, f, rows, n1}; });
+      return;
+    }
+  }
+#endif
+  thread_local aligned::vector<float> full;  // the caller's; helpers read it until every chunk is done
+  full.resize(T * N);
+  float* yf = full.data();
+  qmatmul_rows_of_kind<Q>(pool, x, fill, T, K, w, wt, yf, N, limbs);
+  parallel_chunks(pool, (T + 7) / 8, [&](int64_t c) {
+    for (int64_t t = 8 * c; t < std::min(T, 8 * c + 8); ++t) silu_mul(yf + t * N, yf + t * N + f, y + t * f, f);
+  }, T <= kHotRows);
+}
 
 // eight KV elements as float32: float32 as they are, bfloat16 (stored as uint16) widened exactly
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1220,14 +1318,14 @@ ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands,
 // parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
 ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
-                           int32_t qtype, int32_t limbs) {
+                           int32_t qtype, int32_t limbs, int32_t swiglu) {
   auto i = picked_layer(layer, rest.size(), 2);
   if (!i.has_value()) return i.error();
   const size_t n = rest.size() / 2;
   auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
   auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
   if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
-  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs);
+  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs, swiglu);
 }
 
 // parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
@@ -1362,7 +1460,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs"));
+                                  .Attr<int32_t>("limbs")
+                                  .Attr<int32_t>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
@@ -1389,7 +1488,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
                                   .RemainingArgs()               // L weights, then L tiled copies
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
-                                  .Attr<int32_t>("limbs"));
+                                  .Attr<int32_t>("limbs")
+                                  .Attr<int32_t>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                               ffi::Ffi::Bind()

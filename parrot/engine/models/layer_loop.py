@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from parrot.engine import kernels, quant
 from parrot.engine.attention import in_place
 from parrot.engine.batch import ForwardBatch
-from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm, swiglu
+from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm
 
 _MATRICES = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
@@ -74,8 +74,9 @@ class LayerLoop:
         fill = batch.fill_rows if bf16 else jnp.minimum(batch.fill_rows, 0)  # as quant.linear
         limbs = 2 if bf16 else 3
 
-        def project(i: jax.Array, h: jax.Array, m: int) -> jax.Array:
-            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs).astype(h.dtype)
+        def project(i: jax.Array, h: jax.Array, m: int, swiglu: bool = False) -> jax.Array:
+            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs,
+                                        swiglu).astype(h.dtype)
 
         def layer(i: jax.Array, carry: tuple) -> tuple:
             x, ks, vs = carry
@@ -88,7 +89,7 @@ class LayerLoop:
                                           batch.prefix_pages, batch.prefix_len, batch.in_prefix,
                                           cfg.head_dim**-0.5, bf16).astype(q.dtype)
             x = x + project(i, o.reshape(x.shape[0], -1), 1)
-            x = x + project(i, swiglu(project(i, rms_norm(x, ffn_norms[i], cfg.rms_eps), 2)), 3)
+            x = x + project(i, project(i, rms_norm(x, ffn_norms[i], cfg.rms_eps), 2, swiglu=True), 3)
             return x, ks, vs
 
         x, ks, vs = jax.lax.fori_loop(0, len(layers), layer, (x, list(ks), list(vs)))

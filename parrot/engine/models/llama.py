@@ -238,8 +238,12 @@ class MLP(nnx.Module):
         self.w_gate_up_t, self.w_down_t = _tiled(gate_up, tp == 1), _tiled(w["w_down"], tp == 1)
 
     def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
-        gu = project(x, self.w_gate_up[...], self.w_gate_up_q, self.qdtype, fill, _value(self.w_gate_up_t))
-        return row_project(swiglu(gu), self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+        w, qtype, tiled = self.w_gate_up[...], self.w_gate_up_q, _value(self.w_gate_up_t)
+        if qtype is not None and quant.native(x.shape[0]):  # silu(gate) * up in the native product
+            h = quant.linear(x, w, qtype, self.qdtype, fill, tiled, swiglu=True)
+        else:
+            h = swiglu(project(x, w, qtype, self.qdtype, fill, tiled))
+        return row_project(h, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
                            _value(self.w_down_t))
 
 
