@@ -3,6 +3,7 @@
 in one run, the codes taking turns.
 
     python -m benchmarks.products [--rows 1 4 16 64] [--repeats 30] [--codes ...] [--weights-in huge xla]
+    python -m benchmarks.products --prompt [--rows 128 512] [--repeats 9]
 
 Codes: "avx2 float32" (the AVX2 code with the dequantized weights: `use_avx2_int8(False)`), "avx2 int8" (its
 integer sums from the tiled weights, kernels/avx2_int8.h), and where the CPU has them "avx512-vnni" and
@@ -11,6 +12,11 @@ come from memory, not the cache). Prints the median microseconds per matrix and 
 first, with the CPU's name and the machine's floors; writes JSON. `--weights-in huge xla` measures each
 code with the matrices in huge pages (parrot.engine.huge_pages, as the engine places them) and in XLA's
 own memory, in turns.
+
+`--prompt`: a prompt step's rows instead (fill rows, in bfloat16 where the CPU multiplies them so), on the
+prompt shapes (QKV, O, gate|up, gate|up with silu(gate) * up out of the product as the model asks for it,
+down). Codes: "integer" (the bf16 products switched off: the best integer code on 2 limbs), and where the
+CPU has them "avx512-bf16" and "amx-bf16".
 """
 
 from __future__ import annotations
@@ -18,30 +24,41 @@ from __future__ import annotations
 import argparse
 import time
 
-SHAPES = {  # name: (block type, N, K) of SmolLM2-135M's matrices
-    "gate|up q4_1 3072x576": ("q4_1", 3072, 576),
-    "down q4_1 576x1536": ("q4_1", 576, 1536),
-    "head part q8_0 8192x576": ("q8_0", 8192, 576),
+SHAPES = {  # name: (block type, N, K, silu(gate) * up) of SmolLM2-135M's matrices
+    "gate|up q4_1 3072x576": ("q4_1", 3072, 576, False),
+    "down q4_1 576x1536": ("q4_1", 576, 1536, False),
+    "head part q8_0 8192x576": ("q8_0", 8192, 576, False),
 }
+PROMPT_SHAPES = {
+    "qkv q4_1 960x576": ("q4_1", 960, 576, False),
+    "o q4_1 576x576": ("q4_1", 576, 576, False),
+    "gate|up q4_1 3072x576": ("q4_1", 3072, 576, False),
+    "gate|up+silu q4_1 3072x576": ("q4_1", 3072, 576, True),
+    "down q4_1 576x1536": ("q4_1", 576, 1536, False),
+}
+PROMPT_CODES = {"integer": None, "avx512-bf16": "avx512-vnni", "amx-bf16": "amx-int8"}  # code: its matmul path
 LAYERS = 30
 
 
-def _chain(qtype: str):  # noqa: ANN202
-    """Every matrix of `mats` times x in turn, each call waiting on the one before (as a step's layers)."""
+def _chain(qtype: str, prompt: bool = False, swiglu: bool = False):  # noqa: ANN202
+    """Every matrix of `mats` times x in turn, each call waiting on the one before (as a step's layers):
+    generated rows, or (`prompt`) a prompt's."""
     import jax.numpy as jnp
 
     from parrot.engine import kernels
 
     def f(x, mats):  # noqa: ANN001, ANN202
         acc = jnp.zeros((), jnp.float32)
+        fill = jnp.full(x.shape[0], 1 if prompt else 0, jnp.int32)
         for d, t in mats:
-            acc = acc + kernels.qmatmul(x + acc * 0, d, qtype, jnp.zeros(x.shape[0], jnp.int32), 2, t)[0, 0]
+            acc = acc + kernels.qmatmul(x + acc * 0, d, qtype, fill, 2, t, swiglu)[0, 0]
         return acc
 
     return f
 
 
-def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: list[str] | None = None) -> dict:
+def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: list[str] | None = None,
+        prompt: bool = False) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -53,6 +70,9 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
     if not kernels.available():
         raise SystemExit(f"the native kernels are unavailable: {kernels.unavailable_reason()}")
     have = ["avx2 float32", "avx2 int8"] + [p for p in kernels.matmul_paths() if p != "avx2"]
+    if prompt:
+        have = ["integer"] + [c for c, p in PROMPT_CODES.items()
+                              if p in kernels.matmul_paths() and (c != "amx-bf16" or kernels.bf16_tiles())]
     codes = [c for c in have if codes is None or c in codes]
     places = places or ["huge"]
     configs = [f"{c}, {p}" if len(places) > 1 else c for c in codes for p in places]
@@ -60,6 +80,10 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
 
     def select(config: str) -> None:
         code = config.split(",")[0]
+        if prompt:
+            kernels.use_matmul(PROMPT_CODES[code] or before)
+            kernels.use_bf16_fills(code != "integer")
+            return
         kernels.use_matmul(code.split()[0])
         kernels.use_avx2_int8(code != "avx2 float32")
 
@@ -68,8 +92,8 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
 
     rng = np.random.default_rng(0)
     result: dict = {"machine": procinfo.cpu_name(), "jax": jax.__version__, "codes": configs, "rows": rows,
-                    "layers": LAYERS, "huge_pages": huge_pages.enabled(), "us_per_matrix": {}}
-    for shape, (qtype, n, k) in SHAPES.items():
+                    "layers": LAYERS, "huge_pages": huge_pages.enabled(), "prompt": prompt, "us_per_matrix": {}}
+    for shape, (qtype, n, k, swiglu) in (PROMPT_SHAPES if prompt else SHAPES).items():
         one = quant.quantize((rng.standard_normal((k, n)) * 0.05).astype(np.float32), qtype)
         mats: dict[str, list] = {p: [] for p in places}
         for i in range(LAYERS):  # the same values, 30 copies in memory
@@ -78,7 +102,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
             for p in places:
                 mats[p].append((put(data, p), put(tiled, p)))
 
-        f = jax.jit(_chain(qtype))
+        f = jax.jit(_chain(qtype, prompt, swiglu))
 
         result["us_per_matrix"][shape] = {}
         for r in rows:
@@ -99,6 +123,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
             result["us_per_matrix"][shape][r] = {c: float(np.median(v)) for c, v in times.items()}
     kernels.use_matmul(before)
     kernels.use_avx2_int8(True)
+    kernels.use_bf16_fills(True)
     result["floors"] = measure()
     return result
 
@@ -111,24 +136,26 @@ def report(r: dict) -> str:
     for shape, by_rows in r["us_per_matrix"].items():
         for rows, us in by_rows.items():
             cells = "  ".join(f"{c} {t:8.1f} us ({us[first] / t:4.2f}x)" for c, t in us.items())
-            lines.append(f"{shape:24s} {rows:>3} rows: {cells}")
+            lines.append(f"{shape:26s} {rows:>3} rows: {cells}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="default: 1 4 16 64 (--prompt: 128 512)")
+    ap.add_argument("--repeats", type=int, default=None, help="default: 30 (--prompt: 9)")
+    ap.add_argument("--prompt", action="store_true", help="a prompt step's rows, in bfloat16 where the CPU can")
     ap.add_argument("--codes", nargs="+", default=None,
                     help="the codes to measure (default: every one this CPU has): 'avx2 float32', 'avx2 int8', "
-                         "avx512-vnni, amx-int8")
+                         "avx512-vnni, amx-int8 (--prompt: integer, avx512-bf16, amx-bf16)")
     ap.add_argument("--weights-in", nargs="+", default=["huge"], choices=["huge", "xla"],
                     help="where the matrices lie: huge pages (as the engine places them) or XLA's memory")
     ap.add_argument("--out", default="benchmarks/results/products.json")
     args = ap.parse_args()
     from benchmarks.report import write_json
 
-    r = run(args.rows, args.repeats, args.codes, args.weights_in)
+    rows = args.rows or ([128, 512] if args.prompt else [1, 4, 16, 64])
+    r = run(rows, args.repeats or (9 if args.prompt else 30), args.codes, args.weights_in, args.prompt)
     print(report(r))
     write_json(r, args.out)
 
