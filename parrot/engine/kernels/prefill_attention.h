@@ -641,12 +641,13 @@ struct PrefillTiles {
   alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
   alignas(64) uint32_t pt[256];   // its probabilities, [16 pairs of keys][16 rows]
   alignas(64) float corr[16];     // its rescaling factors
-  alignas(64) float pv[256];      // a P x V tile
+  alignas(64) float pv[512];      // two P x V tiles
 };
 
 inline void prefill_tiles_configure() {
-  amx::TileConfig cfg;  // tmm0, tmm1 scores (two halves), tmm2 keys, tmm3 queries, tmm4 values, tmm5 P, tmm6 P x V
-  for (int t = 0; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // tmm0, tmm1 scores (two halves), tmm2 keys (and values), tmm3 queries, tmm4 values, tmm5 P, tmm6-7 P x V
+  amx::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   asm volatile("" : : "r"(&cfg) : "memory");  // see amx::configure
   _tile_loadconfig(&cfg);
 }
@@ -695,7 +696,7 @@ inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t grou
   const uint16_t* keys[2];
   prefill_tile_operands(t, kb, vb, pages, npos, S, D, l0, cnt, keys);
   const int64_t pairs = D / 2;
-  for (int64_t g = 0; g < groups; ++g) {
+  auto scores = [&](int64_t g) {  // group g's scores into tmm0 (keys 0-15) and tmm1 (keys 16-31)
     const uint32_t* qt = t.qt.data() + g * pairs * 16;
     _tile_zero(0);
     _tile_zero(1);
@@ -706,19 +707,27 @@ inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t grou
       _tile_loadd(2, keys[1] + 32 * c, D * 2);
       _tile_dpbf16ps(1, 2, 3);
     }
+  };
+  if (groups > 0) scores(0);
+  for (int64_t g = 0; g < groups; ++g) {
     _tile_stored(0, t.sc, 64);
     _tile_stored(1, t.sc + 256, 64);
+    if (g + 1 < groups) scores(g + 1);  // the tile unit's work during this group's softmax
     if (!prefill_lane_softmax(s, t.sc, g, l0, t.corr, t.pt)) continue;
     const __m512 corr = _mm512_load_ps(t.corr);
     const bool rescale = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
     _tile_loadd(5, t.pt, 64);
     float* o = t.ot.data() + g * D * 16;
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 32 dimensions at a time: two products in flight
       _tile_zero(6);
+      _tile_zero(7);
       _tile_loadd(4, t.vt.data() + d0 * 16, 64);
       _tile_dpbf16ps(6, 4, 5);
+      _tile_loadd(2, t.vt.data() + (d0 + 16) * 16, 64);
+      _tile_dpbf16ps(7, 2, 5);
       _tile_stored(6, t.pv, 64);
-      for (int i = 0; i < 16; ++i) {
+      _tile_stored(7, t.pv + 256, 64);
+      for (int i = 0; i < 32; ++i) {
         float* od = o + (d0 + i) * 16;
         const __m512 c = _mm512_load_ps(t.pv + 16 * i);
         _mm512_store_ps(od, rescale ? _mm512_fmadd_ps(_mm512_load_ps(od), corr, c) : _mm512_add_ps(_mm512_load_ps(od), c));
