@@ -389,6 +389,23 @@ inline void block_rows(const uint16_t* kb, const uint16_t* vb, const int32_t* pa
   }
 }
 
+// Each half of a block's 32 keys (`krow`, null past the block's end) as 16 rows of D: in place where they
+// are one run of rows in a page, else copied to `kz` ([32][D], zeros for null rows).
+inline void block_keys(const uint16_t* const krow[32], int64_t D, uint16_t* kz, const uint16_t* keys[2]) {
+  for (int h = 0; h < 2; ++h) {
+    bool run = krow[16 * h] != nullptr;
+    for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
+    if (run) {
+      keys[h] = krow[16 * h];
+      continue;
+    }
+    uint16_t* dst = kz + h * 16 * D;
+    for (int k = 0; k < 16; ++k)
+      for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
+    keys[h] = dst;
+  }
+}
+
 #endif
 
 #if PARROT_AVX512_BF16
@@ -542,18 +559,7 @@ inline void prefill_block_operands(const uint16_t* kb, const uint16_t* vb, const
       _mm512_store_si512(v, _mm512_unpacklo_epi16(a, b));
       _mm512_store_si512(v + 1, _mm512_unpackhi_epi16(a, b));
     }
-  for (int h = 0; h < 2; ++h) {
-    bool run = krow[16 * h] != nullptr;
-    for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
-    if (run) {
-      keys[h] = krow[16 * h];
-      continue;
-    }
-    uint16_t* dst = kz + h * 16 * D;
-    for (int k = 0; k < 16; ++k)
-      for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
-    keys[h] = dst;
-  }
+  block_keys(krow, D, kz, keys);
 }
 
 inline void prefill_group_scores(const uint32_t* qt, const uint16_t* const keys[2], int64_t D, float* sc) {
@@ -660,18 +666,7 @@ inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uin
   const uint16_t* krow[32];
   const uint16_t* vrow[32];
   block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
-  for (int h = 0; h < 2; ++h) {
-    bool run = krow[16 * h] != nullptr;
-    for (int k = 1; k < 16 && run; ++k) run = krow[16 * h + k] == krow[16 * h] + k * D;
-    if (run) {
-      keys[h] = krow[16 * h];
-      continue;
-    }
-    uint16_t* dst = t.kz.data() + h * 16 * D;
-    for (int k = 0; k < 16; ++k)
-      for (int64_t i = 0; i < D; ++i) dst[k * D + i] = krow[16 * h + k] ? krow[16 * h + k][i] : 0;
-    keys[h] = dst;
-  }
+  block_keys(krow, D, t.kz.data(), keys);
   // vt[d][p] = (v[2p][d], v[2p + 1][d]): per 16 dimensions, the keys' pairs interleaved, then transposed
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512i r[16];
