@@ -672,12 +672,12 @@ int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t
   return -1;
 }
 
-// `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
-// generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 template <int Q>
 void qmatmul_swiglu(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
                     const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs);
 
+// `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
+// generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 // `swiglu`: y [T, N / 2] is silu(gate) * up of the product (qmatmul_swiglu); else y [T, N] is the product.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
                        ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs,
