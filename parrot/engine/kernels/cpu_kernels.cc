@@ -571,6 +571,13 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   }, T <= kHotRows);
 }
 
+// The output columns of one chunk of a bf16 product call: whole panels of `panel` columns, about four
+// chunks a thread, at most `most` panels.
+inline int64_t chunk_cols(ffi::ThreadPool& pool, int64_t ncols, int64_t panel, int64_t most = INT64_MAX) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  return panel * std::min(std::max<int64_t>(1, ncols / (panel * threads * 4)), most);
+}
+
 #if PARROT_AMX_BF16
 // Rows asked for in bf16 on AMX's tiles (amxbf16::rows): the threads first make x's bfloat16 copy together,
 // a pair of token tiles at a time, then take chunks of whole panels of the `ncols` output columns, about
@@ -579,9 +586,7 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
 template <int Q, class MakeOut>
 void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t ncols,
               MakeOut out) {
-  constexpr int64_t kCols = decltype(out(int64_t{0}))::kCols;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t cols = kCols * std::min(std::max<int64_t>(1, ncols / (kCols * threads * 4)), amxbf16::panels_per_call(K));
+  const int64_t cols = chunk_cols(pool, ncols, decltype(out(int64_t{0}))::kCols, amxbf16::panels_per_call(K));
   const int64_t Tp = amxbf16::padded_rows(T);
   thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
   packed.resize(Tp * K);
@@ -600,14 +605,11 @@ void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const
 template <int Q>
 void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
                   int64_t N) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // about four chunks a thread, each of whole panels
-  auto chunk = [&](int64_t panel) { return panel * std::max<int64_t>(1, N / (panel * threads * 4)); };
 #if PARROT_AMX_BF16
   if (how == kFillAmxTiles) return amx_fill<Q>(pool, x, T, K, w, N, [&](int64_t n1) { return amxbf16::Plain{y, N, T, n1}; });
 #endif
 #if PARROT_AVX512_BF16
-  const int64_t cols = chunk(16 * avx512bf16::kPanels);
+  const int64_t cols = chunk_cols(pool, N, 16 * avx512bf16::kPanels);
   thread_local aligned::vector<uint32_t> pairs;  // the caller's; helpers read it until every chunk is done
   avx512bf16::pack_x(x, T, K, pairs);
   const uint32_t* xb = pairs.data();
@@ -615,7 +617,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
     avx512bf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
   });
 #else
-  (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N, (void)chunk;
+  (void)pool, (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N;
 #endif
 }
 
