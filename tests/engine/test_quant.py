@@ -311,7 +311,8 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
 @pytest.mark.parametrize("limbs", [2, 3])
 def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs: int) -> None:
     """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
-    row the bits its GGUF rows give: any number of rows (tiled below 64, tokens in lanes from there), a
+    row the bits its GGUF rows give: any number of rows (VNNI: tiled below 64, tokens in lanes from there;
+    AMX: the tiles from the tiled copy from 16 rows, from the GGUF rows above 16 without it), a
     last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
     activations; on every code, the AVX2 code's generated rows on 2 limbs included."""
     q = quant.quantize(_random(576, 200), qtype)
@@ -321,7 +322,7 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
     assert tiled.nbytes == q.data.nbytes + (16 - 200 % 16) * q.data.shape[1]  # the last tile padded to 16 rows
     d, t = jnp.asarray(q.data), jnp.asarray(tiled)
     f = jax.jit(lambda x, d, fill, t: kernels.qmatmul(x, d, qtype, fill, limbs, t))
-    for rows in [1, 2, 5, 16, 17, 33, 63, 64, 70]:
+    for rows in [1, 2, 5, 15, 16, 17, 32, 33, 63, 64, 70, 130]:
         x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
         x[0, 64:96] = 1e-35
         if rows > 2:

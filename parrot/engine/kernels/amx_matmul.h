@@ -1,11 +1,16 @@
 // The block-quantized product on Intel AMX's integer tiles for many activation rows, and on AVX-512 VNNI
-// (vnni_matmul.h) for up to kVnniRows, for CPUs with AMX-INT8. Included by cpu_kernels.cc; see
-// parrot_qmatmul there for the operands, and vnni_matmul.h for the numbers: the tiles compute the same
-// exact integer sums and the same float32 steps, so a row's result is the same bits on either path.
+// (vnni_matmul.h) for fewer, for CPUs with AMX-INT8. Included by cpu_kernels.cc; see parrot_qmatmul there
+// for the operands, and vnni_matmul.h for the numbers: the tiles compute the same exact integer sums and
+// the same float32 steps, so a row's result is the same bits on any path.
 //
-// Tiles. A: 16 weight rows x one block (32 bytes; Q8_0 read in place at the row stride, Q4's nibbles
-// unpacked to bytes); B: a token tile's limb l for the block, [8 groups of 4 weights, tn tokens x 4 bytes];
-// C: three int32 tiles [16 weight rows, tn tokens], one per limb.
+// Two tile paths:
+// - `rows`, from the GGUF rows: A 16 weight rows x one block (32 bytes; Q8_0 read in place at the row
+//   stride, Q4's nibbles unpacked to bytes); B a token tile's limb l for the block, [8 groups of 4
+//   weights, tn tokens x 4 bytes]; C an int32 tile [16 weight rows, tn tokens] per limb. Rows of
+//   prompt tokens in integers, and generated rows where no tiled copy is given.
+// - `tiled_rows`, from the weights' copy tiled for the lanes (tiled_rows.h): B the block's 16 weight rows
+//   as that copy holds them, A a limb of tn tokens, C [tn tokens, 16 weight rows]; no transposing or
+//   gathering of weights, outputs stored 16 columns at a time. The decode steps' products from 16 rows.
 #pragma once
 
 #include <immintrin.h>
@@ -49,55 +54,79 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0, tmm3, tmm4: C per limb [16 weight rows, tn tokens] int32; tmm1: A [16 weight rows, 32 bytes];
-// tmm2: B [8 groups of 4 weights, tn tokens x 4 bytes]. Loaded by every call on its own thread: the
-// configuration is per thread, and other libraries (oneDNN) set their own on the same threads.
+// Two blocks in flight, so that one block's stores overlap the next one's products: block j uses set j % 2.
+// Set 0: A tmm1, B tmm2, C per limb tmm0, tmm3 (and tmm4 for a third limb); set 1 (2 limbs only): A tmm6,
+// B tmm7, C tmm4, tmm5. C: [16 weight rows, tn tokens] int32; A: [16 weight rows, 32 bytes]; B: [8 groups
+// of 4 weights, tn tokens x 4 bytes]. Loaded by every call on its own thread: the configuration is per
+// thread, and other libraries (oneDNN) set their own on the same threads.
 inline void configure(int tn) {
   TileConfig cfg;
-  for (int t : {0, 3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * tn);
-  cfg.rows[1] = 16, cfg.colsb[1] = 32;
-  cfg.rows[2] = 8, cfg.colsb[2] = static_cast<uint16_t>(4 * tn);
+  for (int t : {0, 3, 4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * tn);
+  for (int t : {1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  for (int t : {2, 7}) cfg.rows[t] = 8, cfg.colsb[t] = static_cast<uint16_t>(4 * tn);
   asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not see ldtilecfg read `cfg`: keep its stores
   _tile_loadconfig(&cfg);
 }
 
-template <bool kSigned>
-inline void tile_products(const uint32_t* xt, int64_t tn, int limbs) {
-  _tile_zero(0);
-  _tile_zero(3);
-  _tile_zero(4);
-  _tile_loadd(2, xt, 4 * tn);
-  if constexpr (kSigned) _tile_dpbssd(0, 1, 2); else _tile_dpbusd(0, 1, 2);
-  _tile_loadd(2, xt + 8 * tn, 4 * tn);
-  if constexpr (kSigned) _tile_dpbssd(3, 1, 2); else _tile_dpbusd(3, 1, 2);
-  if (limbs == 2) return;  // the third limb is zero: its sums stay zero
-  _tile_loadd(2, xt + 16 * tn, 4 * tn);
-  if constexpr (kSigned) _tile_dpbssd(4, 1, 2); else _tile_dpbusd(4, 1, 2);
+// One block's limb sums for a token tile: A from `a` (row stride `lda`), B from `xt` (the block's limbs),
+// stored to c[limb] (16 x 16 int32 each), on tile set S (above).
+// (the tile intrinsics take the registers' numbers as literals)
+#define PARROT_AMX_DP(c, a, b) \
+  if constexpr (kSigned) _tile_dpbssd(c, a, b); else _tile_dpbusd(c, a, b)
+#define PARROT_AMX_BLOCK_SUMS(kA, kB, kC0, kC1)      \
+  _tile_loadd(kA, a, lda);                           \
+  _tile_zero(kC0);                                   \
+  _tile_zero(kC1);                                   \
+  _tile_loadd(kB, xt, 4 * tn);                       \
+  PARROT_AMX_DP(kC0, kA, kB);                        \
+  _tile_loadd(kB, xt + 8 * tn, 4 * tn);              \
+  PARROT_AMX_DP(kC1, kA, kB);                        \
+  if constexpr (LIMBS == 3) {                        \
+    _tile_zero(4);                                   \
+    _tile_loadd(kB, xt + 16 * tn, 4 * tn);           \
+    PARROT_AMX_DP(4, kA, kB);                        \
+    _tile_stored(4, c[LIMBS - 1], 64);               \
+  }                                                  \
+  _tile_stored(kC0, c[0], 64);                       \
+  _tile_stored(kC1, c[1], 64)
+
+template <bool kSigned, int LIMBS, int S>
+inline void block_sums(const uint8_t* a, int64_t lda, const uint32_t* xt, int64_t tn, int32_t (*c)[256]) {
+  static_assert(S == 0 || LIMBS == 2, "a third limb's C is set 1's");
+  if constexpr (S == 0) {
+    PARROT_AMX_BLOCK_SUMS(1, 2, 0, 3);
+  } else {
+    PARROT_AMX_BLOCK_SUMS(6, 7, 4, 5);
+  }
 }
+#undef PARROT_AMX_BLOCK_SUMS
+#undef PARROT_AMX_DP
 
 // Output columns [n0, n1) of every activation row, 16 weight rows at a time, in three phases over up to
 // kChunk blocks, so that no phase waits on memory the one before has just written: (1) the blocks' A
 // tiles (Q4 unpacked) and scales; (2) the tile unit stores each block's limb sums for a token tile;
-// (3) vector code adds them up in block order.
-template <class F>
-void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
-  if (!xp.for_tiles) return vnni::rows<F>(xp, w, n0, n1, y, N);
+// (3) vector code adds them up in block order, with block_tokens' float32 steps (2 limbs: 256 S0 + S1 in
+// int32, times d * 256 s; 3 limbs: limb_sum times d * s), so a row's result is the same bits as VNNI's.
+template <class F, int LIMBS>
+void rows_limbs(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, tn = xp.tn, T = xp.T;
   configure(static_cast<int>(tn));
   alignas(64) uint8_t A[kChunk][16 * 32];
-  alignas(64) int32_t C[kChunk][3][16 * 16];
+  alignas(64) int32_t C[kChunk][LIMBS][256];
   alignas(64) float dd[kChunk][16], mm[kChunk][16];
   std::memset(C, 0, sizeof(C));  // the columns past tn stay zero (a tile store writes tn of them)
   struct alignas(64) Row { float v[16]; };
   thread_local std::vector<Row> accbuf;  // [token tiles of the group][16 weight rows] x 16 tokens
   accbuf.resize(kTileGroup * 16);
   float* acc = accbuf.data()->v;
+  const float* tscale = LIMBS == 2 ? xp.scales256.data() : xp.scales.data();
   const __m512i offsets = row_offsets(ldw);
   for (int64_t g0 = 0; g0 < xp.tiles; g0 += kTileGroup) {
     const int64_t group = std::min(kTileGroup, xp.tiles - g0);
     for (int64_t n = n0; n < n1; n += 16) {
       const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
       const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+      const bool in_place = F::kSigned && rows_here == 16;  // Q8_0's bytes are A as they are
       std::memset(acc, 0, sizeof(float) * group * 256);
       for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
         const int64_t nb = std::min(kChunk, blocks - b0);
@@ -105,7 +134,7 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
           const uint8_t* blk = w + n * ldw + (b0 + j) * F::kBytes;
           if (n + 16 < n1) prefetch_slice(w + (n + 16) * ldw, 16 * ldw, b0 + j, blocks);
           if constexpr (F::kSigned) {  // read in place below, but for a partial tile
-            if (rows_here < 16) {
+            if (!in_place) {
               std::memset(A[j], 0, sizeof(A[j]));
               for (int i = 0; i < rows_here; ++i) std::memcpy(A[j] + 32 * i, blk + i * ldw + F::kQs, 32);
             }
@@ -124,21 +153,26 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
           const int64_t tt = g0 + gt;
           const uint32_t* xt = xp.b.data() + (tt * blocks + b0) * 3 * 8 * tn;
           for (int64_t j = 0; j < nb; ++j) {  // (2)
-            if (F::kSigned && rows_here == 16) _tile_loadd(1, w + n * ldw + (b0 + j) * F::kBytes + F::kQs, ldw);
-            else _tile_loadd(1, A[j], 32);
-            tile_products<F::kSigned>(xt + j * 3 * 8 * tn, tn, xp.limbs);
-            _tile_stored(0, C[j][0], 64);
-            _tile_stored(3, C[j][1], 64);
-            if (xp.limbs == 3) _tile_stored(4, C[j][2], 64);  // two limbs: C[j][2] stays zero (memset)
+            const uint8_t* a = in_place ? w + n * ldw + (b0 + j) * F::kBytes + F::kQs : A[j];
+            const int64_t lda = in_place ? ldw : 32;
+            if constexpr (LIMBS == 2) {
+              if (j % 2) {
+                block_sums<F::kSigned, LIMBS, 1>(a, lda, xt + j * 3 * 8 * tn, tn, C[j]);
+                continue;
+              }
+            }
+            block_sums<F::kSigned, LIMBS, 0>(a, lda, xt + j * 3 * 8 * tn, tn, C[j]);
           }
-          const float* sb = xp.scales.data() + (tt * blocks + b0) * 16;
+          const float* sb = tscale + (tt * blocks + b0) * 16;
           const float* xs = xp.sums.data() + (tt * blocks + b0) * 16;
           float* at = acc + gt * 256;
           for (int i = 0; i < 16; ++i) {  // (3)
             __m512 v = _mm512_load_ps(at + i * 16);
             for (int64_t j = 0; j < nb; ++j) {
-              const __m512 ls = limb_sum(_mm512_load_si512(C[j][0] + i * 16), _mm512_load_si512(C[j][1] + i * 16),
-                                         _mm512_load_si512(C[j][2] + i * 16));
+              const __m512i s0 = _mm512_load_si512(C[j][0] + i * 16), s1 = _mm512_load_si512(C[j][1] + i * 16);
+              __m512 ls;
+              if constexpr (LIMBS == 2) ls = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(s0, 8), s1));
+              else ls = limb_sum(s0, s1, _mm512_load_si512(C[j][2] + i * 16));
               v = _mm512_fmadd_ps(ls, _mm512_mul_ps(_mm512_set1_ps(dd[j][i]), _mm512_loadu_ps(sb + j * 16)), v);
               if constexpr (F::kMin != 0) v = _mm512_fmadd_ps(_mm512_set1_ps(mm[j][i]), _mm512_loadu_ps(xs + j * 16), v);
             }
@@ -155,6 +189,171 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
     }
   }
   _tile_release();  // back to the initial state: a context switch then saves no tile data
+}
+
+template <class F>
+void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (!xp.for_tiles) return vnni::rows<F>(xp, w, n0, n1, y, N);
+  if (xp.limbs == 2) return rows_limbs<F, 2>(xp, w, n0, n1, y, N);
+  rows_limbs<F, 3>(xp, w, n0, n1, y, N);
+}
+
+// ---- weight rows tiled for the lanes (tiled_rows.h), activations as VNNI packs them -------------------
+// The roles turned around: B is a block of 16 weight rows as the tiled layout holds it (row r of B: K
+// 4r..4r+3 of the 16 rows, 64 bytes; Q4's nibbles split into rows 0-3 and 4-7, Q8_0's bytes in place,
+// 128 added), A a limb of tn tokens' activations (pack_x's `rows`: 32 bytes a token, at the token's
+// stride), and C [tn tokens, 16 weight rows], one per limb: each C row is block_tokens' S for a token with
+// the weight rows in the lanes, and the float32 steps after it are block_tokens', so a row's result is the
+// same bits as VNNI's. No weight row is transposed or gathered, and the outputs are stored a token's 16
+// columns at a time.
+//
+// Tiles: two sets, so that one block's sums are computed while the vector unit takes the block before
+// (set j % 2 for block j): set 0 B tmm2, A tmm1, C tmm0 and tmm3 (a third limb: tmm4); set 1 B tmm7, A
+// tmm6, C tmm4 and tmm5 (2 limbs only).
+inline void configure_tiled(int tn) {
+  TileConfig cfg;
+  for (int t : {0, 3, 4, 5}) cfg.rows[t] = static_cast<uint8_t>(tn), cfg.colsb[t] = 64;
+  for (int t : {1, 6}) cfg.rows[t] = static_cast<uint8_t>(tn), cfg.colsb[t] = 32;
+  for (int t : {2, 7}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not see ldtilecfg read `cfg`: keep its stores
+  _tile_loadconfig(&cfg);
+}
+
+#define PARROT_AMX_DPSU(c, a, b) _tile_dpbsud(c, a, b)
+#define PARROT_AMX_TILED_SUMS(kB, kA, kC0, kC1)       \
+  _tile_loadd(kB, wb, 64);                             \
+  _tile_zero(kC0);                                     \
+  _tile_zero(kC1);                                     \
+  _tile_loadd(kA, x, ldx);                             \
+  PARROT_AMX_DPSU(kC0, kA, kB);                        \
+  _tile_loadd(kA, x + 32, ldx);                        \
+  PARROT_AMX_DPSU(kC1, kA, kB);                        \
+  if constexpr (LIMBS == 3) {                          \
+    _tile_zero(4);                                     \
+    _tile_loadd(kA, x + 64, ldx);                      \
+    PARROT_AMX_DPSU(4, kA, kB);                        \
+    _tile_stored(4, c[LIMBS - 1], 64);                 \
+  }                                                    \
+  _tile_stored(kC0, c[0], 64);                         \
+  _tile_stored(kC1, c[1], 64)
+
+// One block's limb sums for a token tile: B (the weights, unsigned bytes) from `wb`, A from `x` (the tile's
+// first token's limb 0 for the block; `ldx` between tokens), into c[limb] [tn tokens][16 rows] int32.
+template <int LIMBS, int S>
+inline void tiled_sums(const uint8_t* wb, const uint8_t* x, int64_t ldx, int32_t (*c)[256]) {
+  static_assert(S == 0 || LIMBS == 2, "a third limb's C is set 1's");
+  if constexpr (S == 0) {
+    PARROT_AMX_TILED_SUMS(2, 1, 0, 3);
+  } else {
+    PARROT_AMX_TILED_SUMS(7, 6, 4, 5);
+  }
+}
+#undef PARROT_AMX_TILED_SUMS
+#undef PARROT_AMX_DPSU
+
+// A block's sums (c) into the token tile's accumulators (acc[t]: token t's 16 weight rows), by
+// block_tokens' float32 steps; `at`: the block's index into the pack's per-token scales and sums.
+template <class F, int LIMBS>
+inline void tiled_epilogue(const XPack& xp, int64_t g, int64_t b, const int32_t (*c)[256], __m512 d, __m512 m,
+                           int64_t tn, __m512* acc) {
+  const int64_t at = (g * xp.blocks + b) * 16;
+  for (int64_t t = 0; t < tn; ++t) {
+    const __m512i s0 = _mm512_load_si512(c[0] + 16 * t), s1 = _mm512_load_si512(c[1] + 16 * t);
+    const int32_t* ls = xp.limb_sums.data() + ((g * 16 + t) * xp.blocks + b) * 3;
+    if constexpr (LIMBS == 2) {
+      __m512i S2 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), s1);
+      if constexpr (F::kSigned) S2 = _mm512_sub_epi32(S2, _mm512_set1_epi32(128 * (256 * ls[0] + ls[1])));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales256[at + t])), acc[t]);
+    } else {
+      __m512i S[3] = {s0, s1, _mm512_load_si512(c[2] + 16 * t)};
+      if constexpr (F::kSigned)
+        for (int l = 0; l < 3; ++l) S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * ls[l]));
+      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at + t])), acc[t]);
+    }
+    if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at + t]), acc[t]);
+  }
+}
+
+// Output columns [n0, n1) (n0 a multiple of 16) of every activation row, from the tiled weights `wt`: per
+// 16 weight rows, a chunk of up to kChunk blocks' B tiles made ready (Q4's nibbles split), then each
+// token tile's blocks, the tile unit one block ahead of the vector unit, its 16 tokens' accumulators in
+// registers.
+template <class F, int LIMBS>
+void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t blocks = xp.blocks, tn = xp.tn, T = xp.T, ldx = blocks * 96;
+  configure_tiled(static_cast<int>(tn));
+  alignas(64) uint8_t Bq[F::kSigned ? 1 : kChunk][512];
+  alignas(64) int32_t C[2][LIMBS][256];
+  thread_local aligned::vector<float> accbuf;  // [token tiles][16 tokens][16 rows], between chunks
+  accbuf.resize(xp.tiles * 256);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const uint8_t* xrows = reinterpret_cast<const uint8_t*>(xp.rows.data());
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* tile = wt + n / 16 * blocks * kTileBlockBytes<F>;
+    const uint8_t* next = n + 16 < n1 ? tile + blocks * kTileBlockBytes<F> : nullptr;
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t nb = std::min(kChunk, blocks - b0);
+      auto wblock = [&](int64_t j) -> const uint8_t* {
+        if constexpr (F::kSigned) return tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
+        else return Bq[j];
+      };
+      if constexpr (!F::kSigned) {
+        for (int64_t j = 0; j < nb; ++j) {
+          const uint8_t* q = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
+          if (next)
+            for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
+          for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(q + 64 * c);
+            _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
+            _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+          }
+        }
+      } else if (next) {
+        for (int64_t j = 0; j < nb; ++j)
+          for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
+      }
+      for (int64_t g = 0; g < xp.tiles; ++g) {
+        __m512 acc[16];
+        float* saved = accbuf.data() + g * 256;
+        for (int t = 0; t < 16; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * t);
+        const uint8_t* x0 = xrows + (g * 16 * blocks + b0) * 96;
+        auto sums = [&](int64_t j) {  // block j's sums on tile set j % 2 into C[j % 2] (a third limb: set 0)
+          if constexpr (LIMBS == 2) {
+            if (j % 2) return tiled_sums<LIMBS, 1>(wblock(j), x0 + j * 96, ldx, C[1]);
+          }
+          tiled_sums<LIMBS, 0>(wblock(j), x0 + j * 96, ldx, C[LIMBS == 2 ? j % 2 : 0]);
+        };
+        sums(0);
+        for (int64_t j = 0; j < nb; ++j) {
+          if (LIMBS == 2 && j + 1 < nb) sums(j + 1);  // two sets: the next block's sums go first
+          const uint8_t* blk = tile + (b0 + j) * kTileBlockBytes<F>;
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+          __m512 m = _mm512_setzero_ps();
+          if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+          else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+          tiled_epilogue<F, LIMBS>(xp, g, b0 + j, C[LIMBS == 2 ? j % 2 : 0], d, m, tn, acc);
+          if (LIMBS == 3 && j + 1 < nb) sums(j + 1);
+        }
+        if (b0 + nb < blocks) {
+          for (int t = 0; t < 16; ++t) _mm512_store_ps(saved + 16 * t, acc[t]);
+          continue;
+        }
+        const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+        const int64_t cnt = std::min(tn, T - g * 16);
+        for (int64_t t = 0; t < cnt; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <class F>
+void tiled_rows(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
+  if (xp.limbs == 2) return tiled_rows_limbs<F, 2>(xp, wt, n0, n1, y, N);
+  tiled_rows_limbs<F, 3>(xp, wt, n0, n1, y, N);
 }
 
 }  // namespace amx

@@ -491,6 +491,11 @@ constexpr int64_t amx_vnni_rows() {
 #endif
 }
 
+// From this many activation rows, where the weights' tiled copy is given, the AMX path multiplies them on
+// the tiles from that copy (amx::tiled_rows). `benchmarks.products` on a 2-core Xeon, against the VNNI
+// code: 1.0-1.16x at 16 rows, 1.17-1.24x at 32, 1.23-1.39x at 64; below 16 level or slower (4 rows 0.8x).
+constexpr int64_t kAmxTiledMinRows = 16;
+
 // From this many activation rows, 2-limb products put the tokens in lanes (vnni::lanes_rows): 4-7% off a
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
 // weights, and the weight rows in lanes (vnni::rows) are as fast or faster (batch 16: 0.93x).
@@ -516,9 +521,10 @@ using Format = std::conditional_t<Q == kQ8_0, tiled::Q8_0, std::conditional_t<Q 
 // `wt`: the same weights tiled for the lanes (tiled::tile_rows), or null
 template <class F>
 void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
-               int64_t N) {
+               int64_t N, bool amx_tiled = false) {
 #if PARROT_AMX
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
+  if (amx_tiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
 #endif
   if (xp.lanes) return vnni::lanes_rows<F>(xp, w, n0, n1, y, N);
   if (wt != nullptr) return vnni::rows<F, true>(xp, wt, n0, n1, y, N);
@@ -550,10 +556,13 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   if (path != kPathAvx2) {
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
-    const bool tiles = path == kPathAmx && T > amx_vnni_rows();
-    vnni::pack_x(x, T, K, packed, limbs, tiles, !tiles && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
-    parallel_chunks(pool, chunks, [&](int64_t c) { int8_rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N); },
-                    T <= kHotRows);
+    const bool amx_tiled = path == kPathAmx && wt != nullptr && T >= kAmxTiledMinRows;
+    const bool tiles = path == kPathAmx && !amx_tiled && T > amx_vnni_rows();
+    vnni::pack_x(x, T, K, packed, limbs, tiles,
+                 !tiles && !amx_tiled && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
+    parallel_chunks(pool, chunks, [&](int64_t c) {
+      int8_rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N, amx_tiled);
+    }, T <= kHotRows);
     return;
   }
 #endif

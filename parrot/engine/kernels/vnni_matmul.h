@@ -52,11 +52,12 @@ struct XPack {
   bool lanes = false;                   // 2 limbs as int16 pairs with tokens in lanes (`pairs`, below)
   aligned::vector<uint32_t> b;          // tiles: [tiles][blocks][3 limbs][8 groups][tn]
   aligned::vector<float> scales;        // [tiles][blocks][16]: s per token
-  aligned::vector<float> scales256;     // the same for 2 limbs on VNNI: 256 s (exact), see block_tokens
+  aligned::vector<float> scales256;     // the same for 2 limbs: 256 s (exact), see block_tokens
   aligned::vector<float> sums;          // [tiles][blocks][16]: sum(x) per token
-  // VNNI: each row's limbs contiguous, and their sums
-  aligned::vector<uint32_t> rows;       // [T][blocks][3 limbs][8 groups]
-  aligned::vector<int32_t> limb_sums;   // [T][blocks][3]
+  // VNNI (and AMX's tiles from the tiled weights, amx::tiled_rows): each row's limbs contiguous, and their
+  // sums; the last token tile padded with zero rows (a tile loads all of its tn rows)
+  aligned::vector<uint32_t> rows;       // [tiles * tn][blocks][3 limbs][8 groups]
+  aligned::vector<int32_t> limb_sums;   // [tiles * tn][blocks][3]
   // tokens in lanes: each 2-limb activation 256 l0 + l1 as one int16, pairs (x[2j], x[2j+1]) in a 32-bit lane
   aligned::vector<uint32_t> pairs;      // [tiles][blocks][16 pairs][16 tokens]
 };
@@ -72,10 +73,10 @@ inline void pack_x(const float* x, int64_t T, int64_t K, XPack& p, int limbs = 3
   const bool vnni = !for_tiles && !lanes;
   p.b.assign(for_tiles ? p.tiles * p.blocks * 3 * 8 * p.tn : 0, 0);
   p.scales.assign(p.tiles * p.blocks * 16, 0.f);
-  p.scales256.assign(limbs == 2 && !for_tiles ? p.tiles * p.blocks * 16 : 0, 0.f);
+  p.scales256.assign(limbs == 2 ? p.tiles * p.blocks * 16 : 0, 0.f);
   p.sums.assign(p.tiles * p.blocks * 16, 0.f);
-  p.rows.assign(vnni ? T * p.blocks * 24 : 0, 0);
-  p.limb_sums.assign(vnni ? T * p.blocks * 3 : 0, 0);
+  p.rows.assign(vnni ? p.tiles * p.tn * p.blocks * 24 : 0, 0);
+  p.limb_sums.assign(vnni ? p.tiles * p.tn * p.blocks * 3 : 0, 0);
   p.pairs.assign(lanes ? p.tiles * p.blocks * 256 : 0, 0);
   const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
   alignas(64) uint32_t limb[3][8];
