@@ -301,19 +301,12 @@ void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1
       if constexpr (!F::kSigned) {
         for (int64_t j = 0; j < nb; ++j) {
           const uint8_t* q = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
-          if (next)
-            for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
           for (int c = 0; c < 4; ++c) {
             const __m512i v = _mm512_loadu_si512(q + 64 * c);
             _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
             _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
           }
         }
-      } else if (next) {
-        for (int64_t j = 0; j < nb; ++j)
-          for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
       }
       for (int64_t g = 0; g < xp.tiles; ++g) {
         __m512 acc[16];
@@ -329,6 +322,9 @@ void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1
         sums(0);
         for (int64_t j = 0; j < nb; ++j) {
           if (LIMBS == 2 && j + 1 < nb) sums(j + 1);  // two sets: the next block's sums go first
+          if (next && g == 0)  // the next 16 rows' block, spread over this tile's work
+            for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
           const uint8_t* blk = tile + (b0 + j) * kTileBlockBytes<F>;
           const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
           __m512 m = _mm512_setzero_ps();
