@@ -337,6 +337,24 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
         assert np.isfinite(np.delete(got, 2 if rows > 2 else [], axis=0)).all()
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_a_wide_output_gives_the_same_bits(native_path: str, qtype: str) -> None:
+    """A wide output (an LM head's logits for many rows: more than 2^20 floats) is the same bits from the
+    tiled copy as from the GGUF rows, a last tile of 8 weight rows and a last token tile of 6 rows
+    included, and each row is its result alone."""
+    q = quant.quantize(_random(64, 16392, seed=3), qtype)
+    tiled = quant.tiled(q)
+    if tiled is None:
+        pytest.skip("the native kernels are not available")
+    d, t = jnp.asarray(q.data), jnp.asarray(tiled)
+    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, qtype, None, 2, t))
+    x = np.random.default_rng(4).standard_normal((70, 64)).astype(np.float32)
+    got = np.asarray(f(x, d, t))
+    assert got.size > 2**20
+    np.testing.assert_array_equal(got, np.asarray(f(x, d, None)))
+    np.testing.assert_array_equal(got[[0, 69]], np.concatenate([np.asarray(f(x[i:i + 1], d, t)) for i in (0, 69)]))
+
+
 @pytest.fixture
 def avx2_code():  # noqa: ANN201
     """The AVX2 code switched on (every CPU the kernels run on has it), the best code after."""
