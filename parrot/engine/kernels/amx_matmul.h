@@ -31,7 +31,7 @@ using namespace vnni;  // NOLINT: the block formats, the activations' packing an
 
 constexpr int64_t kChunk = 16;     // blocks prepared before the tile unit runs over them
 constexpr int64_t kTileGroup = 8;  // token tiles (16 tokens each) whose sums are held at once
-constexpr int kVnniRows = 16;  // up to this many activation rows: VNNI (as fast per row as the tiles, up to 16)
+constexpr int kVnniRows = 16;  // without the tiled copy, up to this many rows: VNNI (as fast per row as `rows`)
 
 // Linux hands a process the tile data state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 inline bool request_permission() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
