@@ -68,38 +68,39 @@ inline void configure(int tn) {
   _tile_loadconfig(&cfg);
 }
 
-// One block's limb sums for a token tile: A from `a` (row stride `lda`), B from `xt` (the block's limbs),
-// stored to c[limb] (16 x 16 int32 each), on tile set S (above).
-// (the tile intrinsics take the registers' numbers as literals)
+// One block's limb sums into c[limb] (the tile intrinsics take the registers' numbers as literals): the
+// operand the limbs share (`once`, into tile kOnce) loaded once, each limb's (`per`, `step` apart, into
+// tile kPer) in turn, `dp(C, A, B)` into C tiles kC0, kC1 (a third limb: tmm4), stored 64 bytes a row.
+#define PARROT_AMX_LIMB_SUMS(dp, kOnce, once, once_ld, kPer, per, per_ld, step, kA, kB, kC0, kC1) \
+  _tile_loadd(kOnce, once, once_ld);                                                              \
+  _tile_zero(kC0);                                                                                \
+  _tile_zero(kC1);                                                                                \
+  _tile_loadd(kPer, per, per_ld);                                                                 \
+  dp(kC0, kA, kB);                                                                                \
+  _tile_loadd(kPer, (per) + (step), per_ld);                                                      \
+  dp(kC1, kA, kB);                                                                                \
+  if constexpr (LIMBS == 3) {                                                                     \
+    _tile_zero(4);                                                                                \
+    _tile_loadd(kPer, (per) + 2 * (step), per_ld);                                                \
+    dp(4, kA, kB);                                                                                \
+    _tile_stored(4, c[LIMBS - 1], 64);                                                            \
+  }                                                                                               \
+  _tile_stored(kC0, c[0], 64);                                                                    \
+  _tile_stored(kC1, c[1], 64)
 #define PARROT_AMX_DP(c, a, b) \
   if constexpr (kSigned) _tile_dpbssd(c, a, b); else _tile_dpbusd(c, a, b)
-#define PARROT_AMX_BLOCK_SUMS(kA, kB, kC0, kC1)      \
-  _tile_loadd(kA, a, lda);                           \
-  _tile_zero(kC0);                                   \
-  _tile_zero(kC1);                                   \
-  _tile_loadd(kB, xt, 4 * tn);                       \
-  PARROT_AMX_DP(kC0, kA, kB);                        \
-  _tile_loadd(kB, xt + 8 * tn, 4 * tn);              \
-  PARROT_AMX_DP(kC1, kA, kB);                        \
-  if constexpr (LIMBS == 3) {                        \
-    _tile_zero(4);                                   \
-    _tile_loadd(kB, xt + 16 * tn, 4 * tn);           \
-    PARROT_AMX_DP(4, kA, kB);                        \
-    _tile_stored(4, c[LIMBS - 1], 64);               \
-  }                                                  \
-  _tile_stored(kC0, c[0], 64);                       \
-  _tile_stored(kC1, c[1], 64)
 
+// One block's limb sums for a token tile: A from `a` (row stride `lda`), B from `xt` (the block's limbs),
+// stored to c[limb] (16 x 16 int32 each), on tile set S (above).
 template <bool kSigned, int LIMBS, int S>
 inline void block_sums(const uint8_t* a, int64_t lda, const uint32_t* xt, int64_t tn, int32_t (*c)[256]) {
   static_assert(S == 0 || LIMBS == 2, "a third limb's C is set 1's");
   if constexpr (S == 0) {
-    PARROT_AMX_BLOCK_SUMS(1, 2, 0, 3);
+    PARROT_AMX_LIMB_SUMS(PARROT_AMX_DP, 1, a, lda, 2, xt, 4 * tn, 8 * tn, 1, 2, 0, 3);
   } else {
-    PARROT_AMX_BLOCK_SUMS(6, 7, 4, 5);
+    PARROT_AMX_LIMB_SUMS(PARROT_AMX_DP, 6, a, lda, 7, xt, 4 * tn, 8 * tn, 6, 7, 4, 5);
   }
 }
-#undef PARROT_AMX_BLOCK_SUMS
 #undef PARROT_AMX_DP
 
 // Output columns [n0, n1) of every activation row, 16 weight rows at a time, in three phases over up to
@@ -219,37 +220,18 @@ inline void configure_tiled(int tn) {
   _tile_loadconfig(&cfg);
 }
 
-#define PARROT_AMX_DPSU(c, a, b) _tile_dpbsud(c, a, b)
-#define PARROT_AMX_TILED_SUMS(kB, kA, kC0, kC1)       \
-  _tile_loadd(kB, wb, 64);                             \
-  _tile_zero(kC0);                                     \
-  _tile_zero(kC1);                                     \
-  _tile_loadd(kA, x, ldx);                             \
-  PARROT_AMX_DPSU(kC0, kA, kB);                        \
-  _tile_loadd(kA, x + 32, ldx);                        \
-  PARROT_AMX_DPSU(kC1, kA, kB);                        \
-  if constexpr (LIMBS == 3) {                          \
-    _tile_zero(4);                                     \
-    _tile_loadd(kA, x + 64, ldx);                      \
-    PARROT_AMX_DPSU(4, kA, kB);                        \
-    _tile_stored(4, c[LIMBS - 1], 64);                 \
-  }                                                    \
-  _tile_stored(kC0, c[0], 64);                         \
-  _tile_stored(kC1, c[1], 64)
-
 // One block's limb sums for a token tile: B (the weights, unsigned bytes) from `wb`, A from `x` (the tile's
 // first token's limb 0 for the block; `ldx` between tokens), into c[limb] [tn tokens][16 rows] int32.
 template <int LIMBS, int S>
 inline void tiled_sums(const uint8_t* wb, const uint8_t* x, int64_t ldx, int32_t (*c)[256]) {
   static_assert(S == 0 || LIMBS == 2, "a third limb's C is set 1's");
   if constexpr (S == 0) {
-    PARROT_AMX_TILED_SUMS(2, 1, 0, 3);
+    PARROT_AMX_LIMB_SUMS(_tile_dpbsud, 2, wb, 64, 1, x, ldx, 32, 1, 2, 0, 3);
   } else {
-    PARROT_AMX_TILED_SUMS(7, 6, 4, 5);
+    PARROT_AMX_LIMB_SUMS(_tile_dpbsud, 7, wb, 64, 6, x, ldx, 32, 6, 7, 4, 5);
   }
 }
-#undef PARROT_AMX_TILED_SUMS
-#undef PARROT_AMX_DPSU
+#undef PARROT_AMX_LIMB_SUMS
 
 // A block's sums (c) into the token tile's accumulators (acc[t]: token t's 16 weight rows), by
 // block_tokens' float32 steps; `at`: the block's index into the pack's per-token scales and sums.
