@@ -54,16 +54,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Two blocks in flight, so that one block's stores overlap the next one's products: block j uses set j % 2.
-// Set 0: A tmm1, B tmm2, C per limb tmm0, tmm3 (and tmm4 for a third limb); set 1 (2 limbs only): A tmm6,
-// B tmm7, C tmm4, tmm5. C: [16 weight rows, tn tokens] int32; A: [16 weight rows, 32 bytes]; B: [8 groups
-// of 4 weights, tn tokens x 4 bytes]. Loaded by every call on its own thread: the configuration is per
+// Both tile paths keep two blocks in flight, so that one block's stores overlap the next one's products:
+// block j uses set j % 2. Set 0: A tmm1, B tmm2, C per limb tmm0, tmm3 (and tmm4 for a third limb); set 1
+// (2 limbs only): A tmm6, B tmm7, C tmm4, tmm5. C tiles [c_rows, c_bytes], A [a_rows, 32 bytes: a block],
+// B [8 groups of 4 bytes, b_bytes]. Loaded by every call on its own thread: the configuration is per
 // thread, and other libraries (oneDNN) set their own on the same threads.
-inline void configure(int tn) {
+inline void configure(int c_rows, int c_bytes, int a_rows, int b_bytes) {
   TileConfig cfg;
-  for (int t : {0, 3, 4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(4 * tn);
-  for (int t : {1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
-  for (int t : {2, 7}) cfg.rows[t] = 8, cfg.colsb[t] = static_cast<uint16_t>(4 * tn);
+  for (int t : {0, 3, 4, 5}) cfg.rows[t] = static_cast<uint8_t>(c_rows), cfg.colsb[t] = static_cast<uint16_t>(c_bytes);
+  for (int t : {1, 6}) cfg.rows[t] = static_cast<uint8_t>(a_rows), cfg.colsb[t] = 32;
+  for (int t : {2, 7}) cfg.rows[t] = 8, cfg.colsb[t] = static_cast<uint16_t>(b_bytes);
   asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not see ldtilecfg read `cfg`: keep its stores
   _tile_loadconfig(&cfg);
 }
@@ -111,7 +111,7 @@ inline void block_sums(const uint8_t* a, int64_t lda, const uint32_t* xt, int64_
 template <class F, int LIMBS>
 void rows_limbs(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, ldw = blocks * F::kBytes, tn = xp.tn, T = xp.T;
-  configure(static_cast<int>(tn));
+  configure(16, static_cast<int>(4 * tn), 16, static_cast<int>(4 * tn));
   alignas(64) uint8_t A[kChunk][16 * 32];
   alignas(64) int32_t C[kChunk][LIMBS][256];
   alignas(64) float dd[kChunk][16], mm[kChunk][16];
@@ -204,21 +204,9 @@ void rows(const XPack& xp, const uint8_t* w, int64_t n0, int64_t n1, float* y, i
 // 4r..4r+3 of the 16 rows, 64 bytes; Q4's nibbles split into rows 0-3 and 4-7, Q8_0's bytes in place,
 // 128 added), A a limb of tn tokens' activations (pack_x's `rows`: 32 bytes a token, at the token's
 // stride), and C [tn tokens, 16 weight rows], one per limb: each C row is block_tokens' S for a token with
-// the weight rows in the lanes, and the float32 steps after it are block_tokens', so a row's result is the
-// same bits as VNNI's. No weight row is transposed or gathered, and the outputs are stored a token's 16
-// columns at a time.
-//
-// Tiles: two sets, so that one block's sums are computed while the vector unit takes the block before
-// (set j % 2 for block j): set 0 B tmm2, A tmm1, C tmm0 and tmm3 (a third limb: tmm4); set 1 B tmm7, A
-// tmm6, C tmm4 and tmm5 (2 limbs only).
-inline void configure_tiled(int tn) {
-  TileConfig cfg;
-  for (int t : {0, 3, 4, 5}) cfg.rows[t] = static_cast<uint8_t>(tn), cfg.colsb[t] = 64;
-  for (int t : {1, 6}) cfg.rows[t] = static_cast<uint8_t>(tn), cfg.colsb[t] = 32;
-  for (int t : {2, 7}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not see ldtilecfg read `cfg`: keep its stores
-  _tile_loadconfig(&cfg);
-}
+// the weight rows in the lanes, and the float32 steps after it are VNNI's own (lane_steps), so a row's
+// result is the same bits as VNNI's. No weight row is transposed or gathered, and the outputs are stored
+// a token's 16 columns at a time. The tile unit takes block j + 1 while the vector unit adds up block j.
 
 // One block's limb sums for a token tile: B (the weights, unsigned bytes) from `wb`, A from `x` (the tile's
 // first token's limb 0 for the block; `ldx` between tokens), into c[limb] [tn tokens][16 rows] int32.
@@ -233,26 +221,16 @@ inline void tiled_sums(const uint8_t* wb, const uint8_t* x, int64_t ldx, int32_t
 }
 #undef PARROT_AMX_LIMB_SUMS
 
-// A block's sums (c) into the token tile's accumulators (acc[t]: token t's 16 weight rows), by
-// block_tokens' float32 steps; `at`: the block's index into the pack's per-token scales and sums.
+// A block's sums (c) into the token tile's accumulators (acc[t]: token t's 16 weight rows), by VNNI's
+// float32 steps (lane_steps).
 template <class F, int LIMBS>
 inline void tiled_epilogue(const XPack& xp, int64_t g, int64_t b, const int32_t (*c)[256], __m512 d, __m512 m,
                            int64_t tn, __m512* acc) {
-  const int64_t at = (g * xp.blocks + b) * 16;
   for (int64_t t = 0; t < tn; ++t) {
-    const __m512i s0 = _mm512_load_si512(c[0] + 16 * t), s1 = _mm512_load_si512(c[1] + 16 * t);
-    const int32_t* ls = xp.limb_sums.data() + ((g * 16 + t) * xp.blocks + b) * 3;
-    if constexpr (LIMBS == 2) {
-      __m512i S2 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), s1);
-      if constexpr (F::kSigned) S2 = _mm512_sub_epi32(S2, _mm512_set1_epi32(128 * (256 * ls[0] + ls[1])));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales256[at + t])), acc[t]);
-    } else {
-      __m512i S[3] = {s0, s1, _mm512_load_si512(c[2] + 16 * t)};
-      if constexpr (F::kSigned)
-        for (int l = 0; l < 3; ++l) S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * ls[l]));
-      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at + t])), acc[t]);
-    }
-    if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at + t]), acc[t]);
+    const __m512i S[3] = {_mm512_load_si512(c[0] + 16 * t), _mm512_load_si512(c[1] + 16 * t),
+                          LIMBS == 3 ? _mm512_load_si512(c[LIMBS - 1] + 16 * t) : _mm512_setzero_si512()};
+    acc[t] = lane_steps<F, LIMBS>(xp, (g * xp.blocks + b) * 16 + t,
+                                  xp.limb_sums.data() + ((g * 16 + t) * xp.blocks + b) * 3, S, d, m, acc[t]);
   }
 }
 
@@ -263,7 +241,7 @@ inline void tiled_epilogue(const XPack& xp, int64_t g, int64_t b, const int32_t 
 template <class F, int LIMBS>
 void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, tn = xp.tn, T = xp.T, ldx = blocks * 96;
-  configure_tiled(static_cast<int>(tn));
+  configure(static_cast<int>(tn), 64, static_cast<int>(tn), 64);
   alignas(64) uint8_t Bq[F::kSigned ? 1 : kChunk][512];
   alignas(64) int32_t C[2][LIMBS][256];
   thread_local aligned::vector<float> accbuf;  // [token tiles][16 tokens][16 rows], between chunks

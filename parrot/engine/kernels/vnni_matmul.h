@@ -162,6 +162,31 @@ inline __m512 limb_sum(__m512i s0, __m512i s1, __m512i s2) {
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.f), _mm512_cvtepi32_ps(s2)));
 }
 
+// A block's float32 steps for one token with 16 weight rows in the lanes, from its limb sums S (unsigned
+// weights: Q8_0's +128 not yet taken off, through the token's limb sums `ls`), into acc: every path that
+// puts the weight rows in the lanes ends here (block_tokens, amx::tiled_rows), so a row's result is the
+// same bits on each. `at`: the token's index into the pack's per-token scales and sums.
+// Two limbs: S = 256 S0 + S1 exactly in int32 (|S| < 2^28), so float(S) * 256 is 65536 S0 + 256 S1 rounded
+// once, as limb_sum rounds it, and the factor 256 rides in the token's scale (scales256 = 256 s, so
+// d * 256 s = 256 (d * s) exactly): the same product with three float32 steps fewer. (Only where 256 d s
+// overflows, activations near 1e35, could an empty block's 0 * inf differ.)
+template <class F, int LIMBS>
+inline __m512 lane_steps(const XPack& xp, int64_t at, const int32_t* ls, const __m512i S[3], __m512 d, __m512 m,
+                         __m512 acc) {
+  if constexpr (LIMBS == 2) {
+    __m512i S2 = _mm512_add_epi32(_mm512_slli_epi32(S[0], 8), S[1]);
+    if constexpr (F::kSigned) S2 = _mm512_sub_epi32(S2, _mm512_set1_epi32(128 * (256 * ls[0] + ls[1])));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales256[at])), acc);
+  } else {
+    __m512i s[3] = {S[0], S[1], S[2]};
+    if constexpr (F::kSigned)
+      for (int l = 0; l < 3; ++l) s[l] = _mm512_sub_epi32(s[l], _mm512_set1_epi32(128 * ls[l]));
+    acc = _mm512_fmadd_ps(limb_sum(s[0], s[1], s[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc);
+  }
+  if constexpr (F::kMin != 0) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc);
+  return acc;
+}
+
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------------
 // Each 32-bit lane is one of 16 weight rows and takes four of its weights per vpdpbusd, against four limb
 // bytes broadcast to every lane: the rows' 4-byte groups are transposed once per block (lane p holds row
@@ -205,25 +230,9 @@ inline void block_tokens(const XPack& xp, int64_t g, int64_t b, const __m512i wg
         }
         S[l] = _mm512_add_epi32(s0, s1);
       }
-      if constexpr (F::kSigned && LIMBS == 3)
-        S[l] = _mm512_sub_epi32(S[l], _mm512_set1_epi32(128 * xp.limb_sums[((t0 + t) * blocks + b) * 3 + l]));
     }
-    const int64_t at = (g * blocks + b) * 16 + t;  // token tile g
-    if constexpr (LIMBS == 2) {
-      // S = 256 S0 + S1 exactly in int32 (|S| < 2^28), so float(S) * 256 is 65536 S0 + 256 S1 rounded once,
-      // as limb_sum rounds it, and the factor 256 rides in the token's scale (scales256 = 256 s, so
-      // d * 256 s = 256 (d * s) exactly): the same product with three float32 steps fewer. (Only where
-      // 256 d s overflows, activations near 1e35, could an empty block's 0 * inf differ.)
-      __m512i S2 = _mm512_add_epi32(_mm512_slli_epi32(S[0], 8), S[1]);
-      if constexpr (F::kSigned) {
-        const int32_t* ls = xp.limb_sums.data() + ((t0 + t) * blocks + b) * 3;
-        S2 = _mm512_sub_epi32(S2, _mm512_set1_epi32(128 * (256 * ls[0] + ls[1])));
-      }
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S2), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales256[at])), acc[t]);
-    } else {
-      acc[t] = _mm512_fmadd_ps(limb_sum(S[0], S[1], S[2]), _mm512_mul_ps(d, _mm512_set1_ps(xp.scales[at])), acc[t]);
-    }
-    if constexpr (F::kMin != 0) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xp.sums[at]), acc[t]);
+    acc[t] = lane_steps<F, LIMBS>(xp, (g * blocks + b) * 16 + t, xp.limb_sums.data() + ((t0 + t) * blocks + b) * 3,
+                                  S, d, m, acc[t]);
   }
 }
 
