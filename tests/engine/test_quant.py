@@ -312,7 +312,8 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
 def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs: int) -> None:
     """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
     row the bits its GGUF rows give: any number of rows (VNNI: tiled below 64, tokens in lanes from there;
-    AMX: the tiles from the tiled copy from 16 rows, from the GGUF rows above 16 without it), a
+    AMX: every limb a tile row from 4 to 8 rows on 2 limbs, the tiles from the tiled copy from 9 rows, from
+    the GGUF rows above 16 without it), a
     last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
     activations; on every code, the AVX2 code's generated rows on 2 limbs included."""
     q = quant.quantize(_random(576, 200), qtype)
@@ -322,7 +323,7 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
     assert tiled.nbytes == q.data.nbytes + (16 - 200 % 16) * q.data.shape[1]  # the last tile padded to 16 rows
     d, t = jnp.asarray(q.data), jnp.asarray(tiled)
     f = jax.jit(lambda x, d, fill, t: kernels.qmatmul(x, d, qtype, fill, limbs, t))
-    for rows in [1, 2, 5, 15, 16, 17, 32, 33, 63, 64, 70, 130]:
+    for rows in [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 32, 33, 63, 64, 70, 130]:
         x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
         x[0, 64:96] = 1e-35
         if rows > 2:
@@ -335,6 +336,25 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
         got = np.asarray(f(x, d, fill, t))
         np.testing.assert_array_equal(got, ref)
         assert np.isfinite(np.delete(got, 2 if rows > 2 else [], axis=0)).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_a_few_rows_give_their_bits_alone(native_path: str, qtype: str) -> None:
+    """2 to 9 generated rows on 2 limbs (on AMX: every limb a row of one tile, two blocks a product up to 4
+    rows) over an odd number of blocks (17) and a last tile of 12 weight rows: each row is the bits it is
+    alone and the bits of the GGUF rows."""
+    q = quant.quantize(_random(544, 60, seed=6), qtype)
+    tiled = quant.tiled(q)
+    if tiled is None:
+        pytest.skip("the native kernels are not available")
+    d, t = jnp.asarray(q.data), jnp.asarray(tiled)
+    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, qtype, None, 2, t))
+    x = np.random.default_rng(7).standard_normal((9, 544)).astype(np.float32)
+    alone = np.concatenate([np.asarray(f(x[i:i + 1], d, t)) for i in range(9)])
+    for rows in range(2, 10):
+        got = np.asarray(f(x[:rows], d, t))
+        np.testing.assert_array_equal(got, alone[:rows])
+        np.testing.assert_array_equal(got, np.asarray(f(x[:rows], d, None)))
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])

@@ -491,10 +491,25 @@ constexpr int64_t amx_vnni_rows() {
 #endif
 }
 
+// The most rows amx::few_rows takes (0 without AMX).
+constexpr int64_t amx_few_rows() {
+#if PARROT_AMX
+  return amx::kFewMaxRows;
+#else
+  return 0;
+#endif
+}
+
 // From this many activation rows, where the weights' tiled copy is given, the AMX path multiplies them on
 // the tiles from that copy (amx::tiled_rows). `benchmarks.products` on a 2-core Xeon, against the VNNI
-// code: 1.0-1.16x at 16 rows, 1.17-1.24x at 32, 1.23-1.39x at 64; below 16 level or slower (4 rows 0.8x).
-constexpr int64_t kAmxTiledMinRows = 16;
+// code: 1.0-1.16x at 16 rows, 1.17-1.24x at 32, 1.23-1.39x at 64. One thread's 16 x 30 blocks of Q4_1 /
+// Q8_0 / Q4_0 weights from L2 on a Xeon 6: 1.2-1.4x VNNI's speed from 9 rows up, 2 or 3 limbs (8 rows 1.2x,
+// 4 rows 0.65-0.88x).
+constexpr int64_t kAmxTiledMinRows = 9;
+// From this many rows up to amx::kFewMaxRows, on 2 limbs, the AMX path takes every limb of every row as a row
+// of one tile (amx::few_rows): the same harness, against VNNI, 1.0-1.3x at 4 rows, 1.3-1.45x at 8 (where
+// tiled_rows gets 1.2x); below 4 VNNI is faster (3 rows 0.9-0.97x).
+constexpr int64_t kAmxFewMinRows = 4;
 
 // From this many activation rows, 2-limb products put the tokens in lanes (vnni::lanes_rows): 4-7% off a
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
@@ -519,12 +534,18 @@ using Format = std::conditional_t<Q == kQ8_0, tiled::Q8_0, std::conditional_t<Q 
 
 #if PARROT_VNNI
 // `wt`: the same weights tiled for the lanes (tiled::tile_rows), or null
+// `tiles`: the AMX tile path from the tiled copy that takes the rows, if any (packed for VNNI; rows packed for
+// the tiles go to amx::rows); `few`: the few rows' pack (kAmxFew).
+enum AmxRows { kAmxNone, kAmxTiled, kAmxFew };
 template <class F>
 void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
-               int64_t N, bool amx_tiled = false) {
+               int64_t N, AmxRows tiles = kAmxNone, const void* few = nullptr) {
 #if PARROT_AMX
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
-  if (amx_tiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
+  if (tiles == kAmxTiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
+  if (tiles == kAmxFew) return amx::few_rows<F>(xp, *static_cast<const amx::FewPack*>(few), wt, n0, n1, y, N);
+#else
+  (void)tiles, (void)few;
 #endif
   if (xp.lanes) return vnni::lanes_rows<F>(xp, w, n0, n1, y, N);
   if (wt != nullptr) return vnni::rows<F, true>(xp, wt, n0, n1, y, N);
@@ -556,12 +577,20 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   if (path != kPathAvx2) {
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
-    const bool amx_tiled = path == kPathAmx && wt != nullptr && T >= kAmxTiledMinRows;
-    const bool tiles = path == kPathAmx && !amx_tiled && T > amx_vnni_rows();
+    const bool amx_few = PARROT_AMX && path == kPathAmx && wt != nullptr && limbs == 2 && T >= kAmxFewMinRows &&
+                         T <= amx_few_rows();
+    const bool amx_tiled = path == kPathAmx && wt != nullptr && !amx_few && T >= kAmxTiledMinRows;
+    const bool tiles = path == kPathAmx && !amx_tiled && !amx_few && T > amx_vnni_rows();
     vnni::pack_x(x, T, K, packed, limbs, tiles,
-                 !tiles && !amx_tiled && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
+                 !tiles && !amx_tiled && !amx_few && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
+    const void* few = nullptr;
+#if PARROT_AMX
+    thread_local amx::FewPack few_pack;  // as `packed`
+    if (amx_few) amx::pack_few(packed, few_pack), few = &few_pack;
+#endif
+    const AmxRows on_tiles = amx_few ? kAmxFew : amx_tiled ? kAmxTiled : kAmxNone;
     parallel_chunks(pool, chunks, [&](int64_t c) {
-      int8_rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N, amx_tiled);
+      int8_rows<Format<Q>>(*xp, w, wt, c * rows, std::min(N, (c + 1) * rows), y, N, on_tiles, few);
     }, T <= kHotRows);
     return;
   }
