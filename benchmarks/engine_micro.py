@@ -44,8 +44,10 @@ def _time_interleaved(fns: dict[str, object], repeats: int) -> dict[str, float]:
 
 def _name(layers_per_call: int, weights: str, several_layers: bool, attention: str, several_attention: bool,
           matmul: str = "auto", cpu_attention: str = "auto", tiled: str = "on", team: str = "on",
-          huge: str = "on", avx2_int8: str = "on") -> str:
+          huge: str = "on", avx2_int8: str = "on", amx_few: str = "on") -> str:
     name = f"weights_{weights}"
+    if amx_few != "on":
+        name += f"_amx_few_{amx_few}"
     if avx2_int8 != "on":
         name += f"_avx2_int8_{avx2_int8}"
     if huge != "on":
@@ -69,7 +71,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
         team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None,
-        loop_steps: int = 0) -> dict:
+        loop_steps: int = 0, amx_few: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -95,10 +97,11 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                 with _huge_pages(hp):
                     r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
-                for mm, ca, ti, tm, ai in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
-                                                            tiled or ["on"], team or ["on"], avx2_int8 or ["on"]):
-                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai)
-                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai)
+                for mm, ca, ti, tm, ai, af in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
+                                                                tiled or ["on"], team or ["on"], avx2_int8 or ["on"],
+                                                                amx_few or ["on"]):
+                    name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai, af)
+                    runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai, af)
                     load_s[name] = t_read + time.perf_counter() - t
     default_path = kernels.matmul_path()
     default_fills = kernels.bf16_fills() is not None
@@ -115,6 +118,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_tiled(switches[name][0] == "on")
             kernels.use_team(switches[name][1] == "on")
             kernels.use_avx2_int8(switches[name][2] == "on")
+            kernels.use_amx_few(switches[name][3] == "on")
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -208,6 +212,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     kernels.use_tiled(True)
     kernels.use_team(default_team)
     kernels.use_avx2_int8(True)
+    kernels.use_amx_few(True)
     return result
 
 
@@ -360,6 +365,8 @@ def main() -> None:
                       "pool (off)",
         "--cpu-avx2-int8": "the AVX2 code's generated rows on 2 limbs in integer sums (on: the VNNI code's bits) or "
                            "in float32 (off)",
+        "--cpu-amx-few": "on a CPU with AMX, decode products of 5-15 rows on the tiles (on: every limb a tile row "
+                         "at 5-8 rows, the tiled copy's tiles from 9) or on VNNI below 16 rows (off; the same results)",
         "--huge-pages": "the weights in transparent huge pages (on) or in XLA's own memory (off; a runner each, the "
                         "same results)",
     }
@@ -372,7 +379,7 @@ def main() -> None:
     args = ap.parse_args()
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps)
+            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps, args.cpu_amx_few)
     print(report(r))
     write_json(r, args.out)
 

@@ -7,9 +7,10 @@ in one run, the codes taking turns.
 
 Codes: "avx2 float32" (the AVX2 code with the dequantized weights: `use_avx2_int8(False)`), "avx2 int8" (its
 integer sums from the tiled weights, kernels/avx2_int8.h), and where the CPU has them "avx512-vnni" and
-"amx-int8". Each call multiplies 30 different matrices of a shape in turn (a step's layers: the weights
-come from memory, not the cache). Prints the median microseconds per matrix and each code's ratio to the
-first, with the CPU's name and the machine's floors; writes JSON. `--weights-in huge xla` measures each
+"amx-int8" (and "amx-int8 few-off": VNNI below 16 rows, `use_amx_few(False)`). Each call multiplies 30
+different matrices of a shape in turn (a step's layers: the weights come from memory, not the cache).
+Prints the median microseconds per matrix and each code's ratio to the first, with the CPU's name and the
+machine's floors; writes JSON. `--weights-in huge xla` measures each
 code with the matrices in huge pages (parrot.engine.huge_pages, as the engine places them) and in XLA's
 own memory, in turns.
 
@@ -70,6 +71,8 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
     if not kernels.available():
         raise SystemExit(f"the native kernels are unavailable: {kernels.unavailable_reason()}")
     have = ["avx2 float32", "avx2 int8"] + [p for p in kernels.matmul_paths() if p != "avx2"]
+    if "amx-int8" in have:
+        have.append("amx-int8 few-off")  # VNNI below 16 rows, as before amx::few_rows
     if prompt:
         have = ["integer"] + [c for c, p in PROMPT_CODES.items()
                               if p in kernels.matmul_paths() and (c != "amx-bf16" or kernels.bf16_tiles())]
@@ -86,6 +89,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
             return
         kernels.use_matmul(code.split()[0])
         kernels.use_avx2_int8(code != "avx2 float32")
+        kernels.use_amx_few(code != "amx-int8 few-off")
 
     def put(a: np.ndarray, place: str) -> jax.Array:
         return huge_pages.put(a) if place == "huge" else jnp.asarray(a)
@@ -123,6 +127,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
             result["us_per_matrix"][shape][r] = {c: float(np.median(v)) for c, v in times.items()}
     kernels.use_matmul(before)
     kernels.use_avx2_int8(True)
+    kernels.use_amx_few(True)
     kernels.use_bf16_fills(True)
     result["floors"] = measure()
     return result

@@ -312,7 +312,7 @@ def test_two_limbs_in_many_rows_take_tiny_and_non_finite_activations(native_path
 def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs: int) -> None:
     """The matrix's copy tiled for VNNI's lanes (quant.tiled, read by the products of few rows) gives every
     row the bits its GGUF rows give: any number of rows (VNNI: tiled below 64, tokens in lanes from there;
-    AMX: every limb a tile row from 4 to 8 rows on 2 limbs, the tiles from the tiled copy from 9 rows, from
+    AMX: every limb a tile row from 5 to 8 rows on 2 limbs, the tiles from the tiled copy from 9 rows, from
     the GGUF rows above 16 without it), a
     last tile of 8 weight rows (N = 200), prompt and padding rows among them, tiny and non-finite
     activations; on every code, the AVX2 code's generated rows on 2 limbs included."""
@@ -340,9 +340,9 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_a_few_rows_give_their_bits_alone(native_path: str, qtype: str) -> None:
-    """2 to 9 generated rows on 2 limbs (on AMX: every limb a row of one tile, two blocks a product up to 4
-    rows) over an odd number of blocks (17) and a last tile of 12 weight rows: each row is the bits it is
-    alone and the bits of the GGUF rows."""
+    """2 to 9 generated rows on 2 limbs (on AMX: every limb a row of one tile from 5 rows, the tiled copy's
+    tiles from 9) over an odd number of blocks (17) and a last tile of 12 weight rows: each row is the bits
+    it is alone and the bits of the GGUF rows."""
     q = quant.quantize(_random(544, 60, seed=6), qtype)
     tiled = quant.tiled(q)
     if tiled is None:

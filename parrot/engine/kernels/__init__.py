@@ -131,6 +131,7 @@ def _load() -> None:
     lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.parrot_team_enable.argtypes = [ctypes.c_int]
     lib.parrot_team_enable(0 if os.environ.get("PARROT_KERNEL_TEAM", "1") == "0" else 1)
+    lib.parrot_amx_few_enable.argtypes = [ctypes.c_int]
     lib.parrot_avx2_int8_enable.argtypes = [ctypes.c_int]
     lib.parrot_avx2_int8_enable(0 if os.environ.get("PARROT_AVX2_INT8", "1") == "0" else 1)
     lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
@@ -195,6 +196,13 @@ def use_tiled(on: bool) -> bool:
     """Whether the quantized products read the tiled copies they are given (on, the default) or their GGUF
     rows alone (a same-process comparison: the results are the same bits); returns whether they do."""
     return available() and bool(_state["lib"].parrot_tiled_enable(1 if on else 0))
+
+
+def use_amx_few(on: bool) -> bool:
+    """Whether the AMX path multiplies 5-15 generated rows on its tiles (on, the default: every limb a tile
+    row from 5 to 8 rows, the tiled copy's tiles from 9) or on VNNI below 16 rows (off; a same-process
+    comparison: the results are the same bits); returns whether it does."""
+    return available() and bool(_state["lib"].parrot_amx_few_enable(1 if on else 0))
 
 
 def avx2_int8() -> bool:

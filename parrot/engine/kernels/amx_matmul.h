@@ -11,8 +11,8 @@
 // - `tiled_rows`, from the weights' copy tiled for the lanes (tiled_rows.h): B the block's 16 weight rows
 //   as that copy holds them, A a limb of tn tokens, C [tn tokens, 16 weight rows]; no transposing or
 //   gathering of weights, outputs stored 16 columns at a time. The decode steps' products from 9 rows.
-// - `few_rows`, from the tiled copy too, for 4-8 rows on 2 limbs: every limb of every token a row of one A
-//   tile (up to 4 tokens, two blocks a product), so a block costs one product and one store.
+// - `few_rows`, from the tiled copy too, for 5-8 rows on 2 limbs: every limb of every token a row of one A
+//   tile, so a block costs one product and one store.
 #pragma once
 
 #include <immintrin.h>
@@ -315,57 +315,34 @@ void tiled_rows(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, floa
 }
 
 // ---- a few activation rows, every limb a row of one tile -----------------------------------------
-// Below 16 tokens tiled_rows' tiles run mostly empty, and a tile's store (~19 cycles on a Xeon 6, as many
-// rows or few) and product (~12-20) cost the same: at 4 tokens it took as long as VNNI. Here a block's limbs
-// for every token are the rows of one A tile (row l T + t: limb l of token t, 2 limbs), so a block is one
-// product and one store; up to 4 tokens, two blocks share them (A 64 bytes a row, block b's limbs in the
-// first 32 and block b + 1's in the second, the other half zero; B the two blocks' 8 + 8 rows of the tiled
-// copy). Each C row is then block_tokens' limb sum S_l for one token with the weight rows in the lanes, and
-// lane_steps takes it from there: the same bits as VNNI and tiled_rows.
+// Below 16 tokens tiled_rows' tiles run mostly empty, and a tile's store (~19 cycles on a Xeon 6) and
+// product (~12-20) cost about as much for a few rows as for 16, and do not overlap: at 8 tokens a block
+// took 140 cycles there against VNNI's 165. Here every limb of every token is a row of one A tile (row
+// l T + t: limb l of token t, 2 limbs), so a block is one product and one store. Each C row is
+// block_tokens' limb sum S_l for one token with the weight rows in the lanes, and lane_steps takes it from
+// there: the same bits as VNNI and tiled_rows.
 constexpr int64_t kFewMaxRows = 8;  // tokens this path takes at most (2 limbs x 8 tokens: one tile's rows)
 
-struct FewPack {
-  int64_t T = 0, pair = 1, rows = 0, cols = 0;  // tokens, blocks per product (P), A's rows (P 2 T) and bytes (32 P)
-  aligned::vector<uint8_t> a;                   // A tiles: [ceil(blocks / P)][rows][cols]
-};
-
-// The A tiles of `xp`'s T <= kFewMaxRows tokens (packed for VNNI, 2 limbs).
-inline void pack_few(const XPack& xp, FewPack& f) {
+// The A tiles of `xp`'s T <= kFewMaxRows tokens (packed for VNNI, 2 limbs): [blocks][2 T rows][32 bytes].
+inline void pack_few(const XPack& xp, aligned::vector<uint8_t>& a) {
   const int64_t T = xp.T, blocks = xp.blocks;
-  f.T = T, f.pair = T <= 4 ? 2 : 1, f.rows = f.pair * 2 * T, f.cols = 32 * f.pair;
-  const int64_t groups = (blocks + f.pair - 1) / f.pair;
-  f.a.assign(groups * f.rows * f.cols, 0);
+  a.resize(blocks * 2 * T * 32);
   const uint8_t* rows = reinterpret_cast<const uint8_t*>(xp.rows.data());
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t q = b / f.pair, p = b % f.pair;
+  for (int64_t b = 0; b < blocks; ++b)
     for (int l = 0; l < 2; ++l)
       for (int64_t t = 0; t < T; ++t)
-        std::memcpy(f.a.data() + (q * f.rows + p * 2 * T + l * T + t) * f.cols + 32 * p,
-                    rows + ((t * blocks + b) * 24 + l * 8) * 4, 32);
-  }
+        std::memcpy(a.data() + ((b * 2 + l) * T + t) * 32, rows + ((t * blocks + b) * 24 + l * 8) * 4, 32);
 }
 
-// Set S's tiles for few_rows: C tmm0 / tmm3, A tmm1 / tmm4, B tmm2 / tmm5.
-inline void configure_few(int rows, int cols, int pair) {
-  TileConfig cfg;
-  for (int t : {0, 3}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
-  for (int t : {1, 4}) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = static_cast<uint16_t>(cols);
-  for (int t : {2, 5}) cfg.rows[t] = static_cast<uint8_t>(8 * pair), cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // see configure
-  _tile_loadconfig(&cfg);
-}
-
-// Output columns [n0, n1) (n0 a multiple of 16) of the few rows `f` (and `xp`, their VNNI pack) from the
-// tiled weights `wt`: per 16 weight rows, a chunk of kChunk blocks' B tiles made ready (Q4's nibbles split;
-// Q8_0's copied where two blocks share a product), then one product per block (pair), the tile unit one
+// Output columns [n0, n1) (n0 a multiple of 16) of the few rows packed in `a` (pack_few; `xp`, their VNNI
+// pack) from the tiled weights `wt`: per 16 weight rows, a chunk of kChunk blocks' B tiles made ready (Q4's
+// nibbles split; Q8_0's read in place), then one product per block on two tile sets, the tile unit one block
 // ahead of the vector unit, the tokens' accumulators in registers.
 template <class F>
-void few_rows(const XPack& xp, const FewPack& f, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
-  static_assert(kChunk % 2 == 0, "block pairs do not straddle chunks");
-  const int64_t blocks = xp.blocks, T = f.T, P = f.pair;
-  configure_few(static_cast<int>(f.rows), static_cast<int>(f.cols), static_cast<int>(P));
-  const bool in_place = F::kSigned && P == 1;  // Q8_0's B tiles read from the tiled copy as they are
-  alignas(64) uint8_t Bq[kChunk][512];
+void few_rows(const XPack& xp, const uint8_t* a, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
+  const int64_t blocks = xp.blocks, T = xp.T;
+  configure(static_cast<int>(2 * T), 64, static_cast<int>(2 * T), 64);  // C tmm0 / tmm4, A tmm1 / tmm6, B tmm2 / tmm7
+  alignas(64) uint8_t Bq[F::kSigned ? 1 : kChunk][512];
   alignas(64) int32_t C[2][16][16];
   thread_local aligned::vector<float> accbuf;  // [kFewMaxRows][16 rows], between chunks
   accbuf.resize(kFewMaxRows * 16);
@@ -375,61 +352,55 @@ void few_rows(const XPack& xp, const FewPack& f, const uint8_t* wt, int64_t n0, 
     const uint8_t* next = n + 16 < n1 ? tile + blocks * kTileBlockBytes<F> : nullptr;
     const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
     for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-      const int64_t nb = std::min(kChunk, blocks - b0), pairs = (nb + P - 1) / P;
-      if (!in_place) {
+      const int64_t nb = std::min(kChunk, blocks - b0);
+      auto wblock = [&](int64_t j) -> const uint8_t* {
+        if constexpr (F::kSigned) return tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
+        else return Bq[j];
+      };
+      if constexpr (!F::kSigned) {
         for (int64_t j = 0; j < nb; ++j) {
           const uint8_t* q = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
           for (int c = 0; c < 4; ++c) {
-            if constexpr (F::kSigned) {
-              _mm512_store_si512(Bq[j] + 64 * c, _mm512_loadu_si512(q + 64 * c));
-              _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_loadu_si512(q + 64 * (4 + c)));
-            } else {
-              const __m512i v = _mm512_loadu_si512(q + 64 * c);
-              _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
-              _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-            }
+            const __m512i v = _mm512_loadu_si512(q + 64 * c);
+            _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
+            _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
           }
         }
-        if (nb % 2 && P == 2) std::memset(Bq[nb], 0, 512);  // an odd last block's partner: zero rows of B
       }
       __m512 acc[kFewMaxRows];
       for (int64_t t = 0; t < T; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(accbuf.data() + 16 * t);
-      auto sums = [&](int64_t q) {  // blocks b0 + P q .. on set q % 2, into C[q % 2]
-        const uint8_t* a = f.a.data() + ((b0 / P + q) * f.rows) * f.cols;
-        const uint8_t* b = in_place ? tile + (b0 + q) * kTileBlockBytes<F> + kTileScaleBytes<F> : Bq[P * q];
-        if (q % 2) {
-          _tile_loadd(5, b, 64);
-          _tile_loadd(4, a, f.cols);
-          _tile_zero(3);
-          _tile_dpbsud(3, 4, 5);
-          _tile_stored(3, C[1], 64);
+      auto sums = [&](int64_t j) {  // block b0 + j's limb sums on set j % 2, into C[j % 2]
+        const uint8_t* aj = a + (b0 + j) * 2 * T * 32;
+        if (j % 2) {
+          _tile_loadd(7, wblock(j), 64);
+          _tile_loadd(6, aj, 32);
+          _tile_zero(4);
+          _tile_dpbsud(4, 6, 7);
+          _tile_stored(4, C[1], 64);
         } else {
-          _tile_loadd(2, b, 64);
-          _tile_loadd(1, a, f.cols);
+          _tile_loadd(2, wblock(j), 64);
+          _tile_loadd(1, aj, 32);
           _tile_zero(0);
           _tile_dpbsud(0, 1, 2);
           _tile_stored(0, C[0], 64);
         }
       };
       sums(0);
-      for (int64_t q = 0; q < pairs; ++q) {
-        if (q + 1 < pairs) sums(q + 1);  // the next product goes first
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t j = P * q + p, b = b0 + j;
-          if (j >= nb) break;
-          if (next)  // the next 16 rows' block, spread over this tile's work
-            for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(next + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
-          const uint8_t* blk = tile + b * kTileBlockBytes<F>;
-          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-          __m512 m = _mm512_setzero_ps();
-          if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-          else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-          const int32_t (*c)[16] = C[q % 2] + p * 2 * T;
-          for (int64_t t = 0; t < T; ++t) {
-            const __m512i S[3] = {_mm512_load_si512(c[t]), _mm512_load_si512(c[T + t]), _mm512_setzero_si512()};
-            acc[t] = lane_steps<F, 2>(xp, b * 16 + t, xp.limb_sums.data() + (t * blocks + b) * 3, S, d, m, acc[t]);
-          }
+      for (int64_t j = 0; j < nb; ++j) {
+        if (j + 1 < nb) sums(j + 1);  // the next block's product goes first
+        const int64_t b = b0 + j;
+        if (next)  // the next 16 rows' block, spread over this tile's work
+          for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
+        const uint8_t* blk = tile + b * kTileBlockBytes<F>;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        __m512 m = _mm512_setzero_ps();
+        if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+        const int32_t(*c)[16] = C[j % 2];
+        for (int64_t t = 0; t < T; ++t) {
+          const __m512i S[3] = {_mm512_load_si512(c[t]), _mm512_load_si512(c[T + t]), _mm512_setzero_si512()};
+          acc[t] = lane_steps<F, 2>(xp, b * 16 + t, xp.limb_sums.data() + (t * blocks + b) * 3, S, d, m, acc[t]);
         }
       }
       if (b0 + nb < blocks) {

@@ -507,9 +507,13 @@ constexpr int64_t amx_few_rows() {
 // 4 rows 0.65-0.88x).
 constexpr int64_t kAmxTiledMinRows = 9;
 // From this many rows up to amx::kFewMaxRows, on 2 limbs, the AMX path takes every limb of every row as a row
-// of one tile (amx::few_rows): the same harness, against VNNI, 1.0-1.3x at 4 rows, 1.3-1.45x at 8 (where
-// tiled_rows gets 1.2x); below 4 VNNI is faster (3 rows 0.9-0.97x).
-constexpr int64_t kAmxFewMinRows = 4;
+// of one tile (amx::few_rows): in the same harness 1.1x VNNI's speed at 5 rows, 1.3-1.45x at 8 (tiled_rows
+// 1.2x); `benchmarks.products` (30 layers' weights from memory, in turns) 0.97-1.05x at 5 rows, 1.0-1.16x
+// at 6-8; at 4 rows VNNI was as fast or 2-9% faster.
+constexpr int64_t kAmxFewMinRows = 5;
+// Both of the above on (the default) or off (VNNI below 16 rows, the tiles from the tiled copy from 16, as
+// before them; a same-process comparison, the same bits): parrot_amx_few_enable.
+std::atomic<bool> g_amx_few{true};
 
 // From this many activation rows, 2-limb products put the tokens in lanes (vnni::lanes_rows): 4-7% off a
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
@@ -539,11 +543,11 @@ using Format = std::conditional_t<Q == kQ8_0, tiled::Q8_0, std::conditional_t<Q 
 enum AmxRows { kAmxNone, kAmxTiled, kAmxFew };
 template <class F>
 void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
-               int64_t N, AmxRows tiles = kAmxNone, const void* few = nullptr) {
+               int64_t N, AmxRows tiles = kAmxNone, const uint8_t* few = nullptr) {
 #if PARROT_AMX
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
   if (tiles == kAmxTiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
-  if (tiles == kAmxFew) return amx::few_rows<F>(xp, *static_cast<const amx::FewPack*>(few), wt, n0, n1, y, N);
+  if (tiles == kAmxFew) return amx::few_rows<F>(xp, few, wt, n0, n1, y, N);
 #else
   (void)tiles, (void)few;
 #endif
@@ -577,16 +581,17 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
   if (path != kPathAvx2) {
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
-    const bool amx_few = PARROT_AMX && path == kPathAmx && wt != nullptr && limbs == 2 && T >= kAmxFewMinRows &&
-                         T <= amx_few_rows();
-    const bool amx_tiled = path == kPathAmx && wt != nullptr && !amx_few && T >= kAmxTiledMinRows;
+    const bool few_on = g_amx_few.load(std::memory_order_relaxed);
+    const bool amx_few = PARROT_AMX && few_on && path == kPathAmx && wt != nullptr && limbs == 2 &&
+                         T >= kAmxFewMinRows && T <= amx_few_rows();
+    const bool amx_tiled = path == kPathAmx && wt != nullptr && !amx_few && T >= (few_on ? kAmxTiledMinRows : 16);
     const bool tiles = path == kPathAmx && !amx_tiled && !amx_few && T > amx_vnni_rows();
     vnni::pack_x(x, T, K, packed, limbs, tiles,
                  !tiles && !amx_tiled && !amx_few && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));
-    const void* few = nullptr;
+    const uint8_t* few = nullptr;
 #if PARROT_AMX
-    thread_local amx::FewPack few_pack;  // as `packed`
-    if (amx_few) amx::pack_few(packed, few_pack), few = &few_pack;
+    thread_local aligned::vector<uint8_t> few_pack;  // as `packed`
+    if (amx_few) amx::pack_few(packed, few_pack), few = few_pack.data();
 #endif
     const AmxRows on_tiles = amx_few ? kAmxFew : amx_tiled ? kAmxTiled : kAmxNone;
     parallel_chunks(pool, chunks, [&](int64_t c) {
@@ -1508,6 +1513,13 @@ extern "C" int64_t parrot_tile_rows(int32_t qtype, const uint8_t* w, int64_t N, 
 extern "C" int parrot_tiled_enable(int on) {
   if (on >= 0) g_tiled.store(on != 0);
   return g_tiled.load() ? 1 : 0;
+}
+
+// The AMX path's tiles for 5-15 decode rows (amx::few_rows, amx::tiled_rows from 9 rows) on (1) or off (0:
+// VNNI below 16 rows; -1: unchanged); returns whether they are on.
+extern "C" int parrot_amx_few_enable(int on) {
+  if (on >= 0) g_amx_few.store(on != 0);
+  return g_amx_few.load() ? 1 : 0;
 }
 
 // The AVX2 code's integer products of generated rows on 2 limbs (avx2_int8.h) on (1) or off (0: float32
