@@ -338,17 +338,23 @@ def test_the_tiled_copy_gives_the_same_bits(native_path: str, qtype: str, limbs:
         assert np.isfinite(np.delete(got, 2 if rows > 2 else [], axis=0)).all()
 
 
+def _two_limb_product(w: np.ndarray, qtype: str):  # noqa: ANN202
+    """The generated rows' product on 2 limbs with `w` quantized (f(x, d, t): t its tiled copy or None), the
+    quantized blocks and the tiled copy; skips without the native kernels."""
+    q = quant.quantize(w, qtype)
+    tiled = quant.tiled(q)
+    if tiled is None:
+        pytest.skip("the native kernels are not available")
+    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, qtype, None, 2, t))
+    return f, jnp.asarray(q.data), jnp.asarray(tiled)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_a_few_rows_give_their_bits_alone(native_path: str, qtype: str) -> None:
     """2 to 9 generated rows on 2 limbs (on AMX: every limb a row of one tile from 5 rows, the tiled copy's
     tiles from 9) over an odd number of blocks (17) and a last tile of 12 weight rows: each row is the bits
     it is alone and the bits of the GGUF rows."""
-    q = quant.quantize(_random(544, 60, seed=6), qtype)
-    tiled = quant.tiled(q)
-    if tiled is None:
-        pytest.skip("the native kernels are not available")
-    d, t = jnp.asarray(q.data), jnp.asarray(tiled)
-    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, qtype, None, 2, t))
+    f, d, t = _two_limb_product(_random(544, 60, seed=6), qtype)
     x = np.random.default_rng(7).standard_normal((9, 544)).astype(np.float32)
     alone = np.concatenate([np.asarray(f(x[i:i + 1], d, t)) for i in range(9)])
     for rows in range(2, 10):
@@ -362,12 +368,7 @@ def test_a_wide_output_gives_the_same_bits(native_path: str, qtype: str) -> None
     """A wide output (an LM head's logits for many rows: more than 2^20 floats) is the same bits from the
     tiled copy as from the GGUF rows, a last tile of 8 weight rows and a last token tile of 6 rows
     included, and each row is its result alone."""
-    q = quant.quantize(_random(64, 16392, seed=3), qtype)
-    tiled = quant.tiled(q)
-    if tiled is None:
-        pytest.skip("the native kernels are not available")
-    d, t = jnp.asarray(q.data), jnp.asarray(tiled)
-    f = jax.jit(lambda x, d, t: kernels.qmatmul(x, d, qtype, None, 2, t))
+    f, d, t = _two_limb_product(_random(64, 16392, seed=3), qtype)
     x = np.random.default_rng(4).standard_normal((70, 64)).astype(np.float32)
     got = np.asarray(f(x, d, t))
     assert got.size > 2**20

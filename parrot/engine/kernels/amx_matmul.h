@@ -236,6 +236,64 @@ inline void tiled_epilogue(const XPack& xp, int64_t g, int64_t b, const int32_t 
   }
 }
 
+// A chunk's B tiles from the tiled copy (kChunk blocks of the 16 weight rows at `tile`): Q4's nibbles split
+// into their two halves of K (`make`), Q8_0's bytes read in place.
+template <class F>
+struct ChunkB {
+  alignas(64) uint8_t q[F::kSigned ? 1 : kChunk][512];
+  const uint8_t* tile = nullptr;
+  int64_t b0 = 0;
+  void make(const uint8_t* t, int64_t first, int64_t nb) {
+    tile = t, b0 = first;
+    if constexpr (!F::kSigned) {
+      const __m512i nib = _mm512_set1_epi8(0x0F);
+      for (int64_t j = 0; j < nb; ++j) {
+        const uint8_t* src = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(src + 64 * c);
+          _mm512_store_si512(q[j] + 64 * c, _mm512_and_si512(v, nib));
+          _mm512_store_si512(q[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+        }
+      }
+    }
+  }
+  const uint8_t* operator[](int64_t j) const {  // the chunk's block j
+    if constexpr (F::kSigned) return tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
+    else return q[j];
+  }
+};
+
+// Block b of the 16 weight rows at `tile`: its rows' scales d and minima m (Q4_1's m, Q4_0's -8 d), the same
+// block of the next 16 rows (`next`, if any) fetched meanwhile, spread over this tile's work.
+template <class F>
+inline void tile_block(const uint8_t* tile, const uint8_t* next, int64_t b, __m512& d, __m512& m) {
+  if (next)
+    for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
+  const uint8_t* blk = tile + b * kTileBlockBytes<F>;
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  m = _mm512_setzero_ps();
+  if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+}
+
+// body(n, tile, next, rows_here, b0, nb) for each 16 weight rows [n, n + 16) of [n0, n1) of the tiled weights
+// `wt` (`tile`: their first block; `next`: the next 16 rows', null at the last) and each chunk of up to kChunk
+// of their blocks from b0, the chunk's B tiles made ready in `wblock` first.
+template <class F, class Body>
+inline void tile_chunks(const uint8_t* wt, int64_t blocks, int64_t n0, int64_t n1, ChunkB<F>& wblock, Body&& body) {
+  for (int64_t n = n0; n < n1; n += 16) {
+    const uint8_t* tile = wt + n / 16 * blocks * kTileBlockBytes<F>;
+    const uint8_t* next = n + 16 < n1 ? tile + blocks * kTileBlockBytes<F> : nullptr;
+    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
+    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const int64_t nb = std::min(kChunk, blocks - b0);
+      wblock.make(tile, b0, nb);
+      body(n, tile, next, rows_here, b0, nb);
+    }
+  }
+}
+
 // Output columns [n0, n1) (n0 a multiple of 16) of every activation row, from the tiled weights `wt`: per
 // 16 weight rows, a chunk of up to kChunk blocks' B tiles made ready (Q4's nibbles split), then each
 // token tile's blocks, the tile unit one block ahead of the vector unit, its 16 tokens' accumulators in
@@ -244,67 +302,41 @@ template <class F, int LIMBS>
 void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, tn = xp.tn, T = xp.T, ldx = blocks * 96;
   configure(static_cast<int>(tn), 64, static_cast<int>(tn), 64);
-  alignas(64) uint8_t Bq[F::kSigned ? 1 : kChunk][512];
+  ChunkB<F> wblock;
   alignas(64) int32_t C[2][LIMBS][256];
   thread_local aligned::vector<float> accbuf;  // [token tiles][16 tokens][16 rows], between chunks
   accbuf.resize(xp.tiles * 256);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
   const uint8_t* xrows = reinterpret_cast<const uint8_t*>(xp.rows.data());
-  for (int64_t n = n0; n < n1; n += 16) {
-    const uint8_t* tile = wt + n / 16 * blocks * kTileBlockBytes<F>;
-    const uint8_t* next = n + 16 < n1 ? tile + blocks * kTileBlockBytes<F> : nullptr;
-    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-      const int64_t nb = std::min(kChunk, blocks - b0);
-      auto wblock = [&](int64_t j) -> const uint8_t* {
-        if constexpr (F::kSigned) return tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
-        else return Bq[j];
+  tile_chunks<F>(wt, blocks, n0, n1, wblock, [&](int64_t n, const uint8_t* tile, const uint8_t* next, int rows_here,
+                                                  int64_t b0, int64_t nb) {
+    for (int64_t g = 0; g < xp.tiles; ++g) {
+      __m512 acc[16];
+      float* saved = accbuf.data() + g * 256;
+      for (int t = 0; t < 16; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * t);
+      const uint8_t* x0 = xrows + (g * 16 * blocks + b0) * 96;
+      auto sums = [&](int64_t j) {  // block j's sums on tile set j % 2 into C[j % 2] (a third limb: set 0)
+        if constexpr (LIMBS == 2) {
+          if (j % 2) return tiled_sums<LIMBS, 1>(wblock[j], x0 + j * 96, ldx, C[1]);
+        }
+        tiled_sums<LIMBS, 0>(wblock[j], x0 + j * 96, ldx, C[LIMBS == 2 ? j % 2 : 0]);
       };
-      if constexpr (!F::kSigned) {
-        for (int64_t j = 0; j < nb; ++j) {
-          const uint8_t* q = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
-          for (int c = 0; c < 4; ++c) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * c);
-            _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
-            _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-          }
-        }
+      sums(0);
+      for (int64_t j = 0; j < nb; ++j) {
+        if (LIMBS == 2 && j + 1 < nb) sums(j + 1);  // two sets: the next block's sums go first
+        __m512 d, m;
+        tile_block<F>(tile, g == 0 ? next : nullptr, b0 + j, d, m);  // the next rows fetched beside the first tile
+        tiled_epilogue<F, LIMBS>(xp, g, b0 + j, C[LIMBS == 2 ? j % 2 : 0], d, m, tn, acc);
+        if (LIMBS == 3 && j + 1 < nb) sums(j + 1);
       }
-      for (int64_t g = 0; g < xp.tiles; ++g) {
-        __m512 acc[16];
-        float* saved = accbuf.data() + g * 256;
-        for (int t = 0; t < 16; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * t);
-        const uint8_t* x0 = xrows + (g * 16 * blocks + b0) * 96;
-        auto sums = [&](int64_t j) {  // block j's sums on tile set j % 2 into C[j % 2] (a third limb: set 0)
-          if constexpr (LIMBS == 2) {
-            if (j % 2) return tiled_sums<LIMBS, 1>(wblock(j), x0 + j * 96, ldx, C[1]);
-          }
-          tiled_sums<LIMBS, 0>(wblock(j), x0 + j * 96, ldx, C[LIMBS == 2 ? j % 2 : 0]);
-        };
-        sums(0);
-        for (int64_t j = 0; j < nb; ++j) {
-          if (LIMBS == 2 && j + 1 < nb) sums(j + 1);  // two sets: the next block's sums go first
-          if (next && g == 0)  // the next 16 rows' block, spread over this tile's work
-            for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(next + (b0 + j) * kTileBlockBytes<F> + o), _MM_HINT_T0);
-          const uint8_t* blk = tile + (b0 + j) * kTileBlockBytes<F>;
-          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-          __m512 m = _mm512_setzero_ps();
-          if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-          else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-          tiled_epilogue<F, LIMBS>(xp, g, b0 + j, C[LIMBS == 2 ? j % 2 : 0], d, m, tn, acc);
-          if (LIMBS == 3 && j + 1 < nb) sums(j + 1);
-        }
-        if (b0 + nb < blocks) {
-          for (int t = 0; t < 16; ++t) _mm512_store_ps(saved + 16 * t, acc[t]);
-          continue;
-        }
-        const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
-        const int64_t cnt = std::min(tn, T - g * 16);
-        for (int64_t t = 0; t < cnt; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
+      if (b0 + nb < blocks) {
+        for (int t = 0; t < 16; ++t) _mm512_store_ps(saved + 16 * t, acc[t]);
+        continue;
       }
+      const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+      const int64_t cnt = std::min(tn, T - g * 16);
+      for (int64_t t = 0; t < cnt; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
     }
-  }
+  });
   _tile_release();
 }
 
@@ -342,75 +374,49 @@ template <class F>
 void few_rows(const XPack& xp, const uint8_t* a, const uint8_t* wt, int64_t n0, int64_t n1, float* y, int64_t N) {
   const int64_t blocks = xp.blocks, T = xp.T;
   configure(static_cast<int>(2 * T), 64, static_cast<int>(2 * T), 64);  // C tmm0 / tmm4, A tmm1 / tmm6, B tmm2 / tmm7
-  alignas(64) uint8_t Bq[F::kSigned ? 1 : kChunk][512];
+  ChunkB<F> wblock;
   alignas(64) int32_t C[2][16][16];
   thread_local aligned::vector<float> accbuf;  // [kFewMaxRows][16 rows], between chunks
   accbuf.resize(kFewMaxRows * 16);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; n += 16) {
-    const uint8_t* tile = wt + n / 16 * blocks * kTileBlockBytes<F>;
-    const uint8_t* next = n + 16 < n1 ? tile + blocks * kTileBlockBytes<F> : nullptr;
-    const int rows_here = static_cast<int>(std::min<int64_t>(16, n1 - n));
-    for (int64_t b0 = 0; b0 < blocks; b0 += kChunk) {
-      const int64_t nb = std::min(kChunk, blocks - b0);
-      auto wblock = [&](int64_t j) -> const uint8_t* {
-        if constexpr (F::kSigned) return tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
-        else return Bq[j];
-      };
-      if constexpr (!F::kSigned) {
-        for (int64_t j = 0; j < nb; ++j) {
-          const uint8_t* q = tile + (b0 + j) * kTileBlockBytes<F> + kTileScaleBytes<F>;
-          for (int c = 0; c < 4; ++c) {
-            const __m512i v = _mm512_loadu_si512(q + 64 * c);
-            _mm512_store_si512(Bq[j] + 64 * c, _mm512_and_si512(v, nib));
-            _mm512_store_si512(Bq[j] + 64 * (4 + c), _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
-          }
-        }
+  tile_chunks<F>(wt, blocks, n0, n1, wblock, [&](int64_t n, const uint8_t* tile, const uint8_t* next, int rows_here,
+                                                  int64_t b0, int64_t nb) {
+    __m512 acc[kFewMaxRows];
+    for (int64_t t = 0; t < T; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(accbuf.data() + 16 * t);
+    auto sums = [&](int64_t j) {  // block b0 + j's limb sums on set j % 2, into C[j % 2]
+      const uint8_t* aj = a + (b0 + j) * 2 * T * 32;
+      if (j % 2) {
+        _tile_loadd(7, wblock[j], 64);
+        _tile_loadd(6, aj, 32);
+        _tile_zero(4);
+        _tile_dpbsud(4, 6, 7);
+        _tile_stored(4, C[1], 64);
+      } else {
+        _tile_loadd(2, wblock[j], 64);
+        _tile_loadd(1, aj, 32);
+        _tile_zero(0);
+        _tile_dpbsud(0, 1, 2);
+        _tile_stored(0, C[0], 64);
       }
-      __m512 acc[kFewMaxRows];
-      for (int64_t t = 0; t < T; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(accbuf.data() + 16 * t);
-      auto sums = [&](int64_t j) {  // block b0 + j's limb sums on set j % 2, into C[j % 2]
-        const uint8_t* aj = a + (b0 + j) * 2 * T * 32;
-        if (j % 2) {
-          _tile_loadd(7, wblock(j), 64);
-          _tile_loadd(6, aj, 32);
-          _tile_zero(4);
-          _tile_dpbsud(4, 6, 7);
-          _tile_stored(4, C[1], 64);
-        } else {
-          _tile_loadd(2, wblock(j), 64);
-          _tile_loadd(1, aj, 32);
-          _tile_zero(0);
-          _tile_dpbsud(0, 1, 2);
-          _tile_stored(0, C[0], 64);
-        }
-      };
-      sums(0);
-      for (int64_t j = 0; j < nb; ++j) {
-        if (j + 1 < nb) sums(j + 1);  // the next block's product goes first
-        const int64_t b = b0 + j;
-        if (next)  // the next 16 rows' block, spread over this tile's work
-          for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(next + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
-        const uint8_t* blk = tile + b * kTileBlockBytes<F>;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-        __m512 m = _mm512_setzero_ps();
-        if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-        const int32_t(*c)[16] = C[j % 2];
-        for (int64_t t = 0; t < T; ++t) {
-          const __m512i S[3] = {_mm512_load_si512(c[t]), _mm512_load_si512(c[T + t]), _mm512_setzero_si512()};
-          acc[t] = lane_steps<F, 2>(xp, b * 16 + t, xp.limb_sums.data() + (t * blocks + b) * 3, S, d, m, acc[t]);
-        }
+    };
+    sums(0);
+    for (int64_t j = 0; j < nb; ++j) {
+      if (j + 1 < nb) sums(j + 1);  // the next block's product goes first
+      const int64_t b = b0 + j;
+      __m512 d, m;
+      tile_block<F>(tile, next, b, d, m);
+      const int32_t(*c)[16] = C[j % 2];
+      for (int64_t t = 0; t < T; ++t) {
+        const __m512i S[3] = {_mm512_load_si512(c[t]), _mm512_load_si512(c[T + t]), _mm512_setzero_si512()};
+        acc[t] = lane_steps<F, 2>(xp, b * 16 + t, xp.limb_sums.data() + (t * blocks + b) * 3, S, d, m, acc[t]);
       }
-      if (b0 + nb < blocks) {
-        for (int64_t t = 0; t < T; ++t) _mm512_store_ps(accbuf.data() + 16 * t, acc[t]);
-        continue;
-      }
-      const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
-      for (int64_t t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + t * N + n, rowmask, acc[t]);
     }
-  }
+    if (b0 + nb < blocks) {
+      for (int64_t t = 0; t < T; ++t) _mm512_store_ps(accbuf.data() + 16 * t, acc[t]);
+      return;
+    }
+    const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
+    for (int64_t t = 0; t < T; ++t) _mm512_mask_storeu_ps(y + t * N + n, rowmask, acc[t]);
+  });
   _tile_release();
 }
 
