@@ -506,6 +506,7 @@ constexpr int64_t amx_few_rows() {
 // Q8_0 / Q4_0 weights from L2 on a Xeon 6: 1.2-1.4x VNNI's speed from 9 rows up, 2 or 3 limbs (8 rows 1.2x,
 // 4 rows 0.65-0.88x).
 constexpr int64_t kAmxTiledMinRows = 9;
+constexpr int64_t kAmxTiledMinRowsAlone = 16;  // the same, with amx::few_rows off (parrot_amx_few_enable)
 // From this many rows up to amx::kFewMaxRows, on 2 limbs, the AMX path takes every limb of every row as a row
 // of one tile (amx::few_rows): in the same harness 1.1x VNNI's speed at 5 rows, 1.3-1.45x at 8 (tiled_rows
 // 1.2x); `benchmarks.products` (30 layers' weights from memory, in turns) 0.97-1.05x at 5 rows, 1.0-1.16x
@@ -538,18 +539,18 @@ using Format = std::conditional_t<Q == kQ8_0, tiled::Q8_0, std::conditional_t<Q 
 
 #if PARROT_VNNI
 // `wt`: the same weights tiled for the lanes (tiled::tile_rows), or null
-// `tiles`: the AMX tile path from the tiled copy that takes the rows, if any (packed for VNNI; rows packed for
-// the tiles go to amx::rows); `few`: the few rows' pack (kAmxFew).
+// `on_tiles`: the AMX tile path from the tiled copy that takes the rows, if any (packed for VNNI; rows packed
+// for the tiles go to amx::rows); `few`: the few rows' pack (kAmxFew).
 enum AmxRows { kAmxNone, kAmxTiled, kAmxFew };
 template <class F>
 void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1, float* y,
-               int64_t N, AmxRows tiles = kAmxNone, const uint8_t* few = nullptr) {
+               int64_t N, AmxRows on_tiles = kAmxNone, const uint8_t* few = nullptr) {
 #if PARROT_AMX
   if (xp.for_tiles) return amx::rows<F>(xp, w, n0, n1, y, N);
-  if (tiles == kAmxTiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
-  if (tiles == kAmxFew) return amx::few_rows<F>(xp, few, wt, n0, n1, y, N);
+  if (on_tiles == kAmxTiled) return amx::tiled_rows<F>(xp, wt, n0, n1, y, N);
+  if (on_tiles == kAmxFew) return amx::few_rows<F>(xp, few, wt, n0, n1, y, N);
 #else
-  (void)tiles, (void)few;
+  (void)on_tiles, (void)few;
 #endif
   if (xp.lanes) return vnni::lanes_rows<F>(xp, w, n0, n1, y, N);
   if (wt != nullptr) return vnni::rows<F, true>(xp, wt, n0, n1, y, N);
@@ -582,9 +583,10 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     thread_local vnni::XPack packed;  // this thread's; the helpers read it through `xp` until every chunk is done
     const vnni::XPack* xp = &packed;
     const bool few_on = g_amx_few.load(std::memory_order_relaxed);
-    const bool amx_few = PARROT_AMX && few_on && path == kPathAmx && wt != nullptr && limbs == 2 &&
-                         T >= kAmxFewMinRows && T <= amx_few_rows();
-    const bool amx_tiled = path == kPathAmx && wt != nullptr && !amx_few && T >= (few_on ? kAmxTiledMinRows : 16);
+    const bool amx_few = few_on && path == kPathAmx && wt != nullptr && limbs == 2 && T >= kAmxFewMinRows &&
+                         T <= amx_few_rows();
+    const bool amx_tiled = path == kPathAmx && wt != nullptr && !amx_few &&
+                           T >= (few_on ? kAmxTiledMinRows : kAmxTiledMinRowsAlone);
     const bool tiles = path == kPathAmx && !amx_tiled && !amx_few && T > amx_vnni_rows();
     vnni::pack_x(x, T, K, packed, limbs, tiles,
                  !tiles && !amx_tiled && !amx_few && T >= (wt != nullptr ? kLanesMinRowsTiled : kLanesMinRows));

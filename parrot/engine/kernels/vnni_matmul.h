@@ -164,8 +164,8 @@ inline __m512 limb_sum(__m512i s0, __m512i s1, __m512i s2) {
 
 // A block's float32 steps for one token with 16 weight rows in the lanes, from its limb sums S (unsigned
 // weights: Q8_0's +128 not yet taken off, through the token's limb sums `ls`), into acc: every path that
-// puts the weight rows in the lanes ends here (block_tokens, amx::tiled_rows), so a row's result is the
-// same bits on each. `at`: the token's index into the pack's per-token scales and sums.
+// puts the weight rows in the lanes ends here (block_tokens, amx::tiled_rows, amx::few_rows), so a row's
+// result is the same bits on each. `at`: the token's index into the pack's per-token scales and sums.
 // Two limbs: S = 256 S0 + S1 exactly in int32 (|S| < 2^28), so float(S) * 256 is 65536 S0 + 256 S1 rounded
 // once, as limb_sum rounds it, and the factor 256 rides in the token's scale (scales256 = 256 s, so
 // d * 256 s = 256 (d * s) exactly): the same product with three float32 steps fewer. (Only where 256 d s
