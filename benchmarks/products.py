@@ -17,7 +17,8 @@ own memory, in turns.
 `--prompt`: a prompt step's rows instead (fill rows, in bfloat16 where the CPU multiplies them so), on the
 prompt shapes (QKV, O, gate|up, gate|up with silu(gate) * up out of the product as the model asks for it,
 down). Codes: "integer" (the bf16 products switched off: the best integer code on 2 limbs), and where the
-CPU has them "avx512-bf16" and "amx-bf16".
+CPU has them "avx512-bf16" and "amx-bf16", each also as "... gguf-rows" (the weights dequantized from their
+GGUF rows, not from the tiled copy: `use_tiled(False)`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
     if prompt:
         have = ["integer"] + [c for c, p in PROMPT_CODES.items()
                               if p in kernels.matmul_paths() and (c != "amx-bf16" or kernels.bf16_tiles())]
+        have += [f"{c} gguf-rows" for c in have[1:]]  # the weights dequantized from the GGUF rows, not the copy
     codes = [c for c in have if codes is None or c in codes]
     places = places or ["huge"]
     configs = [f"{c}, {p}" if len(places) > 1 else c for c in codes for p in places]
@@ -84,8 +86,9 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
     def select(config: str) -> None:
         code = config.split(",")[0]
         if prompt:
-            kernels.use_matmul(PROMPT_CODES[code] or before)
+            kernels.use_matmul(PROMPT_CODES[code.split()[0]] or before)
             kernels.use_bf16_fills(code != "integer")
+            kernels.use_tiled(not code.endswith("gguf-rows"))
             return
         kernels.use_matmul(code.split()[0])
         kernels.use_avx2_int8(code != "avx2 float32")
@@ -129,6 +132,7 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
     kernels.use_avx2_int8(True)
     kernels.use_amx_few(True)
     kernels.use_bf16_fills(True)
+    kernels.use_tiled(True)
     result["floors"] = measure()
     return result
 

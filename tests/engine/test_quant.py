@@ -200,6 +200,28 @@ def test_bf16_fills_give_a_row_the_same_result_in_any_batch() -> None:
 
 
 @pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("k", [576, 1536, 4096])
+def test_bf16_fills_from_the_tiled_copy_give_the_same_bits(native_path: str, qtype: str, k: int) -> None:
+    """Prompt rows in bfloat16 dequantize the weights from the matrix's tiled copy where it is given: the
+    same bits as from the GGUF rows, on each bf16 code (AMX's tiles; AVX512-BF16 where its CPU has byte
+    permutes), a last tile of 8 weight rows (N = 200), widths of one run of the tiles' product, of several,
+    and of fewer panels a call than the output has; the fused silu(gate) * up too, its gate rows a multiple
+    of 16 (the up rows' tiles start at a tile) or not (then from the GGUF rows)."""
+    if kernels.bf16_fills() is None:
+        pytest.skip(f"{native_path} multiplies prompt rows exactly")
+    x = np.random.default_rng(k).standard_normal((45, k)).astype(np.float32)
+    for n, swiglu in [(200, False), (2 * 96, True), (2 * 75, True)]:
+        q = quant.quantize(_random(k, n, seed=n), qtype)
+        tiled = quant.tiled(q)
+        d, t = jnp.asarray(q.data), jnp.asarray(tiled)
+        f = jax.jit(lambda x, d, t, s=swiglu: kernels.qmatmul(x, d, qtype, jnp.ones(x.shape[0], jnp.int32), 2, t, s))
+        ref = np.asarray(f(x, d, None))
+        np.testing.assert_array_equal(np.asarray(f(x, d, t)), ref)
+        np.testing.assert_array_equal(np.asarray(f(x[:1], d, t)), ref[:1])
+
+
+@pytest.mark.skipif(not BF16_FILLS, reason=NO_BF16)
 def test_bf16_fills_switch_off_to_the_exact_path() -> None:
     q = quant.quantize(_random(96, 40), "q8_0")
     x = np.random.default_rng(5).standard_normal((20, 96)).astype(np.float32)

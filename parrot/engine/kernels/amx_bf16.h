@@ -33,9 +33,29 @@ using avx512bf16::block_pairs;  // one block of one weight row as 32 bfloat16, i
 // rows' 32-bit pairs are transposed four at a time by amx::transpose16x4, whose lane order (lane p from
 // row 4 (p % 4) + p / 4) is its own inverse: taking the rows in that order puts row p in lane p.
 // The next panel's rows (each half's `next` rows on) are fetched a slice per block meanwhile.
+// With the tiled copy `wt` (every r0[h] a multiple of 16), from its tiles (avx512bf16::tiled_pairs): 2.5-2.9x
+// less time per block on a Xeon 6, the same values; a half's rows from r1[h] on are its tile's own there, and
+// their outputs never written.
 template <class F>
-void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, const int64_t r0[2], const int64_t r1[2],
-                int64_t next, uint32_t* panel) {
+void pack_panel(const uint8_t* w, const uint8_t* wt, int64_t ldw, int64_t blocks, const int64_t r0[2],
+                const int64_t r1[2], int64_t next, uint32_t* panel) {
+#if PARROT_TILED_PAIRS
+  if (wt != nullptr) {
+    constexpr int64_t kTile = tiled::kTileBlockBytes<F>;
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int half = 0; half < 2; ++half) {
+        __m512i* tile = reinterpret_cast<__m512i*>(panel + (b * 2 + half) * 256);
+        if (r0[half] >= r1[half]) {
+          for (int i = 0; i < 16; ++i) _mm512_store_si512(tile + i, _mm512_setzero_si512());
+          continue;
+        }
+        const uint8_t* rows = wt + r0[half] / 16 * blocks * kTile;
+        if (r0[half] + next < r1[half]) tiled::prefetch_block<F>(rows + next / 16 * blocks * kTile, b);
+        avx512bf16::tiled_pairs<F>(rows + b * kTile, tile);
+      }
+    return;
+  }
+#endif
   alignas(64) uint8_t rowbuf[16][64];
   for (int64_t b = 0; b < blocks; ++b) {
     for (int half = 0; half < 2; ++half) {
@@ -127,10 +147,12 @@ constexpr int64_t kPackedBytes = 1 << 20;  // a call's dequantized panels at mos
 inline int64_t panels_per_call(int64_t K) { return std::max<int64_t>(1, kPackedBytes / (K / 32 * 2048)); }
 
 // Output columns [n0, n1) of every activation row (`xb`: pack_x_rows' copy of all T rows), Out::kCols a
-// panel; `out` says which weight rows a panel's halves hold (`halves`) and takes its finished tiles
-// (`finish`: C tiles 0-3 are tokens t.. x half 0, t.. x half 1, t + 16.. x half 0, t + 16.. x half 1).
+// panel, from the weights' tiled copy `wt` where given (null: the GGUF rows `w`; see pack_panel); `out`
+// says which weight rows a panel's halves hold (`halves`) and takes its finished tiles (`finish`: C tiles
+// 0-3 are tokens t.. x half 0, t.. x half 1, t + 16.. x half 0, t + 16.. x half 1).
 template <class F, class Out>
-void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, const Out& out) {
+void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1,
+          const Out& out) {
   const int64_t blocks = K / 32, ldw = blocks * F::kBytes, Tp = padded_rows(T);
   const int64_t panels = (n1 - n0 + Out::kCols - 1) / Out::kCols;
   const int64_t psz = blocks * 512;  // a panel's uint32s, a token tile's uint16s
@@ -143,7 +165,7 @@ void rows(const uint16_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0
   for (int64_t p = 0; p < panels; ++p) {
     int64_t r0[2], r1[2];
     out.halves(n0 + Out::kCols * p, r0, r1);
-    pack_panel<F>(w, ldw, blocks, r0, r1, Out::kCols, packed + p * psz);
+    pack_panel<F>(w, wt, ldw, blocks, r0, r1, Out::kCols, packed + p * psz);
   }
   configure();
   for (int64_t t = 0; t < Tp; t += 32) {

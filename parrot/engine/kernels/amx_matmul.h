@@ -267,9 +267,7 @@ struct ChunkB {
 // block of the next 16 rows (`next`, if any) fetched meanwhile, spread over this tile's work.
 template <class F>
 inline void tile_block(const uint8_t* tile, const uint8_t* next, int64_t b, __m512& d, __m512& m) {
-  if (next)
-    for (int o = 0; o < kTileBlockBytes<F>; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
+  if (next) tiled::prefetch_block<F>(next, b);
   const uint8_t* blk = tile + b * kTileBlockBytes<F>;
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
   m = _mm512_setzero_ps();
@@ -382,26 +380,29 @@ void few_rows(const XPack& xp, const uint8_t* a, const uint8_t* wt, int64_t n0, 
                                                   int64_t b0, int64_t nb) {
     __m512 acc[kFewMaxRows];
     for (int64_t t = 0; t < T; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(accbuf.data() + 16 * t);
-    auto sums = [&](int64_t j) {  // block b0 + j's limb sums on set j % 2, into C[j % 2]
+    auto products = [&](int64_t j) {  // block b0 + j's limb sums on set j % 2
       const uint8_t* aj = a + (b0 + j) * 2 * T * 32;
       if (j % 2) {
         _tile_loadd(7, wblock[j], 64);
         _tile_loadd(6, aj, 32);
         _tile_zero(4);
         _tile_dpbsud(4, 6, 7);
-        _tile_stored(4, C[1], 64);
       } else {
         _tile_loadd(2, wblock[j], 64);
         _tile_loadd(1, aj, 32);
         _tile_zero(0);
         _tile_dpbsud(0, 1, 2);
-        _tile_stored(0, C[0], 64);
       }
     };
-    sums(0);
+    auto store = [&](int64_t j) {  // ... into C[j % 2]
+      if (j % 2) _tile_stored(4, C[1], 64);
+      else _tile_stored(0, C[0], 64);
+    };
+    products(0);
+    store(0);
     for (int64_t j = 0; j < nb; ++j) {
-      if (j + 1 < nb) sums(j + 1);  // the next block's product goes first
-      const int64_t b = b0 + j;
+      if (j + 1 < nb) products(j + 1);  // the next block's product goes first, its store after this block's
+      const int64_t b = b0 + j;         // vector work
       __m512 d, m;
       tile_block<F>(tile, next, b, d, m);
       const int32_t(*c)[16] = C[j % 2];
@@ -409,6 +410,7 @@ void few_rows(const XPack& xp, const uint8_t* a, const uint8_t* wt, int64_t n0, 
         const __m512i S[3] = {_mm512_load_si512(c[t]), _mm512_load_si512(c[T + t]), _mm512_setzero_si512()};
         acc[t] = lane_steps<F, 2>(xp, b * 16 + t, xp.limb_sums.data() + (t * blocks + b) * 3, S, d, m, acc[t]);
       }
+      if (j + 1 < nb) store(j + 1);
     }
     if (b0 + nb < blocks) {
       for (int64_t t = 0; t < T; ++t) _mm512_store_ps(accbuf.data() + 16 * t, acc[t]);

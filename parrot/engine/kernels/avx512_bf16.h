@@ -76,11 +76,84 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
+#ifdef __AVX512VBMI__
+#define PARROT_TILED_PAIRS 1
+// One block of 16 weight rows from their tiled copy (tiled_rows.h; `blk`: the block's scales, then its bytes
+// in lanes) as 16 rows of pairs, out[p] lane r = (w[r][2p], w[r][2p + 1]) in bfloat16: what block_pairs
+// and a transpose give, the same values by the same float32 steps (d q + m; Q4_0's m = -8 d; Q8_0's d q),
+// with no transpose: a byte permute (vpermb) takes each pair's bytes of eight rows straight into 32-bit
+// lanes. The last tile's padding rows are zeros (Q8_0's may come out as -0: no output reads them).
+template <class F>
+inline void tiled_pairs(const uint8_t* blk, __m512i* out) {
+  // dword i of a permute: row rows0 + i / 2, weight byte 4 row + c0 + i % 2 (c0: 0 or 2, the group's first
+  // or second pair); the other bytes zero
+  struct Index {
+    alignas(64) uint8_t b[4][64] = {};
+    constexpr Index() {
+      for (int k = 0; k < 4; ++k)
+        for (int i = 0; i < 16; ++i) b[k][4 * i] = static_cast<uint8_t>(4 * (8 * (k % 2) + i / 2) + 2 * (k / 2) + i % 2);
+    }
+  };
+  static constexpr Index kIndex;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  __m512 m = _mm512_setzero_ps();
+  if constexpr (F::kMin == 1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  else if constexpr (F::kMin == 2) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+  const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // rows 0-7, each twice
+  const __m512i twice8 = _mm512_add_epi32(twice, _mm512_set1_epi32(8));                   // rows 8-15
+  const __m512 d0 = _mm512_permutexvar_ps(twice, d), d1 = _mm512_permutexvar_ps(twice8, d);
+  const __m512 m0 = _mm512_permutexvar_ps(twice, m), m1 = _mm512_permutexvar_ps(twice8, m);
+  __m512i idx[4];
+  for (int k = 0; k < 4; ++k) idx[k] = _mm512_load_si512(kIndex.b[k]);
+  constexpr __mmask64 kDwords = 0x1111111111111111ull;
+  auto pair_row = [&](__m512i q0, __m512i q1, int p) {  // integer weights of rows 0-7 and 8-15 -> out[p]
+    __m512 f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
+    if constexpr (F::kSigned) f0 = _mm512_mul_ps(d0, f0), f1 = _mm512_mul_ps(d1, f1);
+    else f0 = _mm512_fmadd_ps(d0, f0, m0), f1 = _mm512_fmadd_ps(d1, f1, m1);
+    _mm512_store_si512(out + p, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
+  };
+  const uint8_t* q = blk + tiled::kTileScaleBytes<F>;
+  for (int c = 0; c < (F::kSigned ? 8 : 4); ++c) {  // 64-byte group c: bytes 4c..4c+3 of every row
+    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+    __m512i g[4];  // pair 0 of the group for rows 0-7, 8-15; pair 1 for rows 0-7, 8-15
+    for (int k = 0; k < 4; ++k) g[k] = _mm512_maskz_permutexvar_epi8(kDwords, idx[k], v);
+    if constexpr (F::kSigned) {  // the copy's bytes are q + 128
+      const __m512i k128 = _mm512_set1_epi32(128);
+      pair_row(_mm512_sub_epi32(g[0], k128), _mm512_sub_epi32(g[1], k128), 2 * c);
+      pair_row(_mm512_sub_epi32(g[2], k128), _mm512_sub_epi32(g[3], k128), 2 * c + 1);
+    } else {  // low nibbles: weights 4c.., high nibbles: 16 + 4c..
+      const __m512i nib = _mm512_set1_epi32(0x0F);
+      pair_row(_mm512_and_si512(g[0], nib), _mm512_and_si512(g[1], nib), 2 * c);
+      pair_row(_mm512_and_si512(g[2], nib), _mm512_and_si512(g[3], nib), 2 * c + 1);
+      pair_row(_mm512_srli_epi32(g[0], 4), _mm512_srli_epi32(g[1], 4), 8 + 2 * c);
+      pair_row(_mm512_srli_epi32(g[2], 4), _mm512_srli_epi32(g[3], 4), 9 + 2 * c);
+    }
+  }
+}
+#else
+#define PARROT_TILED_PAIRS 0
+#endif
+
 // Weight rows [n, n + 16) (those past n1 zero) as a panel [K/2 pairs][16 rows]; the next rows are fetched
 // meanwhile.
+// With the tiled copy `wt` (n a multiple of 16), from its tile of the 16 rows (tiled_pairs; rows past n1 are
+// there too, and their outputs never written).
 template <class F>
-void pack_panel(const uint8_t* w, int64_t ldw, int64_t blocks, int64_t n, int64_t n1, __m512i* panel) {
+void pack_panel(const uint8_t* w, const uint8_t* wt, int64_t ldw, int64_t blocks, int64_t n, int64_t n1,
+                __m512i* panel) {
   const int64_t ahead = std::min<int64_t>(16, n1 - (n + 16));
+#if PARROT_TILED_PAIRS
+  if (wt != nullptr) {
+    const uint8_t* tile = wt + n / 16 * blocks * tiled::kTileBlockBytes<F>;
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (ahead > 0) tiled::prefetch_block<F>(tile + blocks * tiled::kTileBlockBytes<F>, b);
+      tiled_pairs<F>(tile + b * tiled::kTileBlockBytes<F>, panel + b * 16);
+    }
+    return;
+  }
+#else
+  (void)wt;
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     if (ahead > 0) vnni::prefetch_slice(w + (n + 16) * ldw, ahead * ldw, b, blocks);
     __m512i r[16];
@@ -145,15 +218,17 @@ inline void all_tokens(const uint32_t* xb, int64_t T, int64_t K, const __m512i* 
 }
 
 // Output columns [n0, n1) of every activation row (`xb`: pack_x's pairs), kPanels x 16 weight rows at a time.
+// `wt`: the weights' tiled copy (or null: the GGUF rows), n0 a multiple of 16.
 template <class F>
-void rows(const uint32_t* xb, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y, int64_t N) {
+void rows(const uint32_t* xb, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt, int64_t n0, int64_t n1,
+          float* y, int64_t N) {
   const int64_t blocks = K / 32, ldw = blocks * F::kBytes;
   thread_local aligned::vector<aligned::Bits512> panels;
   panels.resize(kPanels * blocks * 16);
   __m512i* p = reinterpret_cast<__m512i*>(panels.data());
   for (int64_t n = n0; n < n1; n += 16 * kPanels) {
     const int np = static_cast<int>(std::min<int64_t>(kPanels, (n1 - n + 15) / 16));
-    for (int q = 0; q < np; ++q) pack_panel<F>(w, ldw, blocks, n + 16 * q, n1, p + q * blocks * 16);
+    for (int q = 0; q < np; ++q) pack_panel<F>(w, wt, ldw, blocks, n + 16 * q, n1, p + q * blocks * 16);
     if (np == 3) all_tokens<3, 8>(xb, T, K, p, y, N, n, n1);
     else if (np == 2) all_tokens<2, 12>(xb, T, K, p, y, N, n, n1);
     else all_tokens<1, 16>(xb, T, K, p, y, N, n, n1);

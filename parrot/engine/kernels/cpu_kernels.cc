@@ -629,8 +629,8 @@ inline int64_t chunk_cols(ffi::ThreadPool& pool, int64_t ncols, int64_t panel, i
 // four a thread, in one hand-out of helpers (parallel_phases: a 512-token step ~2% faster than two);
 // `out(n1)` is the output policy of a chunk ending at column n1 (amxbf16::Plain, SwigluOut).
 template <int Q, class MakeOut>
-void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t ncols,
-              MakeOut out) {
+void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint8_t* w, const uint8_t* wt,
+              int64_t ncols, MakeOut out) {
   const int64_t cols = chunk_cols(pool, ncols, decltype(out(int64_t{0}))::kCols, amxbf16::panels_per_call(K));
   const int64_t Tp = amxbf16::padded_rows(T);
   thread_local aligned::vector<uint16_t> packed;  // the caller's; helpers read it until every chunk is done
@@ -639,19 +639,21 @@ void amx_fill(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const
   auto pack = [&](int64_t c) { amxbf16::pack_x_rows(x, T, K, 32 * c, 32 * c + 32, xb); };
   auto product = [&](int64_t c) {
     const int64_t n1 = std::min(ncols, (c + 1) * cols);
-    amxbf16::rows<Format<Q>>(xb, T, K, w, c * cols, n1, out(n1));
+    amxbf16::rows<Format<Q>>(xb, T, K, w, wt, c * cols, n1, out(n1));
   };
   parallel_phases(pool, Tp / 32, pack, (ncols + cols - 1) / cols, product);
 }
 #endif
 
 // The product in bfloat16 (fill_path(): AMX's bf16 tiles or AVX512-BF16): chunks of whole panels of weight
-// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn.
+// rows (32 on AMX's tiles, 48 for AVX512-BF16), taken in turn, each dequantized from the weights' tiled copy
+// `wt` where given (the same values in less time), else from the GGUF rows.
 template <int Q>
-void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w, float* y,
-                  int64_t N) {
+void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int64_t K, const uint8_t* w,
+                  const uint8_t* wt, float* y, int64_t N) {
 #if PARROT_AMX_BF16
-  if (how == kFillAmxTiles) return amx_fill<Q>(pool, x, T, K, w, N, [&](int64_t n1) { return amxbf16::Plain{y, N, T, n1}; });
+  if (how == kFillAmxTiles)
+    return amx_fill<Q>(pool, x, T, K, w, wt, N, [&](int64_t n1) { return amxbf16::Plain{y, N, T, n1}; });
 #endif
 #if PARROT_AVX512_BF16
   const int64_t cols = chunk_cols(pool, N, 16 * avx512bf16::kPanels);
@@ -659,7 +661,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
   avx512bf16::pack_x(x, T, K, pairs);
   const uint32_t* xb = pairs.data();
   parallel_chunks(pool, (N + cols - 1) / cols, [&](int64_t c) {
-    avx512bf16::rows<Format<Q>>(xb, T, K, w, c * cols, std::min(N, (c + 1) * cols), y, N);
+    avx512bf16::rows<Format<Q>>(xb, T, K, w, wt, c * cols, std::min(N, (c + 1) * cols), y, N);
   });
 #else
   (void)pool, (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N;
@@ -683,7 +685,7 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
   int64_t nfill = 0;
   if (how != kFillExact || avx2)
     for (int64_t t = 0; t < T; ++t) nfill += fill[t] > 0;
-  if (nfill == T && how != kFillExact) return qmatmul_bf16<Q>(pool, how, x, T, K, w, y, N);
+  if (nfill == T && how != kFillExact) return qmatmul_bf16<Q>(pool, how, x, T, K, w, wt, y, N);
   if (nfill > 0 && nfill < T) {
     thread_local aligned::vector<float> xs, ys;
     for (int kind = 0; kind < 2; ++kind) {
@@ -691,7 +693,7 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
       xs.resize(n * K), ys.resize(n * N);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(xs.data() + K * i++, x + K * t, 4 * K);
-      if (kind && how != kFillExact) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, ys.data(), N);
+      if (kind && how != kFillExact) qmatmul_bf16<Q>(pool, how, xs.data(), n, K, w, wt, ys.data(), N);
       else qmatmul<Q>(pool, xs.data(), n, K, w, wt, ys.data(), N, limbs, kind == 0);
       for (int64_t t = 0, i = 0; t < T; ++t)
         if ((fill[t] > 0) == (kind == 1)) std::memcpy(y + N * t, ys.data() + N * i++, 4 * N);
@@ -888,7 +890,8 @@ void qmatmul_swiglu(ffi::ThreadPool& pool, const float* x, const int32_t* fill, 
     for (int64_t t = 0; t < rows && prompts; ++t) prompts = fill[t] > 0;
     if (prompts) {
       if (rows < T) std::memset(y + rows * f, 0, sizeof(float) * (T - rows) * f);
-      amx_fill<Q>(pool, x, rows, K, w, f, [&](int64_t n1) { return SwigluOut{y, f, rows, n1}; });
+      amx_fill<Q>(pool, x, rows, K, w, f % 16 == 0 ? wt : nullptr, f,  // the up rows' tiles start at f
+                  [&](int64_t n1) { return SwigluOut{y, f, rows, n1}; });
       return;
     }
   }

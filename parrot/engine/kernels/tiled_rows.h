@@ -39,6 +39,13 @@ struct Q4_1 { static constexpr int kBytes = 20, kQs = 4, kMin = 1; static conste
 template <class F> constexpr int kTileScaleBytes = F::kMin == 1 ? 64 : 32;
 template <class F> constexpr int kTileBlockBytes = kTileScaleBytes<F> + (F::kSigned ? 512 : 256);
 
+// Block b of the 16 weight rows at `tile` (in this layout) fetched into the cache.
+template <class F>
+inline void prefetch_block(const uint8_t* tile, int64_t b) {
+  for (int o = 0; o < kTileBlockBytes<F>; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(tile + b * kTileBlockBytes<F> + o), _MM_HINT_T0);
+}
+
 template <class F>
 int64_t tiled_bytes(int64_t N, int64_t K) {
   return (N + 15) / 16 * (K / 32) * kTileBlockBytes<F>;
