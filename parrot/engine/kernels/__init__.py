@@ -55,7 +55,7 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
             "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
             "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
-            "parrot_write_kv_pick": "ParrotWriteKvPick"}
+            "parrot_write_kv_pick": "ParrotWriteKvPick", "parrot_rms_norm": "ParrotRmsNorm"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -314,6 +314,21 @@ def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> 
            jax.ShapeDtypeStruct((r, k), jnp.float32))
     return tuple(jax.ffi.ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
                                                           want.astype(jnp.int32)))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
+             residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """models/llama.py's `rms_norm(x, weight, eps)` (x [T, D] float32) in one native pass over the rows, the
+    same bits as XLA's code of it; with `residual`, (x + residual, its norm): the residual add and the next
+    norm in one pass."""
+    f32 = jnp.float32
+    t, d = x.shape
+    add = residual is not None
+    out = (jax.ShapeDtypeStruct((t, d), f32), jax.ShapeDtypeStruct((t, d) if add else (0,), f32))
+    y, s = jax.ffi.ffi_call("parrot_rms_norm", out)(x.astype(f32), weight.astype(f32),
+                                                   residual.astype(f32) if add else jnp.zeros((0,), f32),
+                                                   eps=np.float32(eps))
+    return (s, y) if add else y
 
 
 def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:

@@ -1399,6 +1399,53 @@ ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   return ffi::Error::Success();
 }
 
+// ---- RMSNorm ---------------------------------------------------------------------------------------
+// models/llama.py's `rms_norm` of one row by the same float32 operations in the same order, so the same bits
+// as XLA's: squares, halves added elementwise while the width is even, the rest added in order (row_sum),
+// times 1 / D, plus eps, 1 / sqrt (XLA's rsqrt: both correctly rounded), then (x * that) * w. With `r` the
+// row is x + r first (written to `s`: the residual stream). No product is fused into an addition.
+__attribute__((optimize("fp-contract=off"))) void rms_norm_row(const float* x, const float* r, const float* w,
+                                                              int64_t D, float eps, float* s, float* y,
+                                                              float* sq) {
+  const float* v = x;
+  if (r != nullptr) {
+    for (int64_t i = 0; i < D; ++i) s[i] = x[i] + r[i];
+    v = s;
+  }
+  for (int64_t i = 0; i < D; ++i) sq[i] = v[i] * v[i];
+  int64_t width = D;
+  for (; width % 2 == 0 && width > 1; width /= 2)
+    for (int64_t i = 0; i < width / 2; ++i) sq[i] = sq[i] + sq[i + width / 2];
+  float total = sq[0];
+  for (int64_t i = 1; i < width; ++i) total = total + sq[i];
+  const float inv = 1.f / std::sqrt(total * (1.f / static_cast<float>(D)) + eps);
+  for (int64_t i = 0; i < D; ++i) y[i] = v[i] * inv * w[i];
+}
+
+// y = rms_norm(x) * w row by row; with `residual` (not empty), s = x + residual and y = rms_norm(s) * w (a
+// residual add and the next norm in one pass over the rows).
+ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> s,
+                       float eps) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("rms_norm: x [T, D]");
+  const int64_t T = xd[0], D = xd[1];
+  const bool add = residual.element_count() > 0;
+  if (static_cast<int64_t>(w.element_count()) != D || D < 1 ||
+      (add && (static_cast<int64_t>(residual.element_count()) != T * D ||
+               static_cast<int64_t>(s->element_count()) != T * D)))
+    return ffi::Error::InvalidArgument("rms_norm: w [D]; residual and s [T, D] or empty");
+  constexpr int64_t kRows = 8;  // rows a chunk
+  parallel_chunks(pool, (T + kRows - 1) / kRows, [&](int64_t c) {
+    thread_local aligned::vector<float> sq;
+    sq.resize(D);
+    for (int64_t t = c * kRows; t < std::min(T, (c + 1) * kRows); ++t)
+      rms_norm_row(x.typed_data() + t * D, add ? residual.typed_data() + t * D : nullptr, w.typed_data(), D, eps,
+                   add ? s->typed_data() + t * D : nullptr, y->typed_data() + t * D, sq.data());
+  }, T <= kHotRows);
+  return ffi::Error::Success();
+}
+
 // ---- one layer's operands out of every layer's -----------------------------------------------------
 // A decode loop that runs its layers as a loop (one layer's code, not the model's) hands each call every
 // layer's weights or caches and the index of the one to use: XLA passes pointers, nothing is copied.
@@ -1645,6 +1692,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
                                   .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRmsNorm, RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // residual [T, D] or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [T, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // s = x + residual [T, D], or empty
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLogprobs, LogprobsImpl,
                               ffi::Ffi::Bind()

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from parrot.engine import kernels, quant
 from parrot.engine.attention import in_place
 from parrot.engine.batch import ForwardBatch
-from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm
+from parrot.engine.models.llama import Llama, LlamaConfig, add_rms_norm, qkv_heads, rms_norm
 
 _MATRICES = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
@@ -88,8 +88,8 @@ class LayerLoop:
             o = kernels.paged_decode_pick(q, i, ks, vs, batch.block_tables, batch.kv_offset, batch.kv_lens,
                                           batch.prefix_pages, batch.prefix_len, batch.in_prefix,
                                           cfg.head_dim**-0.5, bf16).astype(q.dtype)
-            x = x + project(i, o.reshape(x.shape[0], -1), 1)
-            x = x + project(i, project(i, rms_norm(x, ffn_norms[i], cfg.rms_eps), 2, swiglu=True), 3)
+            x, h = add_rms_norm(x, project(i, o.reshape(x.shape[0], -1), 1), ffn_norms[i], cfg.rms_eps)
+            x = x + project(i, project(i, h, 2, swiglu=True), 3)
             return x, ks, vs
 
         x, ks, vs = jax.lax.fori_loop(0, len(layers), layer, (x, list(ks), list(vs)))
