@@ -405,7 +405,7 @@ def test_rms_norm_after_a_residual_add() -> None:
     s1, y1 = (np.asarray(v) for v in f(x[5:6], a[5:6], w))
     np.testing.assert_array_equal(y1, y[5:6])
     np.testing.assert_array_equal(s1, s[5:6])
-    with pytest.raises(Exception, match="rms_norm: w"):
+    with pytest.raises(Exception, match="rms_norm: the norm.s weight"):
         np.asarray(kernels.rms_norm(jnp.asarray(x), jnp.ones(575), 1e-6))
 
 

@@ -107,6 +107,29 @@ def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
     return quant.linear(x, w, qtype, dtype, fill, tiled)
 
 
+def normed_project(x: jax.Array, norm: RMSNorm, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
+                   fill: jax.Array | None = None, tiled: jax.Array | None = None, residual: jax.Array | None = None,
+                   swiglu_out: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """project(rms_norm(x [+ residual])) (silu(gate) * up of it with `swiglu_out`), and with `residual` the
+    residual stream x + residual as well: in the native product's own call where it runs (one pass over the
+    rows before the product, no norm of XLA's between calls), else the norm and then the product; the same
+    bits either way (rms_norm)."""
+    nw = norm.weight[...]
+    if qtype is not None and quant.native(x.shape[0]) and _native_norm(x, nw):
+        return quant.linear(x, w, qtype, dtype, fill, tiled, swiglu_out, (nw, norm.eps), residual)
+    s = None
+    if residual is not None:
+        s, h = add_rms_norm(x, residual, nw, norm.eps)
+    else:
+        h = rms_norm(x, nw, norm.eps)
+    if swiglu_out and qtype is not None and quant.native(h.shape[0]):
+        y = quant.linear(h, w, qtype, dtype, fill, tiled, swiglu=True)
+    else:
+        y = project(h, w, qtype, dtype, fill, tiled)
+        y = swiglu(y) if swiglu_out else y
+    return y if s is None else (y, s)
+
+
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
                 fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
@@ -225,12 +248,16 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch, k_cache: jax.Array,
-        v_cache: jax.Array,
+        v_cache: jax.Array, norm: RMSNorm | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The attention block's output for x (normed by `norm` first where given)."""
         cfg = self.cfg
         t = x.shape[0]
         fill = batch.fill_rows
-        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
+        if norm is None:
+            qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
+        else:
+            qkv = normed_project(x, norm, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         q, k, v = qkv_heads(cfg, qkv, cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cos, sin)
@@ -255,14 +282,22 @@ class MLP(nnx.Module):
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
         self.w_gate_up_t, self.w_down_t = _tiled(gate_up, tp == 1), _tiled(w["w_down"], tp == 1)
 
-    def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, fill: jax.Array | None = None, norm: RMSNorm | None = None,
+                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The MLP's output for x; with `norm` for rms_norm(x [+ residual]), and with `residual` (the
+        output, x + residual)."""
         w, qtype, tiled = self.w_gate_up[...], self.w_gate_up_q, _value(self.w_gate_up_t)
-        if qtype is not None and quant.native(x.shape[0]):  # silu(gate) * up in the native product
+        s = None
+        if norm is not None:
+            got = normed_project(x, norm, w, qtype, self.qdtype, fill, tiled, residual, swiglu_out=True)
+            h, s = got if residual is not None else (got, None)
+        elif qtype is not None and quant.native(x.shape[0]):  # silu(gate) * up in the native product
             h = quant.linear(x, w, qtype, self.qdtype, fill, tiled, swiglu=True)
         else:
             h = swiglu(project(x, w, qtype, self.qdtype, fill, tiled))
-        return row_project(h, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
-                           _value(self.w_down_t))
+        out = row_project(h, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+                          _value(self.w_down_t))
+        return out if s is None else (out, s)
 
 
 class DecoderLayer(nnx.Module):
@@ -275,9 +310,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
-        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
-        x, h = add_rms_norm(x, a, self.ffn_norm.weight[...], self.ffn_norm.eps)
-        return x + self.mlp(h, batch.fill_rows), k_cache, v_cache
+        a, k_cache, v_cache = self.attn(x, cos, sin, batch, k_cache, v_cache, norm=self.attn_norm)
+        h, x = self.mlp(a, batch.fill_rows, norm=self.ffn_norm, residual=x)  # x + a normed in gate|up's call
+        return x + h, k_cache, v_cache
 
 
 class Llama(nnx.Module):
