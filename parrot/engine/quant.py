@@ -109,27 +109,23 @@ def native(rows: int) -> bool:
 
 
 def linear(x: jax.Array, data: jax.Array, qtype: str, dtype: jnp.dtype = jnp.float32,
-           fill: jax.Array | None = None, tiled: jax.Array | None = None, swiglu: bool = False,
-           norm: tuple[jax.Array, float] | None = None,
-           residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+           fill: jax.Array | None = None, tiled: jax.Array | None = None, swiglu: bool = False) -> jax.Array:
     """x [T, K] times the quantized [K, N] matrix, in x's dtype. `dtype`: what XLA's path multiplies in.
     `fill` ([T], batch.fill_rows: 1 for a prompt token's row, 0 for a generated token's, -1 for padding): where
     `dtype` is bfloat16, the native path multiplies prompt rows in bfloat16 (AMX's bf16 tiles or AVX512-BF16
     where the CPU has them), and generated rows with activations to 15 bits (2 limbs); other dtypes multiply
     every row exactly. The native path skips the trailing padding rows (zeros). `tiled`: the matrix's copy
-    for the integer codes (kernels.tile_rows), read by the native products of generated rows. The native
-    path only (`native`): `swiglu`, the matrix is a fused gate|up and the result silu(gate) * up; `norm`
-    (weight, eps) and `residual`, the product of rms_norm(x [+ residual]) and (y, x + residual) with a
-    residual (kernels.qmatmul)."""
+    for the integer codes (kernels.tile_rows), read by the native products of generated rows. `swiglu`
+    (the native path only, `native`): the matrix is a fused gate|up and the result silu(gate) * up
+    (kernels.qmatmul)."""
     t, k = x.shape
     if native(t):
         bf16 = jnp.dtype(dtype) == jnp.bfloat16
         if fill is not None and not bf16:
             fill = jnp.minimum(fill, 0)  # exact rows throughout; padding stays marked
-        got = kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled, swiglu, norm, residual)
-        return (got[0].astype(x.dtype), got[1].astype(x.dtype)) if residual is not None else got.astype(x.dtype)
-    if swiglu or norm is not None or residual is not None:
-        raise ValueError("a fused silu(gate) * up, norm or residual add runs on the native kernels only")
+        return kernels.qmatmul(x, data, qtype, fill, 2 if bf16 else 3, tiled, swiglu).astype(x.dtype)
+    if swiglu:
+        raise ValueError("a fused silu(gate) * up runs on the native kernels only")
     w = dequantize(data, qtype, k, dtype)
     y = jax.lax.dot_general(x.astype(dtype), w, (((1,), (1,)), ((), ())), precision=exact(w),
                             preferred_element_type=jnp.float32)

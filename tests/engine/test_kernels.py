@@ -1,6 +1,5 @@
 """The native CPU kernels: paged decode attention read in place equals XLA's gather path (with and
-without a shared prefix), RMSNorm is the model's operations, and a process without the kernels falls back
-with one clear reason."""
+without a shared prefix), and a process without them falls back with one clear reason."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import pytest
 from parrot.engine import kernels
 from parrot.engine.attention import paged_attention
 from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
-from parrot.engine.models.llama import add_rms_norm, rms_norm
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native CPU kernels unavailable")
 
@@ -355,58 +353,6 @@ def test_prefill_in_float32_at_other_head_sizes(d: int) -> None:
             sc = k[h // g, : j + 1] @ (q[j, h].astype(np.float64) * d**-0.5)
             e = np.exp(sc - sc.max())
             np.testing.assert_allclose(whole[j, h], e @ v[h // g, : j + 1] / e.sum(), rtol=1e-4, atol=1e-5)
-
-
-def _norm_reference(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """models/llama.py's rms_norm in numpy float32 (row_sum's order), the reciprocal square root correctly
-    rounded."""
-    sq, width = x * x, x.shape[1]
-    while width % 2 == 0 and width > 1:
-        sq, width = sq[:, : width // 2] + sq[:, width // 2 : width], width // 2
-    total = sq[:, 0].copy()
-    for i in range(1, width):
-        total = total + sq[:, i]
-    inv = np.float32(1) / np.sqrt(total * np.float32(1 / x.shape[1]) + np.float32(eps))
-    return x * inv[:, None] * w
-
-
-@pytest.mark.parametrize("d", [576, 960, 100, 9, 2048])
-def test_rms_norm_is_the_models_operations(d: int) -> None:
-    """The native RMSNorm is rms_norm's float32 operations in their order with 1 / sqrt correctly rounded:
-    bit for bit; within an ulp or two of XLA's code (rsqrt approximated there); each row the same bits
-    alone and in a batch."""
-    rng = np.random.default_rng(d)
-    x = (rng.standard_normal((70, d)) * rng.uniform(1e-3, 1e3, (70, 1))).astype(np.float32)
-    w = rng.standard_normal(d).astype(np.float32)
-    f = jax.jit(lambda x, w: rms_norm(x, w, 1e-5))
-    got = np.asarray(f(x, w))
-    np.testing.assert_array_equal(got, _norm_reference(x, w, 1e-5))
-    np.testing.assert_array_equal(np.asarray(f(x[3:4], w)), got[3:4])
-    np.testing.assert_array_equal(np.asarray(f(x[:17], w)), got[:17])
-    kernels_on = kernels._state["ok"]
-    kernels._state["ok"] = False  # XLA's code, as on a machine without the kernels
-    try:
-        xla = np.asarray(jax.jit(lambda x, w: rms_norm(x, w, 1e-5))(x, w))
-    finally:
-        kernels._state["ok"] = kernels_on
-    np.testing.assert_allclose(got, xla, rtol=3e-7, atol=0)
-
-
-def test_rms_norm_after_a_residual_add() -> None:
-    """add_rms_norm: the residual stream x + a and its norm, in one pass: the bits of the add and then the
-    norm, alone and in a batch; a bad shape is a clear error."""
-    rng = np.random.default_rng(1)
-    x, a = (rng.standard_normal((2, 40, 576)) * 3).astype(np.float32)
-    w = rng.standard_normal(576).astype(np.float32)
-    f = jax.jit(lambda x, a, w: add_rms_norm(x, a, w, 1e-6))
-    s, y = (np.asarray(v) for v in f(x, a, w))
-    np.testing.assert_array_equal(s, x + a)
-    np.testing.assert_array_equal(y, _norm_reference(x + a, w, 1e-6))
-    s1, y1 = (np.asarray(v) for v in f(x[5:6], a[5:6], w))
-    np.testing.assert_array_equal(y1, y[5:6])
-    np.testing.assert_array_equal(s1, s[5:6])
-    with pytest.raises(Exception, match="rms_norm: the norm.s weight"):
-        np.asarray(kernels.rms_norm(jnp.asarray(x), jnp.ones(575), 1e-6))
 
 
 def test_turned_off_gives_the_reason() -> None:

@@ -521,38 +521,6 @@ def test_fused_swiglu_gives_a_row_the_same_bits_alone_in_a_batch_and_beside_gene
     np.testing.assert_array_equal(mixed[prompt], batch[prompt])
 
 
-@pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("kind", ["prompt", "generated", "mixed"])
-def test_a_product_norms_its_rows_first_in_its_own_call(native_path: str, qtype: str, kind: str) -> None:
-    """`norm` and `residual`: the product of rms_norm(x + residual) (the model's norm, kernels.rms_norm) is
-    the same bits as the norm and then the product, x + residual comes back as well, and a row's result is
-    the same alone and in a batch (as the code's rows are); with silu(gate) * up too; a norm weight of the
-    wrong size is an error."""
-    from parrot.engine.models.llama import add_rms_norm, rms_norm
-
-    rng = np.random.default_rng(3)
-    q = quant.quantize(_random(576, 2 * 48), qtype)
-    d, t = jnp.asarray(q.data), jnp.asarray(quant.tiled(q))
-    x, r = (rng.standard_normal((2, 21, 576)) * 2).astype(np.float32)
-    nw = rng.standard_normal(576).astype(np.float32)
-    fill = {"prompt": np.ones(21, np.int32), "generated": np.zeros(21, np.int32),
-            "mixed": np.arange(21, dtype=np.int32) % 2}[kind]
-    for swiglu in (False, True):
-        f = jax.jit(lambda x, r, fill, s=swiglu: kernels.qmatmul(x, d, qtype, fill, 2, t, s, (nw, 1e-5), r))
-        y, s = (np.asarray(v) for v in f(x, r, fill))
-        s_ref, h = add_rms_norm(jnp.asarray(x), jnp.asarray(r), jnp.asarray(nw), 1e-5)
-        np.testing.assert_array_equal(s, np.asarray(s_ref))
-        np.testing.assert_array_equal(y, np.asarray(kernels.qmatmul(h, d, qtype, jnp.asarray(fill), 2, t, swiglu)))
-        if native_path != "avx2" or kind == "generated":  # the AVX2 code's prompt rows: per row up to 16 rows
-            y1, _ = f(x[4:5], r[4:5], fill[4:5])
-            np.testing.assert_array_equal(np.asarray(y1), y[4:5])
-    alone = jax.jit(lambda x: kernels.qmatmul(x, d, qtype, jnp.asarray(fill), 2, t, False, (nw, 1e-5)))(x)
-    np.testing.assert_array_equal(np.asarray(alone), np.asarray(
-        kernels.qmatmul(rms_norm(jnp.asarray(x), jnp.asarray(nw), 1e-5), d, qtype, jnp.asarray(fill), 2, t)))
-    with pytest.raises(Exception, match="the norm's weight"):
-        np.asarray(kernels.qmatmul(jnp.asarray(x), d, qtype, None, 2, t, False, (jnp.ones(575), 1e-5)))
-
-
 def test_fused_swiglu_takes_an_even_matrix_only() -> None:
     if not kernels.available():
         pytest.skip("native CPU kernels unavailable")

@@ -55,7 +55,7 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
             "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
             "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
-            "parrot_write_kv_pick": "ParrotWriteKvPick", "parrot_rms_norm": "ParrotRmsNorm"}
+            "parrot_write_kv_pick": "ParrotWriteKvPick"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -255,8 +255,7 @@ QTYPES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 
 
 def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = None, limbs: int = 3,
-            tiled: jax.Array | None = None, swiglu: bool = False, norm: tuple[jax.Array, float] | None = None,
-            residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+            tiled: jax.Array | None = None, swiglu: bool = False) -> jax.Array:
     """x [T, K] float32 @ W.T, W [N, K] stored as GGUF block rows (`w`: uint8 [N, K/32 * block bytes]).
     `fill` ([T]; positive: a prompt token's row): those rows with the weights and activations rounded to
     bfloat16 and the products summed in float32, on AMX's bf16 tiles where `bf16_tiles()` (decided at run
@@ -267,21 +266,13 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     `tiled`: the same matrix as `tile_rows` lays it out, which the VNNI code reads for the products of few
     rows (the same results, less time); None: `w` alone. `swiglu`: W is a fused gate|up matrix (the gate's
     N / 2 rows, then the up's) and the result is silu(gate) * up, [T, N / 2] (on AMX's bf16 tiles, prompt
-    rows' in the product's epilogue: the [T, N] product is never written). `norm` (weight [K], eps): the
-    product is of `rms_norm(x, weight, eps)` (the bits of `rms_norm` below) in the same call; `residual`
-    [T, K]: of x + residual (normed where `norm` is given), and the result is (y, x + residual)."""
-    f32 = jnp.float32
-    t = x.shape[0]
-    out = jax.ShapeDtypeStruct((t, w.shape[0] // 2 if swiglu else w.shape[0]), f32)
-    add = residual is not None
-    outs = (out, jax.ShapeDtypeStruct(x.shape if add else (0,), f32))
-    fill = jnp.zeros(t, jnp.int32) if fill is None else fill.astype(jnp.int32)
+    rows' in the product's epilogue: the [T, N] product is never written)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]), jnp.float32)
+    fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     tiled = jnp.zeros((0,), jnp.uint8) if tiled is None else tiled
-    nw, eps = (jnp.zeros((0,), f32), 0.0) if norm is None else (norm[0].astype(f32), norm[1])
-    y, s = jax.ffi.ffi_call("parrot_qmatmul", outs)(
-        x.astype(f32), w, tiled, fill, nw, residual.astype(f32) if add else jnp.zeros((0,), f32),
-        qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs), swiglu=np.int32(swiglu), eps=np.float32(eps))
-    return (y, s) if add else y
+    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, tiled, fill,
+                                                   qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
+                                                   swiglu=np.int32(swiglu))
 
 
 def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
@@ -323,21 +314,6 @@ def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> 
            jax.ShapeDtypeStruct((r, k), jnp.float32))
     return tuple(jax.ffi.ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
                                                           want.astype(jnp.int32)))
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
-             residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """models/llama.py's `rms_norm(x, weight, eps)` (x [T, D] float32) in one native pass over the rows, the
-    same bits as XLA's code of it; with `residual`, (x + residual, its norm): the residual add and the next
-    norm in one pass."""
-    f32 = jnp.float32
-    t, d = x.shape
-    add = residual is not None
-    out = (jax.ShapeDtypeStruct((t, d), f32), jax.ShapeDtypeStruct((t, d) if add else (0,), f32))
-    y, s = jax.ffi.ffi_call("parrot_rms_norm", out)(x.astype(f32), weight.astype(f32),
-                                                   residual.astype(f32) if add else jnp.zeros((0,), f32),
-                                                   eps=np.float32(eps))
-    return (s, y) if add else y
 
 
 def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
@@ -387,23 +363,16 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
 
 # ---- one layer's operands out of every layer's (a decode loop over its layers) --------------------------
 def qmatmul_pick(x: jax.Array, layer: jax.Array, ws: list[jax.Array], tiled: list[jax.Array | None], qtype: str,
-                 fill: jax.Array, limbs: int, swiglu: bool = False, norm: tuple[jax.Array, float] | None = None,
-                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 fill: jax.Array, limbs: int, swiglu: bool = False) -> jax.Array:
     """`qmatmul` with the weights `ws[layer]` (and `tiled[layer]`), `layer` a traced int32: every layer's
     matrix is an operand (XLA passes pointers; nothing is copied), so a loop over the layers holds one
-    layer's code. The same products, the same bits as `qmatmul` on that layer's matrix (`norm`, `residual`:
-    as there)."""
-    f32 = jnp.float32
-    out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]), f32)
-    add = residual is not None
-    outs = (out, jax.ShapeDtypeStruct(x.shape if add else (0,), f32))
+    layer's code. The same products, the same bits as `qmatmul` on that layer's matrix."""
+    out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]), jnp.float32)
     none = jnp.zeros((0,), jnp.uint8)
-    nw, eps = (jnp.zeros((0,), f32), 0.0) if norm is None else (norm[0].astype(f32), norm[1])
-    y, s = jax.ffi.ffi_call("parrot_qmatmul_pick", outs)(
-        jnp.reshape(layer, (1,)).astype(jnp.int32), x.astype(f32), fill.astype(jnp.int32), nw,
-        residual.astype(f32) if add else jnp.zeros((0,), f32), *ws, *(none if t is None else t for t in tiled),
-        qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs), swiglu=np.int32(swiglu), eps=np.float32(eps))
-    return (y, s) if add else y
+    return jax.ffi.ffi_call("parrot_qmatmul_pick", out)(
+        jnp.reshape(layer, (1,)).astype(jnp.int32), x.astype(jnp.float32), fill.astype(jnp.int32), *ws,
+        *(none if t is None else t for t in tiled), qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
+        swiglu=np.int32(swiglu))
 
 
 def paged_decode_pick(q: jax.Array, layer: jax.Array, ks: list[jax.Array], vs: list[jax.Array],

@@ -45,7 +45,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -726,90 +725,12 @@ template <int Q>
 void qmatmul_swiglu(ffi::ThreadPool& pool, const float* x, const int32_t* fill, int64_t T, int64_t K,
                     const uint8_t* w, const uint8_t* wt, float* y, int64_t N, int limbs);
 
-// ---- RMSNorm ---------------------------------------------------------------------------------------
-// models/llama.py's `rms_norm` of one row by the same float32 operations in the same order: squares, halves
-// added elementwise while the width is even, the rest added in order (row_sum), times 1 / D, plus eps, 1 /
-// sqrt, then (x * that) * w; the reciprocal square root correctly rounded (XLA's CPU code of rsqrt is
-// within an ulp of it). With `r` the row is x + r first (written to `s`: the residual stream). Elementwise
-// loops give the same bits in any vector width; no product is fused into an addition (inv_rms).
-__attribute__((noinline, optimize("fp-contract=off"))) float inv_rms(float total, int64_t D, float eps) {
-  return 1.f / std::sqrt(total * (1.f / static_cast<float>(D)) + eps);
-}
-
-void rms_norm_row(const float* x, const float* r, const float* w, int64_t D, float eps, float* s, float* y,
-                  float* sq) {
-  const float* v = x;
-  if (r != nullptr) {
-    for (int64_t i = 0; i < D; ++i) s[i] = x[i] + r[i];
-    v = s;
-  }
-  for (int64_t i = 0; i < D; ++i) sq[i] = v[i] * v[i];
-  int64_t width = D;
-  for (; width % 2 == 0 && width > 1; width /= 2) {
-    const int64_t half = width / 2;
-    for (int64_t i = 0; i < half; ++i) sq[i] += sq[i + half];
-  }
-  float total = sq[0];
-  for (int64_t i = 1; i < width; ++i) total += sq[i];
-  const float inv = inv_rms(total, D, eps);
-  for (int64_t i = 0; i < D; ++i) y[i] = v[i] * inv * w[i];
-}
-
-// Rows x [T, D] normed into y (rms_norm_row; `r`, `s`: the residual add first, or null), 8 rows a chunk.
-void rms_norm_rows(ffi::ThreadPool& pool, const float* x, const float* r, const float* w, int64_t T, int64_t D,
-                   float eps, float* s, float* y) {
-  constexpr int64_t kRows = 8;
-  auto chunk = [&](int64_t c) {
-    thread_local aligned::vector<float> sq;
-    sq.resize(D);
-    for (int64_t t = c * kRows; t < std::min(T, (c + 1) * kRows); ++t)
-      rms_norm_row(x + t * D, r ? r + t * D : nullptr, w, D, eps, s ? s + t * D : nullptr, y + t * D, sq.data());
-  };
-  const int64_t chunks = (T + kRows - 1) / kRows;
-  if (T <= 16) {  // a decode step's few rows: not worth handing out
-    for (int64_t c = 0; c < chunks; ++c) chunk(c);
-    return;
-  }
-  parallel_chunks(pool, chunks, chunk, T <= kHotRows);
-}
-
-// The optional norm and residual add of a call (rms_norm, parrot_qmatmul): checked against x [T, D]; `nw`
-// empty: no norm; `residual` empty: no add (then `s` is empty too).
-ffi::Error check_norm(int64_t T, int64_t D, size_t nw, size_t residual, size_t s, const char* what) {
-  if ((nw != 0 && static_cast<int64_t>(nw) != D) ||
-      (residual != 0 && static_cast<int64_t>(residual) != T * D) || s != residual)
-    return ffi::Error::InvalidArgument(std::string(what) + ": the norm's weight [D], residual and s [T, D] or empty");
-  return ffi::Error::Success();
-}
-
-// y = rms_norm(x) * w row by row; with `residual` (not empty), s = x + residual and y = rms_norm(s) * w (a
-// residual add and the next norm in one pass over the rows).
-ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> s,
-                       float eps) {
-  auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] < 1 || w.element_count() == 0)
-    return ffi::Error::InvalidArgument("rms_norm: x [T, D], w [D]");
-  const int64_t T = xd[0], D = xd[1];
-  if (auto e = check_norm(T, D, w.element_count(), residual.element_count(), s->element_count(), "rms_norm");
-      e.failure())
-    return e;
-  const bool add = residual.element_count() > 0;
-  rms_norm_rows(pool, x.typed_data(), add ? residual.typed_data() : nullptr, w.typed_data(), T, D, eps,
-                add ? s->typed_data() : nullptr, y->typed_data());
-  return ffi::Error::Success();
-}
-
-
 // `wt`: the same weights tiled for the integer codes' lanes (parrot_tile_rows), read by the products of
 // generated rows (VNNI's of few rows, the AVX2 code's on 2 limbs: the same bits as from `w`); empty: none.
 // `swiglu`: y [T, N / 2] is silu(gate) * up of the product (qmatmul_swiglu); else y [T, N] is the product.
-// `nw` (not empty): the product is of rms_norm(x) * nw (eps), not x; `residual` (not empty): of x + residual,
-// which goes to `s` as well (the residual stream), normed where nw is given.
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::U8> wt,
-                       ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> nw, ffi::Buffer<ffi::F32> residual,
-                       ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> s, int32_t qtype, int32_t limbs,
-                       int32_t swiglu, float eps) {
+                       ffi::Buffer<ffi::S32> fill, ffi::ResultBuffer<ffi::F32> y, int32_t qtype, int32_t limbs,
+                       int32_t swiglu) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: x and w must be 2-D");
@@ -826,24 +747,8 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (swiglu && N % 2) return ffi::Error::InvalidArgument("qmatmul: a fused gate|up matrix has an even number of rows");
   if (yd.size() != 2 || yd[0] != T || yd[1] != (swiglu ? N / 2 : N))
     return ffi::Error::InvalidArgument("qmatmul: y must be [T, N] ([T, N / 2] with swiglu)");
-  if (auto e = check_norm(T, K, nw.element_count(), residual.element_count(), s->element_count(), "qmatmul");
-      e.failure())
-    return e;
   const int32_t* fp = fill.typed_data();
   const float* xp = x.typed_data();
-  if (nw.element_count() > 0 || residual.element_count() > 0) {
-    thread_local aligned::vector<float> normed;  // the caller's; helpers read it until every chunk is done
-    const bool add = residual.element_count() > 0;
-    float* sp = add ? s->typed_data() : nullptr;
-    if (nw.element_count() > 0) {
-      normed.resize(T * K);
-      rms_norm_rows(pool, xp, add ? residual.typed_data() : nullptr, nw.typed_data(), T, K, eps, sp, normed.data());
-      xp = normed.data();
-    } else {
-      for (int64_t i = 0; i < T * K; ++i) sp[i] = xp[i] + residual.typed_data()[i];
-      xp = sp;
-    }
-  }
   const uint8_t* wp = w.typed_data();
   const uint8_t* tp = nullptr;
   if (wt.element_count() > 0) {
@@ -1509,16 +1414,15 @@ ffi::ErrorOr<int64_t> picked_layer(ffi::Buffer<ffi::S32> layer, size_t operands,
 
 // parrot_qmatmul with layer `layer`'s weights: rest = L weights, then L tiled copies (empty: none).
 ffi::Error QMatmulPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> fill, ffi::Buffer<ffi::F32> nw, ffi::Buffer<ffi::F32> residual,
-                           ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> s,
-                           int32_t qtype, int32_t limbs, int32_t swiglu, float eps) {
+                           ffi::Buffer<ffi::S32> fill, ffi::RemainingArgs rest, ffi::ResultBuffer<ffi::F32> y,
+                           int32_t qtype, int32_t limbs, int32_t swiglu) {
   auto i = picked_layer(layer, rest.size(), 2);
   if (!i.has_value()) return i.error();
   const size_t n = rest.size() / 2;
   auto w = rest.get<ffi::Buffer<ffi::U8>>(*i);
   auto wt = rest.get<ffi::Buffer<ffi::U8>>(n + *i);
   if (!w.has_value() || !wt.has_value()) return ffi::Error::InvalidArgument("qmatmul_pick: weights must be uint8");
-  return QMatmulImpl(pool, x, *w, *wt, fill, nw, residual, y, s, qtype, limbs, swiglu, eps);
+  return QMatmulImpl(pool, x, *w, *wt, fill, y, qtype, limbs, swiglu);
 }
 
 // parrot_paged_decode over layer `layer`'s caches: rest = L key caches, then L value caches.
@@ -1658,14 +1562,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmul, QMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()   // wt: w tiled for VNNI's lanes, or empty
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]: rows asked for in bf16
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // nw [K]: rms_norm(x) first, or empty
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [T, K]: x + residual first, or empty
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // s = x + residual [T, K], or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("swiglu")
-                                  .Attr<float>("eps"));
+                                  .Attr<int32_t>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
@@ -1689,15 +1589,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotQMatmulPick, QMatmulPickImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // fill [T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // nw [K] or empty (parrot_qmatmul)
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual [T, K] or empty
                                   .RemainingArgs()               // L weights, then L tiled copies
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // s [T, K] or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("qtype")
                                   .Attr<int32_t>("limbs")
-                                  .Attr<int32_t>("swiglu")
-                                  .Attr<float>("eps"));
+                                  .Attr<int32_t>("swiglu"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                               ffi::Ffi::Bind()
@@ -1749,16 +1645,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
                                   .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRmsNorm, RmsNormImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [T, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // residual [T, D] or empty
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [T, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // s = x + residual [T, D], or empty
-                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLogprobs, LogprobsImpl,
                               ffi::Ffi::Bind()

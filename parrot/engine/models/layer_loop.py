@@ -10,8 +10,7 @@ kernel uses that layer's (`kernels.qmatmul_pick`, `paged_decode_pick`, `write_kv
 pointers, so nothing is sliced or copied; the KV caches are updated in place (aliased). The norm
 weights, a few KB a layer, are stacked and indexed. The operations are `DecoderLayer`'s, in its order,
 on the native path it takes for a decode shape on a CPU (quantized matrices, attention reading the
-pages in place, one token row per sequence; each norm in the call of the product it feeds), so the results
-are the same bits.
+pages in place, one token row per sequence), so the results are the same bits.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 from parrot.engine import kernels, quant
 from parrot.engine.attention import in_place
 from parrot.engine.batch import ForwardBatch
-from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads
+from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm
 
 _MATRICES = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
@@ -42,12 +41,9 @@ class LayerLoop:
     def of(model: Llama, cache_dtype: jnp.dtype) -> LayerLoop | None:
         """The loop for `model`'s decode steps, or None where they cannot run as one: no native kernels,
         a float (not block-quantized) matrix, block types that differ between layers, tensor parallelism,
-        activations not in float32 (the norms are the products' own there), or a cache the kernels do not
-        read in place."""
+        or a cache the kernels do not read in place."""
         cfg = model.cfg
         if not kernels.available() or not in_place(cache_dtype, cfg.head_dim) or not model.layers:
-            return None
-        if jnp.dtype(model.act_dtype) != jnp.float32:
             return None
         kinds = set()
         for layer in model.layers:
@@ -78,13 +74,13 @@ class LayerLoop:
         fill = batch.fill_rows if bf16 else jnp.minimum(batch.fill_rows, 0)  # as quant.linear
         limbs = 2 if bf16 else 3
 
-        def project(i: jax.Array, h: jax.Array, m: int, swiglu: bool = False, norm: tuple | None = None,
-                    residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs, swiglu, norm, residual)
+        def project(i: jax.Array, h: jax.Array, m: int, swiglu: bool = False) -> jax.Array:
+            return kernels.qmatmul_pick(h, i, mats[m], tiled[m], self.qtypes[m], fill, limbs,
+                                        swiglu).astype(h.dtype)
 
         def layer(i: jax.Array, carry: tuple) -> tuple:
             x, ks, vs = carry
-            qkv = project(i, x, 0, norm=(attn_norms[i], cfg.rms_eps))
+            qkv = project(i, rms_norm(x, attn_norms[i], cfg.rms_eps), 0)
             if bias is not None:
                 qkv = qkv + bias[i]
             q, k, v = qkv_heads(cfg, qkv, cfg.num_heads, cfg.num_kv_heads, cos, sin)
@@ -92,9 +88,8 @@ class LayerLoop:
             o = kernels.paged_decode_pick(q, i, ks, vs, batch.block_tables, batch.kv_offset, batch.kv_lens,
                                           batch.prefix_pages, batch.prefix_len, batch.in_prefix,
                                           cfg.head_dim**-0.5, bf16).astype(q.dtype)
-            a = project(i, o.reshape(x.shape[0], -1), 1)
-            h, x = project(i, a, 2, swiglu=True, norm=(ffn_norms[i], cfg.rms_eps), residual=x)
-            x = x + project(i, h, 3)
+            x = x + project(i, o.reshape(x.shape[0], -1), 1)
+            x = x + project(i, project(i, rms_norm(x, ffn_norms[i], cfg.rms_eps), 2, swiglu=True), 3)
             return x, ks, vs
 
         x, ks, vs = jax.lax.fori_loop(0, len(layers), layer, (x, list(ks), list(vs)))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from parrot.engine import huge_pages, kernels, quant
+from parrot.engine import huge_pages, quant
 from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.precision import exact
@@ -107,29 +107,6 @@ def project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
     return quant.linear(x, w, qtype, dtype, fill, tiled)
 
 
-def normed_project(x: jax.Array, norm: RMSNorm, w: jax.Array, qtype: str | None, dtype: jnp.dtype,
-                   fill: jax.Array | None = None, tiled: jax.Array | None = None, residual: jax.Array | None = None,
-                   swiglu_out: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """project(rms_norm(x [+ residual])) (silu(gate) * up of it with `swiglu_out`), and with `residual` the
-    residual stream x + residual as well: in the native product's own call where it runs (one pass over the
-    rows before the product, no norm of XLA's between calls), else the norm and then the product; the same
-    bits either way (rms_norm)."""
-    nw = norm.weight[...]
-    if qtype is not None and quant.native(x.shape[0]) and _native_norm(x, nw):
-        return quant.linear(x, w, qtype, dtype, fill, tiled, swiglu_out, (nw, norm.eps), residual)
-    s = None
-    if residual is not None:
-        s, h = add_rms_norm(x, residual, nw, norm.eps)
-    else:
-        h = rms_norm(x, nw, norm.eps)
-    if swiglu_out and qtype is not None and quant.native(h.shape[0]):
-        y = quant.linear(h, w, qtype, dtype, fill, tiled, swiglu=True)
-    else:
-        y = project(h, w, qtype, dtype, fill, tiled)
-        y = swiglu(y) if swiglu_out else y
-    return y if s is None else (y, s)
-
-
 def row_project(x: jax.Array, w: jax.Array, qtype: str | None, dtype: jnp.dtype, tp: int, exact: bool,
                 fill: jax.Array | None = None, tiled: jax.Array | None = None) -> jax.Array:
     """O and down under tensor parallelism (inside `shard_map`): `x` holds this device's heads (FFN
@@ -177,26 +154,8 @@ def row_sum(x: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) * weight row by row (the mean by row_sum's additions). On a CPU with the
-    native kernels (float32 rows) one native pass over the rows: the same operations with the reciprocal
-    square root correctly rounded (1 / sqrt), where XLA's CPU code of rsqrt (and of 1 / sqrt) is within an
-    ulp of it; every row the same bits in any batch either way."""
-    if _native_norm(x, weight):
-        return kernels.rms_norm(x, weight, eps)
     var = row_sum(jnp.square(x)) * (1.0 / x.shape[-1])
     return x * jax.lax.rsqrt(var + eps) * weight
-
-
-def add_rms_norm(x: jax.Array, a: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    """The residual stream x + a and its rms_norm (one native pass where rms_norm is native)."""
-    if _native_norm(x, weight) and a.shape == x.shape and a.dtype == x.dtype:
-        return kernels.rms_norm(x, weight, eps, a)
-    x = x + a
-    return x, rms_norm(x, weight, eps)
-
-
-def _native_norm(x: jax.Array, weight: jax.Array) -> bool:
-    return x.ndim == 2 and x.dtype == jnp.float32 and weight.dtype == jnp.float32 and kernels.available()
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -248,16 +207,12 @@ class Attention(nnx.Module):
 
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, batch: ForwardBatch, k_cache: jax.Array,
-        v_cache: jax.Array, norm: RMSNorm | None = None,
+        v_cache: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The attention block's output for x (normed by `norm` first where given)."""
         cfg = self.cfg
         t = x.shape[0]
         fill = batch.fill_rows
-        if norm is None:
-            qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
-        else:
-            qkv = normed_project(x, norm, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
+        qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         q, k, v = qkv_heads(cfg, qkv, cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cos, sin)
@@ -282,22 +237,14 @@ class MLP(nnx.Module):
         self.w_down, self.w_down_q = _matrix(w["w_down"], dtype)
         self.w_gate_up_t, self.w_down_t = _tiled(gate_up, tp == 1), _tiled(w["w_down"], tp == 1)
 
-    def __call__(self, x: jax.Array, fill: jax.Array | None = None, norm: RMSNorm | None = None,
-                 residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """The MLP's output for x; with `norm` for rms_norm(x [+ residual]), and with `residual` (the
-        output, x + residual)."""
+    def __call__(self, x: jax.Array, fill: jax.Array | None = None) -> jax.Array:
         w, qtype, tiled = self.w_gate_up[...], self.w_gate_up_q, _value(self.w_gate_up_t)
-        s = None
-        if norm is not None:
-            got = normed_project(x, norm, w, qtype, self.qdtype, fill, tiled, residual, swiglu_out=True)
-            h, s = got if residual is not None else (got, None)
-        elif qtype is not None and quant.native(x.shape[0]):  # silu(gate) * up in the native product
+        if qtype is not None and quant.native(x.shape[0]):  # silu(gate) * up in the native product
             h = quant.linear(x, w, qtype, self.qdtype, fill, tiled, swiglu=True)
         else:
             h = swiglu(project(x, w, qtype, self.qdtype, fill, tiled))
-        out = row_project(h, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
-                          _value(self.w_down_t))
-        return out if s is None else (out, s)
+        return row_project(h, self.w_down[...], self.w_down_q, self.qdtype, self.tp, self.tp_exact, fill,
+                           _value(self.w_down_t))
 
 
 class DecoderLayer(nnx.Module):
@@ -310,9 +257,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(w, dtype, qdtype, tp, tp_exact)
 
     def __call__(self, x, cos, sin, batch, k_cache, v_cache):  # noqa: ANN001, ANN204
-        a, k_cache, v_cache = self.attn(x, cos, sin, batch, k_cache, v_cache, norm=self.attn_norm)
-        h, x = self.mlp(a, batch.fill_rows, norm=self.ffn_norm, residual=x)  # x + a normed in gate|up's call
-        return x + h, k_cache, v_cache
+        a, k_cache, v_cache = self.attn(self.attn_norm(x), cos, sin, batch, k_cache, v_cache)
+        x = x + a
+        return x + self.mlp(self.ffn_norm(x), batch.fill_rows), k_cache, v_cache
 
 
 class Llama(nnx.Module):
