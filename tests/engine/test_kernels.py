@@ -1,5 +1,6 @@
 """The native CPU kernels: paged decode attention read in place equals XLA's gather path (with and
-without a shared prefix), and a process without them falls back with one clear reason."""
+without a shared prefix), RoPE and the KV writes are XLA's bits, and a process without the kernels falls
+back with one clear reason."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 
 from parrot.engine import kernels
-from parrot.engine.attention import paged_attention
+from parrot.engine.attention import paged_attention, write_kv
 from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
+from parrot.engine.models.llama import qkv_heads, rope_cos_sin
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native CPU kernels unavailable")
 
@@ -353,6 +355,47 @@ def test_prefill_in_float32_at_other_head_sizes(d: int) -> None:
             sc = k[h // g, : j + 1] @ (q[j, h].astype(np.float64) * d**-0.5)
             e = np.exp(sc - sc.max())
             np.testing.assert_allclose(whole[j, h], e @ v[h // g, : j + 1] / e.sum(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "float32"])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("d", [64, 40])
+def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> None:
+    """kernels.rope_kv (RoPE of q and k, k and v stored at their slots) is the same bits as XLA's code of
+    qkv_heads and write_kv: heads of 64 and of 40 (a tail past the vectors), float32 and bfloat16 caches
+    (rounded to nearest even: ties, NaN, infinities, subnormals), padding rows sharing the scratch slot;
+    a slot outside the caches is an error, not a write somewhere else."""
+    rng = np.random.default_rng(rows + d)
+    h, hkv = 6, 2
+    x = (rng.standard_normal((rows, (h + 2 * hkv) * d)) * 3).astype(np.float32)
+    x[0, (h + hkv) * d : (h + hkv) * d + 7] = [1.00390625, 1.01171875, -3.0e38, np.inf, 1e-40, np.nan, -0.0]
+    qkv = jnp.asarray(x)
+    cos, sin = rope_cos_sin(jnp.asarray(rng.integers(0, 5000, rows).astype(np.int32)), d, 100000.0)
+    slots = rng.permutation(8 * 16)[:rows].astype(np.int32)
+    slots[rows // 2 :] = 0 if rows > 2 else slots[rows // 2 :]  # padding rows: the scratch slot
+    slots = jnp.asarray(slots)
+    dt = jnp.uint16 if cache == "bfloat16" else jnp.float32
+    kc, vc = jnp.zeros((hkv, 8, 16, d), dt), jnp.ones((hkv, 8, 16, d), dt)
+
+    class Cfg:
+        head_dim = d
+
+    def xla(qkv, cos, sin, slots, kc, vc):  # noqa: ANN001, ANN202
+        q, k, v = qkv_heads(Cfg, qkv, h, hkv, cos, sin)
+        return q, write_kv(kc, k, slots), write_kv(vc, v, slots)
+
+    want = jax.jit(xla)(qkv, cos, sin, slots, kc, vc)
+    got = jax.jit(lambda *a: kernels.rope_kv(*a, h))(qkv, cos, sin, slots, kc, vc)
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        if rows > 2:  # rows sharing the scratch slot: any of them may be the one stored there
+            g, w = g.copy(), w.copy()
+            if g.ndim == 4:
+                g[:, 0, 0], w[:, 0, 0] = 0, 0
+        assert np.array_equal(g.view(np.uint32 if g.dtype == np.float32 else np.uint16),
+                              w.view(np.uint32 if w.dtype == np.float32 else np.uint16))
+    with pytest.raises(Exception, match="slot out of range"):
+        jax.block_until_ready(kernels.rope_kv(qkv, cos, sin, jnp.full(rows, 8 * 16, jnp.int32), kc, vc, h))
 
 
 def test_turned_off_gives_the_reason() -> None:

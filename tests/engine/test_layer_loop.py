@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from parrot.engine import kernels, quant
-from parrot.engine.attention import write_kv
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
 from parrot.engine.models.layer_loop import LayerLoop
-from parrot.engine.models.llama import Llama
+from parrot.engine.models.llama import Llama, rope_cos_sin
 from tests.conftest import TINY, tiny_engine_config, tiny_model, tiny_tokenizer
 from tests.engine.test_engine import gen_many
 
@@ -53,22 +52,20 @@ def _caches(rng: np.random.Generator, dtype: np.dtype) -> list[jax.Array]:
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.float32])
-def test_write_kv_pick_is_write_kv_on_the_picked_layer(dtype: np.dtype) -> None:
+def test_rope_kv_pick_is_rope_kv_on_the_picked_layer(dtype: np.dtype) -> None:
     rng = np.random.default_rng(1)
-    ks, vs = _caches(rng, dtype), _caches(rng, dtype)
+    ks, vs = _caches(rng, dtype), _caches(rng, dtype)  # Hkv 2, D 16
     slots = jnp.asarray([5, 17, 2, 23], jnp.int32)
-    k = rng.standard_normal((4, 2, 16)).astype(np.float32)
-    # halfway cases and specials: bfloat16 rounds to nearest even, as XLA converts
-    k[0, 0, :6] = [1.00390625, 1.01171875, -3.0e38, np.inf, 1e-40, np.nan]
-    k, v = jnp.asarray(k), jnp.asarray(rng.standard_normal((4, 2, 16)).astype(np.float32))
-    pick = jax.jit(kernels.write_kv_pick)
+    qkv = jnp.asarray(rng.standard_normal((4, (3 + 2 * 2) * 16)).astype(np.float32))
+    cos, sin = rope_cos_sin(jnp.asarray([0, 7, 30, 31], jnp.int32), 16, 10000.0)
+    pick = jax.jit(lambda i, ks, vs: kernels.rope_kv_pick(i, qkv, cos, sin, slots, ks, vs, 3))
     for i in range(LAYERS):
-        got_k, got_v = pick(jnp.int32(i), slots, k, v, list(ks), list(vs))
+        q, got_k, got_v = pick(jnp.int32(i), list(ks), list(vs))
+        want_q, want_k, want_v = kernels.rope_kv(qkv, cos, sin, slots, ks[i], vs[i], 3)
+        assert np.array_equal(_bits(q), _bits(want_q))
         for j in range(LAYERS):
-            want_k = write_kv(ks[j], k, slots) if j == i else ks[j]
-            want_v = write_kv(vs[j], v, slots) if j == i else vs[j]
-            assert np.array_equal(_bits(got_k[j]), _bits(want_k))
-            assert np.array_equal(_bits(got_v[j]), _bits(want_v))
+            assert np.array_equal(_bits(got_k[j]), _bits(want_k if j == i else ks[j]))
+            assert np.array_equal(_bits(got_v[j]), _bits(want_v if j == i else vs[j]))
 
 
 @pytest.mark.parametrize("bf16", [False, True])

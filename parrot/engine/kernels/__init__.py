@@ -55,7 +55,7 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
             "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
             "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
-            "parrot_write_kv_pick": "ParrotWriteKvPick"}
+            "parrot_rope_kv": "ParrotRopeKv", "parrot_rope_kv_pick": "ParrotRopeKvPick"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -390,15 +390,33 @@ def paged_decode_pick(q: jax.Array, layer: jax.Array, ks: list[jax.Array], vs: l
         bf16=np.int32(1 if bf16 else 0))
 
 
-def write_kv_pick(layer: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array, ks: list[jax.Array],
-                  vs: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Store k and v ([T, Hkv, D]) at flat `slots` of `ks[layer]` and `vs[layer]` ([Hkv, pages, page_size,
-    D]: float32, or uint16 bfloat16 bit patterns, rounded to nearest even as XLA converts), in place: every
-    cache is an operand aliased to its result. The same bits as attention.write_kv on that layer's caches."""
+def rope_kv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array, k_cache: jax.Array,
+            v_cache: jax.Array, heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """models/llama.py's `qkv_heads` (RoPE of q and k) and attention.write_kv of k and v in one native pass:
+    qkv [T, (heads + 2 Hkv) D] float32 -> (q [T, heads, D], the key cache, the value cache), the caches
+    ([Hkv, pages, page_size, D]: float32, or uint16 bfloat16 bit patterns) updated in place (aliased). The
+    same bits as XLA's code of them."""
+    t = qkv.shape[0]
+    d = k_cache.shape[3]
+    outs = [jax.ShapeDtypeStruct((t, heads, d), jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    f32 = jnp.float32
+    return tuple(jax.ffi.ffi_call("parrot_rope_kv", outs, input_output_aliases={4: 1, 5: 2})(
+        qkv.astype(f32), cos.astype(f32), sin.astype(f32), slots.astype(jnp.int32), k_cache, v_cache,
+        heads=np.int32(heads)))
+
+
+def rope_kv_pick(layer: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array,
+                 ks: list[jax.Array], vs: list[jax.Array],
+                 heads: int) -> tuple[jax.Array, list[jax.Array], list[jax.Array]]:
+    """`rope_kv` over the caches `ks[layer]`, `vs[layer]` (every cache an operand aliased to its result; see
+    `qmatmul_pick`): the same bits."""
     n = len(ks)
     caches = [*ks, *vs]
-    outs = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
-    got = jax.ffi.ffi_call("parrot_write_kv_pick", outs, input_output_aliases={4 + i: i for i in range(2 * n)})(
-        jnp.reshape(layer, (1,)).astype(jnp.int32), slots.astype(jnp.int32), k.astype(jnp.float32),
-        v.astype(jnp.float32), *caches)
-    return list(got[:n]), list(got[n:])
+    outs = [jax.ShapeDtypeStruct((qkv.shape[0], heads, ks[0].shape[3]), jnp.float32),
+            *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)]
+    f32 = jnp.float32
+    got = jax.ffi.ffi_call("parrot_rope_kv_pick", outs, input_output_aliases={5 + i: 1 + i for i in range(2 * n)})(
+        jnp.reshape(layer, (1,)).astype(jnp.int32), qkv.astype(f32), cos.astype(f32), sin.astype(f32),
+        slots.astype(jnp.int32), *caches, heads=np.int32(heads))
+    return got[0], list(got[1 : 1 + n]), list(got[1 + n :])

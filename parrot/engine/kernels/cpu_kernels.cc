@@ -1448,49 +1448,124 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-// Stores token t's keys and values (k, v [T, Hkv, D] float32) at flat slot slots[t] of layer `layer`'s caches
-// ([Hkv, pages, page_size, D], float32 or bfloat16 bit patterns): rest = L key caches, then L value caches,
-// each aliased to the result of the same place (the others are left as they are). Tokens sharing a slot
-// (padding rows, all at the scratch slot) are stored in order.
-ffi::Error WriteKvPickImpl(ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::RemainingArgs rest, ffi::RemainingRets outs) {
-  auto i = picked_layer(layer, rest.size(), 2);
-  if (!i.has_value()) return i.error();
-  if (outs.size() != rest.size()) return ffi::Error::InvalidArgument("write_kv_pick: one result per cache");
-  const size_t n = rest.size() / 2;
-  auto kc = outs.get<ffi::AnyBuffer>(*i);
-  auto vc = outs.get<ffi::AnyBuffer>(n + *i);
-  if (!kc.has_value() || !vc.has_value()) return ffi::Error::InvalidArgument("write_kv_pick: caches must be buffers");
-  ffi::AnyBuffer kb = **kc, vb = **vc;
-  auto cd = kb.dimensions(), nd = k.dimensions();
-  if (cd.size() != 4 || nd.size() != 3 || v.dimensions().size() != 3)
-    return ffi::Error::InvalidArgument("write_kv_pick: caches [Hkv,P,S,D], new [T,Hkv,D]");
-  const int64_t Hkv = cd[0], P = cd[1], S = cd[2], D = cd[3], T = nd[0];
-  if (nd[1] != Hkv || nd[2] != D || static_cast<int64_t>(slots.element_count()) != T ||
-      static_cast<int64_t>(v.element_count()) != T * Hkv * D)
-    return ffi::Error::InvalidArgument("write_kv_pick: shapes do not match");
+// One token's key or value row of D into a cache row (float32, or bfloat16 bits rounded as XLA converts).
+inline void store_kv_row(const float* src, int64_t D, bool bf16, void* cache, int64_t at) {
+  if (!bf16) return static_cast<void>(std::memcpy(static_cast<float*>(cache) + at, src, D * sizeof(float)));
+  uint16_t* dst = static_cast<uint16_t*>(cache) + at;
+  int64_t d = 0;
+#ifdef __AVX512F__
+  // bf16_bits in 16 lanes: the same integer steps
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  for (; d + 16 <= D; d += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(src + d));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, abs), inf);
+    const __m512i bits = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), _mm512_cvtepi32_epi16(bits));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = bf16_bits(src[d]);
+}
+
+// ---- RoPE and a layer's KV writes ---------------------------------------------------------------------
+// One head's rotate-half RoPE (x: D = 2 half values; c, s: the token's cos and sin, half each) by XLA's
+// operations for models/llama.py's apply_rope: x1 c - x2 s as fma(x1, c, -(x2 s)) and x2 c + x1 s as
+// fma(x2, c, x1 s), the other product rounded first: the same bits.
+inline void rope_head(const float* x, const float* c, const float* s, int64_t half, float* out) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= half; i += 16) {
+    const __m512 x1 = _mm512_loadu_ps(x + i), x2 = _mm512_loadu_ps(x + half + i);
+    const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+    _mm512_storeu_ps(out + i, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
+    _mm512_storeu_ps(out + half + i, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
+  }
+#endif
+  for (; i + 8 <= half; i += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+    const __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(out + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+    _mm256_storeu_ps(out + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+  }
+  for (; i < half; ++i) {
+    const float a = x[half + i] * s[i], b = x[i] * s[i];
+    out[i] = std::fma(x[i], c[i], -a);
+    out[half + i] = std::fma(x[half + i], c[i], b);
+  }
+}
+
+// models/llama.py's qkv_heads and attention.write_kv in one pass over the rows: qkv [T, (H + 2 Hkv) D] (the
+// fused projection's output) -> q [T, H, D] rotated; k (rotated) and v stored at flat slot slots[t] of the
+// caches ([Hkv, pages, page_size, D], float32 or bfloat16 bits; rest = the key cache, then the value cache,
+// each aliased to its result). The same bits as XLA's code of them. Tokens sharing a slot (padding rows, all
+// at the scratch slot) are stored in order.
+ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
+                   ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer kb, ffi::AnyBuffer vb,
+                   ffi::Result<ffi::Buffer<ffi::F32>>& q, int32_t heads) {
+  auto cd = kb.dimensions(), xd = qkv.dimensions();
+  if (cd.size() != 4 || xd.size() != 2) return ffi::Error::InvalidArgument("rope_kv: caches [Hkv,P,S,D], qkv [T, N]");
+  const int64_t Hkv = cd[0], P = cd[1], S = cd[2], D = cd[3], T = xd[0], H = heads, half = D / 2;
+  if (D % 2 || xd[1] != (H + 2 * Hkv) * D || static_cast<int64_t>(q->element_count()) != T * H * D ||
+      static_cast<int64_t>(cos.element_count()) != T * half || static_cast<int64_t>(sin.element_count()) != T * half ||
+      static_cast<int64_t>(slots.element_count()) != T)
+    return ffi::Error::InvalidArgument("rope_kv: shapes do not match");
   const auto dt = kb.element_type();
   if (dt != vb.element_type() || (dt != ffi::DataType::F32 && dt != ffi::DataType::U16))
-    return ffi::Error::InvalidArgument("write_kv_pick: caches must both be float32 or uint16 (bfloat16 bits)");
+    return ffi::Error::InvalidArgument("rope_kv: caches must both be float32 or uint16 (bfloat16 bits)");
   const int32_t* sp = slots.typed_data();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = sp[t];
-    if (slot < 0 || slot >= P * S) return ffi::Error::InvalidArgument("write_kv_pick: slot out of range");
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t at = ((h * P + slot / S) * S + slot % S) * D;
-      const float* ks = k.typed_data() + (t * Hkv + h) * D;
-      const float* vs = v.typed_data() + (t * Hkv + h) * D;
-      if (dt == ffi::DataType::F32) {
-        std::memcpy(static_cast<float*>(kb.untyped_data()) + at, ks, D * sizeof(float));
-        std::memcpy(static_cast<float*>(vb.untyped_data()) + at, vs, D * sizeof(float));
-      } else {
-        uint16_t* kd = static_cast<uint16_t*>(kb.untyped_data()) + at;
-        uint16_t* vd = static_cast<uint16_t*>(vb.untyped_data()) + at;
-        for (int64_t d = 0; d < D; ++d) kd[d] = bf16_bits(ks[d]), vd[d] = bf16_bits(vs[d]);
+  for (int64_t t = 0; t < T; ++t)
+    if (sp[t] < 0 || sp[t] >= P * S) return ffi::Error::InvalidArgument("rope_kv: slot out of range");
+  const bool bf16 = dt == ffi::DataType::U16;
+  auto rows = [&](int64_t t0, int64_t t1) {
+    thread_local aligned::vector<float> kbuf;  // a rotated key row
+    kbuf.resize(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* x = qkv.typed_data() + t * (H + 2 * Hkv) * D;
+      const float* c = cos.typed_data() + t * half;
+      const float* s = sin.typed_data() + t * half;
+      for (int64_t h = 0; h < H; ++h) rope_head(x + h * D, c, s, half, q->typed_data() + (t * H + h) * D);
+      const int64_t slot = sp[t];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t at = ((h * P + slot / S) * S + slot % S) * D;
+        rope_head(x + (H + h) * D, c, s, half, kbuf.data());
+        store_kv_row(kbuf.data(), D, bf16, kb.untyped_data(), at);
+        store_kv_row(x + (H + Hkv + h) * D, D, bf16, vb.untyped_data(), at);
       }
     }
-  }
+  };
+  // rows sharing a slot are only padding rows: chunks may store them in any order, and nothing reads them
+  constexpr int64_t kRows = 16;
+  if (T <= 2 * kRows) rows(0, T);
+  else parallel_chunks(pool, (T + kRows - 1) / kRows, [&](int64_t c) { rows(c * kRows, std::min(T, (c + 1) * kRows)); }, T <= kHotRows);
   return ffi::Error::Success();
+}
+
+// rope_kv over one layer's caches: rest = the key cache, then the value cache (the results, aliased).
+ffi::Error RopeKvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
+                      ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs rest,
+                      ffi::Result<ffi::Buffer<ffi::F32>> q, ffi::RemainingRets outs, int32_t heads) {
+  if (rest.size() != 2 || outs.size() != 2) return ffi::Error::InvalidArgument("rope_kv: a key and a value cache");
+  auto kc = outs.get<ffi::AnyBuffer>(0);
+  auto vc = outs.get<ffi::AnyBuffer>(1);
+  if (!kc.has_value() || !vc.has_value()) return ffi::Error::InvalidArgument("rope_kv: caches must be buffers");
+  return rope_kv(pool, qkv, cos, sin, slots, **kc, **vc, q, heads);
+}
+
+// rope_kv over layer `layer`'s caches: rest = L key caches, then L value caches, each aliased to the result
+// of the same place (the others are left as they are).
+ffi::Error RopeKvPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> qkv,
+                          ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
+                          ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::F32>> q, ffi::RemainingRets outs,
+                          int32_t heads) {
+  auto i = picked_layer(layer, rest.size(), 2);
+  if (!i.has_value()) return i.error();
+  if (outs.size() != rest.size()) return ffi::Error::InvalidArgument("rope_kv_pick: one result per cache");
+  auto kc = outs.get<ffi::AnyBuffer>(*i);
+  auto vc = outs.get<ffi::AnyBuffer>(rest.size() / 2 + *i);
+  if (!kc.has_value() || !vc.has_value()) return ffi::Error::InvalidArgument("rope_kv_pick: caches must be buffers");
+  return rope_kv(pool, qkv, cos, sin, slots, **kc, **vc, q, heads);
 }
 
 }  // namespace
@@ -1611,15 +1686,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedDecodePick, PagedDecodePickImpl,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("bf16"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotWriteKvPick, WriteKvPickImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // k [T, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // v [T, Hkv, D]
-                                  .RemainingArgs()                // L key caches, then L value caches
-                                  .RemainingRets());              // the same caches (aliased)
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotPagedPrefill, PagedPrefillImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1645,6 +1711,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
                                   .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRopeKv, RopeKvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv [T, (H + 2 Hkv) D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D/2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D/2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .RemainingArgs()                // the key cache, the value cache
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+                                  .RemainingRets()                // the same caches (aliased)
+                                  .Attr<int32_t>("heads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRopeKvPick, RopeKvPickImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer [1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv [T, (H + 2 Hkv) D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D/2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D/2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .RemainingArgs()                // L key caches, then L value caches
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
+                                  .RemainingRets()                // the same caches (aliased)
+                                  .Attr<int32_t>("heads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLogprobs, LogprobsImpl,
                               ffi::Ffi::Bind()

@@ -6,7 +6,7 @@ A multi-step decode loop (runner.py `decode_loop`) compiled the whole model into
 layers are the body of a `fori_loop` instead: one layer's code, whatever the depth.
 
 Each call inside the body takes every layer's matrices (or caches) and the layer index, and the native
-kernel uses that layer's (`kernels.qmatmul_pick`, `paged_decode_pick`, `write_kv_pick`): XLA passes
+kernel uses that layer's (`kernels.qmatmul_pick`, `paged_decode_pick`, `rope_kv_pick`): XLA passes
 pointers, so nothing is sliced or copied; the KV caches are updated in place (aliased). The norm
 weights, a few KB a layer, are stacked and indexed. The operations are `DecoderLayer`'s, in its order,
 on the native path it takes for a decode shape on a CPU (quantized matrices, attention reading the
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from parrot.engine import kernels, quant
 from parrot.engine.attention import in_place
 from parrot.engine.batch import ForwardBatch
-from parrot.engine.models.llama import Llama, LlamaConfig, qkv_heads, rms_norm
+from parrot.engine.models.llama import Llama, LlamaConfig, rms_norm
 
 _MATRICES = (("attn", "wqkv"), ("attn", "wo"), ("mlp", "w_gate_up"), ("mlp", "w_down"))
 
@@ -83,8 +83,7 @@ class LayerLoop:
             qkv = project(i, rms_norm(x, attn_norms[i], cfg.rms_eps), 0)
             if bias is not None:
                 qkv = qkv + bias[i]
-            q, k, v = qkv_heads(cfg, qkv, cfg.num_heads, cfg.num_kv_heads, cos, sin)
-            ks, vs = kernels.write_kv_pick(i, batch.slot_mapping, k, v, ks, vs)
+            q, ks, vs = kernels.rope_kv_pick(i, qkv, cos, sin, batch.slot_mapping, ks, vs, cfg.num_heads)
             o = kernels.paged_decode_pick(q, i, ks, vs, batch.block_tables, batch.kv_offset, batch.kv_lens,
                                           batch.prefix_pages, batch.prefix_len, batch.in_prefix,
                                           cfg.head_dim**-0.5, bf16).astype(q.dtype)

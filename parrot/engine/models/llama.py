@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from parrot.engine import huge_pages, quant
-from parrot.engine.attention import paged_attention, write_kv
+from parrot.engine import huge_pages, kernels, quant
+from parrot.engine.attention import in_place, paged_attention, write_kv
 from parrot.engine.batch import ForwardBatch
 from parrot.engine.precision import exact
 from parrot.engine.quant import QuantizedTensor
@@ -215,9 +215,14 @@ class Attention(nnx.Module):
         qkv = project(x, self.wqkv[...], self.wqkv_q, self.qdtype, fill, _value(self.wqkv_t))
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
-        q, k, v = qkv_heads(cfg, qkv, cfg.num_heads // self.tp, cfg.num_kv_heads // self.tp, cos, sin)
-        k_cache = write_kv(k_cache, k, batch.slot_mapping)
-        v_cache = write_kv(v_cache, v, batch.slot_mapping)
+        heads = cfg.num_heads // self.tp
+        if self.tp == 1 and qkv.dtype == jnp.float32 and in_place(k_cache.dtype, cfg.head_dim):
+            # one native pass (RoPE and the KV writes; the same bits as XLA's code of them)
+            q, k_cache, v_cache = kernels.rope_kv(qkv, cos, sin, batch.slot_mapping, k_cache, v_cache, heads)
+        else:
+            q, k, v = qkv_heads(cfg, qkv, heads, cfg.num_kv_heads // self.tp, cos, sin)
+            k_cache = write_kv(k_cache, k, batch.slot_mapping)
+            v_cache = write_kv(v_cache, v, batch.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, batch, cfg.head_dim**-0.5, self.decode_kernel,
                             bf16=jnp.dtype(self.qdtype) == jnp.bfloat16, fused=self.decode_fused)
         out = row_project(o.reshape(t, -1), self.wo[...], self.wo_q, self.qdtype, self.tp, self.tp_exact, fill,
