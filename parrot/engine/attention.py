@@ -207,7 +207,7 @@ def _merge_shared_prefix(
     vp = gather_pages(v_cache, batch.prefix_pages)
     qm = qh.reshape(hkv, bsz * group, d)
     s_p = jnp.einsum("hmd,hld->hml", qm, kp, precision=exact(qm, kp)).reshape(hkv, bsz, group, -1)
-    mask_p = (jnp.arange(kp.shape[1])[None, :] < batch.prefix_len) & batch.in_prefix[:, None]  # [B, Lp]
+    mask_p = (jnp.arange(kp.shape[1])[None, :] < batch.prefix_len) & (batch.in_prefix[:, None] != 0)  # [B, Lp]
     m_p, e_p, l_p = _partial(s_p, mask_p[None, :, None, :])
     em = e_p.reshape(hkv, bsz * group, -1)
     o_p = jnp.einsum("hml,hld->hmd", em, vp, precision=exact(em, vp)).reshape(hkv, bsz, group, d)

@@ -34,7 +34,7 @@ class ForwardBatch:
     logits_index: jax.Array  # [B] int32 flat index of the token whose logits are wanted (padding: -1)
     prefix_pages: jax.Array  # [Pp] int32 pages of the shared prefix (Pp = 0: no shared prefix)
     prefix_len: jax.Array  # [] int32 tokens in the shared prefix
-    in_prefix: jax.Array  # [B] bool sequence b reads the shared prefix
+    in_prefix: jax.Array  # [B] int32 1 where sequence b reads the shared prefix (int32: no convert in every layer)
     fill_rows: jax.Array  # [T] int32 1 where the token is a prompt's (a fill's), 0 a generated one's, -1 padding
 
     @property
@@ -110,7 +110,7 @@ def build_batch(
     logits_index = np.full(batch_size, -1, np.int32)  # padding rows: -1 (their logits are not computed)
     prefix = np.zeros(prefix_pages, np.int32)
     prefix_len = 0
-    in_prefix = np.zeros(batch_size, bool)
+    in_prefix = np.zeros(batch_size, np.int32)
     fill_rows = np.full(num_tokens, -1, np.int32)  # padding rows' products are skipped (quant.linear)
     off = 0
     for b, s in enumerate(seqs):
@@ -126,7 +126,7 @@ def build_batch(
                 raise ValueError("sequences in the shared prefix must share the same pages")
             prefix[:shared] = s.pages[:shared]
             prefix_len = shared * page_size
-            in_prefix[b] = True
+            in_prefix[b] = 1
         own = np.asarray(s.pages[shared:used], np.int32)
         if len(own) > num_pages:
             raise ValueError(f"sequence needs {len(own)} own pages; bucket holds {num_pages}")
