@@ -55,7 +55,7 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
             "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
             "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
-            "parrot_rope_kv": "ParrotRopeKv", "parrot_rope_kv_pick": "ParrotRopeKvPick"}
+            "parrot_rope_kv_pick": "ParrotRopeKvPick"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
@@ -395,15 +395,9 @@ def rope_kv(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array, k_
     """models/llama.py's `qkv_heads` (RoPE of q and k) and attention.write_kv of k and v in one native pass:
     qkv [T, (heads + 2 Hkv) D] float32 -> (q [T, heads, D], the key cache, the value cache), the caches
     ([Hkv, pages, page_size, D]: float32, or uint16 bfloat16 bit patterns) updated in place (aliased). The
-    same bits as XLA's code of them."""
-    t = qkv.shape[0]
-    d = k_cache.shape[3]
-    outs = [jax.ShapeDtypeStruct((t, heads, d), jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
-    f32 = jnp.float32
-    return tuple(jax.ffi.ffi_call("parrot_rope_kv", outs, input_output_aliases={4: 1, 5: 2})(
-        qkv.astype(f32), cos.astype(f32), sin.astype(f32), slots.astype(jnp.int32), k_cache, v_cache,
-        heads=np.int32(heads)))
+    same bits as XLA's code of them. (`rope_kv_pick` over this one layer.)"""
+    q, ks, vs = rope_kv_pick(jnp.int32(0), qkv, cos, sin, slots, [k_cache], [v_cache], heads)
+    return q, ks[0], vs[0]
 
 
 def rope_kv_pick(layer: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Array, slots: jax.Array,

@@ -664,7 +664,7 @@ void qmatmul_bf16(ffi::ThreadPool& pool, int how, const float* x, int64_t T, int
     avx512bf16::rows<Format<Q>>(xb, T, K, w, wt, c * cols, std::min(N, (c + 1) * cols), y, N);
   });
 #else
-  (void)pool, (void)how, (void)x, (void)T, (void)K, (void)w, (void)y, (void)N;
+  (void)pool, (void)how, (void)x, (void)T, (void)K, (void)w, (void)wt, (void)y, (void)N;
 #endif
 }
 
@@ -1500,7 +1500,7 @@ inline void rope_head(const float* x, const float* c, const float* s, int64_t ha
 // fused projection's output) -> q [T, H, D] rotated; k (rotated) and v stored at flat slot slots[t] of the
 // caches ([Hkv, pages, page_size, D], float32 or bfloat16 bits; rest = the key cache, then the value cache,
 // each aliased to its result). The same bits as XLA's code of them. Tokens sharing a slot (padding rows, all
-// at the scratch slot) are stored in order.
+// at the scratch slot) may be stored in any order: nothing reads that slot.
 ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
                    ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer kb, ffi::AnyBuffer vb,
                    ffi::Result<ffi::Buffer<ffi::F32>>& q, int32_t heads) {
@@ -1535,26 +1535,15 @@ ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer
       }
     }
   };
-  // rows sharing a slot are only padding rows: chunks may store them in any order, and nothing reads them
   constexpr int64_t kRows = 16;
-  if (T <= 2 * kRows) rows(0, T);
-  else parallel_chunks(pool, (T + kRows - 1) / kRows, [&](int64_t c) { rows(c * kRows, std::min(T, (c + 1) * kRows)); }, T <= kHotRows);
+  if (T <= 2 * kRows) return rows(0, T), ffi::Error::Success();
+  parallel_chunks(pool, (T + kRows - 1) / kRows, [&](int64_t c) { rows(c * kRows, std::min(T, (c + 1) * kRows)); },
+                  T <= kHotRows);
   return ffi::Error::Success();
 }
 
-// rope_kv over one layer's caches: rest = the key cache, then the value cache (the results, aliased).
-ffi::Error RopeKvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> cos,
-                      ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs rest,
-                      ffi::Result<ffi::Buffer<ffi::F32>> q, ffi::RemainingRets outs, int32_t heads) {
-  if (rest.size() != 2 || outs.size() != 2) return ffi::Error::InvalidArgument("rope_kv: a key and a value cache");
-  auto kc = outs.get<ffi::AnyBuffer>(0);
-  auto vc = outs.get<ffi::AnyBuffer>(1);
-  if (!kc.has_value() || !vc.has_value()) return ffi::Error::InvalidArgument("rope_kv: caches must be buffers");
-  return rope_kv(pool, qkv, cos, sin, slots, **kc, **vc, q, heads);
-}
-
 // rope_kv over layer `layer`'s caches: rest = L key caches, then L value caches, each aliased to the result
-// of the same place (the others are left as they are).
+// of the same place (the others are left as they are; kernels.rope_kv passes one layer's).
 ffi::Error RopeKvPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> qkv,
                           ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::S32> slots,
                           ffi::RemainingArgs rest, ffi::Result<ffi::Buffer<ffi::F32>> q, ffi::RemainingRets outs,
@@ -1711,18 +1700,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotSample, SampleImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // min_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // u [B]
                                   .Ret<ffi::Buffer<ffi::S32>>()); // tokens [B]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRopeKv, RopeKvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv [T, (H + 2 Hkv) D]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos [T, D/2]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin [T, D/2]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
-                                  .RemainingArgs()                // the key cache, the value cache
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // q [T, H, D]
-                                  .RemainingRets()                // the same caches (aliased)
-                                  .Attr<int32_t>("heads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotRopeKvPick, RopeKvPickImpl,
                               ffi::Ffi::Bind()
