@@ -86,7 +86,72 @@
 
 namespace ffi = xla::ffi;
 
+// The library is built from this file as several translation units at once (kernels/__init__.py: `UNITS`),
+// each compiled with some of PARROT_PART_Q8_0, PARROT_PART_Q4_0, PARROT_PART_Q4_1 (the products of one block
+// type: most of the compile time) and PARROT_PART_REST (the entry points and every other kernel); a unit
+// with none of them holds everything.
+#if !defined(PARROT_PART_Q8_0) && !defined(PARROT_PART_Q4_0) && !defined(PARROT_PART_Q4_1) && \
+    !defined(PARROT_PART_REST)
+#define PARROT_PART_Q8_0 1
+#define PARROT_PART_Q4_0 1
+#define PARROT_PART_Q4_1 1
+#define PARROT_PART_REST 1
+#endif
+
+// ---- switches: one of each in the library, whichever units read them ---------------------------------
+namespace parrot_switch {
+
+// `hot`: a call of a decode step of up to kHotRows rows (short calls back to back, little of XLA's own work
+// between them), whose chunks the kernels' own helper threads (team.h) take where they can (see
+// parrot_team_enable). Other calls use XLA's pool: prompt chunks' (long calls, with XLA's own threads busy
+// between them, where a spinning helper only took time from them: 0.88-0.95x the time of a 64- or 512-token
+// prefill on a 2-core Zen 4) and larger batches' (long enough for the pool's helpers).
+inline std::atomic<bool> g_team{true};
+
+// The quantized product's code (see parrot_matmul_select) and whether rows asked for in bf16 take AMX's
+// bf16 tiles (see parrot_bf16_enable).
+enum MatmulPath : int { kPathAvx2 = 0, kPathVnni = 1, kPathAmx = 2 };
+inline std::atomic<int> g_path{kPathAvx2};
+inline std::atomic<bool> g_bf16{true};
+inline std::atomic<bool> g_decode_bf16{true};  // see parrot_decode_bf16_enable
+
+// amx::few_rows for 5-8 decode rows and amx::tiled_rows from 9 (below) on (the default) or off (VNNI below
+// 16 rows, the tiles from the tiled copy from 16, as before them; a same-process comparison, the same bits):
+// parrot_amx_few_enable.
+inline std::atomic<bool> g_amx_few{true};
+
+// Whether the AVX2 code multiplies generated tokens' rows on 2 limbs in integers (avx2_int8.h) where it is
+// asked for 2 limbs: on (the default; parrot_avx2_int8_enable) or float32 with the dequantized weights.
+inline std::atomic<bool> g_avx2_int8{true};
+
+inline std::atomic<bool> g_tiled{true};  // see parrot_tiled_enable
+
+}  // namespace parrot_switch
+
+// ---- the products of one block type, each defined in the unit of its PARROT_PART_* --------------------
+namespace parrot_part {
+
+struct Product {  // parrot_qmatmul's operands (QMatmulImpl)
+  const float* x;
+  const int32_t* fill;
+  int64_t T, K;
+  const uint8_t* w;
+  const uint8_t* wt;
+  float* y;
+  int64_t N;
+  int limbs;
+  bool swiglu;
+};
+
+void qmatmul_q8_0(ffi::ThreadPool& pool, const Product& p);
+void qmatmul_q4_0(ffi::ThreadPool& pool, const Product& p);
+void qmatmul_q4_1(ffi::ThreadPool& pool, const Product& p);
+
+}  // namespace parrot_part
+
 namespace {
+
+using namespace parrot_switch;  // NOLINT: the switches read as before
 
 // ---- work splitting over XLA's intra-op thread pool --------------------------------------------------
 // Chunks are claimed from a shared counter by the calling thread and by helper tasks. The caller only
@@ -98,12 +163,6 @@ struct Split {
   int64_t chunks = 0;
 };
 
-// `hot`: a call of a decode step of up to kHotRows rows (short calls back to back, little of XLA's own work
-// between them), whose chunks the kernels' own helper threads (team.h) take where they can (see
-// parrot_team_enable). Other calls use XLA's pool: prompt chunks' (long calls, with XLA's own threads busy
-// between them, where a spinning helper only took time from them: 0.88-0.95x the time of a 64- or 512-token
-// prefill on a 2-core Zen 4) and larger batches' (long enough for the pool's helpers).
-std::atomic<bool> g_team{true};
 // rows (tokens, sequences) up to which a product or sampler call is hot (at 64 rows a decode step took as
 // long or longer with the team: its calls are long enough for the pool's helpers)
 constexpr int64_t kHotRows = 32;
@@ -463,12 +522,6 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
   }
 }
 
-// The quantized product's code (see parrot_matmul_select) and whether rows asked for in bf16 take AMX's
-// bf16 tiles (see parrot_bf16_enable).
-enum MatmulPath : int { kPathAvx2 = 0, kPathVnni = 1, kPathAmx = 2 };
-std::atomic<int> g_path{kPathAvx2};
-std::atomic<bool> g_bf16{true};
-std::atomic<bool> g_decode_bf16{true};  // see parrot_decode_bf16_enable
 
 // How rows asked for in bf16 are multiplied: on AMX's bf16 tiles, with AVX512-BF16's pair products (where
 // an integer path runs and there are no bf16 tiles), or exactly (the bf16 products switched off, the AVX2
@@ -512,9 +565,6 @@ constexpr int64_t kAmxTiledMinRowsAlone = 16;  // the same, with amx::few_rows o
 // 1.2x); `benchmarks.products` (30 layers' weights from memory, in turns) 0.97-1.05x at 5 rows, 1.0-1.16x
 // at 6-8; at 4 rows VNNI was as fast or 2-9% faster.
 constexpr int64_t kAmxFewMinRows = 5;
-// Both of the above on (the default) or off (VNNI below 16 rows, the tiles from the tiled copy from 16, as
-// before them; a same-process comparison, the same bits): parrot_amx_few_enable.
-std::atomic<bool> g_amx_few{true};
 
 // From this many activation rows, 2-limb products put the tokens in lanes (vnni::lanes_rows): 4-7% off a
 // decode step at batch 32-64 on a Zen 4. Below, its 16 token lanes are too empty to pay for widening the
@@ -559,9 +609,6 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64
 
 #endif
 
-// Whether the AVX2 code multiplies generated tokens' rows on 2 limbs in integers (avx2_int8.h) where it is
-// asked for 2 limbs: on (the default; parrot_avx2_int8_enable) or float32 with the dequantized weights.
-std::atomic<bool> g_avx2_int8{true};
 
 // The product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
 // `generated`: the rows are generated tokens' (the AVX2 code takes them on 2 limbs in integers, the same
@@ -703,8 +750,6 @@ void qmatmul_rows_of_kind(ffi::ThreadPool& pool, const float* x, const int32_t* 
   qmatmul<Q>(pool, x, T, K, w, wt, y, N, limbs, nfill == 0);
 }
 
-std::atomic<bool> g_tiled{true};  // see parrot_tiled_enable
-
 // Tiles a [N, K] matrix of `qtype` for the integer codes' lanes into `out` (tiled::tile_rows; null: only
 // sizes it); returns its bytes.
 int64_t tile_rows(int32_t qtype, const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
@@ -756,18 +801,20 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
       return ffi::Error::InvalidArgument("qmatmul: the tiled weights' size does not match w");
     if (g_tiled.load(std::memory_order_relaxed)) tp = wt.typed_data();
   }
-  float* yp = y->typed_data();
-  auto run = [&](auto q) {
-    constexpr int Q = decltype(q)::value;
-    if (swiglu) qmatmul_swiglu<Q>(pool, xp, fp, T, K, wp, tp, yp, N, limbs);
-    else qmatmul_rows_of_kind<Q>(pool, xp, fp, T, K, wp, tp, yp, N, limbs);
-  };
+  const parrot_part::Product p{xp, fp, T, K, wp, tp, y->typed_data(), N, limbs, swiglu != 0};
   switch (qtype) {
-    case kQ8_0: run(std::integral_constant<int, kQ8_0>{}); break;
-    case kQ4_0: run(std::integral_constant<int, kQ4_0>{}); break;
-    default: run(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ8_0: parrot_part::qmatmul_q8_0(pool, p); break;
+    case kQ4_0: parrot_part::qmatmul_q4_0(pool, p); break;
+    default: parrot_part::qmatmul_q4_1(pool, p); break;
   }
   return ffi::Error::Success();
+}
+
+// The product of block type Q (parrot_part::qmatmul_*).
+template <int Q>
+void product(ffi::ThreadPool& pool, const parrot_part::Product& p) {
+  if (p.swiglu) qmatmul_swiglu<Q>(pool, p.x, p.fill, p.T, p.K, p.w, p.wt, p.y, p.N, p.limbs);
+  else qmatmul_rows_of_kind<Q>(pool, p.x, p.fill, p.T, p.K, p.w, p.wt, p.y, p.N, p.limbs);
 }
 
 // ---- paged decode attention ----------------------------------------------------------------------
@@ -1559,6 +1606,17 @@ ffi::Error RopeKvPickImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi
 
 }  // namespace
 
+#ifdef PARROT_PART_Q8_0
+void parrot_part::qmatmul_q8_0(ffi::ThreadPool& pool, const Product& p) { product<kQ8_0>(pool, p); }
+#endif
+#ifdef PARROT_PART_Q4_0
+void parrot_part::qmatmul_q4_0(ffi::ThreadPool& pool, const Product& p) { product<kQ4_0>(pool, p); }
+#endif
+#ifdef PARROT_PART_Q4_1
+void parrot_part::qmatmul_q4_1(ffi::ThreadPool& pool, const Product& p) { product<kQ4_1>(pool, p); }
+#endif
+
+#ifdef PARROT_PART_REST
 // Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
 // -1 the best this build and CPU have. Returns the code in use: any other value, a code this build lacks,
 // or AMX where the kernel refuses the tile state leaves the choice as it was.
@@ -1753,3 +1811,5 @@ static ffi::Error LazyZerosImpl(ffi::RemainingRets rets) {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLazyZeros, LazyZerosImpl, ffi::Ffi::Bind().RemainingRets());
+
+#endif  // PARROT_PART_REST
