@@ -464,3 +464,38 @@ def test_concurrent_calls_share_the_helper_threads_safely(team: bool) -> None:
                     np.testing.assert_array_equal(a, b)
     finally:
         kernels.use_team(before)
+
+
+def test_units_hold_every_part_once() -> None:
+    source = kernels.SOURCE.read_text()
+    for cores, units in kernels.UNITS.items():
+        parts = [p for unit in units for p in unit]
+        assert sorted(parts) == sorted(set(parts)) == ["Q4_0", "Q4_1", "Q8_0", "REST"], cores
+        assert all(f"PARROT_PART_{p}" in source for p in parts)
+
+
+@pytest.mark.parametrize("cores", [2, 4])
+def test_the_units_link_into_every_entry_point(tmp_path, monkeypatch, cores: int) -> None:  # noqa: ANN001
+    import ctypes
+
+    monkeypatch.setattr(kernels, "CXXFLAGS", tuple("-O0" if f == "-O3" else f for f in kernels.CXXFLAGS))
+    monkeypatch.setattr(kernels, "_cores", lambda: cores)
+    lib_path = tmp_path / "cpu_kernels.so"
+    kernels._build(lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    for symbol in kernels._TARGETS.values():
+        assert getattr(lib, symbol) is not None
+    lib.parrot_team_enable.argtypes = lib.parrot_tiled_enable.argtypes = [ctypes.c_int]
+    assert lib.parrot_tiled_enable(-1) == 1
+    assert lib.parrot_tiled_enable(0) == 0 and lib.parrot_tiled_enable(-1) == 0  # one switch, whichever unit
+    assert not list(tmp_path.glob(".build-*"))  # the units' objects went with their directory
+
+
+def test_stale_builds_are_removed(tmp_path) -> None:  # noqa: ANN001
+    old, new, old_file = tmp_path / ".build-old", tmp_path / ".build-new", tmp_path / ".build-x.so"
+    old.mkdir(), new.mkdir(), old_file.write_bytes(b"")
+    (old / "unit0.o").write_bytes(b"")
+    hours_ago = kernels.time.time() - 2 * kernels.STALE_BUILD_S
+    os.utime(old, (hours_ago, hours_ago)), os.utime(old_file, (hours_ago, hours_ago))
+    kernels._remove_stale_builds(tmp_path)
+    assert not old.exists() and not old_file.exists() and new.exists()

@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -82,6 +83,9 @@ def _library_path() -> Path:
 # The translation units the library is built from, compiled at once (cpu_kernels.cc: PARROT_PART_*). The
 # products of each block type take most of the compile time (~8 s each on a 2-core Xeon, the rest ~9 s, and
 # each unit ~4 s of its own): on 2-3 cores two units (32.7 s -> 19.5 s on that Xeon), from 4 cores four.
+# hidden by default: the library exports its entry points alone (cpu_kernels.cc), so a second build loaded in
+# the same process (a test's) shares no state with the first
+CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 UNITS = {1: (("Q8_0", "Q4_0", "Q4_1", "REST"),),
          2: (("Q8_0", "Q4_0"), ("Q4_1", "REST")),
          4: (("Q8_0",), ("Q4_0",), ("Q4_1",), ("REST",))}
@@ -94,6 +98,20 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+STALE_BUILD_S = 3600  # a build directory this old was left by a process that died while building
+
+
+def _remove_stale_builds(directory: Path) -> None:
+    """Remove build directories (and files) that processes killed while building left behind."""
+    now = time.time()
+    for entry in directory.glob(".build-*"):
+        try:
+            if now - entry.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        except OSError:  # another process removed it, or cannot: harmless
+            pass
+
+
 def _build(path: Path) -> None:
     """Compile the units (UNITS) side by side into a temporary directory, link them, and rename the library
     into place (processes may build concurrently)."""
@@ -101,10 +119,10 @@ def _build(path: Path) -> None:
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fPIC"]
+    _remove_stale_builds(path.parent)
     units = UNITS[max(n for n in UNITS if n <= _cores())]
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        cmds = [[compiler, *flags, *(f"-DPARROT_PART_{p}=1" for p in parts), f"-I{jax.ffi.include_dir()}", "-c",
+        cmds = [[compiler, *CXXFLAGS, *(f"-DPARROT_PART_{p}=1" for p in parts), f"-I{jax.ffi.include_dir()}", "-c",
                  str(SOURCE), "-o", str(Path(tmp) / f"unit{i}.o")] for i, parts in enumerate(units)]
         link = [compiler, "-shared", *(c[-1] for c in cmds), "-o", str(Path(tmp) / "cpu_kernels.so")]
         logs = [Path(tmp) / f"unit{i}.log" for i in range(len(cmds))]  # files: a full pipe would stall a unit

@@ -1617,6 +1617,9 @@ void parrot_part::qmatmul_q4_1(ffi::ThreadPool& pool, const Product& p) { produc
 #endif
 
 #ifdef PARROT_PART_REST
+// The library's entry points: the only symbols it exports (built with -fvisibility=hidden).
+#pragma GCC visibility push(default)
+
 // Chooses the code of parrot_qmatmul: 0 AVX2, 1 AVX-512 VNNI, 2 AMX-INT8 tiles (with VNNI for few rows);
 // -1 the best this build and CPU have. Returns the code in use: any other value, a code this build lacks,
 // or AMX where the kernel refuses the tile state leaves the choice as it was.
@@ -1812,4 +1815,5 @@ static ffi::Error LazyZerosImpl(ffi::RemainingRets rets) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLazyZeros, LazyZerosImpl, ffi::Ffi::Bind().RemainingRets());
 
+#pragma GCC visibility pop
 #endif  // PARROT_PART_REST
