@@ -14,6 +14,8 @@ from parrot.config import EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.logs import configure as configure_logs
 
+log = logging.getLogger("parrot.serve")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
@@ -237,12 +239,29 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ParrotError(f"invalid serve settings: {exc}") from exc
 
 
+def http_server(app: object, host: str, port: int):  # noqa: ANN201 (a uvicorn.Server)
+    """The HTTP server of `parrot serve`: uvicorn with its own logs at warnings, and one line of ours once the
+    socket listens: where to send requests, and that shapes may still be compiling (/health)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    startup = server.startup
+
+    async def startup_then_say(sockets: list | None = None) -> None:
+        await startup(sockets=sockets)
+        if server.started:
+            url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            log.info("listening on %s: the OpenAI API at %s/v1, Parrot's sessions at %s/v1/session, the live view "
+                     "at %s/ui; %s/health says \"ok\" once every shape is compiled", url, url, url, url, url)
+
+    server.startup = startup_then_say  # type: ignore[method-assign]
+    return server
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """The serve core on --port with its engines: one embedded in this process (default), or
     --engines N engine processes that register themselves and send heartbeats."""
     import subprocess
-
-    import uvicorn
 
     from parrot.frontend.http_api import create_app
     from parrot.serve.core import ParrotServeCore
@@ -310,7 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 env["PARROT_API_KEY"] = core.config.api_key
             procs.append(subprocess.Popen(cmd, env=env))
     try:
-        uvicorn.run(create_app(core), host=args.host, port=args.port, log_level="warning")
+        http_server(create_app(core), args.host, args.port).run()
     finally:
         for p in procs:
             p.terminate()

@@ -3,13 +3,18 @@ the log format and the serve core's API key; `--api-key` / PARROT_API_KEY reach 
 
 from __future__ import annotations
 
+import logging
 import subprocess
+import threading
+import time
+import urllib.request
 
 import pytest
-import uvicorn
+from fastapi import FastAPI
 
 from parrot import cli
 from parrot.serve import tokenizers
+from tests.servers import free_port
 
 
 def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +31,13 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
             return 0
 
     monkeypatch.setattr(subprocess, "Popen", FakePopen)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    class FakeServer:
+        def __init__(self, app: object) -> None:
+            apps.append(app)
+
+        def run(self) -> None: ...
+
+    monkeypatch.setattr(cli, "http_server", lambda app, host, port: FakeServer(app))
     monkeypatch.setattr(tokenizers.TokenizerManager, "get", lambda self, model: None)
     monkeypatch.delenv("PARROT_API_KEY", raising=False)
     args = cli.build_parser().parse_args(["serve", "--engines", "2", "--compilation-cache-dir", "/tmp/cc",
@@ -42,3 +53,26 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
     assert config.api_key == "k3y" and config.max_sessions == 5
     monkeypatch.setenv("PARROT_API_KEY", "from-env")
     assert cli.serve_config_from_args(cli.build_parser().parse_args(["serve"])).api_key == "from-env"
+
+
+def test_the_server_says_where_it_listens(caplog: pytest.LogCaptureFixture) -> None:
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    port = free_port()
+    server = cli.http_server(app, "127.0.0.1", port)
+    with caplog.at_level(logging.INFO, logger="parrot.serve"):
+        thread = threading.Thread(target=server.run)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not any("listening on" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline and thread.is_alive(), "no 'listening on' line"
+                time.sleep(0.05)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:  # it does listen
+                assert r.status == 200
+        finally:
+            server.should_exit = True
+            thread.join(30)
+    said = next(r.getMessage() for r in caplog.records if "listening on" in r.getMessage())
+    url = f"http://127.0.0.1:{port}"
+    assert said.startswith(f"listening on {url}:") and f"{url}/v1," in said and f"{url}/ui" in said

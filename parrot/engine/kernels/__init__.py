@@ -159,7 +159,11 @@ def _load() -> None:
         raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
     path = _library_path()
     if not path.is_file():
+        t0 = time.perf_counter()
+        log.info("building the native CPU kernels for this CPU with %d unit(s) side by side (once for this "
+                 "machine, source and jaxlib: ~20 s on 2 cores)", len(UNITS[max(n for n in UNITS if n <= _cores())]))
         _build(path)
+        log.info("native CPU kernels built in %.1f s: %s", time.perf_counter() - t0, path)
     lib = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
