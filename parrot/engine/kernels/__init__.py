@@ -22,10 +22,15 @@ AVX512-BF16's pair products (avx512_bf16.h) where an integer path runs on a CPU 
 `use_bf16_fills(False)`): then they run exactly. Decode attention asked for
 in bfloat16 (`paged_decode(..., bf16=True)`: the engine's bfloat16 mode) multiplies bfloat16 pairs on
 AVX512-BF16 (decode_bf16.h) unless `PARROT_DECODE_BF16=0` (or `use_decode_bf16(False)`).
+
+`other_build(path)` routes the kernel calls traced inside it to another build of the library (one made for
+an AVX2-only CPU, say, or of other code): tests run the AVX2-only build's code on any CPU this way, and two
+builds can be compared in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -35,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -60,6 +66,8 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
+_others: dict[str, ctypes.CDLL] = {}  # other builds (`other_build`) by their targets' suffix
+_route = threading.local()  # .suffix: the build that kernel calls traced on this thread go to ("": this one)
 
 
 def _cpu_flags() -> str:
@@ -148,6 +156,48 @@ def _build(path: Path) -> None:
         os.replace(Path(tmp) / "cpu_kernels.so", path)
 
 
+def _register(path: Path, suffix: str) -> ctypes.CDLL:
+    """Load a build of the kernels, register its FFI targets under their names + `suffix`, and declare its
+    switches' C signatures."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target + suffix, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    for switch in ("parrot_matmul_select", "parrot_decode_bf16_enable", "parrot_team_enable", "parrot_tiled_enable",
+                   "parrot_amx_few_enable", "parrot_avx2_int8_enable", "parrot_bf16_enable"):
+        getattr(lib, switch).argtypes = [ctypes.c_int]
+    lib.parrot_tile_rows.restype = ctypes.c_int64
+    lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def _ffi_call(target: str, *args: object, **kwargs: object):  # noqa: ANN202
+    """jax.ffi.ffi_call of one of the kernels' targets, in this process's build or the one `other_build` names."""
+    return jax.ffi.ffi_call(target + getattr(_route, "suffix", ""), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def other_build(path: str | Path) -> Iterator[ctypes.CDLL]:
+    """The kernel calls traced inside (on this thread) go to the library at `path`, another build of these
+    kernels: one made for another CPU's flags, or of other code, for a comparison in one process (a function
+    jitted outside keeps the build it was traced with). Its targets are registered once, under a suffix of
+    their own, its best product code chosen and its other switches as built; yields the library, whose
+    switches can be set (`parrot_*_enable`). Needs this process's own build (`available()`)."""
+    if not available():
+        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    path = Path(path).resolve()
+    suffix = "_build_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    with _lock:
+        if suffix not in _others:
+            _others[suffix] = _register(path, suffix)
+            _others[suffix].parrot_matmul_select(-1)
+    before = getattr(_route, "suffix", "")
+    _route.suffix = suffix
+    try:
+        yield _others[suffix]
+    finally:
+        _route.suffix = before
+
+
 def _load() -> None:
     if os.environ.get("PARROT_CPU_KERNELS", "1") == "0":
         raise RuntimeError("turned off by PARROT_CPU_KERNELS=0")
@@ -164,11 +214,8 @@ def _load() -> None:
                  "machine, source and jaxlib: ~20 s on 2 cores)", len(UNITS[max(n for n in UNITS if n <= _cores())]))
         _build(path)
         log.info("native CPU kernels built in %.1f s: %s", time.perf_counter() - t0, path)
-    lib = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in _TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    lib = _register(path, "")
     _state["lib"] = lib
-    lib.parrot_matmul_select.argtypes = [ctypes.c_int]
     wanted = os.environ.get("PARROT_CPU_MATMUL", "auto")
     if wanted != "auto" and wanted not in MATMUL_PATHS:
         raise RuntimeError(f"PARROT_CPU_MATMUL={wanted!r} is not one of auto, {', '.join(MATMUL_PATHS)}")
@@ -178,16 +225,9 @@ def _load() -> None:
         log.warning("PARROT_CPU_MATMUL=%s: this CPU cannot run it; using %s", wanted, MATMUL_PATHS[best])
     elif wanted != "auto":
         lib.parrot_matmul_select(MATMUL_PATHS.index(wanted))
-    lib.parrot_decode_bf16_enable.argtypes = [ctypes.c_int]
     lib.parrot_decode_bf16_enable(0 if os.environ.get("PARROT_DECODE_BF16", "1") == "0" else 1)
-    lib.parrot_tile_rows.restype = ctypes.c_int64
-    lib.parrot_tile_rows.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.parrot_team_enable.argtypes = [ctypes.c_int]
     lib.parrot_team_enable(0 if os.environ.get("PARROT_KERNEL_TEAM", "1") == "0" else 1)
-    lib.parrot_amx_few_enable.argtypes = [ctypes.c_int]
-    lib.parrot_avx2_int8_enable.argtypes = [ctypes.c_int]
     lib.parrot_avx2_int8_enable(0 if os.environ.get("PARROT_AVX2_INT8", "1") == "0" else 1)
-    lib.parrot_bf16_enable.argtypes = [ctypes.c_int]
     fills_off = "0" in (os.environ.get("PARROT_BF16_FILLS", "1"), os.environ.get("PARROT_AMX_BF16", "1"))
     lib.parrot_bf16_enable(0 if fills_off else 1)
 
@@ -323,7 +363,7 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0] // 2 if swiglu else w.shape[0]), jnp.float32)
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     tiled = jnp.zeros((0,), jnp.uint8) if tiled is None else tiled
-    return jax.ffi.ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, tiled, fill,
+    return _ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, tiled, fill,
                                                    qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
                                                    swiglu=np.int32(swiglu))
 
@@ -353,7 +393,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     those two keep) leave, weighted by exp(logits / temperature); sampling._choose's semantics (sampler.h)."""
     f32, i32 = jnp.float32, jnp.int32
     out = jax.ShapeDtypeStruct((logits.shape[0],), i32)
-    return jax.ffi.ffi_call("parrot_sample", out)(logits.astype(f32), temperature.astype(f32), top_k.astype(i32),
+    return _ffi_call("parrot_sample", out)(logits.astype(f32), temperature.astype(f32), top_k.astype(i32),
                                                   top_p.astype(f32), min_p.astype(f32), u.astype(f32))
 
 
@@ -365,7 +405,7 @@ def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> 
     r = logits.shape[0]
     out = (jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
            jax.ShapeDtypeStruct((r, k), jnp.float32))
-    return tuple(jax.ffi.ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
+    return tuple(_ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
                                                           want.astype(jnp.int32)))
 
 
@@ -373,7 +413,7 @@ def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
     """Arrays of zeros of these shapes whose memory is resident only once written (the whole pages given
     back to the OS, which maps them as zeros on first touch): a KV pool costs memory in proportion to the
     pages used, as llama.cpp's does. Inside a jitted function, like the other calls."""
-    return list(jax.ffi.ffi_call("parrot_lazy_zeros", shapes)())
+    return list(_ffi_call("parrot_lazy_zeros", shapes)())
 
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index: jax.Array, positions: jax.Array,
@@ -389,7 +429,7 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index:
     bf16 tiles where `bf16_tiles()` (decided at run time); elsewhere in float32."""
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("parrot_paged_prefill", out)(
+    return _ffi_call("parrot_paged_prefill", out)(
         q.astype(jnp.float32), k_cache, v_cache, q_index.astype(i32), positions.astype(i32),
         block_tables.astype(i32), kv_offset.astype(i32), kv_lens.astype(i32), scale=np.float32(scale),
         bf16=np.int32(1 if bf16 else 0))
@@ -408,7 +448,7 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, block_tab
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if prefix_pages.shape[0] == 0:  # no shared prefix: one unread page (XLA 0.11's CPU compiler crashes on an
         prefix_pages = jnp.zeros((1,), i32)  # empty operand of a custom call inside shard_map)
-    return jax.ffi.ffi_call("parrot_paged_decode", out)(
+    return _ffi_call("parrot_paged_decode", out)(
         q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(i32), kv_offset.astype(i32),
         kv_lens.astype(i32), prefix_pages.astype(i32), jnp.reshape(prefix_len, (1,)).astype(i32),
         in_prefix.astype(i32), scale=np.float32(scale), bf16=np.int32(1 if bf16 else 0))
@@ -422,7 +462,7 @@ def qmatmul_pick(x: jax.Array, layer: jax.Array, ws: list[jax.Array], tiled: lis
     layer's code. The same products, the same bits as `qmatmul` on that layer's matrix."""
     out = jax.ShapeDtypeStruct((x.shape[0], ws[0].shape[0] // 2 if swiglu else ws[0].shape[0]), jnp.float32)
     none = jnp.zeros((0,), jnp.uint8)
-    return jax.ffi.ffi_call("parrot_qmatmul_pick", out)(
+    return _ffi_call("parrot_qmatmul_pick", out)(
         jnp.reshape(layer, (1,)).astype(jnp.int32), x.astype(jnp.float32), fill.astype(jnp.int32), *ws,
         *(none if t is None else t for t in tiled), qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
         swiglu=np.int32(swiglu))
@@ -436,7 +476,7 @@ def paged_decode_pick(q: jax.Array, layer: jax.Array, ks: list[jax.Array], vs: l
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     if prefix_pages.shape[0] == 0:
         prefix_pages = jnp.zeros((1,), i32)
-    return jax.ffi.ffi_call("parrot_paged_decode_pick", out)(
+    return _ffi_call("parrot_paged_decode_pick", out)(
         jnp.reshape(layer, (1,)).astype(i32), q.astype(jnp.float32), block_tables.astype(i32),
         kv_offset.astype(i32), kv_lens.astype(i32), prefix_pages.astype(i32),
         jnp.reshape(prefix_len, (1,)).astype(i32), in_prefix.astype(i32), *ks, *vs, scale=np.float32(scale),
@@ -463,7 +503,7 @@ def rope_kv_pick(layer: jax.Array, qkv: jax.Array, cos: jax.Array, sin: jax.Arra
     outs = [jax.ShapeDtypeStruct((qkv.shape[0], heads, ks[0].shape[3]), jnp.float32),
             *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)]
     f32 = jnp.float32
-    got = jax.ffi.ffi_call("parrot_rope_kv_pick", outs, input_output_aliases={5 + i: 1 + i for i in range(2 * n)})(
+    got = _ffi_call("parrot_rope_kv_pick", outs, input_output_aliases={5 + i: 1 + i for i in range(2 * n)})(
         jnp.reshape(layer, (1,)).astype(jnp.int32), qkv.astype(f32), cos.astype(f32), sin.astype(f32),
         slots.astype(jnp.int32), *caches, heads=np.int32(heads))
     return got[0], list(got[1 : 1 + n]), list(got[1 + n :])
