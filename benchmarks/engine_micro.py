@@ -2,6 +2,13 @@
 machine's floors measured in the same run.
 
     python -m benchmarks.engine_micro [--model smollm2] [--out benchmarks/results/engine_micro.json]
+    python -m benchmarks.engine_micro --other-build before=/path/to/an/older/checkout   # two kernel builds in turns
+
+`--other-build LABEL=PATH` (repeatable) measures another build of the native kernels beside this one, in one
+process and in turns (`kernels.use_build`): PATH is a built library, or a checkout (or its cpu_kernels.cc),
+which is built first for this CPU. Its configuration is the first one's, named `<first>@LABEL`. The other
+build must read the weights' tiled copies as this one lays them out, or make its own: a runner of another
+build tiles its copies with that build.
 """
 
 from __future__ import annotations
@@ -71,7 +78,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
         team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None,
-        loop_steps: int = 0, amx_few: list[str] | None = None) -> dict:
+        loop_steps: int = 0, amx_few: list[str] | None = None, builds: dict[str, str] | None = None) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -103,6 +110,21 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
                     name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai, af)
                     runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai, af)
                     load_s[name] = t_read + time.perf_counter() - t
+    # other builds of the native kernels (label -> library): a runner each, of the first configuration, its
+    # weights tiled by that build; its steps traced and run with that build in use (select)
+    build_of: dict[str, str] = {}
+    first_name, first_runner = next(iter(runners.items()))
+    for label, lib in (builds or {}).items():
+        name = f"{first_name}@{label}"
+        kernels.use_build(lib)
+        try:
+            t = time.perf_counter()
+            r = ModelRunner(loaded.config, loaded.weights, first_runner.ecfg)
+            jax.block_until_ready(r.weights)
+        finally:
+            kernels.use_build(None)
+        runners[name], matmul[name], cpu_att[name] = r, matmul[first_name], cpu_att[first_name]
+        switches[name], load_s[name], build_of[name] = switches[first_name], t_read + time.perf_counter() - t, lib
     default_path = kernels.matmul_path()
     default_fills = kernels.bf16_fills() is not None
     default_decode_bf16 = kernels.decode_bf16()
@@ -110,6 +132,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
 
     def select(name: str) -> None:
         if kernels.available():
+            kernels.use_build(None)  # this build's switches, then the build the runner was made with
             mm = matmul[name]
             code = {"amx": "amx-int8", "avx512-bf16": "avx512-vnni"}.get(mm, mm)  # with bf16 fills
             kernels.use_matmul(default_path if mm == "auto" else code)
@@ -119,6 +142,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_team(switches[name][1] == "on")
             kernels.use_avx2_int8(switches[name][2] == "on")
             kernels.use_amx_few(switches[name][3] == "on")
+            kernels.use_build(build_of.get(name))
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size
@@ -134,7 +158,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "loop_sampler": "named" if next(iter(runners.values())).host_stages else "branching",
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
         "weight_bytes_by_config": {name: _weight_bytes(r) for name, r in runners.items()},
-        "compile_s": {}, "jax": jax.__version__,
+        "compile_s": {}, "jax": jax.__version__, "other_builds": build_of,
         "backend": jax.default_backend(), "machine": procinfo.cpu_name(), "configs": list(runners),
     }
 
@@ -205,6 +229,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     first = result["configs"][0]
     for k in ("prefill", "decode", "ratios"):
         result[k] = result[k][first]
+    if kernels.available():
+        kernels.use_build(None)
     if default_path:
         kernels.use_matmul(default_path)
     kernels.use_bf16_fills(default_fills)
@@ -241,6 +267,25 @@ def _matmul_path(name: str, select: object) -> str | None:
 def _decode_attention(name: str, select: object) -> str:
     select(name)  # type: ignore[operator]
     return "bf16 products" if kernels.decode_bf16() else "float32"
+
+
+def _other_builds(specs: list[str], build_dir: Path) -> dict[str, str]:
+    """LABEL=PATH -> {label: library}: a library as it is; a checkout or source built into `build_dir`."""
+    builds = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"--other-build takes LABEL=PATH, not {spec!r}")
+        p = Path(path)
+        if p.suffix == ".so":
+            builds[label] = str(p)
+            continue
+        out = build_dir / f"{label}.so"
+        t = time.perf_counter()
+        kernels.build_library(out, p)
+        print(f"built the kernels of {p} for this CPU in {time.perf_counter() - t:.1f} s: {out}", flush=True)
+        builds[label] = str(out)
+    return builds
 
 
 def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
@@ -375,11 +420,16 @@ def main() -> None:
     ap.add_argument("--loop-steps", type=int, default=0, metavar="K",
                     help="also time decode loops of K steps a call (multi-step decode, as the engine runs a stable "
                          "batch), per step")
+    ap.add_argument("--other-build", action="append", default=[], metavar="LABEL=PATH",
+                    help="another build of the native kernels measured beside this one: a library, or a checkout "
+                         "(or its cpu_kernels.cc) built first for this CPU (repeatable)")
     ap.add_argument("--out", default="benchmarks/results/engine_micro.json")
     args = ap.parse_args()
+    builds = _other_builds(args.other_build, Path(args.out).with_suffix(".builds"))
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
-            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps, args.cpu_amx_few)
+            args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps, args.cpu_amx_few,
+            builds)
     print(report(r))
     write_json(r, args.out)
 

@@ -24,11 +24,9 @@ QTYPES = ["q8_0", "q4_0", "q4_1"]
 def avx2_build(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """The library built for an AVX2-only CPU (at -O1: the same arithmetic, built faster)."""
     path = tmp_path_factory.mktemp("avx2-build") / "cpu_kernels.so"
-    flags = {"-march=native": "-march=haswell", "-O3": "-O1"}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "CXXFLAGS", tuple(flags.get(f, f) for f in kernels.CXXFLAGS))
-        kernels._build(path)
-    return path
+        mp.setattr(kernels, "CXXFLAGS", tuple("-O1" if f == "-O3" else f for f in kernels.CXXFLAGS))
+        return kernels.build_library(path, march="haswell")
 
 
 def _products(qtype: str, rows: int, limbs: int, tiled: bool):  # noqa: ANN202
@@ -110,6 +108,14 @@ def test_attention_holds_in_the_avx2_build(avx2_build, case: str) -> None:  # no
         ATTENTION[case]()
 
 
-def test_the_other_build_is_loaded_once(avx2_build) -> None:  # noqa: ANN001
+def test_the_other_build_is_loaded_once_and_routes_per_thread(avx2_build) -> None:  # noqa: ANN001
+    import threading
+
+    own = kernels.use_build(None)
     with kernels.other_build(avx2_build) as a, kernels.other_build(avx2_build) as b:
-        assert a is b and isinstance(a, ctypes.CDLL)
+        assert a is b and isinstance(a, ctypes.CDLL) and a is not own
+        seen = []
+        other = threading.Thread(target=lambda: seen.append(kernels._routed_lib()))
+        other.start(), other.join()
+        assert seen == [own] and kernels._routed_lib() is a  # another thread: this process's build
+    assert kernels._routed_lib() is own

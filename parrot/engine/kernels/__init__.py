@@ -120,18 +120,21 @@ def _remove_stale_builds(directory: Path) -> None:
             pass
 
 
-def _build(path: Path) -> None:
-    """Compile the units (UNITS) side by side into a temporary directory, link them, and rename the library
-    into place (processes may build concurrently)."""
+def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source: Path | None = None,
+           flags: tuple[str, ...] | None = None) -> None:
+    """Compile the units (default: UNITS for this machine's cores) of `source` (default: SOURCE) with `flags`
+    (default: CXXFLAGS) side by side into a temporary directory, link them, and rename the library into place
+    (processes may build concurrently)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not compiler:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(path.parent)
-    units = UNITS[max(n for n in UNITS if n <= _cores())]
+    units = units or UNITS[max(n for n in UNITS if n <= _cores())]
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        cmds = [[compiler, *CXXFLAGS, *(f"-DPARROT_PART_{p}=1" for p in parts), f"-I{jax.ffi.include_dir()}", "-c",
-                 str(SOURCE), "-o", str(Path(tmp) / f"unit{i}.o")] for i, parts in enumerate(units)]
+        cmds = [[compiler, *(flags or CXXFLAGS), *(f"-DPARROT_PART_{p}=1" for p in parts),
+                 f"-I{jax.ffi.include_dir()}", "-c", str(source or SOURCE), "-o", str(Path(tmp) / f"unit{i}.o")]
+                for i, parts in enumerate(units)]
         link = [compiler, "-shared", *(c[-1] for c in cmds), "-o", str(Path(tmp) / "cpu_kernels.so")]
         logs = [Path(tmp) / f"unit{i}.log" for i in range(len(cmds))]  # files: a full pipe would stall a unit
         procs = []
@@ -175,27 +178,59 @@ def _ffi_call(target: str, *args: object, **kwargs: object):  # noqa: ANN202
     return jax.ffi.ffi_call(target + getattr(_route, "suffix", ""), *args, **kwargs)
 
 
-@contextlib.contextmanager
-def other_build(path: str | Path) -> Iterator[ctypes.CDLL]:
-    """The kernel calls traced inside (on this thread) go to the library at `path`, another build of these
-    kernels: one made for another CPU's flags, or of other code, for a comparison in one process (a function
-    jitted outside keeps the build it was traced with). Its targets are registered once, under a suffix of
-    their own, its best product code chosen and its other switches as built; yields the library, whose
-    switches can be set (`parrot_*_enable`). Needs this process's own build (`available()`)."""
+def use_build(path: str | Path | None) -> ctypes.CDLL:
+    """From now on, the kernel calls traced on this thread go to the library at `path`, another build of these
+    kernels (one made for another CPU's flags, or of other code: `build_library`), for a comparison in one
+    process; None: this process's own build again. A function jitted before keeps the build it was traced
+    with. The other build's targets are registered once, under a suffix of their own, its best product code
+    chosen and its other switches as built; the weights' tiled copies made meanwhile (`tile_rows`) are its
+    own. Returns the library now in use, whose switches (`parrot_*_enable`) can be set. Needs this process's
+    own build (`available()`)."""
     if not available():
         raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    if path is None:
+        _route.suffix = ""
+        return _state["lib"]
     path = Path(path).resolve()
     suffix = "_build_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
     with _lock:
         if suffix not in _others:
             _others[suffix] = _register(path, suffix)
             _others[suffix].parrot_matmul_select(-1)
-    before = getattr(_route, "suffix", "")
     _route.suffix = suffix
+    return _others[suffix]
+
+
+def _routed_lib() -> ctypes.CDLL:
+    suffix = getattr(_route, "suffix", "")
+    return _others[suffix] if suffix else _state["lib"]
+
+
+@contextlib.contextmanager
+def other_build(path: str | Path) -> Iterator[ctypes.CDLL]:
+    """`use_build(path)` inside, the build in use before it after; yields the library."""
+    before = getattr(_route, "suffix", "")
     try:
-        yield _others[suffix]
+        yield use_build(path)
     finally:
         _route.suffix = before
+
+
+def build_library(out: str | Path, source: str | Path | None = None, march: str = "native") -> Path:
+    """Build the kernels' library into `out` from `source` (a checkout's root, or its cpu_kernels.cc; default:
+    this one) for `-march=march`, as the first start builds this one (`use_build` runs it beside it)."""
+    src = Path(source).resolve() if source is not None else SOURCE
+    if src.is_dir():
+        src = src / "parrot" / "engine" / "kernels" / "cpu_kernels.cc"
+    if not src.is_file():
+        raise FileNotFoundError(f"no kernels' source at {src}")
+    out = Path(out).resolve()
+    text = src.read_text()
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CXXFLAGS
+                  if f != "-fvisibility=hidden" or "visibility push(default)" in text)  # older code exports all
+    # a source without the units' macros builds whole in each unit: one unit then
+    _build(out, None if "PARROT_PART_REST" in text else UNITS[1], src, flags)
+    return out
 
 
 def _load() -> None:
@@ -376,7 +411,7 @@ def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
     or `PARROT_TILED_WEIGHTS=0` (the products then read `data` alone: the same results)."""
     if not available() or os.environ.get("PARROT_TILED_WEIGHTS") == "0":
         return None
-    lib, n, q = _state["lib"], data.shape[0], QTYPES[qtype]
+    lib, n, q = _routed_lib(), data.shape[0], QTYPES[qtype]
     size = lib.parrot_tile_rows(q, None, n, k, None)
     if size < 0:
         return None
