@@ -499,3 +499,23 @@ def test_stale_builds_are_removed(tmp_path) -> None:  # noqa: ANN001
     os.utime(old, (hours_ago, hours_ago)), os.utime(old_file, (hours_ago, hours_ago))
     kernels._remove_stale_builds(tmp_path)
     assert not old.exists() and not old_file.exists() and new.exists()
+
+
+def test_processes_starting_at_once_build_once(tmp_path) -> None:  # noqa: ANN001
+    import threading
+
+    path, built = tmp_path / "cpu_kernels.so", []
+
+    def build(p) -> None:  # noqa: ANN001
+        built.append(threading.current_thread().name)
+        kernels.time.sleep(0.3)  # the others arrive while this one builds
+        p.write_bytes(b"library")
+
+    threads = [threading.Thread(target=kernels._build_once, args=(path, build), name=f"t{i}") for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1 and path.read_bytes() == b"library"
+    kernels._build_once(path, build)  # there: nothing to do
+    assert len(built) == 1

@@ -2,8 +2,9 @@
 jitted code through XLA's FFI.
 
 The shared library is built with the system's C++ compiler (`-O3 -march=native`) into
-`~/.cache/parrot/kernels/` (or `$PARROT_KERNEL_DIR`), named by a hash of the source, the jaxlib
-version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU builds anew. Where
+`~/.cache/parrot/kernels/` (or `$PARROT_KERNEL_DIR`), named by a hash of the source, the compiler flags,
+the jaxlib version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU builds anew
+(once: processes starting at once wait for one build). Where
 they cannot be used (no compiler, a CPU without AVX2/FMA/F16C, not a CPU backend, or
 `PARROT_CPU_KERNELS=0`), `available()` is False, one warning says why, and callers take their XLA path.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -40,7 +42,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -84,7 +86,7 @@ def source_hash() -> str:
 
 def _library_path() -> Path:
     base = Path(os.environ.get("PARROT_KERNEL_DIR") or Path.home() / ".cache" / "parrot" / "kernels")
-    key = f"{source_hash()}|{jaxlib.__version__}|{_cpu_flags()}"
+    key = f"{source_hash()}|{jaxlib.__version__}|{_cpu_flags()}|{' '.join(CXXFLAGS)}"
     return base / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -233,6 +235,23 @@ def build_library(out: str | Path, source: str | Path | None = None, march: str 
     return out
 
 
+def _build_once(path: Path, build: Callable[[Path], None] | None = None) -> None:
+    """Build the library at `path` unless it is there, one process (or thread) at a time: others starting at
+    once (`parrot serve --engines N`, test workers) wait for its build and load it instead of building too."""
+    if path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():
+            return
+        t0 = time.perf_counter()
+        log.info("building the native CPU kernels for this CPU with %d unit(s) side by side (once for this "
+                 "machine, source and jaxlib: ~20 s on 2 cores)", len(UNITS[max(n for n in UNITS if n <= _cores())]))
+        (build or _build)(path)
+        log.info("native CPU kernels built in %.1f s: %s", time.perf_counter() - t0, path)
+
+
 def _load() -> None:
     if os.environ.get("PARROT_CPU_KERNELS", "1") == "0":
         raise RuntimeError("turned off by PARROT_CPU_KERNELS=0")
@@ -243,12 +262,7 @@ def _load() -> None:
     if missing:
         raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
     path = _library_path()
-    if not path.is_file():
-        t0 = time.perf_counter()
-        log.info("building the native CPU kernels for this CPU with %d unit(s) side by side (once for this "
-                 "machine, source and jaxlib: ~20 s on 2 cores)", len(UNITS[max(n for n in UNITS if n <= _cores())]))
-        _build(path)
-        log.info("native CPU kernels built in %.1f s: %s", time.perf_counter() - t0, path)
+    _build_once(path)
     lib = _register(path, "")
     _state["lib"] = lib
     wanted = os.environ.get("PARROT_CPU_MATMUL", "auto")
