@@ -1,5 +1,6 @@
 """`parrot serve --engines N` starts engine processes with the settings they need: the compilation cache,
-the log format and the serve core's API key; `--api-key` / PARROT_API_KEY reach the serve core."""
+the log format and the serve core's API key; `--api-key` / PARROT_API_KEY reach the serve core; the server
+says where it listens once it does."""
 
 from __future__ import annotations
 

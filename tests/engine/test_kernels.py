@@ -479,9 +479,8 @@ def test_the_units_link_into_every_entry_point(tmp_path, monkeypatch, cores: int
     import ctypes
 
     monkeypatch.setattr(kernels, "CXXFLAGS", tuple("-O0" if f == "-O3" else f for f in kernels.CXXFLAGS))
-    monkeypatch.setattr(kernels, "_cores", lambda: cores)
     lib_path = tmp_path / "cpu_kernels.so"
-    kernels._build(lib_path)
+    kernels._build(lib_path, kernels.UNITS[cores])
     lib = ctypes.CDLL(str(lib_path))
     for symbol in kernels._TARGETS.values():
         assert getattr(lib, symbol) is not None

@@ -90,22 +90,24 @@ def _library_path() -> Path:
     return base / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
+# hidden by default: the library exports its entry points alone (cpu_kernels.cc), so a second build loaded in
+# the same process (`use_build`) shares no state with the first
+CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 # The translation units the library is built from, compiled at once (cpu_kernels.cc: PARROT_PART_*). The
 # products of each block type take most of the compile time (~8 s each on a 2-core Xeon, the rest ~9 s, and
 # each unit ~4 s of its own): on 2-3 cores two units (32.7 s -> 19.5 s on that Xeon), from 4 cores four.
-# hidden by default: the library exports its entry points alone (cpu_kernels.cc), so a second build loaded in
-# the same process (a test's) shares no state with the first
-CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-fPIC", "-fvisibility=hidden")
 UNITS = {1: (("Q8_0", "Q4_0", "Q4_1", "REST"),),
          2: (("Q8_0", "Q4_0"), ("Q4_1", "REST")),
          4: (("Q8_0",), ("Q4_0",), ("Q4_1",), ("REST",))}
 
 
-def _cores() -> int:
+def _units() -> tuple[tuple[str, ...], ...]:
+    """The units for the cores this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return UNITS[max(n for n in UNITS if n <= cores)]
 
 
 STALE_BUILD_S = 3600  # a build directory this old was left by a process that died while building
@@ -132,7 +134,7 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(path.parent)
-    units = units or UNITS[max(n for n in UNITS if n <= _cores())]
+    units = units or _units()
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
         cmds = [[compiler, *(flags or CXXFLAGS), *(f"-DPARROT_PART_{p}=1" for p in parts),
                  f"-I{jax.ffi.include_dir()}", "-c", str(source or SOURCE), "-o", str(Path(tmp) / f"unit{i}.o")]
@@ -247,7 +249,7 @@ def _build_once(path: Path, build: Callable[[Path], None] | None = None) -> None
             return
         t0 = time.perf_counter()
         log.info("building the native CPU kernels for this CPU with %d unit(s) side by side (once for this "
-                 "machine, source and jaxlib: ~20 s on 2 cores)", len(UNITS[max(n for n in UNITS if n <= _cores())]))
+                 "machine, source and jaxlib: ~20 s on 2 cores)", len(_units()))
         (build or _build)(path)
         log.info("native CPU kernels built in %.1f s: %s", time.perf_counter() - t0, path)
 
@@ -413,8 +415,8 @@ def qmatmul(x: jax.Array, w: jax.Array, qtype: str, fill: jax.Array | None = Non
     fill = jnp.zeros(x.shape[0], jnp.int32) if fill is None else fill.astype(jnp.int32)
     tiled = jnp.zeros((0,), jnp.uint8) if tiled is None else tiled
     return _ffi_call("parrot_qmatmul", out)(x.astype(jnp.float32), w, tiled, fill,
-                                                   qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
-                                                   swiglu=np.int32(swiglu))
+                                            qtype=np.int32(QTYPES[qtype]), limbs=np.int32(limbs),
+                                            swiglu=np.int32(swiglu))
 
 
 def tile_rows(data: np.ndarray, qtype: str, k: int) -> np.ndarray | None:
@@ -443,7 +445,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     f32, i32 = jnp.float32, jnp.int32
     out = jax.ShapeDtypeStruct((logits.shape[0],), i32)
     return _ffi_call("parrot_sample", out)(logits.astype(f32), temperature.astype(f32), top_k.astype(i32),
-                                                  top_p.astype(f32), min_p.astype(f32), u.astype(f32))
+                                           top_p.astype(f32), min_p.astype(f32), u.astype(f32))
 
 
 def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -455,7 +457,7 @@ def logprobs(logits: jax.Array, targets: jax.Array, want: jax.Array, k: int) -> 
     out = (jax.ShapeDtypeStruct((r,), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
            jax.ShapeDtypeStruct((r, k), jnp.float32))
     return tuple(_ffi_call("parrot_logprobs", out)(logits.astype(jnp.float32), targets.astype(jnp.int32),
-                                                          want.astype(jnp.int32)))
+                                                   want.astype(jnp.int32)))
 
 
 def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:

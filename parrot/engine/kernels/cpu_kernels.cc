@@ -522,7 +522,6 @@ void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_
   }
 }
 
-
 // How rows asked for in bf16 are multiplied: on AMX's bf16 tiles, with AVX512-BF16's pair products (where
 // an integer path runs and there are no bf16 tiles), or exactly (the bf16 products switched off, the AVX2
 // code, or neither unit).
@@ -608,7 +607,6 @@ void int8_rows(const vnni::XPack& xp, const uint8_t* w, const uint8_t* wt, int64
 }
 
 #endif
-
 
 // The product of rows x [T, K] (every row the same whatever rows share the call on the integer paths).
 // `generated`: the rows are generated tokens' (the AVX2 code takes them on 2 limbs in integers, the same
