@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logs(getattr(args, "log_format", "text"), logging.WARNING,
                    logging.INFO if args.command in ("serve", "engine") else None)
+    logging.getLogger("parrot.engine.kernels").setLevel(logging.INFO)  # every command says it builds them
     try:
         return args.func(args)
     except (ParrotError, ValidationError) as exc:
