@@ -132,7 +132,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
 
     def select(name: str) -> None:
         if kernels.available():
-            kernels.use_build(None)  # this build's switches, then the build the runner was made with
+            kernels.use_build(build_of.get(name))  # the build the runner was made with: its switches below
             mm = matmul[name]
             code = {"amx": "amx-int8", "avx512-bf16": "avx512-vnni"}.get(mm, mm)  # with bf16 fills
             kernels.use_matmul(default_path if mm == "auto" else code)
@@ -142,7 +142,6 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
             kernels.use_team(switches[name][1] == "on")
             kernels.use_avx2_int8(switches[name][2] == "on")
             kernels.use_amx_few(switches[name][3] == "on")
-            kernels.use_build(build_of.get(name))
     t_load = next(iter(load_s.values()))
     runner = next(iter(runners.values()))
     ps = runner.page_size

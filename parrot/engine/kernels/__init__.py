@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from parrot import procinfo
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
@@ -68,7 +70,8 @@ _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPag
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str, "lib": ctypes.CDLL
-_others: dict[str, ctypes.CDLL] = {}  # other builds (`other_build`) by their targets' suffix
+_others: dict[str, ctypes.CDLL] = {}  # other builds (`use_build`) by their targets' suffix
+_others_paths: dict[str, list[str]] = {}  # their product codes (as _state["paths"])
 _route = threading.local()  # .suffix: the build that kernel calls traced on this thread go to ("": this one)
 
 
@@ -103,10 +106,7 @@ UNITS = {1: (("Q8_0", "Q4_0", "Q4_1", "REST"),),
 
 def _units() -> tuple[tuple[str, ...], ...]:
     """The units for the cores this process may run on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = procinfo.usable_cores()
     return UNITS[max(n for n in UNITS if n <= cores)]
 
 
@@ -188,8 +188,8 @@ def use_build(path: str | Path | None) -> ctypes.CDLL:
     process; None: this process's own build again. A function jitted before keeps the build it was traced
     with. The other build's targets are registered once, under a suffix of their own, its best product code
     chosen and its other switches as built; the weights' tiled copies made meanwhile (`tile_rows`) are its
-    own. Returns the library now in use, whose switches (`parrot_*_enable`) can be set. Needs this process's
-    own build (`available()`)."""
+    own, and the switches below (`matmul_path`, `use_matmul`, `use_tiled`, ...) read and set its. Returns the
+    library now in use. Needs this process's own build (`available()`)."""
     if not available():
         raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
     if path is None:
@@ -200,14 +200,20 @@ def use_build(path: str | Path | None) -> ctypes.CDLL:
     with _lock:
         if suffix not in _others:
             _others[suffix] = _register(path, suffix)
-            _others[suffix].parrot_matmul_select(-1)
+            _others_paths[suffix] = list(MATMUL_PATHS[: _others[suffix].parrot_matmul_select(-1) + 1])
     _route.suffix = suffix
     return _others[suffix]
 
 
 def _routed_lib() -> ctypes.CDLL:
+    """The build in use on this thread (`use_build`), whose switches the functions below read and set."""
     suffix = getattr(_route, "suffix", "")
     return _others[suffix] if suffix else _state["lib"]
+
+
+def _routed_paths() -> list[str]:
+    suffix = getattr(_route, "suffix", "")
+    return _others_paths[suffix] if suffix else _state["paths"]
 
 
 @contextlib.contextmanager
@@ -305,18 +311,18 @@ def matmul_path() -> str | None:
     (XLA)."""
     if not available():
         return None
-    return MATMUL_PATHS[_state["lib"].parrot_matmul_select(-2)]
+    return MATMUL_PATHS[_routed_lib().parrot_matmul_select(-2)]
 
 
 def matmul_paths() -> list[str]:
     """The codes this CPU can multiply quantized matrices with (none where the kernels are unavailable)."""
-    return list(_state["paths"]) if available() else []
+    return list(_routed_paths()) if available() else []
 
 
 def bf16_fills() -> str | None:
     """How products asked for in bfloat16 (prompt rows) are multiplied: "amx-bf16" (AMX's bf16 tiles),
     "avx512-bf16" (AVX512-BF16's pair products), or None (exactly, as generated rows)."""
-    return FILL_PATHS[_state["lib"].parrot_bf16_enable(-1)] if available() else None
+    return FILL_PATHS[_routed_lib().parrot_bf16_enable(-1)] if available() else None
 
 
 def bf16_tiles() -> bool:
@@ -327,50 +333,50 @@ def bf16_tiles() -> bool:
 
 def decode_bf16() -> bool:
     """Whether decode attention asked for in bfloat16 multiplies bfloat16 pairs (AVX512-BF16; else float32)."""
-    return available() and bool(_state["lib"].parrot_decode_bf16_enable(-1))
+    return available() and bool(_routed_lib().parrot_decode_bf16_enable(-1))
 
 
 def use_decode_bf16(on: bool) -> bool:
     """Turn decode attention's bfloat16 products on or off for this process; returns whether they are on
     (False where this build has no AVX512-BF16)."""
-    return available() and bool(_state["lib"].parrot_decode_bf16_enable(1 if on else 0))
+    return available() and bool(_routed_lib().parrot_decode_bf16_enable(1 if on else 0))
 
 
 def use_tiled(on: bool) -> bool:
     """Whether the quantized products read the tiled copies they are given (on, the default) or their GGUF
     rows alone (a same-process comparison: the results are the same bits); returns whether they do."""
-    return available() and bool(_state["lib"].parrot_tiled_enable(1 if on else 0))
+    return available() and bool(_routed_lib().parrot_tiled_enable(1 if on else 0))
 
 
 def use_amx_few(on: bool) -> bool:
     """Whether the AMX path multiplies 5-15 generated rows on its tiles (on, the default: every limb a tile
     row from 5 to 8 rows, the tiled copy's tiles from 9) or on VNNI below 16 rows (off; a same-process
     comparison: the results are the same bits); returns whether it does."""
-    return available() and bool(_state["lib"].parrot_amx_few_enable(1 if on else 0))
+    return available() and bool(_routed_lib().parrot_amx_few_enable(1 if on else 0))
 
 
 def avx2_int8() -> bool:
     """Whether the AVX2 code multiplies generated rows asked for on 2 limbs in integers (see `use_avx2_int8`)."""
-    return available() and bool(_state["lib"].parrot_avx2_int8_enable(-1))
+    return available() and bool(_routed_lib().parrot_avx2_int8_enable(-1))
 
 
 def use_avx2_int8(on: bool) -> bool:
     """Whether the AVX2 code multiplies generated rows asked for on 2 limbs (the bfloat16 mode) in exact
     integer sums, the VNNI code's bits (on, the default; `PARROT_AVX2_INT8=0` starts a
     process with it off), or in float32 with the dequantized weights (off); returns whether it does."""
-    return available() and bool(_state["lib"].parrot_avx2_int8_enable(1 if on else 0))
+    return available() and bool(_routed_lib().parrot_avx2_int8_enable(1 if on else 0))
 
 
 def team() -> bool:
     """Whether the kernels' own helper threads take a decode step's calls (see `use_team`)."""
-    return available() and bool(_state["lib"].parrot_team_enable(-1))
+    return available() and bool(_routed_lib().parrot_team_enable(-1))
 
 
 def use_team(on: bool) -> bool:
     """Split the kernels' work over helper threads of their own, which stay hot between the calls of a
     step (on, the default; `PARROT_KERNEL_TEAM=0` starts a process with it off), or over XLA's intra-op
     pool; returns whether the team is on."""
-    return available() and bool(_state["lib"].parrot_team_enable(1 if on else 0))
+    return available() and bool(_routed_lib().parrot_team_enable(1 if on else 0))
 
 
 def use_bf16_fills(on: bool) -> str | None:
@@ -379,7 +385,7 @@ def use_bf16_fills(on: bool) -> str | None:
     if not available():
         return None
     with _lock:
-        _state["lib"].parrot_bf16_enable(1 if on else 0)
+        _routed_lib().parrot_bf16_enable(1 if on else 0)
     return bf16_fills()
 
 
@@ -388,9 +394,9 @@ def use_matmul(path: str) -> str | None:
     returns the code in use (unchanged where the CPU cannot run `path`)."""
     if not available():
         return None
-    if path == "auto" or path in _state["paths"]:
+    if path == "auto" or path in _routed_paths():
         with _lock:
-            _state["lib"].parrot_matmul_select(-1 if path == "auto" else MATMUL_PATHS.index(path))
+            _routed_lib().parrot_matmul_select(-1 if path == "auto" else MATMUL_PATHS.index(path))
     return matmul_path()
 
 
