@@ -39,6 +39,7 @@ from parrot.errors import (
     code_of,
 )
 from parrot.frontend.openai_api import frontend_routes
+from parrot.frontend.openai_tokens import TOKEN_PATHS, token_routes
 from parrot.frontend.ui import ui_routes
 from parrot.protocol import (
     CallCreated,
@@ -72,7 +73,7 @@ _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 
                  405: "method_not_allowed", 408: "timeout", 409: "conflict", 413: "body_too_large",
                  422: "invalid_request", 429: "rate_limited"}
 UNGUARDED = ("/health", "/metrics", "/ui")  # open without the API key (/ui: the static page and its assets)
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
 
 
 def error_body(detail: str, code: str) -> dict[str, str]:
@@ -146,6 +147,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     api_key = core.config.api_key
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
+    app.include_router(token_routes(core))  # vLLM's /tokenize, /detokenize (and under /v1/)
     app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
 
     app.add_middleware(_Guard, api_key=api_key)
