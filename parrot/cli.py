@@ -65,6 +65,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-layer-loop", action="store_true",
                    help="compile each multi-step decode loop with its decoder layers unrolled (default on a CPU with "
                         "the native kernels: the layers as a loop, one layer's code per executable)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding by prompt lookup: a greedy generate whose last tokens occurred "
+                        "earlier in its context feeds the up to K tokens that followed them as a draft, verified in "
+                        "one step (outputs that copy from their input get several tokens a step). 0 (default): off")
+    p.add_argument("--speculative-ngram", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help=f"the shortest and longest n-grams of a context's tail looked up for a draft (default "
+                        f"{EngineConfig.speculative_min_ngram} {EngineConfig.speculative_ngram})")
     p.add_argument("--no-mixed-steps", action="store_true",
                    help="run a step's decodes and its prompt chunks as two passes (default on a CPU with the native "
                         "kernels: one pass over the weights for both, each row computed as its own kind of step "
@@ -204,7 +211,11 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             multi_step_max_batch=args.multi_step_max_batch,
                             layer_loop=not args.no_layer_loop,
                             tensor_parallel_size=args.tensor_parallel_size,
-                            tensor_parallel_mode=args.tensor_parallel_mode, **more)  # type: ignore[arg-type]
+                            tensor_parallel_mode=args.tensor_parallel_mode,
+                            speculative_tokens=args.speculative_tokens,
+                            speculative_min_ngram=(args.speculative_ngram or [EngineConfig.speculative_min_ngram])[0],
+                            speculative_ngram=(args.speculative_ngram or [0, EngineConfig.speculative_ngram])[1],
+                            **more)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
@@ -307,9 +318,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                 ("--tensor-parallel-size", args.tensor_parallel_size),
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode),
                                 ("--multi-step", args.multi_step),
-                                ("--multi-step-max-batch", args.multi_step_max_batch)):
+                                ("--multi-step-max-batch", args.multi_step_max_batch),
+                                ("--speculative-tokens", args.speculative_tokens or None)):
                 if value is not None:
                     cmd += [flag, str(value)]
+            if args.speculative_ngram:
+                cmd += ["--speculative-ngram", *(str(n) for n in args.speculative_ngram)]
             if args.no_overlap:
                 cmd.append("--no-overlap")
             if args.no_mixed_steps:

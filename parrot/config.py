@@ -118,6 +118,14 @@ class EngineConfig:
     # or faster on an H100; XLA's gathered lowering otherwise). CPUs whose native kernels read the pages in
     # place always use them.
     decode_attention: str = "auto"
+    # speculative decoding by prompt lookup (engine/speculative.py): a greedy generate (temperature 0, no
+    # penalties, bias, constraint or logprobs) whose last tokens occurred earlier in its context feeds the up to
+    # this many tokens that followed them as a draft, verified in one prompt-like step; 0: off. vLLM's
+    # `--speculative-config '{"method": "ngram", ...}'`, llama.cpp's lookup decoding
+    speculative_tokens: int = 0
+    # the longest and shortest n-grams of a context's tail looked up for a draft
+    speculative_ngram: int = 3
+    speculative_min_ngram: int = 2
     # fields set on purpose: on accelerators `device.for_device` raises the batch and token limits that
     # equal these defaults, except those named here (the CLI names the options it was given)
     explicit: tuple[str, ...] = ()
@@ -132,6 +140,10 @@ class EngineConfig:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError("kv_memory_mb must be positive")
+        if self.speculative_tokens < 0:
+            raise ValueError("speculative_tokens must be 0 (off) or positive")
+        if not 1 <= self.speculative_min_ngram <= self.speculative_ngram:
+            raise ValueError("speculative n-grams need 1 <= speculative_min_ngram <= speculative_ngram")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tensor_parallel_mode not in ("auto", "megatron", "exact"):

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from parrot import procinfo
@@ -31,7 +32,7 @@ from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import AUTO_THROUGHPUT_HOLD_MS, Scheduler, StepPlan
+from parrot.engine.scheduler import AUTO_THROUGHPUT_HOLD_MS, SPEC_COSTS_ACCELERATOR, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -88,6 +89,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
                                    attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
                                    throughput_hold_ms=hold)
+        if self.runner.mirror is not None or self.runner.following:
+            self.scheduler.drafter = None  # a verify step's greedy rows are read on one process's device
+        if jax.devices()[0].platform != "cpu":
+            self.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -311,6 +316,8 @@ class LLMEngine:
             compiled_shapes=compiled, total_shapes=total, warmup_s=self.warmup_s,
             process_uptime_s=self.warm_process_uptime_s, rss_bytes=procinfo.rss_bytes(),
             constrained_steps=self.grammars.masked_steps, fast_forward_tokens=s.fast_forward_tokens,
+            spec_steps=s.spec_steps, spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens,
             unmasked_tokens=self.grammars.unmasked_tokens, walked_tokens=self.grammars.walked_tokens,
             **self.grammars.mask_stats(),
         )
@@ -333,6 +340,8 @@ class LLMEngine:
                 "token_buckets": list(c.token_buckets), "kv_buckets": list(r.shapes.kv_buckets), "overlap": c.overlap,
                 "multi_step": r.multi_step, "multi_step_max_batch": r.multi_max_batch if r.multi_step > 1 else None,
                 "decode_bursts": self.scheduler.burst_tokens,
+                "speculative_tokens": c.speculative_tokens if self.scheduler.drafter is not None else 0,
+                "speculative_ngram": [c.speculative_min_ngram, c.speculative_ngram],
                 "throughput_hold_ms": round(self.scheduler.hold_s * 1000), "gc_freeze": c.gc_freeze,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "generated_row_limbs": r.generated_row_limbs,

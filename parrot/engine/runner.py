@@ -181,6 +181,33 @@ def _pending_splice(slots: list[Slot], num_tokens: int,
     return src, prev.tokens
 
 
+def _as_rows(slots: list[Slot]) -> list[Slot]:
+    """`slots` with each verify slot (speculative decoding: `Slot.draft`) as one greedy decode row per token, at
+    its position, over the same pages: each row then computes what a decode step at that position computes."""
+    rows: list[Slot] = []
+    for s in slots:
+        if s.draft is None:
+            rows.append(s)
+        else:
+            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True) for j, t in enumerate(s.tokens)]
+    return rows
+
+
+def _verified(slots: list[Slot], tokens: np.ndarray) -> np.ndarray:
+    """Each verify slot's greedy tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`); the
+    tokens of the other slots, one each."""
+    out = np.zeros(len(slots), np.int32)
+    r = 0
+    for i, s in enumerate(slots):
+        if s.draft is None:
+            out[i] = tokens[r]
+            r += 1
+        else:
+            s.verified = tokens[r : r + len(s.tokens)].tolist()
+            r += len(s.tokens)
+    return out
+
+
 def _sampler_steps(slots: list[Slot], prev: Launched | None) -> list[int]:
     """Each slot's sampler step counter (its random stream): the job's tokens, those the step in flight
     samples for a PENDING slot included (`prev.steps`: more than one from a multi-step plan)."""
@@ -578,8 +605,9 @@ class ModelRunner:
                 [s.pages for s in plan.decode])[1]:
             return None
         slots = plan.slots
-        shape = self.shapes.mixed_shape(len(slots), sum(len(s.tokens) for s in slots),
-                                 max(s.start + len(s.tokens) for s in slots))
+        rows = sum(len(s.tokens) if s.draft is not None else 1 for s in slots)  # a verify slot: a row a token
+        shape = self.shapes.mixed_shape(rows, sum(len(s.tokens) for s in slots),
+                                        max(s.start + len(s.tokens) for s in slots))
         if shape is None or (self.precompiled and not self.compiler.ready(shape)):
             return None
         return shape
@@ -635,8 +663,12 @@ class ModelRunner:
 
     def _run_slots(self, slots: list[Slot], decode: bool, prev: Launched | None = None,
                    shape: Shape | None = None) -> jax.Array | np.ndarray | None:
+        given = slots
+        verifying = any(s.draft is not None for s in slots)
+        if verifying:  # speculative decoding: each token of a verify slot is a decode row of its own
+            slots = _as_rows(slots)
         seqs = [SequenceSlice(s.tokens, s.start, s.pages, fill=s.job.kind is JobKind.FILL) for s in slots]
-        if shape is None and decode and self.ecfg.shared_prefix_attention and len(slots) > 1:
+        if shape is None and decode and self.ecfg.shared_prefix_attention and len(slots) > 1 and not verifying:
             shape = self._cascade(seqs)
         if shape is None:
             kv_len = max(s.start + len(s.tokens) for s in slots)
@@ -675,7 +707,7 @@ class ModelRunner:
         if checks:  # greedy constrained rows sampled unmasked: their grammars check the tokens now
             tokens = np.array(np.asarray(tokens)[: len(slots)])
             check_greedy(checks, tokens, lambda: np.asarray(logits), self.cfg.vocab_size)
-        return tokens
+        return _verified(given, np.asarray(tokens)) if verifying else tokens
 
     def _sample_slots(self, slots: list[Slot], logits: jax.Array, extras: tuple | None,
                       batch: int, prev: Launched | None = None) -> jax.Array | np.ndarray:

@@ -31,6 +31,14 @@ Decode bursts (`burst_tokens`): while more prompt tokens wait than one step besi
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
 decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
 
+Speculative decoding (`EngineConfig.speculative_tokens`, engine/speculative.py): a greedy generate whose
+context's tail occurred earlier in it feeds its last token and the tokens that followed that occurrence (a
+draft) in one step, a verify slot in the decode batch whose tokens the runner runs as decode rows (each the
+row a decode step would run, so each greedy token is the one plain decoding gives); `update` keeps the draft's
+prefix the model's greedy tokens confirm, adds the model's token after it, and cuts the KV of the rest. A batch
+with drafts worth verifying from the tokens known so far (`_plan_drafts`: acceptance and a cost model) is not run
+ahead: a draft needs the last token.
+
 Throughput hold (`hold_s`): while latency-critical jobs (priority 0) decode and throughput work (priority
 > 0) has prompts to fill, the throughput work waits, its decodes too, and the latency-critical decodes run
 back to back (as bursts where they can), so a chat's tokens do not wait for a batch job's prompt steps.
@@ -52,6 +60,7 @@ from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.logprobs import SampledLogprob
 from parrot.engine.sampling import needs_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
+from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
 from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
 from parrot.protocol import FillResponse, GenerateResponse, StreamChunk, TokenLogprob
@@ -74,6 +83,10 @@ class Slot:
     targets: list[int] | None = None
     scores: list[SampledLogprob | None] | None = None
     steps: int = 1  # a multi-step plan's decode steps for this slot (its KV grows by that many tokens)
+    # speculative decoding: a verify slot feeds the job's last token then `draft` (prompt lookup); the runner
+    # sets `verified`, the greedy token after each fed token (len(draft) + 1 of them)
+    draft: list[int] | None = None
+    verified: list[int] | None = None
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -110,6 +123,19 @@ AUTO_DECODE_BURSTS = 256
 # the throughput hold's bound where decode bursts run and `EngineConfig.throughput_hold_ms` is not set. Measured
 # there (docs/benchmarks.md): chats beside a map-reduce ~3x faster at p99, the map-reduce level
 AUTO_THROUGHPUT_HOLD_MS = 1000
+
+
+# speculative decoding's cost model (`Scheduler._plan_drafts`), in rows' worth: a plain decode step of B rows (run
+# ahead, or B steps in one multi-step call) costs about (step + B) rows, a verify step (waited for: its next draft
+# needs its tokens) about (sync + B + its draft tokens). On a 2-core Xeon with AMX and SmolLM2-135M a row cost
+# ~1.0 ms (decode steps of 1 / 2 / 4 / 8 rows: 5.45 / 6.34 / 8.67 / 12.56 ms pipelined), a multi-step loop
+# ~4.3 ms a token at one row, a verify step of 3 rows ~11.3 ms: step 3.5, sync 8. On an accelerator a few more
+# rows cost next to nothing beside a step (an estimate: not measured there)
+SPEC_COSTS_CPU = (3.5, 8.0)  # (step, sync)
+SPEC_COSTS_ACCELERATOR = (60.0, 80.0)
+SPEC_PRIOR = (1.8, 2.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9
+SPEC_DECAY = 0.8  # the weight of a context's earlier drafts after each verify step
+SPEC_RECOVERY = 0.97  # per token generated since its last verify step, a context's acceptance returns to the prior
 
 
 def beside_decodes(cfg: EngineConfig) -> int:
@@ -149,6 +175,17 @@ class Scheduler:
         self.decode_bursts = 0  # decode-only bursts planned between prompt steps (`EngineConfig.decode_bursts`)
         self._held_since: float | None = None  # throughput prompts wait for latency-critical decodes since then
         self.held_steps = 0  # steps planned while throughput prompts were held (`EngineConfig.throughput_hold_ms`)
+        # speculative decoding by prompt lookup (off where `speculative_tokens` is 0, or the engine turns it off)
+        self.drafter = (NgramDrafter(cfg.speculative_tokens, cfg.speculative_ngram, cfg.speculative_min_ngram)
+                        if cfg.speculative_tokens else None)
+        # a plain and a verify step's cost beside their rows, in rows' worth (`_plan_drafts`); the engine sets its
+        # device's
+        self.spec_costs = SPEC_COSTS_CPU
+        # context -> decayed (confirmed, tried) draft tokens, and its output's length at its last verify step
+        self._acceptance: dict[str, tuple[float, float, int]] = {}
+        self.spec_steps = 0  # verify slots run
+        self.spec_draft_tokens = 0  # draft tokens they fed
+        self.spec_accepted_tokens = 0  # draft tokens the model's greedy tokens confirmed
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -174,6 +211,9 @@ class Scheduler:
 
     def finish(self, job: Job) -> None:
         self.last_used[job.context_id] = time.monotonic()
+        if self.drafter is not None:
+            self.drafter.forget(job.context_id)
+            self._acceptance.pop(job.context_id, None)
         job.status = JobStatus.FINISHED
         self.running.remove(job)
         del self.busy[job.context_id]
@@ -204,6 +244,8 @@ class Scheduler:
                     self._burst(plan, batch, spans)  # the decodes' burst, alone
                     return plan
                 skipped, decoding = batch, []
+        if self.drafter is not None:  # drafts first (verify slots), then plain decodes
+            decoding = self._add_drafts(plan, decoding, scheduled)
         self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
@@ -282,6 +324,83 @@ class Scheduler:
             plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
             scheduled.add(job.job_id)
 
+    def draftable(self, job: Job) -> bool:
+        """Whether speculative decoding may draft `job`'s tokens: a greedy generate whose sampling needs no host
+        work (no constraint, logprobs, bias, penalties or suppressed stop tokens) and no forced tokens."""
+        sp = job.sampling
+        return (self.drafter is not None and job.kind is JobKind.GENERATE and sp is not None and sp.greedy
+                and not job.forced and not needs_processing(job))
+
+    def _acceptance_rate(self, job: Job) -> float:
+        """The context's recent share of draft tokens confirmed, each after the ones before it, drifting back to
+        the prior's as tokens are generated without drafts (an output may copy again later)."""
+        prior = SPEC_PRIOR[0] / SPEC_PRIOR[1]
+        seen = self._acceptance.get(job.context_id)
+        if seen is None:
+            return prior
+        confirmed, tried, at = seen
+        rate = confirmed / tried if tried else prior
+        return prior + (rate - prior) * SPEC_RECOVERY ** max(len(job.output_ids) - at, 0)
+
+    def _plan_drafts(self, jobs: list[Job], ahead: bool = False) -> dict[int, list[int]]:
+        """The drafts (job id -> tokens) worth verifying in a step of the decoding `jobs` (`ahead`: asked while
+        their last tokens are still in flight, from the tokens known so far). A job's draft is as long as its
+        tokens are likelier to be confirmed than their rows are dear: its i-th token (confirmed with probability
+        a^i, a being the context's recent acceptance) costs one row, where a plain token costs
+        (step + B) / B rows; and the step is worth waiting for only if its rows give more tokens per row than a
+        plain step does (`SPEC_COSTS_*`). Within max_batch_size rows (one a job), max_tokens and the model's
+        length; {} where none is worth it."""
+        drafter = self.drafter
+        if drafter is None or not jobs:
+            return {}
+        step, sync = self.spec_costs
+        batch = len(jobs)
+        plain = (step + batch) / batch  # rows a plain token costs
+        spare = self.cfg.max_batch_size - min(batch, self.cfg.max_batch_size)
+        drafts: dict[int, list[int]] = {}
+        rows = gain = 0.0
+        for job in jobs:
+            if spare <= 0:
+                break
+            if not self.draftable(job) or (not ahead and (len(job.pending) != 1
+                                                          or job.status is not JobStatus.RUNNING)):
+                continue
+            rate = self._acceptance_rate(job)
+            k, p = 0, 1.0
+            while k < drafter.tokens and p * rate * plain >= 1.0:
+                p *= rate
+                k += 1
+            sp = job.sampling
+            tokens = self.tokens[job.context_id]
+            # a verify step gives at most len(draft) + 1 tokens: within max_tokens and the model's length
+            room = min(sp.max_tokens - len(job.output_ids), self.max_len - len(tokens)) - 1
+            draft = drafter.propose(job.context_id, tokens, min(k, room, spare)) if k else []
+            if draft:
+                drafts[job.job_id] = draft
+                spare -= len(draft)
+                rows += len(draft)
+                gain += sum(rate ** (i + 1) for i in range(len(draft)))  # expected confirmed tokens
+        if drafts and (sync + batch + rows) / (batch + gain) >= plain:
+            return {}  # waiting for this step costs more than its drafts give
+        return drafts
+
+    def _add_drafts(self, plan: StepPlan, jobs: list[Job], scheduled: set[int]) -> list[Job]:
+        """A verify slot in `plan`'s decode batch for each of the decoding `jobs` whose draft is worth its rows
+        (`_plan_drafts`; its tokens run as decode rows; pages free without preempting anyone); returns the
+        other jobs."""
+        drafts = self._plan_drafts(jobs)
+        rest: list[Job] = []
+        for job in jobs:
+            draft = drafts.get(job.job_id)
+            if draft is None or not self.kv.can_extend(job.context_id, 1 + len(draft)):
+                rest.append(job)
+                continue
+            slot = self._slot(job, [job.pending[0], *draft], False)
+            slot.draft = draft
+            plan.decode.append(slot)
+            scheduled.add(job.job_id)
+        return rest
+
     def _prompt_tokens_pending(self, latency_only: bool = False) -> int:
         """Prompt tokens the running jobs have to fill (beyond each one's next token; grammar-forced tokens
         ride in decode batches); `latency_only`: of latency-critical jobs (priority 0) only."""
@@ -333,6 +452,8 @@ class Scheduler:
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
+        if self._plan_drafts(jobs, ahead=True):
+            return None  # the full scheduler drafts these jobs' next tokens (a draft needs the last one)
         spans = self._decode_spans(jobs, plan.steps, steps, fits)
         if spans is None:
             return None
@@ -410,6 +531,9 @@ class Scheduler:
         feeds = {slot.job.job_id: slot for slot in ahead.slots} if ahead is not None else {}
         for i, slot in enumerate(plan.slots):
             job = slot.job
+            if slot.draft is not None:
+                outputs.extend(self._accept(slot))
+                continue
             if job.status is JobStatus.FINISHED:
                 continue  # aborted while its step was in flight
             if slot.scores is not None:
@@ -444,6 +568,36 @@ class Scheduler:
                 del job.pending[:1]  # fed: the slot's token, then each token the device sampled before
                 outputs.append(self._on_token(job, int(sampled[j][i]), None))
             self._hand_over(job, feeds.get(job.job_id))
+        return outputs
+
+    def _accept(self, slot: Slot) -> list[JobOutput]:
+        """Apply a verify slot (speculative decoding): the draft's longest prefix that the model's greedy tokens
+        confirm joins the output, then the model's token after it; the KV fed for the rest is cut."""
+        job, draft = slot.job, slot.draft
+        assert draft is not None
+        del job.pending[:1]
+        if job.status is JobStatus.FINISHED:  # aborted while its step was in flight
+            self._hand_over(job, None)
+            return []
+        greedy = slot.verified
+        assert greedy is not None and len(greedy) == len(draft) + 1
+        n = 0
+        while n < len(draft) and greedy[n] == draft[n]:
+            n += 1
+        self.spec_steps += 1
+        self.spec_draft_tokens += len(draft)
+        self.spec_accepted_tokens += n
+        confirmed, tried, _ = self._acceptance.get(job.context_id, (*SPEC_PRIOR, 0))  # a run of n, then a miss
+        self._acceptance[job.context_id] = (SPEC_DECAY * confirmed + n, SPEC_DECAY * tried + n + (n < len(draft)),
+                                            len(job.output_ids) + n + 1)
+        if self.kv.get(job.context_id).num_tokens > slot.start + 1 + n:
+            self._truncate(job.context_id, slot.start + 1 + n)  # the rejected drafts' KV
+        outputs = []
+        for token in [*draft[:n], greedy[n]]:  # each fed already but the last, which is the job's next
+            outputs.append(self._on_token(job, token, None))
+            if job.status is JobStatus.FINISHED:
+                break
+        self._hand_over(job, None)  # a job that ended on a draft token drops the KV past its tokens
         return outputs
 
     def _hand_over(self, job: Job, feed: Slot | None) -> None:
@@ -742,6 +896,8 @@ class Scheduler:
         del self.tokens[job.context_id][job.base_len :]
 
     def free_context(self, context_id: str) -> int:
+        if self.drafter is not None:
+            self.drafter.forget(context_id)
         freed = self.kv.free(context_id)
         del self.tokens[context_id]
         self.last_used.pop(context_id, None)

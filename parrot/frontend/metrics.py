@@ -32,6 +32,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_ahead_steps_total{engine}   steps launched while the previous one ran (overlap)
   parrot:engine_mixed_steps_total{engine}   steps that ran decodes and prompt chunks in one pass (mixed steps)
   parrot:engine_multi_step_launches_total{engine}   calls that ran several decode steps (multi-step decode)
+  parrot:engine_spec_draft_tokens_total{engine}     draft tokens fed for verification (speculative decoding)
+  parrot:engine_spec_accepted_tokens_total{engine}  draft tokens the model confirmed
   parrot:engine_decode_bursts_total{engine}   decode-only bursts between prompt steps (--decode-bursts)
   parrot:engine_held_steps_total{engine}   steps planned while throughput prompts waited for latency-critical
                                          decodes (--throughput-hold-ms)
@@ -186,6 +188,10 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                  "steps (decode bursts).", labels=["engine"])
     held = CounterMetricFamily("parrot:engine_held_steps", "Steps the engine planned while throughput prompts "
                                "waited for latency-critical decodes (throughput hold).", labels=["engine"])
+    drafted = CounterMetricFamily("parrot:engine_spec_draft_tokens", "Draft tokens the engine fed for verification "
+                                  "(speculative decoding by prompt lookup).", labels=["engine"])
+    accepted = CounterMetricFamily("parrot:engine_spec_accepted_tokens", "Draft tokens the model's greedy tokens "
+                                   "confirmed (speculative decoding: decode steps saved).", labels=["engine"])
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
                                          "max_num_batched_tokens", "overlap", "tensor_parallel_size", "cpu_matmul"])
@@ -199,9 +205,11 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
         multi.add_metric([name], info.multi_step_launches)
         bursts.add_metric([name], info.decode_bursts)
         held.add_metric([name], info.held_steps)
+        drafted.add_metric([name], info.spec_draft_tokens)
+        accepted.add_metric([name], info.spec_accepted_tokens)
         if info.settings:
             settings.add_metric([name, *(str(info.settings.get(k, "")) for k in keys)], 1)
-    yield from (step, host, ahead, mixed, multi, bursts, held, settings)
+    yield from (step, host, ahead, mixed, multi, bursts, held, drafted, accepted, settings)
 
 
 class RequestTimer:
