@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
     result = run(args.model, args.speculative_tokens, args.repeats, args.concurrency, args.max_tokens)
-    print(f"wrote {write_json(result, args.out)}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

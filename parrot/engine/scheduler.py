@@ -133,9 +133,9 @@ AUTO_THROUGHPUT_HOLD_MS = 1000
 # rows cost next to nothing beside a step (an estimate: not measured there)
 SPEC_COSTS_CPU = (3.5, 8.0)  # (step, sync)
 SPEC_COSTS_ACCELERATOR = (60.0, 80.0)
-SPEC_PRIOR = (1.8, 2.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9
+SPEC_PRIOR = (4.5, 5.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9, worth 5 tried
 SPEC_DECAY = 0.8  # the weight of a context's earlier drafts after each verify step
-SPEC_RECOVERY = 0.97  # per token generated since its last verify step, a context's acceptance returns to the prior
+SPEC_RECOVERY = 0.95  # per token generated since its last verify step, a context's acceptance returns to the prior
 
 
 def beside_decodes(cfg: EngineConfig) -> int:

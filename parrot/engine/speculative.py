@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup (n-gram drafts): the draft for a sequence's next tokens is what followed
 the latest earlier occurrence of its last `n` tokens in its own context (prompt and output), as vLLM's `ngram`
-speculator and llama.cpp's lookup decoding propose them. No draft model: outputs that copy from their input
+speculator and llama.cpp's lookup decoding propose them (where that copy runs into the tail, the tail repeats:
+a period). No draft model: outputs that copy from their input
 (summaries, extraction, code edits, quoting) get several tokens a step.
 
 The scheduler feeds a draft with the sequence's last token as one chunk (a verify slot); the runner returns the
@@ -54,8 +55,12 @@ class NgramDrafter:
         index = self._update(key, tokens)
         for n in range(min(self.ngram, n_tokens - 1), self.min_ngram - 1, -1):
             end = index.ends.get(tuple(tokens[n_tokens - n :]))
-            if end is not None:
-                return list(tokens[end : end + most])
+            if end is not None:  # copy on from there; a copy that reaches the tail goes on with its own tokens
+                period = n_tokens - end
+                draft = list(tokens[end : end + most])
+                while len(draft) < most:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []
 
     def forget(self, key: str) -> None:

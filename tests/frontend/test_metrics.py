@@ -92,6 +92,10 @@ def test_metrics_follow_requests(server) -> None:
     assert value(fams, "parrot:engine_mixed_steps", "parrot:engine_mixed_steps_total", engine="local") >= 0
     # plain calls are all latency-critical: the throughput hold holds nothing
     assert value(fams, "parrot:engine_held_steps", "parrot:engine_held_steps_total", engine="local") == 0
+    # speculative decoding is off by default: nothing drafted
+    assert value(fams, "parrot:engine_spec_draft_tokens", "parrot:engine_spec_draft_tokens_total", engine="local") == 0
+    assert value(fams, "parrot:engine_spec_accepted_tokens", "parrot:engine_spec_accepted_tokens_total",
+                 engine="local") == 0
     hit_rate = value(fams, "parrot:prefix_cache_hit_rate")
     assert 0.0 < hit_rate <= 1.0 and hit_rate == pytest.approx(core.contexts.hit_rate)
     assert value(fams, "parrot:prefix_cache_hits", "parrot:prefix_cache_hits_total") >= sum(

@@ -1,0 +1,220 @@
+"""Speculative decoding by prompt lookup: the n-gram drafter, the scheduler's verify slots (driven by a fake
+model), and the engine on a tiny random model and on the default model: the same tokens as plain decoding."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable
+
+import pytest
+
+from parrot.config import EngineConfig
+from parrot.engine.engine import LLMEngine
+from parrot.engine.kv_cache import KVCacheManager
+from parrot.engine.scheduler import Scheduler
+from parrot.engine.sequence import Job, JobKind, JobOutput
+from parrot.engine.speculative import NgramDrafter
+from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+
+TIMEOUT = 300
+
+
+# ---- the drafter ---------------------------------------------------------------------------------------
+def test_draft_is_what_followed_the_latest_occurrence() -> None:
+    d = NgramDrafter(4, ngram=3, min_ngram=1)
+    assert d.propose("a", [1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2, 3]  # the later of two occurrences
+    assert d.propose("b", [5, 6, 7, 8]) == []  # no n-gram of the tail occurred before
+    assert d.propose("c", [4, 5, 6, 4, 5], limit=1) == [6]
+    assert d.propose("d", [1, 4, 5, 6, 4, 5]) == [6, 4, 5, 6]  # the copy reaches the tail: a period of 3
+    assert d.propose("e", [3, 7, 7, 7]) == [7, 7, 7, 7]
+
+
+def test_longer_ngrams_win() -> None:
+    d = NgramDrafter(2, ngram=3, min_ngram=1)
+    # the tail's 1-gram (3) last occurred before 8; its 2-gram (2, 3) before 4
+    assert d.propose("a", [2, 3, 4, 0, 3, 8, 0, 2, 3]) == [4, 0]
+
+
+def test_min_ngram_is_respected() -> None:
+    assert NgramDrafter(3, ngram=3, min_ngram=2).propose("a", [1, 2, 5, 2]) == []  # only the 1-gram (2) matches
+    assert NgramDrafter(3, ngram=3, min_ngram=1).propose("a", [1, 2, 5, 2]) == [5, 2, 5]
+
+
+def test_index_follows_growing_and_rewritten_contexts() -> None:
+    d = NgramDrafter(3, ngram=3, min_ngram=2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    assert d.propose("a", tokens) == []
+    tokens += [1, 2]  # grows: the index is extended, not rebuilt
+    assert d.propose("a", tokens) == [3, 4, 5]
+    assert d.propose("a", [9, 9, 1, 2, 7, 1, 2]) == [7, 1, 2]  # another context under the same key: rebuilt
+    assert d.propose("a", [9, 9, 1]) == []  # cut back: rebuilt
+    d.forget("a")
+    assert d.propose("a", [1, 2, 3, 1, 2]) == [3, 1, 2]
+
+
+def test_incremental_index_equals_a_fresh_one() -> None:
+    tokens = [(i * 7 + i // 5) % 11 for i in range(300)]
+    grown, fresh = NgramDrafter(4, 3, 1), NgramDrafter(4, 3, 1)
+    for n in range(2, len(tokens)):
+        assert grown.propose("g", tokens[:n]) == fresh.propose(f"f{n}", tokens[:n])
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        NgramDrafter(0)
+    with pytest.raises(ValueError):
+        NgramDrafter(4, ngram=2, min_ngram=3)
+    with pytest.raises(ValueError):
+        EngineConfig(speculative_tokens=-1)
+    with pytest.raises(ValueError):
+        EngineConfig(speculative_ngram=1, speculative_min_ngram=2)
+
+
+# ---- the scheduler, driven by a fake model ----------------------------------------------------------------
+def copying_model(tokens: list[int]) -> int:
+    """A deterministic 'model' whose greedy next token mostly repeats the sequence 5 tokens back (so drafts are
+    mostly confirmed), with a token of its own every 7th position (a rejected draft token)."""
+    return 200 + len(tokens) % 50 if len(tokens) % 7 == 0 else tokens[-5]
+
+
+def _drive(s: Scheduler, jobs: list[Job], model: Callable[[list[int]], int]) -> dict[str, list[int]]:
+    """Run the scheduler to the end with `model` as the runner: each slot's sampled token, and each verify
+    slot's greedy token after every token it feeds (as the runner's decode rows give them)."""
+    for job in jobs:
+        s.add(job)
+    done: dict[str, list[int]] = {}
+    while s.has_work():
+        plan = s.schedule()
+        sampled = []
+        for slot in plan.slots:
+            seq = s.tokens[slot.job.context_id][: slot.start]
+            if slot.draft is not None:
+                assert slot.tokens[1:] == slot.draft and not slot.sample
+                slot.verified = [model(seq + slot.tokens[: j + 1]) for j in range(len(slot.tokens))]
+            sampled.append(model(seq + slot.tokens))
+        outputs: list[JobOutput] = s.update(plan, sampled)
+        for out in outputs:
+            assert out.error is None, out.error
+            if out.result is not None and out.job.kind is JobKind.GENERATE:
+                done[out.job.context_id] = out.result.token_ids
+        for ctx in s.tokens:  # the KV never holds more than the context's tokens once a step is applied
+            assert s.kv.get(ctx).num_tokens <= len(s.tokens[ctx])
+    return done
+
+
+def _scheduler(speculative: int, pages: int = 256) -> Scheduler:
+    cfg = tiny_engine_config(speculative_tokens=speculative)
+    return Scheduler(KVCacheManager(pages, cfg.page_size), cfg, max_len=512)
+
+
+def _jobs(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> list[Job]:
+    jobs: list[Job] = []
+    for i in range(n):
+        prompt = [(i * 13 + k * 3) % 40 + 1 for k in range(12)]
+        jobs.append(Job(JobKind.FILL, f"c{i}", None, fill_tokens=prompt))
+        jobs.append(Job(JobKind.GENERATE, f"c{i}", None, sampling=SamplingParams(max_tokens=max_tokens),
+                        stop_ids=frozenset(stop)))
+    return jobs
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verify_slots_give_the_plain_tokens(batch: int) -> None:
+    plain = _drive(_scheduler(0), _jobs(batch, 60), copying_model)
+    spec = _scheduler(4)
+    assert _drive(spec, _jobs(batch, 60), copying_model) == plain
+    assert spec.spec_steps > 0 and 0 < spec.spec_accepted_tokens < spec.spec_draft_tokens
+    assert all(len(v) == 60 for v in plain.values())
+
+
+def test_max_tokens_and_stop_tokens_inside_a_draft() -> None:
+    for max_tokens in (1, 2, 9, 13):  # ends at every offset within a draft
+        plain = _drive(_scheduler(0), _jobs(2, max_tokens), copying_model)
+        assert _drive(_scheduler(4), _jobs(2, max_tokens), copying_model) == plain
+    stop = (copying_model([0] * 14),)  # the model's own token at position 14
+    plain = _drive(_scheduler(0), _jobs(2, 40, stop), copying_model)
+    spec = _scheduler(4)
+    assert _drive(spec, _jobs(2, 40, stop), copying_model) == plain
+    assert spec.spec_steps > 0
+
+
+def test_verify_slots_under_page_pressure() -> None:
+    """A pool that cannot hold every job at once: drafts are verified only where pages are free, others
+    preempted and recomputed as usual; the tokens stay the plain ones."""
+    plain = _drive(_scheduler(0, pages=14), _jobs(4, 40), copying_model)
+    spec = _scheduler(4, pages=14)
+    assert _drive(spec, _jobs(4, 40), copying_model) == plain
+    assert spec.spec_steps > 0
+
+
+def test_only_greedy_jobs_without_host_work_draft() -> None:
+    s = _scheduler(4)
+    greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
+    assert s.draftable(greedy)
+    for sp in (SamplingParams(max_tokens=8, temperature=0.7), SamplingParams(max_tokens=8, logprobs=2),
+               SamplingParams(max_tokens=8, presence_penalty=0.5), SamplingParams(max_tokens=8, logit_bias={3: 1})):
+        assert not s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp))
+    assert not _scheduler(0).draftable(greedy)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------------
+def _generate(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=p)).result(TIMEOUT)
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda i: eng.generate_future(GenerateRequest(
+            context_id=f"{tag}{i}", sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))).result(TIMEOUT)
+            .token_ids, range(len(prompts))))
+    for i in range(len(prompts)):
+        eng.free_future(f"{tag}{i}").result(TIMEOUT)
+    return outs
+
+
+def test_engine_gives_the_plain_greedy_tokens() -> None:
+    """A tiny random model repeats itself, so drafts are confirmed: one and four streams, with
+    multi-step decode and overlap as a CPU runs them, give the tokens plain decoding gives, and the pool is
+    whole again afterwards."""
+    model = tiny_model()
+    prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(4)]  # it soon repeats one token
+    plain = LLMEngine(model, tiny_engine_config(multi_step=4)).start(precompile=False)
+    spec = LLMEngine(model, tiny_engine_config(multi_step=4, speculative_tokens=4)).start(precompile=False)
+    try:
+        for batch in (1, 4):
+            assert _generate(spec, prompts[:batch], 48, "s") == _generate(plain, prompts[:batch], 48, "p")
+        info = spec.ping()
+        assert info.spec_steps > 0 and info.spec_accepted_tokens > 0
+        assert info.settings["speculative_tokens"] == 4
+        assert spec.kv.num_free_pages == spec.kv.total_pages
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+@pytest.mark.model
+def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: ANN001
+    """SmolLM2 asked to repeat a text: most tokens come from confirmed drafts, and the answer is plain
+    decoding's, token for token (the verify rows are the decode rows plain decoding runs)."""
+    tok = smollm.tokenizer
+    text = ("The quick brown fox jumps over the lazy dog. Parrot serves LLM applications: prompts are templates "
+            "bound to semantic variables, the server builds the DAG between requests and shares prompt prefixes.")
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat the following text exactly, "
+                                                                          f"word for word:\n\n{text}"}]))
+
+    def answer(eng: LLMEngine) -> list[int]:
+        eng.fill_future(FillRequest(context_id="c", token_ids=ids)).result(TIMEOUT)
+        out = eng.generate_future(GenerateRequest(context_id="c", sampling=SamplingParams(max_tokens=64))).result(
+            TIMEOUT).token_ids
+        eng.free_future("c").result(TIMEOUT)
+        return out
+
+    cfg = dict(compilation_cache_dir=None, kv_memory_mb=256)
+    plain = LLMEngine(smollm, EngineConfig(**cfg)).start(precompile=False)
+    spec = LLMEngine(smollm, EngineConfig(**cfg, speculative_tokens=4)).start(precompile=False)
+    try:
+        expected = answer(plain)
+        assert answer(spec) == expected
+        assert "semantic variables" in tok.decode(expected)
+        assert spec.ping().spec_accepted_tokens >= len(expected) // 2
+    finally:
+        plain.shutdown()
+        spec.shutdown()
