@@ -1,7 +1,7 @@
 """Speculative decoding by prompt lookup against plain decoding, side by side in one process: output tokens per
 second of greedy chat answers that copy from their prompt (a text repeated, sentences quoted, a function
-rewritten) and of one that does not (a story), the share of draft tokens the model confirmed and the tokens a
-verify step gave, next to this machine's floors.
+rewritten), of one that does not (a story) and of a sampled one (temperature 0.7, seeded), the share of draft
+tokens the model confirmed and the tokens a verify step gave, next to this machine's floors.
 
     python -m benchmarks.speculative [--model smollm2] [--speculative-tokens 4] [--repeats 5]
         [--concurrency 1 4] [--max-tokens 160] [--out benchmarks/results/speculative.json]
@@ -45,11 +45,14 @@ CODE = '''def merge(a, b):
     out.extend(a[i:])
     out.extend(b[j:])
     return out'''
-WORKLOADS = {
-    "repeat": f"Repeat the following text exactly, word for word:\n\n{DOC}",
-    "quote": f"Quote, word for word, the sentences of this text that mention the engine or the server:\n\n{DOC}",
-    "code": f"Add type hints to this Python function and return the whole function:\n\n```python\n{CODE}\n```",
-    "story": "Write a short story about a parrot who learns to read.",
+# name: (prompt, sampling): greedy, and one sampled as OpenAI requests are by default (seeded: the same tokens)
+WORKLOADS: dict[str, tuple[str, dict]] = {
+    "repeat": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {}),
+    "quote": (f"Quote, word for word, the sentences of this text that mention the engine or the server:\n\n{DOC}", {}),
+    "code": (f"Add type hints to this Python function and return the whole function:\n\n```python\n{CODE}\n```",
+             {}),
+    "story": ("Write a short story about a parrot who learns to read.", {}),
+    "repeat_t0.7": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"temperature": 0.7, "seed": 1}),
 }
 
 
@@ -58,15 +61,15 @@ def _chat(model: LoadedModel, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def _round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int, tag: str,
+def _round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int, tag: str, sampling: dict,
            ) -> tuple[float, list[list[int]]]:
-    """Fill `concurrency` contexts with `prompt`, then generate greedily in all of them at once."""
+    """Fill `concurrency` contexts with `prompt`, then generate in all of them at once."""
     for i in range(concurrency):
         eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=prompt)).result()
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         futs = [pool.submit(lambda i=i: eng.generate_future(GenerateRequest(
-            context_id=f"{tag}{i}", sampling=SamplingParams(max_tokens=max_tokens))).result().token_ids)
+            context_id=f"{tag}{i}", sampling=SamplingParams(max_tokens=max_tokens, **sampling))).result().token_ids)
             for i in range(concurrency)]
         outs = [f.result() for f in futs]
     dt = time.perf_counter() - t0
@@ -86,10 +89,10 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
           f"{result['floors']['gemm_fp32_gflops']:.0f} GFLOP/s")
     try:
         for c in concurrency:
-            for name, text in WORKLOADS.items():
+            for name, (text, sampling) in WORKLOADS.items():
                 prompt = _chat(loaded, text)
                 for eng in engines.values():  # this workload's shapes compiled outside the timing
-                    _round(eng, prompt, c, max_tokens, "warm")
+                    _round(eng, prompt, c, max_tokens, "warm", sampling)
                 spec = engines["speculative"].scheduler
                 before = (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens)
                 times: dict[str, list[float]] = {k: [] for k in engines}
@@ -97,7 +100,7 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
                 for rep in range(repeats):
                     order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # in turns
                     for key in order:
-                        dt, outs[key] = _round(engines[key], prompt, c, max_tokens, f"r{rep}")
+                        dt, outs[key] = _round(engines[key], prompt, c, max_tokens, f"r{rep}", sampling)
                         times[key].append(dt)
                 steps, drafted, accepted = (now - was for now, was in zip(
                     (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens), before, strict=True))
@@ -112,7 +115,7 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
                 row["verify_steps_per_round"] = steps / repeats
                 row["same_tokens"] = outs["plain"] == outs["speculative"]
                 result["runs"][f"{name}_c{c}"] = row
-                print(f"{name:7s} c={c}: plain {row['plain']['tok_s']:6.1f} tok/s, speculative "
+                print(f"{name:11s} c={c}: plain {row['plain']['tok_s']:6.1f} tok/s, speculative "
                       f"{row['speculative']['tok_s']:6.1f} tok/s = {row['ratio']:.2f}x; drafts confirmed "
                       f"{row['accepted_share']:.0%}, {row['tokens_per_verify']:.2f} tokens a verify step; "
                       f"same tokens: {row['same_tokens']}", flush=True)

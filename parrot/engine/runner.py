@@ -182,19 +182,20 @@ def _pending_splice(slots: list[Slot], num_tokens: int,
 
 
 def _as_rows(slots: list[Slot]) -> list[Slot]:
-    """`slots` with each verify slot (speculative decoding: `Slot.draft`) as one greedy decode row per token, at
-    its position, over the same pages: each row then computes what a decode step at that position computes."""
+    """`slots` with each verify slot (speculative decoding: `Slot.draft`) as one decode row per token, at its
+    position, over the same pages, sampled at its place's sampler step: each row then computes and samples what a
+    decode step at that position does."""
     rows: list[Slot] = []
     for s in slots:
         if s.draft is None:
             rows.append(s)
         else:
-            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True) for j, t in enumerate(s.tokens)]
+            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, offset=j) for j, t in enumerate(s.tokens)]
     return rows
 
 
 def _verified(slots: list[Slot], tokens: np.ndarray) -> np.ndarray:
-    """Each verify slot's greedy tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`); the
+    """Each verify slot's sampled tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`); the
     tokens of the other slots, one each."""
     out = np.zeros(len(slots), np.int32)
     r = 0
@@ -210,9 +211,10 @@ def _verified(slots: list[Slot], tokens: np.ndarray) -> np.ndarray:
 
 def _sampler_steps(slots: list[Slot], prev: Launched | None) -> list[int]:
     """Each slot's sampler step counter (its random stream): the job's tokens, those the step in flight
-    samples for a PENDING slot included (`prev.steps`: more than one from a multi-step plan)."""
+    samples for a PENDING slot included (`prev.steps`: more than one from a multi-step plan), and a verify
+    row's place after the last one (`Slot.offset`)."""
     pending = prev.steps if prev is not None else 0
-    return [len(s.job.output_ids) + (pending if s.source >= 0 else 0) for s in slots]
+    return [len(s.job.output_ids) + s.offset + (pending if s.source >= 0 else 0) for s in slots]
 
 
 def block_size(num_layers: int, layers_per_call: int | None) -> int:

@@ -31,11 +31,13 @@ Decode bursts (`burst_tokens`): while more prompt tokens wait than one step besi
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
 decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
 
-Speculative decoding (`EngineConfig.speculative_tokens`, engine/speculative.py): a greedy generate whose
-context's tail occurred earlier in it feeds its last token and the tokens that followed that occurrence (a
-draft) in one step, a verify slot in the decode batch whose tokens the runner runs as decode rows (each the
-row a decode step would run, so each greedy token is the one plain decoding gives); `update` keeps the draft's
-prefix the model's greedy tokens confirm, adds the model's token after it, and cuts the KV of the rest. A batch
+Speculative decoding (`EngineConfig.speculative_tokens`, engine/speculative.py): a generate whose context's
+tail occurred earlier in it feeds its last token and the tokens that followed that occurrence (a draft) in one
+step, a verify slot in the decode batch whose tokens the runner runs as decode rows, each sampled as a decode
+step at its position samples (the same logits, the same random number); `update` keeps the draft's prefix the
+sampled tokens confirm, adds the sampled token after it, and cuts the KV of the rest. For a draft of fixed
+tokens that is exactly speculative sampling's rejection rule (accept a draft token with its probability, else
+sample from the rest), so outputs are plain decoding's: greedy and seeded ones token for token. A batch
 with drafts worth verifying from the tokens known so far (`_plan_drafts`: acceptance and a cost model) is not run
 ahead: a draft needs the last token.
 
@@ -84,9 +86,10 @@ class Slot:
     scores: list[SampledLogprob | None] | None = None
     steps: int = 1  # a multi-step plan's decode steps for this slot (its KV grows by that many tokens)
     # speculative decoding: a verify slot feeds the job's last token then `draft` (prompt lookup); the runner
-    # sets `verified`, the greedy token after each fed token (len(draft) + 1 of them)
+    # sets `verified`, the token sampled after each fed token (len(draft) + 1 of them)
     draft: list[int] | None = None
     verified: list[int] | None = None
+    offset: int = 0  # a verify slot's row (runner): its place after the job's last token, its sampler step's too
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -127,15 +130,18 @@ AUTO_THROUGHPUT_HOLD_MS = 1000
 
 # speculative decoding's cost model (`Scheduler._plan_drafts`), in rows' worth: a plain decode step of B rows (run
 # ahead, or B steps in one multi-step call) costs about (step + B) rows, a verify step (waited for: its next draft
-# needs its tokens) about (sync + B + its draft tokens). On a 2-core Xeon with AMX and SmolLM2-135M a row cost
-# ~1.0 ms (decode steps of 1 / 2 / 4 / 8 rows: 5.45 / 6.34 / 8.67 / 12.56 ms pipelined), a multi-step loop
-# ~4.3 ms a token at one row, a verify step of 3 rows ~11.3 ms: step 3.5, sync 8. On an accelerator a few more
-# rows cost next to nothing beside a step (an estimate: not measured there)
-SPEC_COSTS_CPU = (3.5, 8.0)  # (step, sync)
+# needs its tokens) about (sync + its rows: B and its draft tokens). On a 2-core Xeon with AMX and SmolLM2-135M,
+# decode rows over ~300-token contexts, waited for: 1 / 2 / 4 / 8 / 12 / 20 rows took 8.1 / 10.7 / 12.2-14.9 /
+# 22.6 / 26.4 / 49.2 ms (~2 ms a row beside ~6 ms); multi-step loops ~4.3 ms a token at 1 row and ~10 ms a step
+# at 4. In rows of 2 ms: step 1.15, sync 3. On an accelerator a few more rows cost next to nothing beside a step
+# (an estimate: not measured there)
+SPEC_COSTS_CPU = (1.15, 3.0)  # (step, sync)
 SPEC_COSTS_ACCELERATOR = (60.0, 80.0)
 SPEC_PRIOR = (4.5, 5.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9, worth 5 tried
 SPEC_DECAY = 0.8  # the weight of a context's earlier drafts after each verify step
-SPEC_RECOVERY = 0.95  # per token generated since its last verify step, a context's acceptance returns to the prior
+# a context's acceptance returns to the prior as it generates without drafts, halfway in 2^m tokens after m verify
+# steps in a row that confirmed less than half their draft (an output may copy again later; free text is tried
+# less and less often)
 
 
 def beside_decodes(cfg: EngineConfig) -> int:
@@ -181,8 +187,9 @@ class Scheduler:
         # a plain and a verify step's cost beside their rows, in rows' worth (`_plan_drafts`); the engine sets its
         # device's
         self.spec_costs = SPEC_COSTS_CPU
-        # context -> decayed (confirmed, tried) draft tokens, and its output's length at its last verify step
-        self._acceptance: dict[str, tuple[float, float, int]] = {}
+        # context -> decayed (confirmed, tried) draft tokens, its output's length at its last verify step, and its
+        # verify steps in a row that confirmed less than half their draft
+        self._acceptance: dict[str, tuple[float, float, int, int]] = {}
         self.spec_steps = 0  # verify slots run
         self.spec_draft_tokens = 0  # draft tokens they fed
         self.spec_accepted_tokens = 0  # draft tokens the model's greedy tokens confirmed
@@ -325,22 +332,22 @@ class Scheduler:
             scheduled.add(job.job_id)
 
     def draftable(self, job: Job) -> bool:
-        """Whether speculative decoding may draft `job`'s tokens: a greedy generate whose sampling needs no host
-        work (no constraint, logprobs, bias, penalties or suppressed stop tokens) and no forced tokens."""
-        sp = job.sampling
-        return (self.drafter is not None and job.kind is JobKind.GENERATE and sp is not None and sp.greedy
+        """Whether speculative decoding may draft `job`'s tokens: a generate whose sampling needs no host work
+        (no constraint, logprobs, bias, penalties or suppressed stop tokens) and no forced tokens."""
+        return (self.drafter is not None and job.kind is JobKind.GENERATE and job.sampling is not None
                 and not job.forced and not needs_processing(job))
 
     def _acceptance_rate(self, job: Job) -> float:
         """The context's recent share of draft tokens confirmed, each after the ones before it, drifting back to
-        the prior's as tokens are generated without drafts (an output may copy again later)."""
+        the prior's as tokens are generated without drafts: halfway in 2^m tokens after m poor verify steps in a
+        row (an output may copy again later; free text is tried less and less often)."""
         prior = SPEC_PRIOR[0] / SPEC_PRIOR[1]
         seen = self._acceptance.get(job.context_id)
         if seen is None:
             return prior
-        confirmed, tried, at = seen
+        confirmed, tried, at, misses = seen
         rate = confirmed / tried if tried else prior
-        return prior + (rate - prior) * SPEC_RECOVERY ** max(len(job.output_ids) - at, 0)
+        return prior + (rate - prior) * 0.5 ** (max(len(job.output_ids) - at, 0) / 2**misses)
 
     def _plan_drafts(self, jobs: list[Job], ahead: bool = False) -> dict[int, list[int]]:
         """The drafts (job id -> tokens) worth verifying in a step of the decoding `jobs` (`ahead`: asked while
@@ -571,29 +578,30 @@ class Scheduler:
         return outputs
 
     def _accept(self, slot: Slot) -> list[JobOutput]:
-        """Apply a verify slot (speculative decoding): the draft's longest prefix that the model's greedy tokens
-        confirm joins the output, then the model's token after it; the KV fed for the rest is cut."""
+        """Apply a verify slot (speculative decoding): the draft's longest prefix that the tokens sampled after
+        each fed token confirm joins the output, then the sampled token after it; the KV fed for the rest is cut."""
         job, draft = slot.job, slot.draft
         assert draft is not None
         del job.pending[:1]
         if job.status is JobStatus.FINISHED:  # aborted while its step was in flight
             self._hand_over(job, None)
             return []
-        greedy = slot.verified
-        assert greedy is not None and len(greedy) == len(draft) + 1
+        sampled = slot.verified
+        assert sampled is not None and len(sampled) == len(draft) + 1
         n = 0
-        while n < len(draft) and greedy[n] == draft[n]:
+        while n < len(draft) and sampled[n] == draft[n]:
             n += 1
         self.spec_steps += 1
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += n
-        confirmed, tried, _ = self._acceptance.get(job.context_id, (*SPEC_PRIOR, 0))  # a run of n, then a miss
-        self._acceptance[job.context_id] = (SPEC_DECAY * confirmed + n, SPEC_DECAY * tried + n + (n < len(draft)),
-                                            len(job.output_ids) + n + 1)
+        confirmed, tried, _, misses = self._acceptance.get(job.context_id, (*SPEC_PRIOR, 0, 0))
+        self._acceptance[job.context_id] = (  # a run of n confirmed, then one not (if any)
+            SPEC_DECAY * confirmed + n, SPEC_DECAY * tried + n + (n < len(draft)), len(job.output_ids) + n + 1,
+            min(misses + 1, 16) if 2 * n < len(draft) else 0)
         if self.kv.get(job.context_id).num_tokens > slot.start + 1 + n:
             self._truncate(job.context_id, slot.start + 1 + n)  # the rejected drafts' KV
         outputs = []
-        for token in [*draft[:n], greedy[n]]:  # each fed already but the last, which is the job's next
+        for token in [*draft[:n], sampled[n]]:  # each fed already but the last, which is the job's next
             outputs.append(self._on_token(job, token, None))
             if job.status is JobStatus.FINISHED:
                 break

@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup: the n-gram drafter, the scheduler's verify slots (driven by a fake
-model), and the engine on a tiny random model and on the default model: the same tokens as plain decoding."""
+model), and the engine on a tiny random model and on the default model: the same tokens as plain decoding, greedy
+and seeded samples."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.kv_cache import KVCacheManager
-from parrot.engine.scheduler import Scheduler
+from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.speculative import NgramDrafter
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
@@ -104,8 +105,11 @@ def _drive(s: Scheduler, jobs: list[Job], model: Callable[[list[int]], int]) -> 
 
 
 def _scheduler(speculative: int, pages: int = 256) -> Scheduler:
+    """A scheduler whose rows cost as little as an accelerator's: drafts are verified at every batch size."""
     cfg = tiny_engine_config(speculative_tokens=speculative)
-    return Scheduler(KVCacheManager(pages, cfg.page_size), cfg, max_len=512)
+    s = Scheduler(KVCacheManager(pages, cfg.page_size), cfg, max_len=512)
+    s.spec_costs = SPEC_COSTS_ACCELERATOR
+    return s
 
 
 def _jobs(n: int, max_tokens: int, stop: tuple[int, ...] = ()) -> list[Job]:
@@ -147,24 +151,48 @@ def test_verify_slots_under_page_pressure() -> None:
     assert spec.spec_steps > 0
 
 
-def test_only_greedy_jobs_without_host_work_draft() -> None:
+def test_drafts_pay_for_their_rows() -> None:
+    """The cost model (a CPU's figures): a lone stream drafts while its drafts are confirmed, not after a run
+    of misses; four streams at the prior's acceptance wait for better odds; an accelerator's rows cost little."""
+    s = _scheduler(4)
+    s.spec_costs = SPEC_COSTS_CPU
+    jobs = _jobs(4, 40)
+    for job in jobs:
+        s.add(job)
+    s.tokens.update({job.context_id: [1, 2, 3, 4, 1, 2, 3] for job in jobs})
+    gens = [job for job in jobs if job.kind is JobKind.GENERATE]
+    for job in gens:
+        job.pending = [3]
+    assert s._plan_drafts(gens[:1], ahead=True) == {gens[0].job_id: [4, 1, 2, 3]}
+    assert s._plan_drafts(gens, ahead=True) == {}
+    s._acceptance[gens[0].context_id] = (0.5, 5.0, 0, 3)  # three poor verify steps in a row
+    assert s._plan_drafts(gens[:1], ahead=True) == {}
+    s.spec_costs = SPEC_COSTS_ACCELERATOR
+    drafts = s._plan_drafts(gens, ahead=True)
+    assert len(drafts) == 4 and len(drafts[gens[0].job_id]) < 4  # the poor one's draft is short
+    assert len(gens) + sum(len(d) for d in drafts.values()) == s.cfg.max_batch_size  # the rows fill the batch
+
+
+def test_only_jobs_without_host_work_draft() -> None:
     s = _scheduler(4)
     greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
     assert s.draftable(greedy)
-    for sp in (SamplingParams(max_tokens=8, temperature=0.7), SamplingParams(max_tokens=8, logprobs=2),
+    assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8, temperature=0.7)))
+    for sp in (SamplingParams(max_tokens=8, logprobs=2),
                SamplingParams(max_tokens=8, presence_penalty=0.5), SamplingParams(max_tokens=8, logit_bias={3: 1})):
         assert not s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp))
     assert not _scheduler(0).draftable(greedy)
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
-def _generate(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[list[int]]:
+def _generate(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str, **sampling: object,
+              ) -> list[list[int]]:
     for i, p in enumerate(prompts):
         eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=p)).result(TIMEOUT)
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(lambda i: eng.generate_future(GenerateRequest(
-            context_id=f"{tag}{i}", sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))).result(TIMEOUT)
-            .token_ids, range(len(prompts))))
+            context_id=f"{tag}{i}", sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)))
+            .result(TIMEOUT).token_ids, range(len(prompts))))
     for i in range(len(prompts)):
         eng.free_future(f"{tag}{i}").result(TIMEOUT)
     return outs
@@ -178,6 +206,7 @@ def test_engine_gives_the_plain_greedy_tokens() -> None:
     prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(4)]  # it soon repeats one token
     plain = LLMEngine(model, tiny_engine_config(multi_step=4)).start(precompile=False)
     spec = LLMEngine(model, tiny_engine_config(multi_step=4, speculative_tokens=4)).start(precompile=False)
+    spec.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR  # drafts at every batch size, not only where they pay here
     try:
         for batch in (1, 4):
             assert _generate(spec, prompts[:batch], 48, "s") == _generate(plain, prompts[:batch], 48, "p")
@@ -185,6 +214,11 @@ def test_engine_gives_the_plain_greedy_tokens() -> None:
         assert info.spec_steps > 0 and info.spec_accepted_tokens > 0
         assert info.settings["speculative_tokens"] == 4
         assert spec.kv.num_free_pages == spec.kv.total_pages
+        # sampled, seeded: each verify row draws with its own step's random number, so the same tokens again
+        before = info.spec_accepted_tokens
+        for kw in ({"temperature": 0.2, "seed": 11}, {"temperature": 0.4, "top_k": 5, "top_p": 0.9, "seed": 3}):
+            assert _generate(spec, prompts, 48, "s", **kw) == _generate(plain, prompts, 48, "p", **kw)
+        assert spec.ping().spec_accepted_tokens > before
     finally:
         plain.shutdown()
         spec.shutdown()
@@ -200,10 +234,10 @@ def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: AN
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat the following text exactly, "
                                                                           f"word for word:\n\n{text}"}]))
 
-    def answer(eng: LLMEngine) -> list[int]:
+    def answer(eng: LLMEngine, **sampling: object) -> list[int]:
         eng.fill_future(FillRequest(context_id="c", token_ids=ids)).result(TIMEOUT)
-        out = eng.generate_future(GenerateRequest(context_id="c", sampling=SamplingParams(max_tokens=64))).result(
-            TIMEOUT).token_ids
+        out = eng.generate_future(GenerateRequest(context_id="c", sampling=SamplingParams(
+            max_tokens=64, **sampling))).result(TIMEOUT).token_ids
         eng.free_future("c").result(TIMEOUT)
         return out
 
@@ -215,6 +249,8 @@ def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: AN
         assert answer(spec) == expected
         assert "semantic variables" in tok.decode(expected)
         assert spec.ping().spec_accepted_tokens >= len(expected) // 2
+        sampled = {"temperature": 0.6, "top_p": 0.95, "seed": 5}  # a seeded sample: the same tokens too
+        assert answer(spec, **sampled) == answer(plain, **sampled)
     finally:
         plain.shutdown()
         spec.shutdown()
