@@ -253,6 +253,14 @@ class Scheduler:
                 skipped, decoding = batch, []
         if self.drafter is not None:  # drafts first (verify slots), then plain decodes
             decoding = self._add_drafts(plan, decoding, scheduled)
+            if (not plan.decode and decoding and len(decoding) == len(self.running) and not prompts
+                    and not self.waiting and len(decoding) <= self.cfg.max_batch_size):
+                # no draft now and nothing else to run: a multi-step call at once, not one step before the ahead
+                # ones (after a verify step every plan starts afresh)
+                spans = self._burst_spans(decoding, steps, fits)
+                if spans is not None:
+                    self._burst(plan, decoding, spans, count=False)
+                    return plan
         self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
@@ -439,13 +447,14 @@ class Scheduler:
         spans = self._decode_spans(jobs, 0, steps, fits)
         return spans if spans is not None and max(spans) > 1 else None
 
-    def _burst(self, plan: StepPlan, jobs: list[Job], spans: list[int]) -> None:
-        """Make `plan` a decode-only plan of `jobs`, each taking its span of steps (`_decode_spans`)."""
+    def _burst(self, plan: StepPlan, jobs: list[Job], spans: list[int], count: bool = True) -> None:
+        """Make `plan` a decode-only plan of `jobs`, each taking its span of steps (`_decode_spans`); `count`: a
+        decode burst between prompt steps (`decode_bursts`)."""
         plan.steps = max(spans)
         for job, n in zip(jobs, spans, strict=True):
             plan.decode.append(self._slot(job, job.pending[:1], True, steps=n))
         self._burst_due = False
-        self.decode_bursts += 1
+        self.decode_bursts += count
 
     def schedule_ahead(self, plan: StepPlan, steps: int = 1, fits: Fits | None = None) -> StepPlan | None:
         """The next decode step of `plan`'s batch, planned before `plan`'s sampled tokens are known (see

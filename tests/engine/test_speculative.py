@@ -173,6 +173,21 @@ def test_drafts_pay_for_their_rows() -> None:
     assert len(gens) + sum(len(d) for d in drafts.values()) == s.cfg.max_batch_size  # the rows fill the batch
 
 
+def test_without_a_draft_decodes_go_straight_to_a_multi_step_call() -> None:
+    """After a verify step every plan starts afresh: a decode-only batch with nothing to draft runs a multi-step
+    call at once where the runner has one, not a single step first."""
+    s = _scheduler(4)
+    for job in _jobs(2, 40):
+        s.add(job)
+    s.update(s.schedule(), None)  # both prompts filled
+    for job in s.running:
+        s.tokens[job.context_id].append(7)  # a first token that occurred nowhere before: no draft
+        job.pending = [7]
+    plan = s.schedule(4, lambda jobs, pages, kv_len, steps: True)
+    assert plan.steps == 4 and len(plan.decode) == 2 and not plan.prefill and s.decode_bursts == 0
+    assert all(slot.draft is None for slot in plan.decode)
+
+
 def test_only_jobs_without_host_work_draft() -> None:
     s = _scheduler(4)
     greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
