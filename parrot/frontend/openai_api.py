@@ -83,6 +83,40 @@ __all__ = ["OpenAIError", "chat_pieces", "frontend_routes", "openai_routes", "un
 
 
 # ---- chat prompt pieces -------------------------------------------------------------------------
+def chat_input(tok: Any, messages: list[Any] | None, tools: Any, tool_choice: Any, functions: Any,
+               function_call: Any) -> tuple[list[Any], Any, Callable, list[dict]]:
+    """A chat request's tools, tool choice, template renderer and template messages, as /v1/chat/completions
+    (and /tokenize) read them: legacy functions as tools, every message validated; a 400 for what is malformed."""
+    try:
+        raw_tools, raw_choice = legacy_functions.tools_of(functions, function_call, tools, tool_choice)
+        parsed = parse_tools(raw_tools)
+        choice = parse_tool_choice(raw_choice, parsed)
+        raw_messages = legacy_functions.messages_of(messages or [])
+        checked = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in raw_messages]
+        if any(m is None for m in checked):
+            raise ToolError("every message must be an object with a role", "messages")
+        render, native = renderer(tok, parsed, choice)
+        msgs = template_messages(checked, parsed, choice, native)  # type: ignore[arg-type]
+    except ToolError as exc:
+        raise OpenAIError(400, str(exc), param=exc.param) from exc
+    except Exception as exc:  # pydantic: a malformed message
+        raise OpenAIError(400, f"messages: {exc}", param="messages") from exc
+    return parsed, choice, render, msgs
+
+
+def rendered_pieces(render: Callable, msgs: list[dict], generation_prompt: bool = True) -> tuple[list[str], int]:
+    """`chat_pieces` of the messages (the whole text alone without the generation prompt), a 400 where the
+    template cannot render them."""
+    try:
+        if not generation_prompt:
+            return [render(msgs, False)], 0
+        return chat_pieces(render, msgs)
+    except ParrotError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from exc
+    except Exception as exc:  # a template error (jinja) on these messages
+        raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
+
+
 def chat_pieces(render: Callable[[list[dict[str, str]], bool], str],
                 messages: list[dict[str, str]]) -> tuple[list[str], int]:
     """Split the rendered chat prompt at message boundaries: (pieces, how many leading pieces to share).
@@ -469,28 +503,9 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         body.check()
         tok = core.tokenizers.get(core.model)
         legacy = body.functions is not None or body.function_call is not None  # openai_functions.py
-        try:
-            raw_tools, raw_choice = legacy_functions.tools_of(body.functions, body.function_call, body.tools,
-                                                              body.tool_choice)
-            tools = parse_tools(raw_tools)
-            choice = parse_tool_choice(raw_choice, tools)
-            raw_messages = legacy_functions.messages_of(body.messages)
-            messages = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in raw_messages]
-            if any(m is None for m in messages):
-                raise ToolError("every message must be an object with a role", "messages")
-            render, native = renderer(tok, tools, choice)
-            msgs = template_messages(messages, tools, choice, native)  # type: ignore[arg-type]
-        except ToolError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
-        except Exception as exc:  # pydantic: a malformed message
-            raise OpenAIError(400, f"messages: {exc}", param="messages") from exc
-        try:
-            pieces, shared = chat_pieces(render, msgs)
-        except ParrotError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from exc
-        except Exception as exc:  # a template error (jinja) on these messages
-            raise OpenAIError(400, f"the chat template cannot render these messages: {exc}",
-                              param="messages") from exc
+        tools, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice, body.functions,
+                                                 body.function_call)
+        pieces, shared = rendered_pieces(render, msgs)
         extra = body.logprob_fields()
         schema = constraint_schema(choice, tools)
         if schema is not None:

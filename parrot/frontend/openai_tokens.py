@@ -26,13 +26,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from parrot.errors import ParrotError
-from parrot.frontend import openai_functions as legacy_functions
-from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
-from parrot.frontend.openai_api import chat_pieces
+from parrot.frontend.openai_api import chat_input, rendered_pieces
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, unsupported
 from parrot.frontend.openai_requests import REFUSED_EXTENSIONS
-from parrot.frontend.openai_tools import ToolError, forced_prefix, parse_tool_choice, parse_tools
+from parrot.frontend.openai_tools import forced_prefix
 from parrot.serve.core import ParrotServeCore
 
 __all__ = ["TOKEN_PATHS", "DetokenizeRequest", "TokenizeRequest", "token_routes"]
@@ -107,30 +104,11 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
     def chat_text(body: TokenizeRequest) -> list[str]:
         """The chat prompt's pieces, built as `/v1/chat/completions` builds them."""
         tok = core.tokenizers.get(core.model)
-        try:
-            raw_tools, raw_choice = legacy_functions.tools_of(body.functions, body.function_call, body.tools,
-                                                              body.tool_choice)
-            tools = parse_tools(raw_tools)
-            choice = parse_tool_choice(raw_choice, tools)
-            raw_messages = legacy_functions.messages_of(body.messages or [])
-            messages = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in raw_messages]
-            if any(m is None for m in messages):
-                raise ToolError("every message must be an object with a role", "messages")
-            render, native = renderer(tok, tools, choice)
-            msgs = template_messages(messages, tools, choice, native)  # type: ignore[arg-type]
-        except ToolError as exc:
-            raise OpenAIError(400, str(exc), param=exc.param) from exc
-        except Exception as exc:  # pydantic: a malformed message
-            raise OpenAIError(400, f"messages: {exc}", param="messages") from exc
-        try:
-            if not body.add_generation_prompt:
-                return [render(msgs, False)]
-            pieces, _ = chat_pieces(render, msgs)
-        except ParrotError as exc:
-            raise OpenAIError(400, str(exc), param="messages") from exc
-        except Exception as exc:  # a template error (jinja) on these messages
-            raise OpenAIError(400, f"the chat template cannot render these messages: {exc}",
-                              param="messages") from exc
+        _, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice, body.functions,
+                                             body.function_call)
+        pieces, _ = rendered_pieces(render, msgs, body.add_generation_prompt)
+        if not body.add_generation_prompt:
+            return pieces
         return [*pieces[:-1], pieces[-1] + forced_prefix(choice)]  # "" unless tool_choice forces a call
 
     # plain functions: FastAPI runs them on its thread pool, so a long text does not hold up the event loop
