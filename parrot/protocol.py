@@ -240,7 +240,7 @@ class RuntimeInfo(BaseModel):
     fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
     spec_steps: int = 0  # speculative decoding: drafts verified (each in one step)
     spec_draft_tokens: int = 0  # draft tokens fed for verification
-    spec_accepted_tokens: int = 0  # draft tokens the model's greedy tokens confirmed (decode steps saved)
+    spec_accepted_tokens: int = 0  # draft tokens the samples after them confirmed (decode steps saved)
     mask_ms_mean: float | None = None  # host time to compute a batch's constraint masks, recent steps
     mask_ms_p99: float | None = None
 

@@ -139,9 +139,6 @@ SPEC_COSTS_CPU = (1.15, 3.0)  # (step, sync)
 SPEC_COSTS_ACCELERATOR = (60.0, 80.0)
 SPEC_PRIOR = (4.5, 5.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9, worth 5 tried
 SPEC_DECAY = 0.8  # the weight of a context's earlier drafts after each verify step
-# a context's acceptance returns to the prior as it generates without drafts, halfway in 2^m tokens after m verify
-# steps in a row that confirmed less than half their draft (an output may copy again later; free text is tried
-# less and less often)
 
 
 def beside_decodes(cfg: EngineConfig) -> int:
@@ -192,7 +189,7 @@ class Scheduler:
         self._acceptance: dict[str, tuple[float, float, int, int]] = {}
         self.spec_steps = 0  # verify slots run
         self.spec_draft_tokens = 0  # draft tokens they fed
-        self.spec_accepted_tokens = 0  # draft tokens the model's greedy tokens confirmed
+        self.spec_accepted_tokens = 0  # draft tokens the samples after them confirmed
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:

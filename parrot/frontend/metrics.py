@@ -190,7 +190,7 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                "waited for latency-critical decodes (throughput hold).", labels=["engine"])
     drafted = CounterMetricFamily("parrot:engine_spec_draft_tokens", "Draft tokens the engine fed for verification "
                                   "(speculative decoding by prompt lookup).", labels=["engine"])
-    accepted = CounterMetricFamily("parrot:engine_spec_accepted_tokens", "Draft tokens the model's greedy tokens "
+    accepted = CounterMetricFamily("parrot:engine_spec_accepted_tokens", "Draft tokens the samples after them "
                                    "confirmed (speculative decoding: decode steps saved).", labels=["engine"])
     settings = GaugeMetricFamily("parrot:engine_info", "What the engine runs with on its device (value 1).",
                                  labels=["engine", "platform", "weights", "kv_dtype", "kv_pages", "max_batch_size",
