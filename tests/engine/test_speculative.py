@@ -12,7 +12,7 @@ import pytest
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.kv_cache import KVCacheManager
-from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler
+from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.speculative import NgramDrafter
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
@@ -149,6 +149,35 @@ def test_verify_slots_under_page_pressure() -> None:
     spec = _scheduler(4, pages=14)
     assert _drive(spec, _jobs(4, 40), copying_model) == plain
     assert spec.spec_steps > 0
+
+
+def _verifying(s: Scheduler) -> tuple[StepPlan, Job]:
+    """A scheduler's plan holding a verify slot, and its job (a copying context, rows cheap)."""
+    jobs = _jobs(1, 40)
+    for job in jobs:
+        s.add(job)
+    s.update(s.schedule(), None)  # the prompt
+    gen = jobs[1]
+    s.schedule()  # admits the generate: its first token is the prompt's last, fed again
+    s.tokens["c0"].extend([1, 4])  # a tail that occurred before: (1, 4) began the prompt
+    gen.pending = [4]
+    plan = s.schedule()
+    assert plan.decode and plan.decode[0].draft, "no verify slot"
+    return plan, gen
+
+
+def test_abort_or_a_failed_step_while_verifying_leaves_the_kv_as_the_tokens() -> None:
+    s = _scheduler(4)
+    plan, gen = _verifying(s)
+    slot = plan.decode[0]
+    s.abort("c0")  # while the verify step is in flight
+    slot.verified = [0] * len(slot.tokens)
+    assert s.update(plan, None) == [] and s.kv.get("c0").num_tokens <= len(s.tokens["c0"])
+    s = _scheduler(4)
+    plan, gen = _verifying(s)
+    start = plan.decode[0].start
+    (out,) = s.fail_step(plan, RuntimeError("the device went away"))
+    assert out.error is not None and s.kv.get("c0").num_tokens == start
 
 
 def test_drafts_pay_for_their_rows() -> None:
