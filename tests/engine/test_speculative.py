@@ -156,11 +156,12 @@ def _verifying(s: Scheduler) -> tuple[StepPlan, Job]:
     jobs = _jobs(1, 40)
     for job in jobs:
         s.add(job)
-    s.update(s.schedule(), None)  # the prompt
     gen = jobs[1]
-    s.schedule()  # admits the generate: its first token is the prompt's last, fed again
-    s.tokens["c0"].extend([1, 4])  # a tail that occurred before: (1, 4) began the prompt
-    gen.pending = [4]
+    s.update(s.schedule(), None)  # the prompt
+    for token in (1, 4):  # two plain steps sample 1, then 4: a tail that occurred before ((1, 4) began the prompt)
+        step = s.schedule()
+        assert not any(slot.draft for slot in step.decode)
+        s.update(step, [token])
     plan = s.schedule()
     assert plan.decode and plan.decode[0].draft, "no verify slot"
     return plan, gen
