@@ -138,7 +138,8 @@ AUTO_THROUGHPUT_HOLD_MS = 1000
 SPEC_COSTS_CPU = (1.15, 3.0)  # (step, sync)
 SPEC_COSTS_ACCELERATOR = (60.0, 80.0)
 SPEC_PRIOR = (4.5, 5.0)  # a new context's acceptance, as (confirmed, tried) draft tokens: 0.9, worth 5 tried
-SPEC_DECAY = 0.8  # the weight of a context's earlier drafts after each verify step
+SPEC_DECAY = 0.8  # the weight of a context's earlier evidence after each verify step
+SPEC_SHADOW_DECAY = 0.9  # ... after each token decoded without a draft (a 1-token draft's hit or miss)
 
 
 def beside_decodes(cfg: EngineConfig) -> int:
@@ -184,9 +185,9 @@ class Scheduler:
         # a plain and a verify step's cost beside their rows, in rows' worth (`_plan_drafts`); the engine sets its
         # device's
         self.spec_costs = SPEC_COSTS_CPU
-        # context -> decayed (confirmed, tried) draft tokens, its output's length at its last verify step, and its
-        # verify steps in a row that confirmed less than half their draft
-        self._acceptance: dict[str, tuple[float, float, int, int]] = {}
+        # context -> decayed (confirmed, tried) draft tokens: of verify steps, and of the drafts a plain step's
+        # token would have confirmed (`_shadow`)
+        self._acceptance: dict[str, tuple[float, float]] = {}
         self.spec_steps = 0  # verify slots run
         self.spec_draft_tokens = 0  # draft tokens they fed
         self.spec_accepted_tokens = 0  # draft tokens the samples after them confirmed
@@ -343,16 +344,21 @@ class Scheduler:
                 and not job.forced and not needs_processing(job))
 
     def _acceptance_rate(self, job: Job) -> float:
-        """The context's recent share of draft tokens confirmed, each after the ones before it, drifting back to
-        the prior's as tokens are generated without drafts: halfway in 2^m tokens after m poor verify steps in a
-        row (an output may copy again later; free text is tried less and less often)."""
-        prior = SPEC_PRIOR[0] / SPEC_PRIOR[1]
-        seen = self._acceptance.get(job.context_id)
-        if seen is None:
-            return prior
-        confirmed, tried, at, misses = seen
-        rate = confirmed / tried if tried else prior
-        return prior + (rate - prior) * 0.5 ** (max(len(job.output_ids) - at, 0) / 2**misses)
+        """The context's recent share of draft tokens confirmed, each after the ones before it: from its verify
+        steps, and from the tokens decoded without one that a draft would have predicted (`_shadow`)."""
+        confirmed, tried = self._acceptance.get(job.context_id, SPEC_PRIOR)
+        return confirmed / tried
+
+    def _shadow(self, job: Job, token: int) -> None:
+        """A token decoded without a draft: whether the draft from the tokens before it would have begun with it
+        (a verify step's first row, at no cost) counts in the context's acceptance, so that odds are learned
+        without paying for verify steps, and free text never pays for them."""
+        assert self.drafter is not None
+        guess = self.drafter.propose(job.context_id, self.tokens[job.context_id], 1)
+        if guess:
+            confirmed, tried = self._acceptance.get(job.context_id, SPEC_PRIOR)
+            self._acceptance[job.context_id] = (SPEC_SHADOW_DECAY * confirmed + (guess[0] == token),
+                                                SPEC_SHADOW_DECAY * tried + 1)
 
     def _plan_drafts(self, jobs: list[Job], ahead: bool = False) -> dict[int, list[int]]:
         """The drafts (job id -> tokens) worth verifying in a step of the decoding `jobs` (`ahead`: asked while
@@ -600,15 +606,13 @@ class Scheduler:
         self.spec_steps += 1
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += n
-        confirmed, tried, _, misses = self._acceptance.get(job.context_id, (*SPEC_PRIOR, 0, 0))
-        self._acceptance[job.context_id] = (  # a run of n confirmed, then one not (if any)
-            SPEC_DECAY * confirmed + n, SPEC_DECAY * tried + n + (n < len(draft)), len(job.output_ids) + n + 1,
-            min(misses + 1, 16) if 2 * n < len(draft) else 0)
+        confirmed, tried = self._acceptance.get(job.context_id, SPEC_PRIOR)  # a run of n confirmed, then a miss
+        self._acceptance[job.context_id] = (SPEC_DECAY * confirmed + n, SPEC_DECAY * tried + n + (n < len(draft)))
         if self.kv.get(job.context_id).num_tokens > slot.start + 1 + n:
             self._truncate(job.context_id, slot.start + 1 + n)  # the rejected drafts' KV
         outputs = []
         for token in [*draft[:n], sampled[n]]:  # each fed already but the last, which is the job's next
-            outputs.append(self._on_token(job, token, None))
+            outputs.append(self._on_token(job, token, None, shadow=False))
             if job.status is JobStatus.FINISHED:
                 break
         self._hand_over(job, None)  # a job that ended on a draft token drops the KV past its tokens
@@ -649,12 +653,14 @@ class Scheduler:
             out.append(lp)
         return out
 
-    def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None) -> JobOutput:
+    def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None, shadow: bool = True) -> JobOutput:
         """Apply a generate's sampled token: its grammar advances (a rejected token fails the job alone), a
         stop token finishes it, otherwise the token joins the output. Then tokens its grammar forces join
         too (fast-forward, unless logprobs are asked for): they are fed as one chunk next step."""
         sp = job.sampling
         assert sp is not None
+        if shadow and self.drafter is not None and self.draftable(job):
+            self._shadow(job, token)
         out = JobOutput(job)
         try:
             if job.constraint is not None:

@@ -195,12 +195,53 @@ def test_drafts_pay_for_their_rows() -> None:
         job.pending = [3]
     assert s._plan_drafts(gens[:1], ahead=True) == {gens[0].job_id: [4, 1, 2, 3]}
     assert s._plan_drafts(gens, ahead=True) == {}
-    s._acceptance[gens[0].context_id] = (0.5, 5.0, 0, 3)  # three poor verify steps in a row
+    s._acceptance[gens[0].context_id] = (0.5, 5.0)  # drafts seldom confirmed lately
     assert s._plan_drafts(gens[:1], ahead=True) == {}
     s.spec_costs = SPEC_COSTS_ACCELERATOR
     drafts = s._plan_drafts(gens, ahead=True)
     assert len(drafts) == 4 and len(drafts[gens[0].job_id]) < 4  # the poor one's draft is short
     assert len(gens) + sum(len(d) for d in drafts.values()) == s.cfg.max_batch_size  # the rows fill the batch
+
+
+def test_plain_tokens_teach_the_odds() -> None:
+    """Tokens decoded without a draft count as a one-token draft's hit or miss where a draft would have been
+    proposed: a copying output earns its verify steps at no cost, free text loses them."""
+    s = _scheduler(4)
+    s.spec_costs = SPEC_COSTS_CPU
+    jobs = _jobs(4, 200)
+    for job in jobs:
+        s.add(job)
+    s.update(s.schedule(), None)  # the prompts: [1, 4, 7, ...], [14, 17, ...], ...
+    gens = [job for job in jobs if job.kind is JobKind.GENERATE]
+    prior = s._acceptance_rate(gens[0])
+    plan = s.schedule()  # the first decode step: no tail occurred before, nothing drafted nor learned
+    assert not any(slot.draft for slot in plan.decode)
+    def copy(job: Job) -> int:  # each output copies its prompt: what the lookup proposes, once it proposes
+        guess = s.drafter.propose(job.context_id, s.tokens[job.context_id], 1)
+        return guess[0] if guess else s.tokens[job.context_id][len(job.output_ids)]
+
+    s.update(plan, [copy(j) for j in gens])
+    for _ in range(12):  # plain steps go on copying: every draft the lookup would propose is confirmed
+        plan = s.schedule()
+        if any(slot.draft for slot in plan.decode):
+            break
+        s.update(plan, [copy(j) for j in gens])
+    assert s._acceptance_rate(gens[0]) > prior
+    assert any(slot.draft for slot in plan.decode), "four copying streams never drafted"
+    s2 = _scheduler(4)
+    s2.spec_costs = (0.0, 1e9)  # verify steps never pay: every step is plain, and its token teaches
+    (fill, gen) = _jobs(1, 200)
+    for job in (fill, gen):
+        s2.add(job)
+    s2.update(s2.schedule(), None)
+    for token in (1, 4):  # the tail (1, 4) began the prompt: the lookup now proposes 7
+        s2.update(s2.schedule(), [token])
+    for token in (99, 98, 97):  # free text: a miss where the lookup proposes
+        guess = s2.drafter.propose(gen.context_id, s2.tokens[gen.context_id], 1)
+        plan = s2.schedule()
+        s2.update(plan, [token])
+        assert not guess or guess[0] != token
+    assert s2._acceptance_rate(gen) < prior
 
 
 def test_without_a_draft_decodes_go_straight_to_a_multi_step_call() -> None:
