@@ -66,9 +66,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compile each multi-step decode loop with its decoder layers unrolled (default on a CPU with "
                         "the native kernels: the layers as a loop, one layer's code per executable)")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
-                   help="speculative decoding by prompt lookup: a greedy generate whose last tokens occurred "
-                        "earlier in its context feeds the up to K tokens that followed them as a draft, verified in "
-                        "one step (outputs that copy from their input get several tokens a step). 0 (default): off")
+                   help="speculative decoding by prompt lookup: a generate whose last tokens occurred earlier in "
+                        "its context feeds the up to K tokens that followed them as a draft, verified in one step "
+                        "(outputs that copy from their input get several tokens a step; outputs stay plain "
+                        "decoding's). 0 (default): off")
     p.add_argument("--speculative-ngram", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help=f"the shortest and longest n-grams of a context's tail looked up for a draft (default "
                         f"{EngineConfig.speculative_min_ngram} {EngineConfig.speculative_ngram})")

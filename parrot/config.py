@@ -118,9 +118,9 @@ class EngineConfig:
     # or faster on an H100; XLA's gathered lowering otherwise). CPUs whose native kernels read the pages in
     # place always use them.
     decode_attention: str = "auto"
-    # speculative decoding by prompt lookup (engine/speculative.py): a greedy generate (temperature 0, no
-    # penalties, bias, constraint or logprobs) whose last tokens occurred earlier in its context feeds the up to
-    # this many tokens that followed them as a draft, verified in one prompt-like step; 0: off. vLLM's
+    # speculative decoding by prompt lookup (engine/speculative.py): a generate (no penalties, bias, constraint or
+    # logprobs) whose last tokens occurred earlier in its context feeds the up to this many tokens that followed
+    # them as a draft, verified in one step as decode rows (its outputs stay plain decoding's); 0: off. vLLM's
     # `--speculative-config '{"method": "ngram", ...}'`, llama.cpp's lookup decoding
     speculative_tokens: int = 0
     # the longest and shortest n-grams of a context's tail looked up for a draft

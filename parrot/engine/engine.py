@@ -19,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from parrot import procinfo
@@ -32,7 +31,13 @@ from parrot.engine.logprobs import TokenTexts
 from parrot.engine.multihost import Mirror
 from parrot.engine.runner import Launched, ModelRunner
 from parrot.engine.sampling import SamplingParams, check_sampling
-from parrot.engine.scheduler import AUTO_THROUGHPUT_HOLD_MS, SPEC_COSTS_ACCELERATOR, Scheduler, StepPlan
+from parrot.engine.scheduler import (
+    AUTO_THROUGHPUT_HOLD_MS,
+    SPEC_COSTS_ACCELERATOR,
+    SPEC_COSTS_CPU,
+    Scheduler,
+    StepPlan,
+)
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
@@ -88,11 +93,11 @@ class LLMEngine:
             hold = AUTO_THROUGHPUT_HOLD_MS if bursts else 0
         self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
                                    attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
-                                   throughput_hold_ms=hold)
+                                   throughput_hold_ms=hold,
+                                   spec_costs=SPEC_COSTS_CPU if device_memory().platform == "cpu"
+                                   else SPEC_COSTS_ACCELERATOR)
         if self.runner.mirror is not None or self.runner.following:
-            self.scheduler.drafter = None  # a verify step's greedy rows are read on one process's device
-        if jax.devices()[0].platform != "cpu":
-            self.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR
+            self.scheduler.drafter = None  # a verify step's rows are sampled on one process's device
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
         self.vocab_size = model.config.vocab_size
         self.grammars = Grammars(self.tokenizer, self.vocab_size)

@@ -151,10 +151,12 @@ def beside_decodes(cfg: EngineConfig) -> int:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
-                 decode_bursts: int | None = None, throughput_hold_ms: int | None = None) -> None:
+                 decode_bursts: int | None = None, throughput_hold_ms: int | None = None,
+                 spec_costs: tuple[float, float] = SPEC_COSTS_CPU) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
         `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value); the same for
-        `throughput_hold_ms` (`cfg.throughput_hold_ms`), the throughput hold's bound."""
+        `throughput_hold_ms` (`cfg.throughput_hold_ms`), the throughput hold's bound; `spec_costs`: the device's
+        speculative decoding cost model (`SPEC_COSTS_*`)."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
@@ -182,9 +184,7 @@ class Scheduler:
         # speculative decoding by prompt lookup (off where `speculative_tokens` is 0, or the engine turns it off)
         self.drafter = (NgramDrafter(cfg.speculative_tokens, cfg.speculative_ngram, cfg.speculative_min_ngram)
                         if cfg.speculative_tokens else None)
-        # a plain and a verify step's cost beside their rows, in rows' worth (`_plan_drafts`); the engine sets its
-        # device's
-        self.spec_costs = SPEC_COSTS_CPU
+        self.spec_costs = spec_costs  # a plain and a verify step's cost beside their rows, in rows (`_plan_drafts`)
         # context -> decayed (confirmed, tried) draft tokens: of verify steps, and of the drafts a plain step's
         # token would have confirmed (`_shadow`)
         self._acceptance: dict[str, tuple[float, float]] = {}

@@ -1,14 +1,13 @@
 """Speculative decoding by prompt lookup (n-gram drafts): the draft for a sequence's next tokens is what followed
 the latest earlier occurrence of its last `n` tokens in its own context (prompt and output), as vLLM's `ngram`
 speculator and llama.cpp's lookup decoding propose them (where that copy runs into the tail, the tail repeats:
-a period). No draft model: outputs that copy from their input
-(summaries, extraction, code edits, quoting) get several tokens a step.
+a period). No draft model: outputs that copy from their input (summaries, extraction, code edits, quoting)
+get several tokens a step.
 
-The scheduler feeds a draft with the sequence's last token as one chunk (a verify slot); the runner returns the
-model's greedy token after each of the chunk's tokens; the draft's longest prefix that matches them is accepted,
-plus the model's own token after it, and the KV written for the rejected rest is dropped. A step therefore gives
-1 to k + 1 tokens, each the one greedy decoding gives (up to the rounding of a prompt step's attention, whose
-summation order differs from a decode step's: see docs/engine-api.md).
+The scheduler feeds a draft with the sequence's last token in one step (a verify slot), whose tokens the runner
+runs as decode rows and samples as plain decode steps at those positions would; the draft's longest prefix that
+the samples confirm is accepted, plus the sample after it, and the KV written for the rejected rest is dropped
+(scheduler.py). A step therefore gives 1 to k + 1 tokens, each the one plain decoding gives.
 
 `NgramDrafter` keeps, per context, the latest end position of every n-gram of its tokens, updated as tokens
 are added, so a lookup costs O(n) and not a scan of the context.

@@ -385,16 +385,16 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`)."""
         # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them)
         tokens = [core.prompt_tokens(pieces) for pieces, _ in pieces_list]
-        limits = [e.max_context_len for e in core.engines.live_engines()]
-        if limits:  # a clear 400 up front rather than an engine error later (or inside a stream)
+        limit = core.engines.max_context_len()
+        if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
             for ids in tokens:
                 n_prompt = sum(len(piece) for piece in ids)
-                if n_prompt + params[0].max_tokens > min(limits):
+                if n_prompt + params[0].max_tokens > limit:
                     raise OpenAIError(
-                        400, f"this model's maximum context length is {min(limits)} tokens; the {param} has "
+                        400, f"this model's maximum context length is {limit} tokens; the {param} has "
                         f"{n_prompt} tokens and max_tokens is {params[0].max_tokens}",
-                        param=param if n_prompt >= min(limits) else "max_tokens", code="context_length_exceeded")
+                        param=param if n_prompt >= limit else "max_tokens", code="context_length_exceeded")
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):

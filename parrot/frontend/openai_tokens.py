@@ -83,13 +83,6 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
     """`/tokenize` and `/detokenize`, each also under `/v1/`, with the OpenAI API's error shape."""
     router = APIRouter(route_class=OpenAIRoute, tags=["tokens"])
 
-    def max_model_len() -> int | None:
-        """The context length a prompt must fit in (the shortest engine's), as the completion routes
-        check it; the registered engines' when none is live; None without engines."""
-        limits = [e.max_context_len for e in core.engines.live_engines()]
-        limits = limits or [s.max_context_len for s in core.engines.status()]
-        return min(limits) if limits else None
-
     def ids_of(pieces: list[str], add_special_tokens: bool | None) -> list[int]:
         """The pieces' token ids as the completion routes tokenize a prompt (`prompt_tokens`: the pieces
         tokenized together). That refuses an empty prompt, which /tokenize counts, as vLLM does; it
@@ -123,7 +116,8 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
         if body.return_token_strs:
             vocab = core.tokenizers.get(core.model).backend
             strs = [vocab.id_to_token(t) for t in ids]
-        return {"count": len(ids), "max_model_len": max_model_len(), "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": core.engines.max_context_len(live_only=False), "tokens": ids,
+                "token_strs": strs}
 
     def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         vocab = core.tokenizers.get(core.model).backend.get_vocab_size()

@@ -538,6 +538,14 @@ class EngineManager:
     def live_engines(self) -> list[EngineClient]:
         return [e.client for e in self._entries.values() if e.live]
 
+    def max_context_len(self, live_only: bool = True) -> int | None:
+        """The context length every prompt must fit in: the shortest of the live engines' (`live_only` False:
+        of the registered ones where none is live); None without engines."""
+        limits = [e.max_context_len for e in self.live_engines()]
+        if not limits and not live_only:
+            limits = [e.client.max_context_len for e in self._entries.values()]
+        return min(limits) if limits else None
+
     def runtime(self, name: str) -> RuntimeInfo | None:
         """The latest runtime info (heartbeat or ping) of an engine; None before the first."""
         return self._entry(name).runtime
