@@ -273,14 +273,13 @@ def http_server(app: object, host: str, port: int):  # noqa: ANN201 (a uvicorn.S
 def cmd_serve(args: argparse.Namespace) -> int:
     """The serve core on --port with its engines: one embedded in this process (default), or
     --engines N engine processes that register themselves and send heartbeats."""
-    import subprocess
-
     from parrot.frontend.http_api import create_app
     from parrot.serve.core import ParrotServeCore
+    from parrot.serve.engine_processes import EngineProcesses, PortsInUseError
     from parrot.serve.engines import LocalEngineClient
 
     core = ParrotServeCore(config=serve_config_from_args(args))
-    procs: list[subprocess.Popen] = []
+    engine_cmds: list[tuple[str, int, list[str]]] = []
     engine = None
     cfg = engine_config_from_args(args)
     if _join_cluster(args, cfg):
@@ -339,17 +338,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     cmd += [flag, *map(str, values)]
             if not cfg.precompile:
                 cmd.append("--disable-precompile")
-            env = dict(os.environ)
-            if core.config.api_key is not None:  # the engines register with this core: they need its key
-                env["PARROT_API_KEY"] = core.config.api_key
-            procs.append(subprocess.Popen(cmd, env=env))
+            engine_cmds.append((f"engine-{i}", args.engine_base_port + i, cmd))
+    processes = None
+    if engine_cmds:
+        env = dict(os.environ)
+        if core.config.api_key is not None:  # the engines register with this core: they need its key
+            env["PARROT_API_KEY"] = core.config.api_key
+        try:
+            processes = EngineProcesses(engine_cmds, env=env).start()
+        except PortsInUseError as exc:
+            log.error("%s", exc)
+            return 2
     try:
         http_server(create_app(core), args.host, args.port).run()
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=30)
+        if processes is not None:
+            processes.stop()
         if engine is not None:
             engine.shutdown()
     return 0

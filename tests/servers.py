@@ -25,6 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive loopback ports that are all free now (for `--engine-base-port`)."""
+    from parrot.serve.engine_processes import ports_in_use
+
+    for _ in range(100):
+        base = free_port()
+        if base + n <= 65535 and not ports_in_use("127.0.0.1", range(base, base + n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 @contextmanager
 def running(app: FastAPI, timeout: float = 30.0) -> Iterator[str]:
     """Serve `app` on 127.0.0.1 in a thread; yields its base URL; stops it on exit."""

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from parrot import cli
 from parrot.serve import tokenizers
-from tests.servers import free_port
+from tests.servers import free_port, free_ports
 
 
 def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +26,13 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         def __init__(self, cmd: list[str], env: dict | None = None, **kw: object) -> None:
             started.append((cmd, env or {}))
 
-        def terminate(self) -> None: ...
+            self.pid, self.code = 4242, None
+
+        def poll(self) -> int | None:
+            return self.code
+
+        def terminate(self) -> None:
+            self.code = -15
 
         def wait(self, timeout: float | None = None) -> int:
             return 0
@@ -41,7 +47,8 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cli, "http_server", lambda app, host, port: FakeServer(app))
     monkeypatch.setattr(tokenizers.TokenizerManager, "get", lambda self, model: None)
     monkeypatch.delenv("PARROT_API_KEY", raising=False)
-    args = cli.build_parser().parse_args(["serve", "--engines", "2", "--compilation-cache-dir", "/tmp/cc",
+    args = cli.build_parser().parse_args(["serve", "--engines", "2", "--engine-base-port", str(free_ports(2)),
+                                          "--compilation-cache-dir", "/tmp/cc",
                                           "--log-format", "json", "--api-key", "k3y", "--max-sessions", "5",
                                           "--speculative-tokens", "3", "--speculative-ngram", "1", "4"])
     assert cli.cmd_serve(args) == 0

@@ -20,7 +20,7 @@ from parrot.frontend.http_api import create_app
 from parrot.serve.core import ParrotServeCore
 from tests.conftest import TINY
 from tests.engine.test_loader import write_hf_dir
-from tests.servers import free_port, running
+from tests.servers import free_port, free_ports, running
 
 
 def _wait(cond, timeout: float, what: str) -> None:  # noqa: ANN001
@@ -85,12 +85,13 @@ def test_killing_an_engine_mid_app_still_delivers_outputs(cluster) -> None:
 def test_parrot_serve_with_engine_processes(tmp_path: Path) -> None:
     """`parrot serve --engines 2`: the serve core starts two engine processes that register themselves."""
     model_dir = write_hf_dir(tmp_path / "tiny", TINY, random_weights(TINY, seed=4))
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_ports(2)
     cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--engines", "2", "--engine-base-port", str(base), "--disable-precompile",
            "--compilation-cache-dir", "", "--kv-memory-mb", "16"]
-    proc = subprocess.Popen(cmd,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         def engines() -> list[str]:
@@ -99,7 +100,10 @@ def test_parrot_serve_with_engine_processes(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 return []
 
-        _wait(lambda: len(engines()) == 2, 120, "parrot serve and its two engines")
+        try:
+            _wait(lambda: len(engines()) == 2, 120, "parrot serve and its two engines")
+        except AssertionError as exc:  # say why: the server's and the engines' own logs
+            raise AssertionError(f"{exc}; its log ends:\n{log_path.read_text(errors='replace')[-4000:]}") from None
         with httpx.Client(base_url=url, timeout=60) as c:
             body = c.post("/v1/session", json={}).json()
             sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
@@ -119,3 +123,18 @@ def test_parrot_serve_with_engine_processes(tmp_path: Path) -> None:
     for i in range(2):  # the engine processes went down with the serve core
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", base + i)) != 0
+
+
+def test_parrot_serve_refuses_engine_ports_in_use(tmp_path: Path) -> None:
+    """A port another program holds is a clear error at start, not an engine that dies while the server
+    serves with fewer engines than asked for."""
+    model_dir = write_hf_dir(tmp_path / "tiny", TINY, random_weights(TINY, seed=4))
+    base = free_ports(2)
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", base + 1))
+        blocker.listen()
+        done = subprocess.run([sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port",
+                               str(free_port()), "--engines", "2", "--engine-base-port", str(base),
+                               "--disable-precompile"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"engine-1 on {base + 1}" in done.stderr and "--engine-base-port" in done.stderr

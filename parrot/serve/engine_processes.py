@@ -1,0 +1,140 @@
+"""The engine processes `parrot serve --engines N` starts, watched while the server runs.
+
+Each engine process registers itself with the serve core and heartbeats (parrot.serve.engines); this
+module only owns the processes:
+- before anything starts, every engine port must be free: a port held by another program is a clear
+  error at start (`PortsInUseError`), not an engine that dies at once and a server that serves with fewer
+  engines than asked for;
+- a watcher thread notices an engine process that exits while the server runs, logs its exit code and
+  starts it again (it registers again; the serve core's failover has already re-run its unfinished
+  tasks elsewhere once its heartbeats stopped). An engine that exits `max_restarts` times within
+  `window_s` seconds is left down, with an error in the log, instead of being restarted in a loop;
+- `stop()` ends them all (SIGTERM, then SIGKILL after `grace_s`).
+
+No JAX here: only processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+class PortsInUseError(RuntimeError):
+    """Some engine ports are held by other programs."""
+
+
+def ports_in_use(host: str, ports: Sequence[int]) -> list[int]:
+    """The ports of `ports` that cannot be bound on `host` now."""
+    taken = []
+    for port in ports:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no clash
+            try:
+                s.bind((host, port))
+            except OSError:
+                taken.append(port)
+    return taken
+
+
+@dataclass
+class EngineProcess:
+    """One engine process: its name, port and command, and what happened to it."""
+
+    name: str
+    port: int
+    command: list[str]
+    proc: subprocess.Popen | None = None
+    exits: list[float] = field(default_factory=list)  # time.monotonic() of each unexpected exit
+    restarts: int = 0
+    given_up: bool = False
+
+
+class EngineProcesses:
+    """Start, watch and stop a set of engine processes (see the module docstring).
+
+    `popen` builds a process from a command and an environment (subprocess.Popen by default; tests pass
+    their own to keep the output)."""
+
+    def __init__(self, engines: Sequence[tuple[str, int, list[str]]], *, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1", max_restarts: int = 3, window_s: float = 60.0,
+                 poll_s: float = 0.5, grace_s: float = 30.0,
+                 popen: Callable[[list[str], dict[str, str] | None], subprocess.Popen] | None = None) -> None:
+        self.engines = [EngineProcess(name, port, list(cmd)) for name, port, cmd in engines]
+        self.env, self.host = env, host
+        self.max_restarts, self.window_s, self.poll_s, self.grace_s = max_restarts, window_s, poll_s, grace_s
+        self._popen = popen or (lambda cmd, env: subprocess.Popen(cmd, env=env))
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> EngineProcesses:
+        """Check the ports, start every process and the watcher. PortsInUseError if a port is taken."""
+        taken = ports_in_use(self.host, [e.port for e in self.engines])
+        if taken:
+            names = ", ".join(f"{e.name} on {e.port}" for e in self.engines if e.port in taken)
+            raise PortsInUseError(f"engine port(s) already in use: {names}; choose other ports with "
+                                  "--engine-base-port (engine i listens on it + i)")
+        with self._lock:
+            for e in self.engines:
+                e.proc = self._popen(e.command, self.env)
+        self._watcher = threading.Thread(target=self._watch, name="engine-processes", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            for e in self.engines:
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self._check(e)
+
+    def _check(self, e: EngineProcess) -> None:
+        """With the lock held: restart `e` if its process exited (unless it exited too often)."""
+        if e.given_up or e.proc is None or (code := e.proc.poll()) is None:
+            return
+        now = time.monotonic()
+        e.exits = [t for t in e.exits if now - t < self.window_s] + [now]
+        if len(e.exits) > self.max_restarts:
+            e.given_up = True
+            log.error("engine process %r (port %d) exited with code %s, %d times in %.0f s: not restarting it; "
+                      "the server runs on without it", e.name, e.port, code, len(e.exits), self.window_s)
+            return
+        log.error("engine process %r (port %d) exited with code %s; starting it again", e.name, e.port, code)
+        e.restarts += 1
+        e.proc = self._popen(e.command, self.env)
+
+    def status(self) -> list[dict[str, object]]:
+        """Each process: name, port, pid, running, restarts, given_up."""
+        with self._lock:
+            return [{"name": e.name, "port": e.port, "pid": e.proc.pid if e.proc else None,
+                     "running": e.proc is not None and e.proc.poll() is None, "restarts": e.restarts,
+                     "given_up": e.given_up} for e in self.engines]
+
+    def stop(self) -> None:
+        """Stop watching, then end every process: SIGTERM, SIGKILL after `grace_s` seconds."""
+        self._stopping.set()
+        with self._lock:
+            procs = [e.proc for e in self.engines if e.proc is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + self.grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("engine process %d did not stop within %.0f s: killing it", p.pid, self.grace_s)
+                p.kill()
+                p.wait()
+        if self._watcher is not None:
+            self._watcher.join(timeout=self.poll_s * 4)

@@ -1,0 +1,94 @@
+"""The engine processes of `parrot serve --engines N`: ports checked first, exits restarted, then given up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from parrot.serve.engine_processes import EngineProcesses, PortsInUseError, ports_in_use
+from tests.servers import free_ports
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+EXIT3 = [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+
+def _until(cond, timeout: float = 20.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_ports_in_use_names_a_listening_port() -> None:
+    base = free_ports(2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 1))
+        s.listen()
+        assert ports_in_use("127.0.0.1", [base, base + 1]) == [base + 1]
+    assert ports_in_use("127.0.0.1", [base, base + 1]) == []
+
+
+def test_a_taken_port_is_a_clear_error_before_anything_starts() -> None:
+    base = free_ports(2)
+    started: list[list[str]] = []
+
+    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        started.append(cmd)
+        return subprocess.Popen(cmd, env=env)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 1))
+        s.listen()
+        procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, SLEEP)], popen=popen)
+        with pytest.raises(PortsInUseError, match=f"engine-1 on {base + 1}"):
+            procs.start()
+    assert started == []  # nothing was started
+
+
+def test_an_engine_that_exits_is_started_again_and_others_keep_running() -> None:
+    base = free_ports(2)
+    # engine-1 exits once (a marker file tells the second run to stay up)
+    marker = f"/tmp/parrot-test-engine-procs-{base}"
+    flaky = [sys.executable, "-c",
+             f"import os, sys, time\nif not os.path.exists({marker!r}):\n    open({marker!r}, 'w').close()\n"
+             "    sys.exit(7)\ntime.sleep(60)"]
+    procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, flaky)], poll_s=0.05, grace_s=5).start()
+    try:
+        first = procs.status()[0]["pid"]
+        _until(lambda: procs.status()[1]["restarts"] == 1 and procs.status()[1]["running"])
+        status = procs.status()
+        assert status[0]["pid"] == first and status[0]["running"] and status[0]["restarts"] == 0
+        assert not status[1]["given_up"]
+    finally:
+        procs.stop()
+        if os.path.exists(marker):
+            os.remove(marker)
+    assert not any(s["running"] for s in procs.status())
+
+
+def test_an_engine_that_keeps_exiting_is_given_up(caplog: pytest.LogCaptureFixture) -> None:
+    base = free_ports(1)
+    procs = EngineProcesses([("engine-0", base, EXIT3)], max_restarts=2, window_s=60, poll_s=0.05, grace_s=5)
+    with caplog.at_level("ERROR", logger="parrot.serve.engine_processes"):
+        procs.start()
+        try:
+            _until(lambda: procs.status()[0]["given_up"])
+        finally:
+            procs.stop()
+    status = procs.status()[0]
+    assert status["restarts"] == 2 and not status["running"]
+    assert "exited with code 3" in caplog.text and "not restarting it" in caplog.text
+
+
+def test_stop_ends_every_process() -> None:
+    base = free_ports(2)
+    procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, SLEEP)], poll_s=0.05, grace_s=5).start()
+    pids = [s["pid"] for s in procs.status()]
+    procs.stop()
+    assert all(isinstance(p, int) for p in pids)
+    assert not any(s["running"] for s in procs.status())
