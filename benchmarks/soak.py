@@ -6,8 +6,8 @@ and unlucky clients, then a report of what happened to every request.
 Without --url it starts `parrot serve` on a free loopback port (the default model, small buckets and a
 small KV pool so that KV exhaustion happens) and stops it at the end. Traffic goes only to 127.0.0.1.
 With `--engines N` the engines are separate processes, and `--kill-engine-every S` kills one of them
-(SIGKILL) every S seconds and starts it again with the same command line: its work must be re-run
-elsewhere, never lost.
+(SIGKILL) every S seconds; the server starts it again (parrot/serve/engine_processes.py): its work must be
+re-run elsewhere, never lost.
 Each client loops over random operations until the time is up:
 
   chain        two dependent semantic calls, read the second (latency)
@@ -66,9 +66,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_mb(pid: int, extra: list[int] | None = None) -> float | None:
-    """Resident memory of the process, its children (engine processes) and `extra` processes, MiB."""
-    pids = [pid, *(extra or [])]
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of the process and its children (engine processes), MiB."""
+    pids = [pid]
     try:
         out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
         pids += [int(p) for p in out.split()]
@@ -275,40 +275,32 @@ class Soak:
         if kind == "failed_with_error" and len(self.failed[op]) < 3 and detail[:80] not in str(self.failed[op]):
             self.failed[op].append(detail[:300])
 
-    async def chaos(self, pid: int, every: float, restarts: list[subprocess.Popen], log: list[dict]) -> None:
-        """Every `every` seconds: SIGKILL one engine process of the server, then start it again."""
+    async def chaos(self, pid: int, every: float, log: list[dict]) -> None:
+        """Every `every` seconds: SIGKILL one engine process of the server (which starts it again)."""
         while time.monotonic() + every < self.deadline:
             await asyncio.sleep(every)
-            out = subprocess.run(["pgrep", "-f", "parrot.cli engine"], capture_output=True, text=True).stdout
+            out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
             engines = [int(p) for p in out.split()
-                       if Path(f"/proc/{p}/cmdline").exists()
-                       and f"127.0.0.1:{httpx.URL(self.url).port}" in Path(f"/proc/{p}/cmdline").read_text()]
+                       if Path(f"/proc/{p}/cmdline").exists() and "engine" in Path(f"/proc/{p}/cmdline").read_text()]
             if not engines:
                 continue
             victim = self.rng.choice(engines)
-            cmd = Path(f"/proc/{victim}/cmdline").read_text().split("\0")[:-1]
             os.kill(victim, signal.SIGKILL)
-            t = round(time.monotonic() - self.t_start, 1)
-            await asyncio.sleep(2)
-            restarts.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                             start_new_session=True))
-            log.append({"t_s": t, "killed_pid": victim, "restarted_pid": restarts[-1].pid})
+            log.append({"t_s": round(time.monotonic() - self.t_start, 1), "killed_pid": victim})
 
     async def run(self, pid: int | None, kill_every: float | None = None) -> dict:
         rss: list[tuple[float, float]] = []
         t_start = self.t_start = time.monotonic()
-        restarts: list[subprocess.Popen] = []
         kills: list[dict] = []
 
         async def sample() -> None:
             while True:
-                extra = [p.pid for p in restarts if p.poll() is None]
-                if pid is not None and (m := rss_mb(pid, extra)) is not None:
+                if pid is not None and (m := rss_mb(pid)) is not None:
                     rss.append((round(time.monotonic() - t_start, 1), round(m, 1)))
                 await asyncio.sleep(5)
 
         sampler = asyncio.create_task(sample())
-        chaos = (asyncio.create_task(self.chaos(pid, kill_every, restarts, kills))
+        chaos = (asyncio.create_task(self.chaos(pid, kill_every, kills))
                  if pid is not None and kill_every else None)
         try:
             await asyncio.gather(*(self.client(i) for i in range(self.clients)))
@@ -316,9 +308,6 @@ class Soak:
             sampler.cancel()
             if chaos is not None:
                 chaos.cancel()
-            for p in restarts:  # engines started here stop with the run
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGTERM)
         async with httpx.AsyncClient(base_url=self.url, timeout=10, trust_env=False) as c:
             metrics = (await c.get("/metrics")).text
         aborted = next((float(line.split()[-1]) for line in metrics.splitlines()
@@ -385,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engines", type=int, default=0, help="0: the engine inside the server; N: N engine processes")
     p.add_argument("--kill-engine-every", type=float, default=None, metavar="SECONDS",
-                   help="with --engines: SIGKILL an engine process this often and start it again")
+                   help="with --engines: SIGKILL an engine process this often (the server starts it again)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
     p.add_argument("--server-log", default=str(ROOT / "benchmarks" / "results" / "logs" / "soak-server.log"))
     args = p.parse_args(argv)
