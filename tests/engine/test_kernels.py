@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -518,3 +519,37 @@ def test_processes_starting_at_once_build_once(tmp_path) -> None:  # noqa: ANN00
     assert len(built) == 1 and path.read_bytes() == b"library"
     kernels._build_once(path, build)  # there: nothing to do
     assert len(built) == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_compilers_end_with_a_process_killed_while_building(tmp_path) -> None:  # noqa: ANN001
+    """A server killed (SIGKILL) mid-build leaves no compiler running."""
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    fake = tmp_path / "fake-cxx"  # a "compiler" that records its pid and works for a minute
+    fake.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    code = (f"from pathlib import Path; from parrot.engine import kernels; "
+            f"kernels._build(Path({str(tmp_path / 'k.so')!r}), kernels.UNITS[2])")
+    env = dict(os.environ, CXX=str(fake), JAX_PLATFORMS="cpu", PARROT_CPU_KERNELS="0")
+    builder = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 60
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline and builder.poll() is None, "the build did not start its compilers"
+        time.sleep(0.05)
+    compilers = [int(p) for p in pids.read_text().split()]
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() and "Z" not in _proc_state(p) for p in compilers):
+        assert time.monotonic() < deadline, "a compiler outlived the process that started it"
+        time.sleep(0.05)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

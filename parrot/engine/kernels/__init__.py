@@ -38,7 +38,9 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -124,6 +126,19 @@ def _remove_stale_builds(directory: Path) -> None:
             pass
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn for the compilers: on Linux they get SIGKILL when the thread that started them ends,
+    so a server killed mid-build (even by SIGKILL) does not leave them running; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source: Path | None = None,
            flags: tuple[str, ...] | None = None) -> None:
     """Compile the units (default: UNITS for this machine's cores) of `source` (default: SOURCE) with `flags`
@@ -142,10 +157,11 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
         link = [compiler, "-shared", *(c[-1] for c in cmds), "-o", str(Path(tmp) / "cpu_kernels.so")]
         logs = [Path(tmp) / f"unit{i}.log" for i in range(len(cmds))]  # files: a full pipe would stall a unit
         procs = []
+        preexec = _die_with_parent()
         try:
             for cmd, log_path in zip(cmds, logs, strict=True):
                 with open(log_path, "w") as err:
-                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
+                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=preexec))
             codes = [p.wait(timeout=300) for p in procs]
         finally:
             for p in procs:
@@ -155,7 +171,7 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
         done = [(c, log_path.read_text(errors="replace"), code) for c, log_path, code in zip(cmds, logs, codes,
                                                                                              strict=True)]
         if all(code == 0 for _, _, code in done):
-            linked = subprocess.run(link, capture_output=True, text=True, timeout=300)
+            linked = subprocess.run(link, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
             done.append((link, linked.stderr, linked.returncode))
         for cmd, stderr, code in done:
             if code:
