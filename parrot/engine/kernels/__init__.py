@@ -38,7 +38,6 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -126,17 +125,21 @@ def _remove_stale_builds(directory: Path) -> None:
             pass
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn for the compilers: on Linux they get SIGKILL when the thread that started them ends,
-    so a server killed mid-build (even by SIGKILL) does not leave them running; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes, prctl.restype = [ctypes.c_int, ctypes.c_ulong], ctypes.c_int
-    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+# Runs its arguments as a command that gets SIGKILL when the thread that started it ends (PR_SET_PDEATHSIG,
+# kept across exec), or exits at once if that thread is already gone. A launcher process rather than a
+# preexec_fn: Python forks (instead of vfork) for a preexec_fn, which JAX warns against in its processes.
+_LAUNCH = ("import ctypes, os, sys\n"
+           "parent = os.getppid()\n"
+           "ctypes.CDLL(None).prctl(1, 9)\n"
+           "if os.getppid() != parent:\n"
+           "    sys.exit(1)\n"
+           "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it ends with the thread that starts it (Linux; elsewhere `cmd` as it is): a server
+    killed mid-build, even by SIGKILL, leaves no compiler running."""
+    return [sys.executable, "-c", _LAUNCH, *cmd] if sys.platform.startswith("linux") else cmd
 
 
 def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source: Path | None = None,
@@ -157,11 +160,10 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
         link = [compiler, "-shared", *(c[-1] for c in cmds), "-o", str(Path(tmp) / "cpu_kernels.so")]
         logs = [Path(tmp) / f"unit{i}.log" for i in range(len(cmds))]  # files: a full pipe would stall a unit
         procs = []
-        preexec = _die_with_parent()
         try:
             for cmd, log_path in zip(cmds, logs, strict=True):
                 with open(log_path, "w") as err:
-                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=preexec))
+                    procs.append(subprocess.Popen(_die_with_parent(cmd), stdout=subprocess.DEVNULL, stderr=err))
             codes = [p.wait(timeout=300) for p in procs]
         finally:
             for p in procs:
@@ -171,7 +173,7 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
         done = [(c, log_path.read_text(errors="replace"), code) for c, log_path, code in zip(cmds, logs, codes,
                                                                                              strict=True)]
         if all(code == 0 for _, _, code in done):
-            linked = subprocess.run(link, capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+            linked = subprocess.run(_die_with_parent(link), capture_output=True, text=True, timeout=300)
             done.append((link, linked.stderr, linked.returncode))
         for cmd, stderr, code in done:
             if code:
