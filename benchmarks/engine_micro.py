@@ -23,13 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import floors
 from benchmarks.report import write_json
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import kernels
+from parrot.engine import attention, kernels
 from parrot.engine.batch import SequenceSlice, build_batch
 from parrot.engine.loader import load_model
 from parrot.engine.runner import MULTI_STOP_IDS, ModelRunner
@@ -78,7 +79,8 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         layers: list[int], weights: list[str], load_format: str = "auto", attention: list[str] | None = None,
         matmuls: list[str] | None = None, cpu_attention: list[str] | None = None, tiled: list[str] | None = None,
         team: list[str] | None = None, huge: list[str] | None = None, avx2_int8: list[str] | None = None,
-        loop_steps: int = 0, amx_few: list[str] | None = None, builds: dict[str, str] | None = None) -> dict:
+        loop_steps: int = 0, amx_few: list[str] | None = None, builds: dict[str, str] | None = None,
+        kv_dtypes: list[str] | None = None, kv_fill: str = "unwritten") -> dict:
     t0 = time.perf_counter()
     loaded = load_model(model, load_format=load_format, dtype="bfloat16" if weights == ["bf16"] else None)
     t_read = time.perf_counter() - t0
@@ -95,19 +97,24 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
     # native CPU kernels index it without bounds checks
     ps0 = EngineConfig().page_size
     pages = 1 + max(-(-prompt_len // ps0), max(batches) * -(-(decode_ctx - 1 + max(loop_steps, 1)) // ps0))
+    kv_dtypes = kv_dtypes or ["auto"]
     for w in weights:
         for lpc in layers:
-            for att, hp in itertools.product(attention, huge or ["on"]):
+            for att, hp, kvd in itertools.product(attention, huge or ["on"], kv_dtypes):
                 t = time.perf_counter()
                 cfg = EngineConfig(model=model, kv_pages=pages, compilation_cache_dir=None,
-                                   layers_per_call=lpc or None, weights=w, decode_attention=att)
+                                   layers_per_call=lpc or None, weights=w, decode_attention=att, kv_dtype=kvd)
                 with _huge_pages(hp):
                     r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
+                if kv_fill == "random":
+                    _fill_kv(r)
                 for mm, ca, ti, tm, ai, af in itertools.product(matmuls or ["auto"], cpu_attention or ["auto"],
                                                                 tiled or ["on"], team or ["on"], avx2_int8 or ["on"],
                                                                 amx_few or ["on"]):
                     name = _name(lpc, w, len(layers) > 1, att, len(attention) > 1, mm, ca, ti, tm, hp, ai, af)
+                    if len(kv_dtypes) > 1:
+                        name += f"_kv_{kvd}"
                     runners[name], matmul[name], cpu_att[name], switches[name] = r, mm, ca, (ti, tm, ai, af)
                     load_s[name] = t_read + time.perf_counter() - t
     # other builds of the native kernels (label -> library): a runner each, of the first configuration, its
@@ -153,6 +160,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
         "decode_attention_by_config": {name: r.decode_attention for name, r in runners.items()},
+        "kv_dtype_by_config": {name: str(r.kv_dtype) for name, r in runners.items()}, "kv_fill": kv_fill,
         # loops' samplers: parts named on the host (no device branch: accelerators) or branching on the device
         "loop_sampler": "named" if next(iter(runners.values())).host_stages else "branching",
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
@@ -287,6 +295,25 @@ def _other_builds(specs: list[str], build_dir: Path) -> dict[str, str]:
     return builds
 
 
+def _fill_kv(r: ModelRunner, seed: int = 0) -> None:
+    """Every page of the runner's KV pool written with normal random keys and values (stored as the cache
+    stores them): decode attention then reads its pages from memory, as in serving, where pages never
+    written are the operating system's one page of zeros, which stays in the CPU's caches."""
+    rng = np.random.default_rng(seed)
+    ks, vs = r.kv
+    shape, storage = ks[0].shape, ks[0].dtype
+    sample = jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # one layer's values, reused
+    if storage == jnp.uint16:
+        sample = jax.lax.bitcast_convert_type(sample.astype(jnp.bfloat16), jnp.uint16)
+    elif storage == jnp.uint8:
+        sample = jax.lax.bitcast_convert_type(attention.to_fp8(sample), jnp.uint8)
+    else:
+        sample = sample.astype(storage)
+    copy = jax.jit(lambda x: x + jnp.zeros_like(x), out_shardings=ks[0].sharding)  # fresh memory each layer
+    r.kv = (tuple(copy(sample) for _ in ks), tuple(copy(sample) for _ in vs))
+    jax.block_until_ready(r.kv)
+
+
 def _pipelined_ms(r: ModelRunner, batch: object, steps: int = 20) -> float:
     """Median ms per decode step dispatched back to back, the host waiting only at the end (as the engine's
     overlap runs a stable batch: step n+1 is launched before step n's tokens reach the host)."""
@@ -399,6 +426,12 @@ def main() -> None:
                          "row on the integer path; avx512-bf16: VNNI, prompt fills with AVX512-BF16's pair "
                          "products; avx512-vnni: every row as exact integer sums on VNNI; avx2: the vector "
                          "code); a code the CPU lacks runs as the best it has")
+    ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "f32", "bf16", "fp8"],
+                    help="KV cache element types measured side by side (a runner each; see EngineConfig.kv_dtype)")
+    ap.add_argument("--kv-fill", choices=["unwritten", "random"], default="unwritten",
+                    help="the KV pool's pages before timing: unwritten (zeros; on a CPU pages never written are "
+                         "the OS's one zero page, read from the caches) or random (every page written: decode "
+                         "attention reads memory, as in serving)")
     ap.add_argument("--cpu-decode-attention", nargs="+", default=["auto"], choices=["auto", "bf16", "f32"],
                     help="decode attention's products on a CPU in the bfloat16 mode, side by side (bf16: bfloat16 "
                          "pairs where the CPU has AVX512-BF16; f32: float32)")
@@ -428,7 +461,7 @@ def main() -> None:
     r = run(args.model, args.prompt_len, args.decode_context, args.batches, args.repeats, args.layers_per_call,
             args.weights, args.load_format, args.decode_attention, args.cpu_matmul, args.cpu_decode_attention,
             args.cpu_tiled, args.cpu_team, args.huge_pages, args.cpu_avx2_int8, args.loop_steps, args.cpu_amx_few,
-            builds)
+            builds, args.kv_dtype, args.kv_fill)
     print(report(r))
     write_json(r, args.out)
 

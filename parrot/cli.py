@@ -31,9 +31,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["auto", "f32", "bf16"], default=EngineConfig.weights,
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay quantized and are multiplied by "
                         "native CPU kernels (dequantized where those cannot run); f32/bf16: dequantized at load")
-    p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16"], default=EngineConfig.kv_dtype,
-                   help="KV cache elements: bf16 (half the memory and attention reads per token), f32, or auto "
-                        "(default: bf16 where the native CPU kernels decode, else the activation dtype)")
+    p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16", "fp8"], default=EngineConfig.kv_dtype,
+                   help="KV cache elements: bf16 (half the memory and attention reads per token), f32, fp8 "
+                        "(float8 e4m3, a quarter of f32's bytes, no scales: approximate), or auto (default: bf16 "
+                        "where the native CPU kernels decode, else the activation dtype)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights of --model's shape (a preset: llama-3-8b, qwen2-7b, smollm2-1.7b, "
                         "smollm2-135m, tiny-llama; or a directory with a config.json), for benchmarks of big "

@@ -56,8 +56,10 @@ class EngineConfig:
     # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that
     weights: str = "auto"
     # KV cache element type: "bf16" (half the bytes per token: twice the contexts in the same budget and
-    # half the reads of decode attention), "f32", or "auto": bf16 where the native CPU kernels decode
-    # (their greedy outputs equal float32's on the reference prompts), else the activation dtype
+    # half the reads of decode attention), "f32", "fp8" (float8 e4m3fn, values clipped to +-448 and
+    # rounded to nearest even, no scales, as vLLM's `--kv-cache-dtype fp8` without calibration: a quarter of
+    # float32's bytes, approximate), or "auto": bf16 where the native CPU kernels decode (their greedy
+    # outputs equal float32's on the reference prompts), else the activation dtype
     kv_dtype: str = "auto"
     # a stable decode batch keeps one step in flight: the next is planned and launched before this one's
     # tokens reach the host (the engine's overlap; greedy and seeded results are the same either way)
@@ -153,8 +155,8 @@ class EngineConfig:
             raise ValueError(f"explicit names fields EngineConfig does not have: {sorted(unknown)}")
         if self.decode_attention not in ("auto", "xla", "kernel", "fused"):
             raise ValueError("decode_attention must be 'auto', 'xla', 'kernel' or 'fused'")
-        if self.kv_dtype not in ("auto", "f32", "bf16"):
-            raise ValueError("kv_dtype must be 'auto', 'f32' or 'bf16'")
+        if self.kv_dtype not in ("auto", "f32", "bf16", "fp8"):
+            raise ValueError("kv_dtype must be 'auto', 'f32', 'bf16' or 'fp8'")
         if self.weights not in ("auto", "f32", "bf16"):
             raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
         if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:

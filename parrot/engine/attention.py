@@ -36,13 +36,25 @@ def write_kv(cache: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     """Store `new` ([T, Hkv, D]) into `cache` ([Hkv, pages, page_size, D]) at flat slots.
 
     A bfloat16 cache is stored as uint16 bit patterns: XLA's CPU backend widens a bfloat16 scatter to
-    float32 and back, copying the whole pool in every step, while an integer scatter stays in place."""
+    float32 and back, copying the whole pool in every step, while an integer scatter stays in place. A
+    float8 cache (uint8: float8_e4m3fn bit patterns) stores the values clipped to +-448, e4m3's largest
+    (XLA would make a larger one NaN), rounded to nearest even."""
     page_size = cache.shape[2]
     if cache.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new.astype(jnp.bfloat16), jnp.uint16)
+    elif cache.dtype == jnp.uint8:
+        new = jax.lax.bitcast_convert_type(to_fp8(new), jnp.uint8)
     else:
         new = new.astype(cache.dtype)
     return cache.at[:, slot_mapping // page_size, slot_mapping % page_size].set(new.transpose(1, 0, 2))
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_fp8(x: jax.Array) -> jax.Array:
+    """`x` as float8_e4m3fn: clipped to +-FP8_MAX, then rounded to nearest even (kernels' e4m3_bits)."""
+    return jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
 
 
 def gather_pages(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -55,6 +67,8 @@ def gather_pages(cache: jax.Array, block_tables: jax.Array) -> jax.Array:
     g = cache.reshape(hkv * num_pages, page_size * d)[rows + block_tables[None]]
     if g.dtype == jnp.uint16:  # a bfloat16 cache's bit patterns
         g = jax.lax.bitcast_convert_type(g, jnp.bfloat16).astype(jnp.float32)
+    elif g.dtype == jnp.uint8:  # a float8 cache's
+        g = jax.lax.bitcast_convert_type(g, jnp.float8_e4m3fn).astype(jnp.float32)
     return g.reshape(hkv, *block_tables.shape[:-1], block_tables.shape[-1] * page_size, d)
 
 
@@ -69,7 +83,8 @@ def _partial(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
 def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
     """Whether attention over a cache of this storage dtype reads the pages in place through the native CPU
     kernels (decode steps, and prefill steps without a shared prefix) instead of gathering them."""
-    return jnp.dtype(cache_dtype) in (jnp.float32, jnp.uint16) and head_dim % 8 == 0 and kernels.available()
+    return (jnp.dtype(cache_dtype) in (jnp.float32, jnp.uint16, jnp.uint8) and head_dim % 8 == 0
+            and kernels.available())
 
 
 def paged_attention(

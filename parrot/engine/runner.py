@@ -485,8 +485,11 @@ class ModelRunner:
 
     @property
     def kv_storage_dtype(self) -> jnp.dtype:
-        """The cache arrays' dtype: on a CPU a bfloat16 cache is held as uint16 bit patterns (attention.write_kv)."""
+        """The cache arrays' dtype: on a CPU a bfloat16 cache is held as uint16 bit patterns, and a float8 cache
+        as uint8 ones everywhere (attention.write_kv)."""
         cpu = jax.default_backend() == "cpu"
+        if self.kv_dtype == jnp.float8_e4m3fn:
+            return jnp.dtype(jnp.uint8)
         return jnp.dtype(jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype)
 
     @functools.cached_property
@@ -520,7 +523,8 @@ class ModelRunner:
     @property
     def decode_attention_bf16(self) -> bool:
         """Whether decode attention multiplies in bfloat16 pairs: the bfloat16 mode over a bfloat16 cache on a
-        CPU (read in place by the kernels), head sizes the kernel takes, AVX512-BF16 (kernels/decode_bf16.h)."""
+        CPU (read in place by the kernels), head sizes the kernel takes, AVX512-BF16 (kernels/decode_bf16.h).
+        (A float8 cache's pages are widened to float32: as fast here, and exact.)"""
         d = self.model_cfg.head_dim
         return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == jnp.uint16 and d % 64 == 0
                 and d <= 256 and kernels.decode_bf16())
@@ -1098,6 +1102,8 @@ class ModelRunner:
 
 def kv_dtype(setting: str, act_dtype: jnp.dtype) -> jnp.dtype:
     """The KV cache's element type for the `kv_dtype` setting (see EngineConfig)."""
+    if setting == "fp8":
+        return jnp.dtype(jnp.float8_e4m3fn)
     if setting == "bf16" or (setting == "auto" and jax.default_backend() == "cpu" and kernels.available()):
         return jnp.dtype(jnp.bfloat16)
     return jnp.dtype(jnp.float32) if setting == "f32" else act_dtype

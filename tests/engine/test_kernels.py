@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from parrot.engine import kernels
-from parrot.engine.attention import paged_attention, write_kv
+from parrot.engine.attention import paged_attention, to_fp8, write_kv
 from parrot.engine.batch import SequenceSlice, build_batch, find_shared_prefix
 from parrot.engine.models.llama import qkv_heads, rope_cos_sin
 
@@ -34,17 +34,20 @@ def _xla_attention(q, kc, vc, batch):  # noqa: ANN001, ANN202
 
 
 def _cache(rng: np.random.Generator, pages: int, dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
-    """float32 caches, or bfloat16 ones held as uint16 bit patterns (as the engine stores them)."""
+    """float32 caches, or bfloat16 ones held as uint16 bit patterns, or float8 (e4m3fn) ones as uint8 (as the
+    engine stores them)."""
     shape = (HKV, pages, PS, D)
 
     def make() -> jax.Array:
         a = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+        if dtype == "float8":
+            return jax.lax.bitcast_convert_type(to_fp8(a), jnp.uint8)
         return a if dtype == "float32" else jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)
 
     return make(), make()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the --kv-dtype bf16 cache
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])  # the --kv-dtype f32 / bf16 / fp8 caches
 def test_decode_in_place_equals_gather_path(dtype: str) -> None:
     rng = np.random.default_rng(0)
     kc, vc = _cache(rng, 64, dtype)
@@ -74,7 +77,7 @@ def test_decode_with_shared_prefix_equals_gather_path() -> None:
     np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])
 def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> None:
     """Ten forks of a 3-page prefix (more than one group of members reading a prefix page in turn): each
     sequence's output is the same bits as with the prefix pages read as its own."""
@@ -104,6 +107,15 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
+def _values(cache: jax.Array) -> np.ndarray:
+    """A cache's values (float32, bfloat16 bits or float8 bits) in float64."""
+    if cache.dtype == jnp.uint16:
+        cache = jax.lax.bitcast_convert_type(cache, jnp.bfloat16)
+    elif cache.dtype == jnp.uint8:
+        cache = jax.lax.bitcast_convert_type(cache, jnp.float8_e4m3fn)
+    return np.asarray(cache.astype(jnp.float32), np.float64)
+
+
 def _decode(q: jax.Array, kc: jax.Array, vc: jax.Array, batch: object, bf16: bool) -> np.ndarray:
     return np.asarray(jax.jit(lambda q, k, v, b: paged_attention(q, k, v, b, D**-0.5, bf16=bf16))(q, kc, vc, batch))
 
@@ -111,7 +123,8 @@ def _decode(q: jax.Array, kc: jax.Array, vc: jax.Array, batch: object, bf16: boo
 @pytest.mark.skipif(not DECODE_BF16, reason="this CPU (or this build) has no AVX512-BF16")
 def test_decode_in_bf16_is_the_bf16_rounded_attention() -> None:
     """Decode steps of the bfloat16 mode over a bfloat16 cache: the scaled queries and the probabilities
-    rounded to bfloat16, sums in float32 (the reference rounds the same operands)."""
+    rounded to bfloat16, sums in float32 (the reference rounds the same operands). (Over a float8 cache
+    they are float32's: test_decode_in_place_equals_gather_path.)"""
     rng = np.random.default_rng(6)
     kc, vc = _cache(rng, 64, "bfloat16")
     lens = [37, 64, 1, 100, 17]  # inside a page, a page boundary, one token, several pages
@@ -119,7 +132,7 @@ def test_decode_in_bf16_is_the_bf16_rounded_attention() -> None:
     batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=8))
     q = rng.standard_normal((8, HKV * G, D)).astype(np.float32)
     got, exact = _decode(jnp.asarray(q), kc, vc, batch, True), _decode(jnp.asarray(q), kc, vc, batch, False)
-    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64) for c in (kc, vc))
+    k, v = _values(kc), _values(vc)
     want = np.zeros((8, HKV * G, D))
     for i, (s, n) in enumerate(zip(seqs, lens, strict=True)):
         keys, vals = k[:, s.pages].reshape(HKV, -1, D)[:, :n], v[:, s.pages].reshape(HKV, -1, D)[:, :n]
@@ -136,12 +149,13 @@ def test_decode_in_bf16_is_the_bf16_rounded_attention() -> None:
         kernels.use_decode_bf16(True)
 
 
-@pytest.mark.skipif(not DECODE_BF16, reason="this CPU (or this build) has no AVX512-BF16")
-def test_decode_in_bf16_is_the_same_bits_alone_in_a_batch_and_with_a_shared_prefix() -> None:
+@pytest.mark.skipif(not kernels.available(), reason="no native CPU kernels")
+@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+def test_decode_in_bf16_is_the_same_bits_alone_in_a_batch_and_with_a_shared_prefix(cache: str) -> None:
     """A sequence's bfloat16 decode attention depends only on its own query, keys and values: alone, beside
     others, and with a 3-page prefix read once for ten forks (two groups of members), the same bits."""
     rng = np.random.default_rng(7)
-    kc, vc = _cache(rng, 64, "bfloat16")
+    kc, vc = _cache(rng, 64, cache)
     prefix = [1, 2, 3]
     own = [[10 + 2 * i, 11 + 2 * i] for i in range(10)]
     lens = [48 + 1 + 3 * i for i in range(10)]
@@ -169,7 +183,7 @@ def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array
     return np.asarray(attend(q, kc, vc, batch)), batch
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])
 def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
     rng = np.random.default_rng(2)
     kc, vc = _cache(rng, 64, dtype)
@@ -185,12 +199,13 @@ def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
 
 
 @pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
-def test_prefill_in_bf16_is_the_bf16_rounded_attention() -> None:
-    """Prompts of the bfloat16 mode over a bfloat16 cache (AMX's bf16 tiles, or AVX512-BF16's pair products):
-    the scaled queries and the probabilities rounded to bfloat16, sums in float32 (the reference rounds the
-    same operands)."""
+@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+def test_prefill_in_bf16_is_the_bf16_rounded_attention(cache: str) -> None:
+    """Prompts of the bfloat16 mode over a bfloat16 (or float8, widened) cache (AMX's bf16 tiles, or
+    AVX512-BF16's pair products): the scaled queries and the probabilities rounded to bfloat16, sums in
+    float32 (the reference rounds the same operands)."""
     rng = np.random.default_rng(4)
-    kc, vc = _cache(rng, 64, "bfloat16")
+    kc, vc = _cache(rng, 64, cache)
     seqs = [SequenceSlice(list(range(50)), 37, list(range(1, 7))),
             SequenceSlice(list(range(61)), 0, list(range(10, 14)))]
     q = rng.standard_normal((111, HKV * G, D)).astype(np.float32)
@@ -200,7 +215,7 @@ def test_prefill_in_bf16_is_the_bf16_rounded_attention() -> None:
     def bf16(a: np.ndarray) -> np.ndarray:
         return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 
-    k, v = (np.asarray(jax.lax.bitcast_convert_type(c, jnp.bfloat16).astype(jnp.float32), np.float64) for c in (kc, vc))
+    k, v = _values(kc), _values(vc)
     want = np.zeros((111, HKV * G, D))
     for i, (start, pages, off) in enumerate(((37, list(range(1, 7)), 0), (0, list(range(10, 14)), 50))):
         n = len(seqs[i].tokens)
@@ -216,12 +231,13 @@ def test_prefill_in_bf16_is_the_bf16_rounded_attention() -> None:
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool) -> None:
+@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool, cache: str) -> None:
     """A token's attention depends only on its query, position and keys: filling a prompt whole, in two
     chunks, or beside another sequence gives the same bits (the fill path is chunking invariant), on the
-    float32 path and in bfloat16 (AMX's tiles or AVX512-BF16) alike."""
+    float32 path and in bfloat16 (AMX's tiles or AVX512-BF16) alike, over bfloat16 and float8 caches."""
     rng = np.random.default_rng(3)
-    kc, vc = _cache(rng, 64, "bfloat16")
+    kc, vc = _cache(rng, 64, cache)
     pages = list(range(1, 9))
     q = rng.standard_normal((120, HKV * G, D)).astype(np.float32)
     whole, _ = _prefill([SequenceSlice(list(range(120)), 0, pages)], q, kc, vc, 128, 1, 8, 128, bf16)
@@ -358,7 +374,7 @@ def test_prefill_in_float32_at_other_head_sizes(d: int) -> None:
             np.testing.assert_allclose(whole[j, h], e @ v[h // g, : j + 1] / e.sum(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["bfloat16", "float32"])
+@pytest.mark.parametrize("cache", ["bfloat16", "float32", "float8"])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 @pytest.mark.parametrize("d", [64, 40])
 def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> None:
@@ -375,7 +391,7 @@ def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> No
     slots = rng.permutation(8 * 16)[:rows].astype(np.int32)
     slots[rows // 2 :] = 0 if rows > 2 else slots[rows // 2 :]  # padding rows: the scratch slot
     slots = jnp.asarray(slots)
-    dt = jnp.uint16 if cache == "bfloat16" else jnp.float32
+    dt = {"bfloat16": jnp.uint16, "float32": jnp.float32, "float8": jnp.uint8}[cache]
     kc, vc = jnp.zeros((hkv, 8, 16, d), dt), jnp.ones((hkv, 8, 16, d), dt)
 
     class Cfg:
@@ -393,8 +409,8 @@ def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> No
             g, w = g.copy(), w.copy()
             if g.ndim == 4:
                 g[:, 0, 0], w[:, 0, 0] = 0, 0
-        assert np.array_equal(g.view(np.uint32 if g.dtype == np.float32 else np.uint16),
-                              w.view(np.uint32 if w.dtype == np.float32 else np.uint16))
+        bits = {np.dtype(np.float32): np.uint32, np.dtype(np.uint16): np.uint16, np.dtype(np.uint8): np.uint8}
+        assert np.array_equal(g.view(bits[g.dtype]), w.view(bits[w.dtype]))
     with pytest.raises(Exception, match="slot out of range"):
         jax.block_until_ready(kernels.rope_kv(qkv, cos, sin, jnp.full(rows, 8 * 16, jnp.int32), kc, vc, h))
 
@@ -553,3 +569,36 @@ def _proc_state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def test_fp8_writes_round_as_xla_converts() -> None:
+    """The native KV writes of a float8 cache give XLA's bits (attention.to_fp8: clipped to +-448, rounded to
+    nearest even) for every e4m3 value, every midpoint between two and its neighbours, subnormals, values
+    past 448 and at random scales; and the kernels read every e4m3 value back exactly."""
+    f8 = jnp.float8_e4m3fn
+    every = np.asarray(jax.lax.bitcast_convert_type(jnp.arange(256, dtype=jnp.uint8), f8).astype(jnp.float32))
+    every = every[np.isfinite(every)]
+    srt = np.unique(every)
+    mids = ((srt[1:].astype(np.float64) + srt[:-1]) / 2).astype(np.float32)
+    rng = np.random.default_rng(8)
+    vals = np.concatenate([every, mids, np.nextafter(mids, np.float32(-1e9)), np.nextafter(mids, np.float32(1e9)),
+                           [449.0, -500.0, 1e30, -np.inf, 2.0**-10, -(2.0**-10), 3 * 2.0**-11, 1e-40],
+                           *(rng.standard_normal(1024).astype(np.float32) * s for s in (1e-3, 0.05, 1.0, 30.0))])
+    d, rows = 64, -(-len(vals) // 64)
+    v = np.zeros(rows * d, np.float32)
+    v[: len(vals)] = vals
+    qkv = np.zeros((rows, 3 * d), np.float32)
+    qkv[:, 2 * d :] = v.reshape(rows, d)  # one query head, one KV head: the values are stored as they are
+    cos, sin = rope_cos_sin(jnp.zeros(rows, jnp.int32), d, 100000.0)
+    slots = jnp.arange(1, rows + 1, dtype=jnp.int32) * 16  # row r: slot 0 of page r + 1
+    kc = vc = jnp.zeros((1, rows + 1, 16, d), jnp.uint8)
+    _, _, got = kernels.rope_kv(jnp.asarray(qkv), cos, sin, slots, kc, vc, 1)
+    want = write_kv(vc, jnp.asarray(v.reshape(rows, 1, d)), slots)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    # read back by the decode kernel: a one-token sequence on page r + 1 gets its value row as its output
+    stored = np.asarray(jax.lax.bitcast_convert_type(got[0, 1:, 0], f8).astype(jnp.float32))  # [rows, d]
+    seqs = [SequenceSlice([0], 0, [r + 1]) for r in range(rows)]
+    bucket = -(-rows // 8) * 8
+    batch = jax.device_put(build_batch(seqs, 16, num_tokens=bucket, batch_size=bucket, q_len=1, num_pages=1))
+    out = paged_attention(jnp.zeros((bucket, 1, d), jnp.float32), got, got, batch, d**-0.5)
+    assert np.array_equal(np.asarray(out)[:rows, 0], stored)

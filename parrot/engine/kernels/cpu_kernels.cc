@@ -957,6 +957,16 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// Eight float8_e4m3fn values (the bytes of an fp8 cache) as float32, exactly: each byte's sign, exponent and
+// mantissa moved to a float16's places (e4m3's exponent bias is 7, float16's 15: that float16 is the value
+// times 2^-8, subnormals included), widened, times 256. (0x7F, e4m3's NaN, reads 480: caches never hold it.)
+inline __m256 load8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
 template <typename KV>
 inline float dot(const float* a, const KV* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
@@ -973,6 +983,10 @@ struct HeadState {
 // A page's rows [cnt, D] as float32: float32 pages as they are, bfloat16 pages widened into `buf`.
 inline const float* rows_f32(const float* p, int64_t, int64_t, float*) { return p; }
 inline const float* rows_f32(const uint16_t* p, int64_t cnt, int64_t D, float* buf) {
+  for (int64_t i = 0; i < cnt * D; i += 8) _mm256_store_ps(buf + i, load8(p + i));
+  return buf;
+}
+inline const float* rows_f32(const uint8_t* p, int64_t cnt, int64_t D, float* buf) {
   for (int64_t i = 0; i < cnt * D; i += 8) _mm256_store_ps(buf + i, load8(p + i));
   return buf;
 }
@@ -1115,6 +1129,13 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline __m512 load16(const uint8_t* p) {  // float8_e4m3fn bytes, as load8 reads them
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 inline __m512 exp512(__m512 x) { return vexp(x); }
@@ -1348,15 +1369,20 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const int64_t Pp = prefix_pages.dimensions()[0];
   if (kd[3] != D || D % 8 || D > 256 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
-  // bfloat16 caches arrive as bfloat16 or as their uint16 bit patterns (how the engine stores them)
+  // bfloat16 caches arrive as bfloat16 or as their uint16 bit patterns (how the engine stores them); float8
+  // (e4m3fn) caches as their uint8 bit patterns
   const auto kt = k_cache.element_type();
-  if (kt != v_cache.element_type() ||
-      (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16))
-    return ffi::Error::InvalidArgument("paged_decode: the KV caches must both be float32 or bfloat16");
+  if (kt != v_cache.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 &&
+                                       kt != ffi::DataType::U16 && kt != ffi::DataType::U8))
+    return ffi::Error::InvalidArgument("paged_decode: the KV caches must both be float32, bfloat16 or float8 bits");
   const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
   const int32_t* args[] = {block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(),
                            prefix_pages.typed_data(), in_prefix.typed_data()};
-  if (k_cache.element_type() == ffi::DataType::F32) {
+  if (kt == ffi::DataType::U8) {  // float8 pages widened to float32 per page (as fast as bf16 pairs, and exact)
+    paged_decode(pool, q.typed_data(), static_cast<const uint8_t*>(k_cache.untyped_data()),
+                 static_cast<const uint8_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
+                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale, false);
+  } else if (kt == ffi::DataType::F32) {
     paged_decode(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
                  static_cast<const float*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
                  args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale, false);
@@ -1381,10 +1407,15 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (kd[3] != D || D % 8 || H % Hkv || bd[0] != B || positions.dimensions()[0] != T)
     return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");
   const auto kt = k_cache.element_type();
-  if (kt != v_cache.element_type() ||
-      (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16))
-    return ffi::Error::InvalidArgument("paged_prefill: the KV caches must both be float32 or bfloat16");
-  if (kt == ffi::DataType::F32) {
+  if (kt != v_cache.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 &&
+                                       kt != ffi::DataType::U16 && kt != ffi::DataType::U8))
+    return ffi::Error::InvalidArgument("paged_prefill: the KV caches must both be float32, bfloat16 or float8 bits");
+  if (kt == ffi::DataType::U8) {  // float8 pages: widened to bfloat16 for the bf16 codes, else to float32
+    paged_prefill(pool, q.typed_data(), static_cast<const uint8_t*>(k_cache.untyped_data()),
+                  static_cast<const uint8_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
+                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
+                  D, Hkv, P, S, B, Q, bd[1], scale, bf16 != 0 ? fill_path() : kFillExact);
+  } else if (kt == ffi::DataType::F32) {
     paged_prefill(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
                   static_cast<const float*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
                   block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
@@ -1493,9 +1524,57 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
-// One token's key or value row of D into a cache row (float32, or bfloat16 bits rounded as XLA converts).
-inline void store_kv_row(const float* src, int64_t D, bool bf16, void* cache, int64_t at) {
-  if (!bf16) return static_cast<void>(std::memcpy(static_cast<float*>(cache) + at, src, D * sizeof(float)));
+// float32 -> float8_e4m3fn bit pattern of the value clipped to [-448, 448], rounded to nearest even: XLA's
+// conversion of the clipped value (attention.write_kv; a NaN stays NaN, 0x7F with its sign). Below e4m3's
+// smallest normal, 2^-6, the value is a whole number of 2^-9 (rounded to nearest even by the default
+// rounding mode); above it, the float32's bits are rounded at its 20th bit and its exponent re-biased
+// (127 -> 7).
+inline uint8_t e4m3_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  if (std::isnan(f)) return static_cast<uint8_t>(sign | 0x7Fu);
+  float a = std::fabs(f);
+  a = a < 448.f ? a : 448.f;
+  if (a < 0.015625f) return static_cast<uint8_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 512.f)));
+  uint32_t v;
+  std::memcpy(&v, &a, 4);
+  return static_cast<uint8_t>(sign | (((v + 0x7FFFFu + ((v >> 20) & 1u)) >> 20) - (120u << 3)));
+}
+
+inline void store_e4m3_row(const float* src, int64_t D, uint8_t* dst) {
+  int64_t d = 0;
+#ifdef __AVX512F__
+  // e4m3_bits in 16 lanes: the same steps (cvtps_epi32 rounds to nearest even)
+  const __m512 top = _mm512_set1_ps(448.f), small = _mm512_set1_ps(0.015625f), scale = _mm512_set1_ps(512.f);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFFF), bias = _mm512_set1_epi32(120 << 3);
+  const __m512i sign_bit = _mm512_set1_epi32(0x80);
+  for (; d + 16 <= D; d += 16) {
+    const __m512 x = _mm512_loadu_ps(src + d);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), sign_bit);
+    const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), top);
+    const __m512i v = _mm512_castps_si512(a);
+    const __m512i normal = _mm512_sub_epi32(
+        _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, half), _mm512_and_si512(_mm512_srli_epi32(v, 20), one)),
+                          20),
+        bias);
+    const __mmask16 sub = _mm512_cmp_ps_mask(a, small, _CMP_LT_OQ);
+    const __m512i mag = _mm512_mask_mov_epi32(normal, sub, _mm512_cvtps_epi32(_mm512_mul_ps(a, scale)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i bits = _mm512_or_si512(_mm512_mask_mov_epi32(mag, nan, _mm512_set1_epi32(0x7F)), sign);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(bits));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = e4m3_bits(src[d]);
+}
+
+enum class KvStore { kF32, kBf16, kE4m3 };
+
+// One token's key or value row of D into a cache row (float32; bfloat16 bits or float8_e4m3fn bits, rounded
+// as XLA converts).
+inline void store_kv_row(const float* src, int64_t D, KvStore kind, void* cache, int64_t at) {
+  if (kind == KvStore::kF32) return static_cast<void>(std::memcpy(static_cast<float*>(cache) + at, src, D * sizeof(float)));
+  if (kind == KvStore::kE4m3) return store_e4m3_row(src, D, static_cast<uint8_t*>(cache) + at);
   uint16_t* dst = static_cast<uint16_t*>(cache) + at;
   int64_t d = 0;
 #ifdef __AVX512F__
@@ -1557,12 +1636,13 @@ ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer
       static_cast<int64_t>(slots.element_count()) != T)
     return ffi::Error::InvalidArgument("rope_kv: shapes do not match");
   const auto dt = kb.element_type();
-  if (dt != vb.element_type() || (dt != ffi::DataType::F32 && dt != ffi::DataType::U16))
-    return ffi::Error::InvalidArgument("rope_kv: caches must both be float32 or uint16 (bfloat16 bits)");
+  if (dt != vb.element_type() || (dt != ffi::DataType::F32 && dt != ffi::DataType::U16 && dt != ffi::DataType::U8))
+    return ffi::Error::InvalidArgument("rope_kv: caches must both be float32, uint16 (bfloat16 bits) or uint8 "
+                                       "(float8_e4m3fn bits)");
   const int32_t* sp = slots.typed_data();
   for (int64_t t = 0; t < T; ++t)
     if (sp[t] < 0 || sp[t] >= P * S) return ffi::Error::InvalidArgument("rope_kv: slot out of range");
-  const bool bf16 = dt == ffi::DataType::U16;
+  const KvStore kind = dt == ffi::DataType::U16 ? KvStore::kBf16 : dt == ffi::DataType::U8 ? KvStore::kE4m3 : KvStore::kF32;
   auto rows = [&](int64_t t0, int64_t t1) {
     thread_local aligned::vector<float> kbuf;  // a rotated key row
     kbuf.resize(D);
@@ -1575,8 +1655,8 @@ ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t at = ((h * P + slot / S) * S + slot % S) * D;
         rope_head(x + (H + h) * D, c, s, half, kbuf.data());
-        store_kv_row(kbuf.data(), D, bf16, kb.untyped_data(), at);
-        store_kv_row(x + (H + Hkv + h) * D, D, bf16, vb.untyped_data(), at);
+        store_kv_row(kbuf.data(), D, kind, kb.untyped_data(), at);
+        store_kv_row(x + (H + Hkv + h) * D, D, kind, vb.untyped_data(), at);
       }
     }
   };

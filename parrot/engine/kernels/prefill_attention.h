@@ -377,6 +377,20 @@ void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const
   }
 }
 
+#if PARROT_AVX512_BF16
+// 32 float8_e4m3fn bytes as bfloat16 bits, exactly (e4m3's 3 mantissa bits fit bfloat16's 7): each byte as
+// a float16 of the value times 2^-8 (as load16 reads them), widened, times 256, narrowed.
+inline __m512i e4m3_bf16x32(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8),
+                                    _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), 7));
+  const __m512 k = _mm512_set1_ps(256.f);
+  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), k);
+  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), k);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
 #if PARROT_AMX_BF16 || PARROT_AVX512_BF16
 // The key and value rows of the positions l0 .. l0 + 31 (null past `cnt` or the pages).
 inline void block_rows(const uint16_t* kb, const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S,
@@ -741,8 +755,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
                    int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t B, int64_t Q,
                    int64_t maxp, float scale, int bf16 = kFillExact) {
   constexpr int W = kPrefillLanes;
-  // bfloat16 products (FillPath: on AMX's tiles, or with AVX512-BF16) over a bfloat16 cache
-  const bool bf16_cache = std::is_same<KV, uint16_t>::value;
+  // bfloat16 products (FillPath: on AMX's tiles, or with AVX512-BF16) over a bfloat16 cache, or a float8
+  // one whose pages a task reads are first widened to bfloat16 (exactly)
+  constexpr bool fp8_cache = std::is_same<KV, uint8_t>::value;
+  const bool bf16_cache = std::is_same<KV, uint16_t>::value || (fp8_cache && PARROT_AVX512_BF16);
   const bool tiles = PARROT_AMX_BF16 && bf16 == kFillAmxTiles && bf16_cache && D % 32 == 0;
   const bool pairs = PARROT_AVX512_BF16 && bf16 == kFillAvx512 && bf16_cache && D % 64 == 0 && D <= 256;
   (void)tiles, (void)pairs;  // read only where the CPU has those codes
@@ -791,6 +807,34 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
     const KV* kb = kc + g * head_stride;
     const KV* vb = vc + g * head_stride;
     const int64_t end = std::min<int64_t>(static_cast<int64_t>(last) + 1, npos);
+    // the bfloat16 paths' keys, values and page table: the cache's own, or (a float8 cache) the pages the
+    // task reads widened in order into this thread's buffers, their table 0, 1, 2, ...
+    const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb);
+    const uint16_t* vh = reinterpret_cast<const uint16_t*>(vb);
+    const int32_t* bth = bt + b * maxp;
+    (void)kh, (void)vh, (void)bth;  // read only where the CPU has the bfloat16 codes
+#if PARROT_AVX512_BF16
+    if constexpr (fp8_cache) {
+      if (tiles || pairs) {
+        thread_local aligned::vector<uint16_t> kw, vw;
+        thread_local std::vector<int32_t> order;
+        const int64_t np = (end + S - 1) / S, page = S * D;
+        kw.resize(std::max<int64_t>(np, 1) * page), vw.resize(std::max<int64_t>(np, 1) * page);
+        order.resize(std::max<int64_t>(maxp, 1));
+        for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = static_cast<int32_t>(i);
+        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(kb);
+        const uint8_t* v8 = reinterpret_cast<const uint8_t*>(vb);
+        for (int64_t i = 0; i < np; ++i) {
+          const int64_t at = static_cast<int64_t>(bth[i]) * page;
+          for (int64_t e = 0; e < page; e += 32) {
+            _mm512_store_si512(kw.data() + i * page + e, e4m3_bf16x32(k8 + at + e));
+            _mm512_store_si512(vw.data() + i * page + e, e4m3_bf16x32(v8 + at + e));
+          }
+        }
+        kh = kw.data(), vh = vw.data(), bth = order.data();
+      }
+    }
+#endif
     // keys 0 .. seen - 1 are seen by every row with a query: whole blocks there go in runs (f32 and pairs)
     const int64_t seen = first >= 0.f && first <= last ? std::min<int64_t>(end, static_cast<int64_t>(first) + 1) : 0;
 #if PARROT_AMX_BF16
@@ -806,8 +850,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
       prefill_lane_queries(t.qp.data(), t.qt, rows, D);
       prefill_tiles_configure();
       for (int64_t l0 = 0; l0 < end; l0 += 32)
-        prefill_block_tiles(s, t, groups, D, reinterpret_cast<const uint16_t*>(kb), reinterpret_cast<const uint16_t*>(vb),
-                            bt + b * maxp, npos, S, l0, std::min<int64_t>(32, end - l0));
+        prefill_block_tiles(s, t, groups, D, kh, vh, bth, npos, S, l0, std::min<int64_t>(32, end - l0));
       _tile_release();
       for (int64_t g = 0; g < groups; ++g)  // the outputs back to a row per token and head
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -830,12 +873,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
       prefill_lane_queries(t.qp.data(), t.qt, rows, D);
       int64_t l0 = 0;
-      const uint16_t* kh = reinterpret_cast<const uint16_t*>(kb);
-      const uint16_t* vh = reinterpret_cast<const uint16_t*>(vb);
       for (; l0 + 32 * kRunBlocks <= seen; l0 += 32 * kRunBlocks)
-        prefill_pair_blocks(s, t, rows, D, kh, vh, bt + b * maxp, npos, S, l0, kRunBlocks, 32);
+        prefill_pair_blocks(s, t, rows, D, kh, vh, bth, npos, S, l0, kRunBlocks, 32);
       for (; l0 < end; l0 += 32)
-        prefill_pair_blocks(s, t, rows, D, kh, vh, bt + b * maxp, npos, S, l0, 1, std::min<int64_t>(32, end - l0));
+        prefill_pair_blocks(s, t, rows, D, kh, vh, bth, npos, S, l0, 1, std::min<int64_t>(32, end - l0));
     } else
 #endif
     if (f32lanes) {
