@@ -141,7 +141,7 @@ xla_flags() {
 # the device's tests first (what changed since the last GPU run near the front), the host-only ones last;
 # the native CPU kernels' own tests are left out (they need no GPU)
 GPU_TESTS=(tests/engine/test_engine_model.py tests/engine/test_sampling.py tests/engine/test_engine.py
-  tests/engine/test_batching_bound.py
+  tests/engine/test_batching_bound.py tests/engine/test_kv_fp8.py tests/engine/test_speculative.py
   tests/engine/test_runner_blocks.py tests/engine/test_scheduler.py tests/engine/test_shapes.py tests/engine/test_layer_loop.py
   tests/engine/test_reference.py tests/engine/test_precision.py tests/engine/test_batch.py tests/engine/test_runner.py
   tests/engine/test_attention.py tests/engine/test_gpu_attention.py tests/engine/test_device.py
