@@ -53,7 +53,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = "~/.cache/parrot/jax"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
     # "auto": block-quantized matrices (GGUF Q8_0 / Q4_0 / Q4_1) stay quantized where the native CPU
-    # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that
+    # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that;
+    # "q8_0": float matrices (a Hugging Face directory's, a GGUF's F16/F32 ones, dummy weights) quantized to
+    # Q8_0 blocks at load, for the native CPU kernels (needs them), quantized ones kept as they are
     weights: str = "auto"
     # KV cache element type: "bf16" (half the bytes per token: twice the contexts in the same budget and
     # half the reads of decode attention), "f32", "fp8" (float8 e4m3fn, values clipped to +-448 and
@@ -157,8 +159,8 @@ class EngineConfig:
             raise ValueError("decode_attention must be 'auto', 'xla', 'kernel' or 'fused'")
         if self.kv_dtype not in ("auto", "f32", "bf16", "fp8"):
             raise ValueError("kv_dtype must be 'auto', 'f32', 'bf16' or 'fp8'")
-        if self.weights not in ("auto", "f32", "bf16"):
-            raise ValueError("weights must be 'auto', 'f32' or 'bf16'")
+        if self.weights not in ("auto", "f32", "bf16", "q8_0"):
+            raise ValueError("weights must be 'auto', 'f32', 'bf16' or 'q8_0'")
         if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:
             raise ValueError("throughput_hold_ms must be 0 (off) or positive")
         if self.decode_bursts is not None and self.decode_bursts < 0:

@@ -79,6 +79,34 @@ def quantize(w: np.ndarray, qtype: str) -> QuantizedTensor:
     return QuantizedTensor(qtype, data, tuple(w.shape))
 
 
+# the weights `quantize_matrices` quantizes: the model's matrices by their names' last part (norms and
+# biases stay float)
+MATRICES = ("embed", "lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def quantize_matrices(weights: dict[str, object], qtype: str) -> dict[str, object]:
+    """The model's float matrices (`MATRICES`; an input size that is a multiple of 32) as `qtype` blocks: the
+    projections as their output rows, the embedding as its rows (`rows_are_matrix`). Quantized matrices and
+    everything else are kept as they are. Deterministic: the same blocks on every load."""
+    import gguf
+
+    out: dict[str, object] = {}
+    for name, w in weights.items():
+        short = name.rsplit(".", 1)[-1]
+        if isinstance(w, QuantizedTensor) or short not in MATRICES or np.ndim(w) != 2:
+            out[name] = w
+            continue
+        rows = short == "embed"  # [vocab, hidden]: quantized along hidden, row by row
+        k = w.shape[1] if rows else w.shape[0]
+        if k % 32:
+            out[name] = w
+            continue
+        a = np.asarray(w, np.float32)
+        data = gguf.quants.quantize(np.ascontiguousarray(a if rows else a.T), gguf.GGMLQuantizationType[qtype.upper()])
+        out[name] = QuantizedTensor(qtype, data, tuple(a.shape), rows_are_matrix=rows)
+    return out
+
+
 def _f16(pairs: jax.Array) -> jax.Array:
     """uint8 [..., 2] -> float32 [...] (little-endian float16)."""
     return jax.lax.bitcast_convert_type(pairs, jnp.float16).astype(jnp.float32)

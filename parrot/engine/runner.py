@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from parrot import procinfo
 from parrot.config import EngineConfig
-from parrot.engine import attention, gpu_attention, kernels, tensor_parallel
+from parrot.engine import attention, gpu_attention, kernels, quant, tensor_parallel
 from parrot.engine.batch import (
     ForwardBatch,
     SequenceSlice,
@@ -240,6 +240,9 @@ class ModelRunner:
         self.page_size = ecfg.page_size
         self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
+        if self.weights_mode == "float" and ecfg.weights == "auto" and kernels.available():
+            log.info("float weights on a CPU run through XLA's float products; --weights q8_0 quantizes them at "
+                     "load for the native kernels (SmolLM2-135M's shape: decode 4.7x faster, prefill 1.3x)")
         # tensor parallelism: the model with heads, FFN and vocabulary zero-padded to split in whole parts
         self.tp = ecfg.tensor_parallel_size
         self.mesh = tensor_parallel.make_mesh(self.tp) if self.tp > 1 else None
@@ -1111,8 +1114,13 @@ def kv_dtype(setting: str, act_dtype: jnp.dtype) -> jnp.dtype:
 
 def resolve_weights(weights: dict[str, Weight], mode: str) -> tuple[dict[str, Weight], str]:
     """Apply the `weights` setting: quantized matrices stay quantized ("auto" where the native CPU
-    kernels run), or are dequantized exactly to float32 (cast to the compute dtype by the model).
-    Returns the weights and what they are: "quantized" (some matrices kept in blocks) or "float"."""
+    kernels run), or are dequantized exactly to float32 (cast to the compute dtype by the model); "q8_0":
+    float matrices are quantized to Q8_0 blocks (`quantize_matrices`). Returns the weights and what they
+    are: "quantized" (some matrices kept in blocks) or "float"."""
+    if mode == "q8_0":
+        if not kernels.available():
+            raise ValueError(f"--weights q8_0 needs the native CPU kernels: {kernels.unavailable_reason()}")
+        return quant.quantize_matrices(weights, "q8_0"), "quantized"
     keep = mode == "auto" and any(isinstance(w, QuantizedTensor) for w in weights.values()) and kernels.available()
     if keep:
         return weights, "quantized"

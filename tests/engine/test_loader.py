@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from parrot.engine import kernels
 from parrot.engine.loader import LoadedModel, _unpermute, load_model
 from parrot.engine.models.llama import LlamaConfig, Weight, random_weights
 from parrot.engine.quant import GGML_TYPES, QuantizedTensor
@@ -582,3 +583,26 @@ def test_hf_corrupt_tokenizer(tmp_path: Path) -> None:
     path = _tiny_hf(tmp_path)
     (path / "tokenizer.json").write_text("{\"version\": 1")
     assert "cannot read" in _load_error(path)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="--weights q8_0 runs on the native CPU kernels")
+def test_hf_directory_quantized_at_load(tmp_path: Path) -> None:
+    """`--weights q8_0` on a Hugging Face directory: its float matrices become Q8_0 blocks at load, run by the
+    native kernels, and compute the model within Q8_0's rounding of the float weights' logits."""
+    cfg, w = variant("LlamaForCausalLM", False)
+    loaded = load_model(write_hf_dir(tmp_path / "hf", cfg, w), progress=False)
+    runner = ModelRunner(cfg, loaded.weights, tiny_engine_config(dtype="float32", weights="q8_0", kv_dtype="f32"))
+    assert runner.weights_mode == "quantized"
+    ids = _ids()
+    got, want = prefix_logits(cfg, loaded.weights, ids, mode="q8_0"), prefix_logits(cfg, loaded.weights, ids)
+    err = float(np.abs(got - want).max())
+    print(f"q8_0 against float weights: max |dlogit| {err:.2e} of logits up to {np.abs(want).max():.2f}")
+    assert err < 0.03 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def test_q8_0_weights_need_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, w = variant("LlamaForCausalLM", True)
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    with pytest.raises(ValueError, match="q8_0 needs the native CPU kernels"):
+        ModelRunner(cfg, w, tiny_engine_config(dtype="float32", weights="q8_0", kv_dtype="f32"))
