@@ -94,7 +94,13 @@ ATTENTION = {
     "prefill, float32 cache": lambda: tk.test_prefill_in_place_equals_gather_path("float32"),
     "prefill, bfloat16 cache": lambda: tk.test_prefill_in_place_equals_gather_path("bfloat16"),
     "prefill, any chunk or batch": lambda: tk.test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(
-        False),
+        False, "bfloat16"),
+    "decode, float8 cache": lambda: tk.test_decode_in_place_equals_gather_path("float8"),
+    "prefill, float8 cache": lambda: tk.test_prefill_in_place_equals_gather_path("float8"),
+    "prefill, float8, any chunk or batch": lambda: tk.test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(
+        False, "float8"),
+    "rope and KV writes, float8": lambda: tk.test_rope_kv_is_xlas_rope_and_kv_writes("float8", 70, 64),
+    "float8 writes round as XLA converts": tk.test_fp8_writes_round_as_xla_converts,
     "prefill, any page size": lambda: tk.test_prefill_bits_do_not_depend_on_the_page_size(False),
     "prefill, head size 80": lambda: tk.test_prefill_in_float32_at_other_head_sizes(80),
     "rope and KV writes, bfloat16": lambda: tk.test_rope_kv_is_xlas_rope_and_kv_writes("bfloat16", 70, 64),
