@@ -412,7 +412,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers-per-call", type=int, nargs="+", default=[1],
                     help="configurations measured side by side (0: the whole model in one call)")
-    ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "f32", "bf16", "q8_0"],
+    ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "f32", "bf16", "q8_0", "q4_1", "q4_0"],
                     help="weight settings measured side by side (auto: quantized files stay quantized)")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights of --model's shape (a preset such as llama-3-8b or smollm2-1.7b, "

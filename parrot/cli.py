@@ -10,7 +10,7 @@ import time
 
 from pydantic import ValidationError
 
-from parrot.config import EngineConfig, ServeConfig
+from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.logs import configure as configure_logs
 
@@ -28,11 +28,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="accelerators: share of device memory for weights + KV cache (default 0.9)")
     p.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
                    help="JAX persistent compilation cache ('' disables it)")
-    p.add_argument("--weights", choices=["auto", "f32", "bf16", "q8_0"], default=EngineConfig.weights,
+    p.add_argument("--weights", choices=["auto", "f32", "bf16", *QUANTIZE_AT_LOAD], default=EngineConfig.weights,
                    help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay quantized and are multiplied by "
                         "native CPU kernels (dequantized where those cannot run); f32/bf16: dequantized at load; "
-                        "q8_0: float matrices (e.g. a Hugging Face directory's) quantized to Q8_0 at load for the "
-                        "native CPU kernels")
+                        "q8_0/q4_1/q4_0: float matrices (e.g. a Hugging Face directory's) quantized to those "
+                        "blocks at load for the native CPU kernels (q8_0 nearly exact, q4 smaller and lossier)")
     p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16", "fp8"], default=EngineConfig.kv_dtype,
                    help="KV cache elements: bf16 (half the memory and attention reads per token), f32, fp8 "
                         "(float8 e4m3, a quarter of f32's bytes, no scales: approximate), or auto (default: bf16 "

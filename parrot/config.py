@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# the GGUF block types float weights can be quantized to at load (EngineConfig.weights)
+QUANTIZE_AT_LOAD = ("q8_0", "q4_1", "q4_0")
+
 
 def _pow2(lo: int, hi: int) -> list[int]:
     out, n = [], lo
@@ -54,8 +57,9 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
     # "auto": block-quantized matrices (GGUF Q8_0 / Q4_0 / Q4_1) stay quantized where the native CPU
     # kernels run, else they are dequantized to the compute dtype; "f32" / "bf16": dequantized to that;
-    # "q8_0": float matrices (a Hugging Face directory's, a GGUF's F16/F32 ones, dummy weights) quantized to
-    # Q8_0 blocks at load, for the native CPU kernels (needs them), quantized ones kept as they are
+    # "q8_0" / "q4_1" / "q4_0": float matrices (a Hugging Face directory's, a GGUF's F16/F32 ones, dummy
+    # weights) quantized to those GGUF blocks at load, for the native CPU kernels (needs them), quantized ones
+    # kept as they are
     weights: str = "auto"
     # KV cache element type: "bf16" (half the bytes per token: twice the contexts in the same budget and
     # half the reads of decode attention), "f32", "fp8" (float8 e4m3fn, values clipped to +-448 and
@@ -159,8 +163,8 @@ class EngineConfig:
             raise ValueError("decode_attention must be 'auto', 'xla', 'kernel' or 'fused'")
         if self.kv_dtype not in ("auto", "f32", "bf16", "fp8"):
             raise ValueError("kv_dtype must be 'auto', 'f32', 'bf16' or 'fp8'")
-        if self.weights not in ("auto", "f32", "bf16", "q8_0"):
-            raise ValueError("weights must be 'auto', 'f32', 'bf16' or 'q8_0'")
+        if self.weights not in ("auto", "f32", "bf16", *QUANTIZE_AT_LOAD):
+            raise ValueError(f"weights must be 'auto', 'f32', 'bf16' or one of {', '.join(QUANTIZE_AT_LOAD)}")
         if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:
             raise ValueError("throughput_hold_ms must be 0 (off) or positive")
         if self.decode_bursts is not None and self.decode_bursts < 0:

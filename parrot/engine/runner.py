@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from parrot import procinfo
-from parrot.config import EngineConfig
+from parrot.config import QUANTIZE_AT_LOAD, EngineConfig
 from parrot.engine import attention, gpu_attention, kernels, quant, tensor_parallel
 from parrot.engine.batch import (
     ForwardBatch,
@@ -1114,13 +1114,13 @@ def kv_dtype(setting: str, act_dtype: jnp.dtype) -> jnp.dtype:
 
 def resolve_weights(weights: dict[str, Weight], mode: str) -> tuple[dict[str, Weight], str]:
     """Apply the `weights` setting: quantized matrices stay quantized ("auto" where the native CPU
-    kernels run), or are dequantized exactly to float32 (cast to the compute dtype by the model); "q8_0":
-    float matrices are quantized to Q8_0 blocks (`quantize_matrices`). Returns the weights and what they
-    are: "quantized" (some matrices kept in blocks) or "float"."""
-    if mode == "q8_0":
+    kernels run), or are dequantized exactly to float32 (cast to the compute dtype by the model); "q8_0",
+    "q4_1", "q4_0": float matrices are quantized to those blocks (`quant.quantize_matrices`). Returns the
+    weights and what they are: "quantized" (some matrices kept in blocks) or "float"."""
+    if mode in QUANTIZE_AT_LOAD:
         if not kernels.available():
-            raise ValueError(f"--weights q8_0 needs the native CPU kernels: {kernels.unavailable_reason()}")
-        return quant.quantize_matrices(weights, "q8_0"), "quantized"
+            raise ValueError(f"--weights {mode} needs the native CPU kernels: {kernels.unavailable_reason()}")
+        return quant.quantize_matrices(weights, mode), "quantized"
     keep = mode == "auto" and any(isinstance(w, QuantizedTensor) for w in weights.values()) and kernels.available()
     if keep:
         return weights, "quantized"

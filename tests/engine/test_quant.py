@@ -529,9 +529,10 @@ def test_fused_swiglu_takes_an_even_matrix_only() -> None:
         np.asarray(kernels.qmatmul(jnp.ones((2, 64)), jnp.asarray(q.data), "q8_0", swiglu=True))
 
 
-def test_quantize_matrices_takes_the_float_matrices_only() -> None:
-    """`--weights q8_0`: every float matrix as Q8_0 blocks (the embedding by its rows), each block as gguf
-    quantizes it; norms, biases, matrices already in blocks and inputs not a multiple of 32 kept."""
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1", "q4_0"])
+def test_quantize_matrices_takes_the_float_matrices_only(qtype: str) -> None:
+    """`--weights q8_0` (q4_1, q4_0): every float matrix as such blocks (the embedding by its rows), each block
+    as gguf quantizes it; norms, biases, matrices already in blocks and inputs not a multiple of 32 kept."""
     rng = np.random.default_rng(5)
     q4 = quant.quantize(rng.standard_normal((64, 96)).astype(np.float32), "q4_1")
     w = {"embed": rng.standard_normal((100, 64)).astype(np.float32),
@@ -540,14 +541,16 @@ def test_quantize_matrices_takes_the_float_matrices_only() -> None:
          "layers.0.wo": rng.standard_normal((48, 64)).astype(np.float32),  # input of 48: not whole blocks
          "layers.0.bq": rng.standard_normal(96).astype(np.float32),
          "layers.0.attn_norm": np.ones(64, np.float32)}
-    out = quant.quantize_matrices(w, "q8_0")
+    out = quant.quantize_matrices(w, qtype)
     emb, wq = out["embed"], out["layers.0.wq"]
     assert isinstance(emb, QuantizedTensor) and emb.rows_are_matrix and emb.shape == (100, 64)
     assert isinstance(wq, QuantizedTensor) and not wq.rows_are_matrix and wq.shape == (64, 96)
+    assert wq.qtype == emb.qtype == qtype
     np.testing.assert_array_equal(wq.data, gguf.quants.quantize(np.ascontiguousarray(w["layers.0.wq"].T),
-                                                                 gguf.GGMLQuantizationType.Q8_0))
-    for name in ("embed", "layers.0.wq"):  # Q8_0: within half a step of each block's largest / 127
-        np.testing.assert_allclose(out[name].dequantize(), w[name], atol=np.abs(w[name]).max() / 127)
+                                                                 gguf.GGMLQuantizationType[qtype.upper()]))
+    steps = {"q8_0": 127, "q4_1": 15 / 2, "q4_0": 7}  # within a step of each block's range / levels
+    for name in ("embed", "layers.0.wq"):
+        np.testing.assert_allclose(out[name].dequantize(), w[name], atol=np.abs(w[name]).max() / steps[qtype])
     assert out["layers.0.w_down"] is q4
     for name in ("layers.0.wo", "layers.0.bq", "layers.0.attn_norm"):
         assert out[name] is w[name]
