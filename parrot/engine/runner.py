@@ -265,6 +265,9 @@ class ModelRunner:
         # per device: the KV pool is split by KV head, the weights in tp parts
         bytes_per_page = 2 * mcfg.num_layers * self.page_size * mcfg.num_kv_heads // self.tp * mcfg.head_dim
         self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
+        if self.kv_dtype == jnp.float8_e4m3fn:
+            log.info("float8 KV cache: keys and values rounded to 3 mantissa bits, an approximation (small models "
+                     "feel it: docs/benchmarks.md, a float8 KV cache)")
         bytes_per_page *= self.kv_dtype.itemsize
         if ecfg.weights == "bf16":
             prefill_dtype = self.dtype = self.prefill_dtype = jnp.dtype(jnp.bfloat16)
