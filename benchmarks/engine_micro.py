@@ -102,8 +102,10 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         for lpc in layers:
             for att, hp, kvd in itertools.product(attention, huge or ["on"], kv_dtypes):
                 t = time.perf_counter()
+                keys, _, values = kvd.partition(":")  # "bf16:fp8": the keys' and the values' types
                 cfg = EngineConfig(model=model, kv_pages=pages, compilation_cache_dir=None,
-                                   layers_per_call=lpc or None, weights=w, decode_attention=att, kv_dtype=kvd)
+                                   layers_per_call=lpc or None, weights=w, decode_attention=att, kv_dtype=keys,
+                                   v_dtype=values or None)
                 with _huge_pages(hp):
                     r = ModelRunner(loaded.config, loaded.weights, cfg)
                 jax.block_until_ready(r.weights)
@@ -160,7 +162,7 @@ def run(model: str, prompt_len: int, decode_ctx: int, batches: list[int], repeat
         "cpu_matmul_by_config": {name: _matmul_path(name, select) for name in runners},
         "decode_kernel_by_config": {name: r.decode_kernel for name, r in runners.items()},
         "decode_attention_by_config": {name: r.decode_attention for name, r in runners.items()},
-        "kv_dtype_by_config": {name: str(r.kv_dtype) for name, r in runners.items()}, "kv_fill": kv_fill,
+        "kv_dtype_by_config": {name: r.kv_dtype_name for name, r in runners.items()}, "kv_fill": kv_fill,
         # loops' samplers: parts named on the host (no device branch: accelerators) or branching on the device
         "loop_sampler": "named" if next(iter(runners.values())).host_stages else "branching",
         "cpu_decode_attention_by_config": {name: _decode_attention(name, select) for name in runners},
@@ -301,16 +303,18 @@ def _fill_kv(r: ModelRunner, seed: int = 0) -> None:
     written are the operating system's one page of zeros, which stays in the CPU's caches."""
     rng = np.random.default_rng(seed)
     ks, vs = r.kv
-    shape, storage = ks[0].shape, ks[0].dtype
-    sample = jnp.asarray(rng.standard_normal(shape).astype(np.float32))  # one layer's values, reused
-    if storage == jnp.uint16:
-        sample = jax.lax.bitcast_convert_type(sample.astype(jnp.bfloat16), jnp.uint16)
-    elif storage == jnp.uint8:
-        sample = jax.lax.bitcast_convert_type(attention.to_fp8(sample), jnp.uint8)
-    else:
-        sample = sample.astype(storage)
+    values = jnp.asarray(rng.standard_normal(ks[0].shape).astype(np.float32))  # one layer's values, reused
+
+    def stored(storage: jnp.dtype) -> jax.Array:
+        if storage == jnp.uint16:
+            return jax.lax.bitcast_convert_type(values.astype(jnp.bfloat16), jnp.uint16)
+        if storage == jnp.uint8:
+            return jax.lax.bitcast_convert_type(attention.to_fp8(values), jnp.uint8)
+        return values.astype(storage)
+
     copy = jax.jit(lambda x: x + jnp.zeros_like(x), out_shardings=ks[0].sharding)  # fresh memory each layer
-    r.kv = (tuple(copy(sample) for _ in ks), tuple(copy(sample) for _ in vs))
+    k, v = stored(ks[0].dtype), stored(vs[0].dtype)
+    r.kv = (tuple(copy(k) for _ in ks), tuple(copy(v) for _ in vs))
     jax.block_until_ready(r.kv)
 
 
@@ -426,8 +430,9 @@ def main() -> None:
                          "row on the integer path; avx512-bf16: VNNI, prompt fills with AVX512-BF16's pair "
                          "products; avx512-vnni: every row as exact integer sums on VNNI; avx2: the vector "
                          "code); a code the CPU lacks runs as the best it has")
-    ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "f32", "bf16", "fp8"],
-                    help="KV cache element types measured side by side (a runner each; see EngineConfig.kv_dtype)")
+    ap.add_argument("--kv-dtype", nargs="+", default=["auto"], choices=["auto", "f32", "bf16", "fp8", "bf16:fp8"],
+                    help="KV cache element types measured side by side (a runner each; see EngineConfig.kv_dtype; "
+                         "bf16:fp8: bfloat16 keys, float8 values)")
     ap.add_argument("--kv-fill", choices=["unwritten", "random"], default="unwritten",
                     help="the KV pool's pages before timing: unwritten (zeros; on a CPU pages never written are "
                          "the OS's one zero page, read from the caches) or random (every page written: decode "

@@ -67,6 +67,10 @@ class EngineConfig:
     # float32's bytes, approximate), or "auto": bf16 where the native CPU kernels decode (their greedy
     # outputs equal float32's on the reference prompts), else the activation dtype
     kv_dtype: str = "auto"
+    # the values' element type alone (None: kv_dtype's), as llama.cpp's --cache-type-v: bf16 keys with fp8
+    # values take 3/4 of bf16's bytes and keep more of the model than fp8 keys (whose rounding the softmax
+    # amplifies); the native CPU kernels take both alike, or bfloat16 keys with float8 values
+    v_dtype: str | None = None
     # a stable decode batch keeps one step in flight: the next is planned and launched before this one's
     # tokens reach the host (the engine's overlap; greedy and seeded results are the same either way)
     overlap: bool = True
@@ -163,6 +167,8 @@ class EngineConfig:
             raise ValueError("decode_attention must be 'auto', 'xla', 'kernel' or 'fused'")
         if self.kv_dtype not in ("auto", "f32", "bf16", "fp8"):
             raise ValueError("kv_dtype must be 'auto', 'f32', 'bf16' or 'fp8'")
+        if self.v_dtype not in (None, "auto", "f32", "bf16", "fp8"):
+            raise ValueError("v_dtype must be None, 'auto', 'f32', 'bf16' or 'fp8'")
         if self.weights not in ("auto", "f32", "bf16", *QUANTIZE_AT_LOAD):
             raise ValueError(f"weights must be 'auto', 'f32', 'bf16' or one of {', '.join(QUANTIZE_AT_LOAD)}")
         if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:

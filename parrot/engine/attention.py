@@ -80,11 +80,13 @@ def _partial(s: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
     return m, e, jnp.sum(e, axis=-1, keepdims=True)
 
 
-def in_place(cache_dtype: jnp.dtype, head_dim: int) -> bool:
-    """Whether attention over a cache of this storage dtype reads the pages in place through the native CPU
-    kernels (decode steps, and prefill steps without a shared prefix) instead of gathering them."""
-    return (jnp.dtype(cache_dtype) in (jnp.float32, jnp.uint16, jnp.uint8) and head_dim % 8 == 0
-            and kernels.available())
+def in_place(cache_dtype: jnp.dtype, head_dim: int, v_dtype: jnp.dtype | None = None) -> bool:
+    """Whether attention over caches of these storage dtypes (the keys'; the values', if other) reads the pages
+    in place through the native CPU kernels (decode steps, and prefill steps without a shared prefix) instead
+    of gathering them: both alike, or bfloat16 keys with float8 values."""
+    k, v = jnp.dtype(cache_dtype), jnp.dtype(v_dtype or cache_dtype)
+    pair = k == v or (k == jnp.uint16 and v == jnp.uint8)
+    return pair and k in (jnp.float32, jnp.uint16, jnp.uint8) and head_dim % 8 == 0 and kernels.available()
 
 
 def paged_attention(
@@ -101,12 +103,13 @@ def paged_attention(
     hkv = k_cache.shape[0]
     group = h // hkv
     bsz, qlen = batch.q_index.shape
-    if in_place(k_cache.dtype, d):
+    if in_place(k_cache.dtype, d, v_cache.dtype):
         if qlen == 1:
             return _decode_in_place(q, k_cache, v_cache, batch, scale, bf16)
         if batch.prefix_pages.shape[0] == 0:
             return _prefill_in_place(q, k_cache, v_cache, batch, scale, bf16)
-    if gpu_kernel and qlen == 1 and k_cache.dtype == jnp.bfloat16 and batch.prefix_pages.shape[0] == 0:
+    if (gpu_kernel and qlen == 1 and k_cache.dtype == v_cache.dtype == jnp.bfloat16
+            and batch.prefix_pages.shape[0] == 0):
         return _decode_gpu(q, k_cache, v_cache, batch, scale)
     if fused and qlen == 1 and batch.prefix_pages.shape[0] == 0:
         return _decode_fused(q, k_cache, v_cache, batch, scale)

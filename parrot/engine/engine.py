@@ -337,7 +337,7 @@ class LLMEngine:
         r, c = self.runner, self.cfg
         dev = device_memory()
         return {"platform": dev.platform, "device": dev.kind,
-                "weights": r.weights_mode, "dtype": str(r.dtype), "kv_dtype": str(r.kv_dtype),
+                "weights": r.weights_mode, "dtype": str(r.dtype), "kv_dtype": r.kv_dtype_name,
                 "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),

@@ -263,12 +263,13 @@ class ModelRunner:
             weights = tensor_parallel.pad_weights(cfg, weights, self.model_cfg)
         mcfg = self.model_cfg
         # per device: the KV pool is split by KV head, the weights in tp parts
-        bytes_per_page = 2 * mcfg.num_layers * self.page_size * mcfg.num_kv_heads // self.tp * mcfg.head_dim
-        self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)
-        if self.kv_dtype == jnp.float8_e4m3fn:
-            log.info("float8 KV cache: keys and values rounded to 3 mantissa bits, an approximation (small models "
-                     "feel it: docs/benchmarks.md, a float8 KV cache)")
-        bytes_per_page *= self.kv_dtype.itemsize
+        bytes_per_page = mcfg.num_layers * self.page_size * mcfg.num_kv_heads // self.tp * mcfg.head_dim
+        self.kv_dtype = kv_dtype(ecfg.kv_dtype, self.act_dtype)  # the keys' (and the values' unless v_dtype)
+        self.v_dtype = kv_dtype(ecfg.v_dtype, self.act_dtype) if ecfg.v_dtype else self.kv_dtype
+        if jnp.float8_e4m3fn in (self.kv_dtype, self.v_dtype):
+            log.info("float8 KV cache (%s): rounded to 3 mantissa bits, an approximation (small models feel it: "
+                     "docs/benchmarks.md, a float8 KV cache)", self.kv_dtype_name)
+        bytes_per_page *= self.kv_dtype.itemsize + self.v_dtype.itemsize
         if ecfg.weights == "bf16":
             prefill_dtype = self.dtype = self.prefill_dtype = jnp.dtype(jnp.bfloat16)
         # page 0 is a scratch page: padding tokens write there, never handed to a context
@@ -281,7 +282,7 @@ class ModelRunner:
         # (the kernel pads each KV head's query group to 16 rows: "auto" takes it for groups of 4 or more)
         wanted = ecfg.decode_attention == "kernel" or (ecfg.decode_attention == "auto"
                                                        and cfg.num_heads // cfg.num_kv_heads >= 4)
-        self.decode_kernel = (wanted and self.kv_dtype == jnp.bfloat16 and self.mesh is None
+        self.decode_kernel = (wanted and self.kv_dtype == self.v_dtype == jnp.bfloat16 and self.mesh is None
                               and gpu_attention.available())
         self.decode_fused = ecfg.decode_attention == "fused"  # XLA's lowering without a gathered copy
         # the dtype quantized products are asked in (quant.linear's `dtype`): the prefill dtype, but bfloat16 on a
@@ -301,7 +302,7 @@ class ModelRunner:
                               decode_fused=self.decode_fused)
         del weights
         # multi-step decode loops run the layers as a loop (one layer's code per executable) where they can
-        self._layer_loop = (LayerLoop.of(model, self.kv_storage_dtype)
+        self._layer_loop = (LayerLoop.of(model, self.kv_storage_dtype, self.v_storage_dtype)
                             if self.mesh is None and ecfg.layer_loop else None)
         self._layer_graphdef, layer_template = nnx.split(model.layers[0])
         self._layer_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layer_template)
@@ -491,18 +492,26 @@ class ModelRunner:
 
     @property
     def kv_storage_dtype(self) -> jnp.dtype:
-        """The cache arrays' dtype: on a CPU a bfloat16 cache is held as uint16 bit patterns, and a float8 cache
-        as uint8 ones everywhere (attention.write_kv)."""
-        cpu = jax.default_backend() == "cpu"
-        if self.kv_dtype == jnp.float8_e4m3fn:
-            return jnp.dtype(jnp.uint8)
-        return jnp.dtype(jnp.uint16 if self.kv_dtype == jnp.bfloat16 and cpu else self.kv_dtype)
+        """The key cache arrays' dtype (`storage_dtype`)."""
+        return storage_dtype(self.kv_dtype)
+
+    @property
+    def v_storage_dtype(self) -> jnp.dtype:
+        """The value cache arrays' dtype (`storage_dtype`)."""
+        return storage_dtype(self.v_dtype)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The cache's element types as /health shows them: one, or the keys' and the values'."""
+        if self.kv_dtype == self.v_dtype:
+            return str(self.kv_dtype)
+        return f"{self.kv_dtype} keys, {self.v_dtype} values"
 
     @functools.cached_property
     def prefill_in_place(self) -> bool:
         """Whether prefill attention reads the KV pages in place (its cost then grows with the positions a
         chunk attends to, not with its padded attention length)."""
-        return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim)
+        return attention.in_place(self.kv_storage_dtype, self.model_cfg.head_dim, self.v_storage_dtype)
 
     @property
     def decode_attention(self) -> str:
@@ -532,24 +541,25 @@ class ModelRunner:
         CPU (read in place by the kernels), head sizes the kernel takes, AVX512-BF16 (kernels/decode_bf16.h).
         (A float8 cache's pages are widened to float32: as fast here, and exact.)"""
         d = self.model_cfg.head_dim
-        return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == jnp.uint16 and d % 64 == 0
+        return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == self.v_storage_dtype == jnp.uint16
+                and d % 64 == 0
                 and d <= 256 and kernels.decode_bf16())
 
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg
         shape = (mcfg.num_kv_heads, self.num_pages, self.page_size, mcfg.head_dim)
-        n, dtype = mcfg.num_layers, self.kv_storage_dtype
+        n, kd, vd = mcfg.num_layers, self.kv_storage_dtype, self.v_storage_dtype
         # placed on the device explicitly (committed), as every step's output pool is: a pool that is not
         # would make the page copy that precompile() compiled compile again on the first real copy
         one = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.weights)[0].devices())))
         if self.mesh is None and kernels.available():  # the CPU: pages resident once the engine writes them
-            kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, dtype)] * (2 * n)),
-                         out_shardings=one)()
+            kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, kd)] * n
+                                                    + [jax.ShapeDtypeStruct(shape, vd)] * n), out_shardings=one)()
             return tuple(kv[:n]), tuple(kv[n:])
         out = one if self.mesh is None else NamedSharding(self.mesh, tensor_parallel.kv_spec())
         # one compiled call fills every layer's pages (60 separate fills cost a dispatch and a compile each)
-        return jax.jit(lambda: (tuple(jnp.zeros(shape, dtype) for _ in range(n)),
-                                tuple(jnp.zeros(shape, dtype) for _ in range(n))), out_shardings=out)()
+        return jax.jit(lambda: (tuple(jnp.zeros(shape, kd) for _ in range(n)),
+                                tuple(jnp.zeros(shape, vd) for _ in range(n))), out_shardings=out)()
 
     # ---- which shape a plan runs on (the buckets themselves: self.shapes) -------------------------
     def multi_fits(self, jobs: list[Job], pages: list[list[int]], kv_len: int, steps: int) -> bool:
@@ -1104,6 +1114,14 @@ class ModelRunner:
     def compile_status(self) -> tuple[int, int]:
         """(shapes compiled, shapes to compile)."""
         return self.compiler.status()
+
+
+def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """A cache array's dtype for elements of `dtype`: on a CPU bfloat16 is held as uint16 bit patterns, and
+    float8 as uint8 ones everywhere (attention.write_kv)."""
+    if dtype == jnp.float8_e4m3fn:
+        return jnp.dtype(jnp.uint8)
+    return jnp.dtype(jnp.uint16 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype)
 
 
 def kv_dtype(setting: str, act_dtype: jnp.dtype) -> jnp.dtype:

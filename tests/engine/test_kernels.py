@@ -38,16 +38,19 @@ def _cache(rng: np.random.Generator, pages: int, dtype: str = "float32") -> tupl
     engine stores them)."""
     shape = (HKV, pages, PS, D)
 
-    def make() -> jax.Array:
+    def make(dtype: str) -> jax.Array:
         a = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
         if dtype == "float8":
             return jax.lax.bitcast_convert_type(to_fp8(a), jnp.uint8)
         return a if dtype == "float32" else jax.lax.bitcast_convert_type(a.astype(jnp.bfloat16), jnp.uint16)
 
-    return make(), make()
+    if dtype == "bfloat16+float8":  # bfloat16 keys, float8 values (--v-dtype fp8)
+        return make("bfloat16"), make("float8")
+    return make(dtype), make(dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])  # the --kv-dtype f32 / bf16 / fp8 caches
+# the --kv-dtype f32 / bf16 / fp8 caches, and bf16 keys with fp8 values (--v-dtype fp8)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8", "bfloat16+float8"])
 def test_decode_in_place_equals_gather_path(dtype: str) -> None:
     rng = np.random.default_rng(0)
     kc, vc = _cache(rng, 64, dtype)
@@ -77,7 +80,7 @@ def test_decode_with_shared_prefix_equals_gather_path() -> None:
     np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8", "bfloat16+float8"])
 def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> None:
     """Ten forks of a 3-page prefix (more than one group of members reading a prefix page in turn): each
     sequence's output is the same bits as with the prefix pages read as its own."""
@@ -183,7 +186,7 @@ def _prefill(seqs: list[SequenceSlice], q: jax.Array | np.ndarray, kc: jax.Array
     return np.asarray(attend(q, kc, vc, batch)), batch
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8", "bfloat16+float8"])
 def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
     rng = np.random.default_rng(2)
     kc, vc = _cache(rng, 64, dtype)
@@ -199,7 +202,7 @@ def test_prefill_in_place_equals_gather_path(dtype: str) -> None:
 
 
 @pytest.mark.skipif(not kernels.bf16_fills(), reason="neither AMX bf16 tiles nor AVX512-BF16")
-@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+@pytest.mark.parametrize("cache", ["bfloat16", "float8", "bfloat16+float8"])
 def test_prefill_in_bf16_is_the_bf16_rounded_attention(cache: str) -> None:
     """Prompts of the bfloat16 mode over a bfloat16 (or float8, widened) cache (AMX's bf16 tiles, or
     AVX512-BF16's pair products): the scaled queries and the probabilities rounded to bfloat16, sums in
@@ -231,7 +234,7 @@ def test_prefill_in_bf16_is_the_bf16_rounded_attention(cache: str) -> None:
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("cache", ["bfloat16", "float8"])
+@pytest.mark.parametrize("cache", ["bfloat16", "float8", "bfloat16+float8"])
 def test_prefill_gives_each_token_the_same_bits_in_any_chunk_or_batch(bf16: bool, cache: str) -> None:
     """A token's attention depends only on its query, position and keys: filling a prompt whole, in two
     chunks, or beside another sequence gives the same bits (the fill path is chunking invariant), on the
@@ -374,7 +377,7 @@ def test_prefill_in_float32_at_other_head_sizes(d: int) -> None:
             np.testing.assert_allclose(whole[j, h], e @ v[h // g, : j + 1] / e.sum(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["bfloat16", "float32", "float8"])
+@pytest.mark.parametrize("cache", ["bfloat16", "float32", "float8", "bfloat16+float8"])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 @pytest.mark.parametrize("d", [64, 40])
 def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> None:
@@ -391,8 +394,9 @@ def test_rope_kv_is_xlas_rope_and_kv_writes(cache: str, rows: int, d: int) -> No
     slots = rng.permutation(8 * 16)[:rows].astype(np.int32)
     slots[rows // 2 :] = 0 if rows > 2 else slots[rows // 2 :]  # padding rows: the scratch slot
     slots = jnp.asarray(slots)
-    dt = {"bfloat16": jnp.uint16, "float32": jnp.float32, "float8": jnp.uint8}[cache]
-    kc, vc = jnp.zeros((hkv, 8, 16, d), dt), jnp.ones((hkv, 8, 16, d), dt)
+    kd, _, vd = cache.partition("+")
+    dts = {"bfloat16": jnp.uint16, "float32": jnp.float32, "float8": jnp.uint8}
+    kc, vc = jnp.zeros((hkv, 8, 16, d), dts[kd]), jnp.ones((hkv, 8, 16, d), dts[vd or kd])
 
     class Cfg:
         head_dim = d

@@ -100,14 +100,17 @@ def test_a_layer_loop_is_taken_only_where_the_native_path_runs_every_layer() -> 
     assert LayerLoop.of(Llama(TINY, tiny_model().weights, jnp.float32), cache) is None  # float matrices
 
 
-@pytest.mark.parametrize("dtype", ["float32", None])  # None: the engine's default (bfloat16 products where fast)
-def test_multi_step_loops_over_the_layers_decode_the_unrolled_tokens(dtype: str | None) -> None:
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", {}), (None, {}),  # None: the engine's default mode
+                                          (None, {"kv_dtype": "fp8"}), (None, {"kv_dtype": "bf16", "v_dtype": "fp8"})])
+def test_multi_step_loops_over_the_layers_decode_the_unrolled_tokens(dtype: str | None, kv: dict) -> None:
+    """The same tokens with the layers as a loop and unrolled, also over float8 caches (keys and values, or
+    values only: the loop's kernels pick each layer's caches of either type)."""
     model = _quantized_tiny()
     runs = [dict(max_tokens=14, ignore_eos=True), dict(max_tokens=9, ignore_eos=True, temperature=0.8, seed=4),
             dict(max_tokens=21, ignore_eos=True), dict(max_tokens=6, ignore_eos=True)]
     results = []
     for layer_loop in (True, False):
-        eng = LLMEngine(model, tiny_engine_config(dtype=dtype, multi_step=4, layer_loop=layer_loop)).start(
+        eng = LLMEngine(model, tiny_engine_config(dtype=dtype, multi_step=4, layer_loop=layer_loop, **kv)).start(
             precompile=False)
         try:
             assert (eng.runner._layer_loop is not None) == layer_loop

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -1054,16 +1055,17 @@ inline void weighted_rows(const float* p, const float* v, int64_t cnt, int64_t D
 
 // Calls page(k, v, cnt) for each page of the tokens [0, n) in order (its keys and values, cnt tokens).
 // Pages lie anywhere in the pool, so the next pages' keys and values are fetched while one is read.
-template <typename KV, typename F>
-inline void for_each_page(const KV* kbase, const KV* vbase, const int32_t* pages, int64_t n, int64_t page_size,
+template <typename KT, typename VT, typename F>
+inline void for_each_page(const KT* kbase, const VT* vbase, const int32_t* pages, int64_t n, int64_t page_size,
                           int64_t D, F&& page) {
-  const int64_t page_bytes = page_size * D * static_cast<int64_t>(sizeof(KV));
+  const int64_t kbytes = page_size * D * static_cast<int64_t>(sizeof(KT));
+  const int64_t vbytes = page_size * D * static_cast<int64_t>(sizeof(VT));
   for (int64_t start = 0; start < n; start += page_size) {
     for (int64_t ahead = start == 0 ? 1 : kPagesAhead; ahead <= kPagesAhead; ++ahead) {
       if (start + ahead * page_size >= n) break;
       const int64_t next = pages[start / page_size + ahead];
-      prefetch_rows(kbase + next * page_size * D, page_bytes);
-      prefetch_rows(vbase + next * page_size * D, page_bytes);
+      prefetch_rows(kbase + next * page_size * D, kbytes);
+      prefetch_rows(vbase + next * page_size * D, vbytes);
     }
     const int64_t at = pages[start / page_size] * page_size * D;
     page(kbase + at, vbase + at, std::min(page_size, n - start));
@@ -1112,11 +1114,11 @@ inline void page_update(const float* qs, int group, int64_t D, const float* kp, 
 // Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is read;
 // each page is widened to float32 once for every head that reads it. Each member's arithmetic is the
 // same whatever the other members are.
-template <typename KV>
-void attend_pages(const float* const* qs, int members, int group, int64_t D, const KV* kbase, const KV* vbase,
+template <typename KT, typename VT>
+void attend_pages(const float* const* qs, int members, int group, int64_t D, const KT* kbase, const VT* vbase,
                   const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
   alignas(32) float kbuf[64 * 256], vbuf[64 * 256];  // one page (page_size <= 64, D <= 256)
-  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kpage, const KV* vpage, int64_t cnt) {
+  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KT* kpage, const VT* vpage, int64_t cnt) {
     const float* kp = rows_f32(kpage, cnt, D, kbuf);
     const float* vp = rows_f32(vpage, cnt, D, vbuf);
     for (int j = 0; j < members; ++j) page_update(qs[j], group, D, kp, vp, cnt, *st[j], acc[j]);
@@ -1223,11 +1225,11 @@ inline void page_update512(const float* qs, int group, int64_t D, const float* k
   }
 }
 
-template <typename KV>
-void attend_pages512(const float* const* qs, int members, int group, int64_t D, const KV* kbase, const KV* vbase,
+template <typename KT, typename VT>
+void attend_pages512(const float* const* qs, int members, int group, int64_t D, const KT* kbase, const VT* vbase,
                      const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
   alignas(64) float kbuf[64 * 256], vbuf[64 * 256];
-  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KV* kp, const KV* vp, int64_t cnt) {
+  for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KT* kp, const VT* vp, int64_t cnt) {
     const int64_t padded = (cnt + 15) / 16 * 16;
     for (int64_t i = 0; i < cnt * D; i += 16) {
       _mm512_store_ps(kbuf + i, load16(kp + i));
@@ -1255,8 +1257,8 @@ inline int64_t bf16_dim_of(int64_t i) {
 }
 
 // Pages [0, n) for `members` sequences (see attend_pages), on 16 lanes where the CPU and D allow.
-template <typename KV>
-void attend(const float* const* qs, int members, int group, int64_t D, const KV* kb, const KV* vb,
+template <typename KT, typename VT>
+void attend(const float* const* qs, int members, int group, int64_t D, const KT* kb, const VT* vb,
             const int32_t* pages, int64_t n, int64_t S, HeadState* const* st, float* const* acc) {
 #ifdef __AVX512F__
   if (D % 16 == 0) return attend_pages512(qs, members, group, D, kb, vb, pages, n, S, st, acc);
@@ -1269,8 +1271,8 @@ void attend(const float* const* qs, int members, int group, int64_t D, const KV*
 // from the state the prefix left. A sequence's arithmetic is the same whether or not others share its
 // prefix: the same page updates in the same order. `bf16` (the engine's bfloat16 mode; taken over a
 // bfloat16 cache where D % 64 == 0 and the CPU has AVX512-BF16): products in bfloat16 (decode_bf16.h).
-template <typename KV>
-void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV* vc, const int32_t* bt,
+template <typename KT, typename VT>
+void paged_decode(ffi::ThreadPool& pool, const float* qp, const KT* kc, const VT* vc, const int32_t* bt,
                   const int32_t* off, const int32_t* lens, const int32_t* pp, int64_t plen, const int32_t* inp,
                   float* op, int64_t B, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t maxp,
                   float scale, bool bf16) {
@@ -1283,7 +1285,8 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
   // bf16: the scaled queries rounded to bfloat16, as pairs (this thread's buffer: helpers read it through
   // `qp2`, as they read `qs`, until every chunk is done)
   thread_local aligned::vector<uint32_t> qpairs;
-  bf16 = bf16 && PARROT_DECODE_BF16 && std::is_same_v<KV, uint16_t> && D % 64 == 0 && D <= 256;
+  constexpr bool bf16_pages = std::is_same_v<KT, uint16_t> && std::is_same_v<VT, uint16_t>;
+  bf16 = bf16 && PARROT_DECODE_BF16 && bf16_pages && D % 64 == 0 && D <= 256;
   uint32_t* qp2 = nullptr;
   (void)qp2;  // read only where the CPU has AVX512-BF16
 #if PARROT_DECODE_BF16
@@ -1311,7 +1314,7 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
       acc[j] = op + (seqs[j] * H + g * group) * D;
     }
 #if PARROT_DECODE_BF16
-    if constexpr (std::is_same_v<KV, uint16_t>) {
+    if constexpr (bf16_pages) {
       if (bf16) {
         const uint32_t* qb[kPrefixMembers];
         for (int j = 0; j < m; ++j) qb[j] = qp2 + (seqs[j] * H + g * group) * D / 2;
@@ -1356,6 +1359,28 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KV* kc, const KV
 
 #include "prefill_attention.h"
 
+// Calls f(keys, values) with the caches' data as their element types: float32, bfloat16 (as bfloat16 or as the
+// uint16 bit patterns the engine stores) or float8 e4m3fn (uint8 bit patterns), both alike or bfloat16 keys
+// with float8 values (`--v-dtype fp8`); anything else is an error naming `what`.
+template <class F>
+ffi::Error with_cache_types(ffi::AnyBuffer k, ffi::AnyBuffer v, const char* what, F&& f) {
+  auto kind = [](ffi::DataType t) {
+    return t == ffi::DataType::F32 ? 0 : (t == ffi::DataType::BF16 || t == ffi::DataType::U16) ? 1
+                                                                                                : t == ffi::DataType::U8 ? 2 : -1;
+  };
+  const int kk = kind(k.element_type()), vk = kind(v.element_type());
+  const void* kd = k.untyped_data();
+  const void* vd = v.untyped_data();
+  if (kk == 0 && vk == 0) f(static_cast<const float*>(kd), static_cast<const float*>(vd));
+  else if (kk == 1 && vk == 1) f(static_cast<const uint16_t*>(kd), static_cast<const uint16_t*>(vd));
+  else if (kk == 2 && vk == 2) f(static_cast<const uint8_t*>(kd), static_cast<const uint8_t*>(vd));
+  else if (kk == 1 && vk == 2) f(static_cast<const uint16_t*>(kd), static_cast<const uint8_t*>(vd));
+  else
+    return ffi::Error::InvalidArgument(std::string(what) + ": the caches must be float32, bfloat16 or float8 bits, "
+                                       "both alike or bfloat16 keys with float8 values");
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> block_tables,
                            ffi::Buffer<ffi::S32> kv_offset, ffi::Buffer<ffi::S32> kv_lens,
@@ -1369,30 +1394,15 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const int64_t Pp = prefix_pages.dimensions()[0];
   if (kd[3] != D || D % 8 || D > 256 || H % Hkv || H / Hkv > HeadState::kMaxGroup || S > 64 || bd[0] != B)
     return ffi::Error::InvalidArgument("paged_decode: unsupported shapes");
-  // bfloat16 caches arrive as bfloat16 or as their uint16 bit patterns (how the engine stores them); float8
-  // (e4m3fn) caches as their uint8 bit patterns
-  const auto kt = k_cache.element_type();
-  if (kt != v_cache.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 &&
-                                       kt != ffi::DataType::U16 && kt != ffi::DataType::U8))
-    return ffi::Error::InvalidArgument("paged_decode: the KV caches must both be float32, bfloat16 or float8 bits");
   const int64_t plen = Pp > 0 ? std::min<int64_t>(prefix_len.typed_data()[0], Pp * S) : 0;
   const int32_t* args[] = {block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(),
                            prefix_pages.typed_data(), in_prefix.typed_data()};
-  if (kt == ffi::DataType::U8) {  // float8 pages widened to float32 per page (as fast as bf16 pairs, and exact)
-    paged_decode(pool, q.typed_data(), static_cast<const uint8_t*>(k_cache.untyped_data()),
-                 static_cast<const uint8_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
-                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale, false);
-  } else if (kt == ffi::DataType::F32) {
-    paged_decode(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
-                 static_cast<const float*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
-                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale, false);
-  } else {
-    paged_decode(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
-                 static_cast<const uint16_t*>(v_cache.untyped_data()), args[0], args[1], args[2], args[3], plen,
-                 args[4], out->typed_data(), B, H, D, Hkv, P, S, maxp, scale,
-                 bf16 != 0 && g_decode_bf16.load(std::memory_order_relaxed));
-  }
-  return ffi::Error::Success();
+  // bf16: products in bfloat16 pairs where both caches are bfloat16 (paged_decode decides)
+  const bool pairs = bf16 != 0 && g_decode_bf16.load(std::memory_order_relaxed);
+  return with_cache_types(k_cache, v_cache, "paged_decode", [&](const auto* kc, const auto* vc) {
+    paged_decode(pool, q.typed_data(), kc, vc, args[0], args[1], args[2], args[3], plen, args[4], out->typed_data(),
+                 B, H, D, Hkv, P, S, maxp, scale, pairs);
+  });
 }
 
 ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache,
@@ -1406,27 +1416,13 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int64_t T = qd[0], H = qd[1], D = qd[2], Hkv = kd[0], P = kd[1], S = kd[2], B = id[0], Q = id[1];
   if (kd[3] != D || D % 8 || H % Hkv || bd[0] != B || positions.dimensions()[0] != T)
     return ffi::Error::InvalidArgument("paged_prefill: unsupported shapes");
-  const auto kt = k_cache.element_type();
-  if (kt != v_cache.element_type() || (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 &&
-                                       kt != ffi::DataType::U16 && kt != ffi::DataType::U8))
-    return ffi::Error::InvalidArgument("paged_prefill: the KV caches must both be float32, bfloat16 or float8 bits");
-  if (kt == ffi::DataType::U8) {  // float8 pages: widened to bfloat16 for the bf16 codes, else to float32
-    paged_prefill(pool, q.typed_data(), static_cast<const uint8_t*>(k_cache.untyped_data()),
-                  static_cast<const uint8_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
-                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
-                  D, Hkv, P, S, B, Q, bd[1], scale, bf16 != 0 ? fill_path() : kFillExact);
-  } else if (kt == ffi::DataType::F32) {
-    paged_prefill(pool, q.typed_data(), static_cast<const float*>(k_cache.untyped_data()),
-                  static_cast<const float*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
-                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
-                  D, Hkv, P, S, B, Q, bd[1], scale);
-  } else {
-    paged_prefill(pool, q.typed_data(), static_cast<const uint16_t*>(k_cache.untyped_data()),
-                  static_cast<const uint16_t*>(v_cache.untyped_data()), q_index.typed_data(), positions.typed_data(),
-                  block_tables.typed_data(), kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H,
-                  D, Hkv, P, S, B, Q, bd[1], scale, bf16 != 0 ? fill_path() : kFillExact);
-  }
-  return ffi::Error::Success();
+  // float8 pages: widened to bfloat16 for the bf16 codes (FillPath), else read as float32
+  const int how = bf16 != 0 ? fill_path() : kFillExact;
+  return with_cache_types(k_cache, v_cache, "paged_prefill", [&](const auto* kc, const auto* vc) {
+    paged_prefill(pool, q.typed_data(), kc, vc, q_index.typed_data(), positions.typed_data(), block_tables.typed_data(),
+                  kv_offset.typed_data(), kv_lens.typed_data(), out->typed_data(), T, H, D, Hkv, P, S, B, Q, bd[1],
+                  scale, how);
+  });
 }
 
 ffi::Error SampleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> temperature,
@@ -1635,14 +1631,18 @@ ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer
       static_cast<int64_t>(cos.element_count()) != T * half || static_cast<int64_t>(sin.element_count()) != T * half ||
       static_cast<int64_t>(slots.element_count()) != T)
     return ffi::Error::InvalidArgument("rope_kv: shapes do not match");
-  const auto dt = kb.element_type();
-  if (dt != vb.element_type() || (dt != ffi::DataType::F32 && dt != ffi::DataType::U16 && dt != ffi::DataType::U8))
-    return ffi::Error::InvalidArgument("rope_kv: caches must both be float32, uint16 (bfloat16 bits) or uint8 "
-                                       "(float8_e4m3fn bits)");
+  auto store = [](ffi::DataType t) {
+    return t == ffi::DataType::U16 ? KvStore::kBf16 : t == ffi::DataType::U8 ? KvStore::kE4m3 : KvStore::kF32;
+  };
+  const auto dt = kb.element_type(), vt = vb.element_type();
+  for (auto t : {dt, vt})
+    if (t != ffi::DataType::F32 && t != ffi::DataType::U16 && t != ffi::DataType::U8)
+      return ffi::Error::InvalidArgument("rope_kv: caches must be float32, uint16 (bfloat16 bits) or uint8 "
+                                         "(float8_e4m3fn bits)");
   const int32_t* sp = slots.typed_data();
   for (int64_t t = 0; t < T; ++t)
     if (sp[t] < 0 || sp[t] >= P * S) return ffi::Error::InvalidArgument("rope_kv: slot out of range");
-  const KvStore kind = dt == ffi::DataType::U16 ? KvStore::kBf16 : dt == ffi::DataType::U8 ? KvStore::kE4m3 : KvStore::kF32;
+  const KvStore kkind = store(dt), vkind = store(vt);
   auto rows = [&](int64_t t0, int64_t t1) {
     thread_local aligned::vector<float> kbuf;  // a rotated key row
     kbuf.resize(D);
@@ -1655,8 +1655,8 @@ ffi::Error rope_kv(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer
       for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t at = ((h * P + slot / S) * S + slot % S) * D;
         rope_head(x + (H + h) * D, c, s, half, kbuf.data());
-        store_kv_row(kbuf.data(), D, kind, kb.untyped_data(), at);
-        store_kv_row(x + (H + Hkv + h) * D, D, kind, vb.untyped_data(), at);
+        store_kv_row(kbuf.data(), D, kkind, kb.untyped_data(), at);
+        store_kv_row(x + (H + Hkv + h) * D, D, vkind, vb.untyped_data(), at);
       }
     }
   };

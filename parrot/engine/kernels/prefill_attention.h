@@ -132,13 +132,13 @@ inline void prefill_values(PrefillScratch& s, const int32_t* rows, int nr, int64
 }
 
 // One tile of W keys (positions l0.. in the sequence's pages) for the task's rows.
-template <int W, typename KV>
-void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KV* kb, const KV* vb, const int32_t* pages,
+template <int W, typename KT, typename VT>
+void prefill_tile(PrefillScratch& s, int64_t rows, int64_t D, const KT* kb, const VT* vb, const int32_t* pages,
                   int64_t npos, int64_t S, int64_t l0, int64_t cnt) {
   using L = Lanes<W>;
   // keys transposed to kt[d][W] and values widened to vt[W][D]; positions past `cnt` are zeros
-  const KV* krow[W];
-  const KV* vrow[W];
+  const KT* krow[W];
+  const VT* vrow[W];
   for (int t = 0; t < W; ++t) {
     const int64_t l = l0 + t;
     const int64_t at = t < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
@@ -251,8 +251,8 @@ struct PrefillF32 {
 };
 
 // keys and values l0 .. l0 + cnt - 1 of a KV head as float32 rows (zeros after cnt)
-template <typename KV>
-inline void f32_block(const KV* kb, const KV* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t D,
+template <typename KT, typename VT>
+inline void f32_block(const KT* kb, const VT* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t D,
                       int64_t l0, int64_t cnt, float* kw, float* vw) {
   for (int i = 0; i < 32; ++i) {
     const int64_t l = l0 + i;
@@ -356,8 +356,8 @@ inline void f32_values(PrefillScratch& s, const PrefillF32& t, const int32_t* ro
 }
 
 // nb blocks from key l0 (nb > 1 only where every row with a query sees all their keys; keys < cnt in the last)
-template <int W, typename KV>
-void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const KV* kb, const KV* vb,
+template <int W, typename KT, typename VT>
+void f32_blocks(PrefillScratch& s, PrefillF32& t, int64_t rows, int64_t D, const KT* kb, const VT* vb,
                 const int32_t* pages, int64_t npos, int64_t S, int64_t l0, int nb, int64_t cnt) {
   for (int i = 0; i < nb; ++i)
     f32_block(kb, vb, pages, npos, S, D, l0 + 32 * i, i == nb - 1 ? cnt : 32, t.kw.data() + i * 32 * D,
@@ -749,16 +749,18 @@ inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t grou
 // q [T, H, D]; q_index [B, Q] (flat token of query j of sequence b, T where none); positions [T];
 // block_tables [B, maxp]; the sequence's key l is at position kv_offset[b] + l, seen by a query at
 // position p when kv_offset[b] + l <= p and < kv_lens[b]. out [T, H, D]: zeros for tokens no query names.
-template <typename KV>
-void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV* vc, const int32_t* qidx,
+template <typename KT, typename VT>
+void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT* vc, const int32_t* qidx,
                    const int32_t* pos, const int32_t* bt, const int32_t* off, const int32_t* lens, float* out,
                    int64_t T, int64_t H, int64_t D, int64_t Hkv, int64_t P, int64_t S, int64_t B, int64_t Q,
                    int64_t maxp, float scale, int bf16 = kFillExact) {
   constexpr int W = kPrefillLanes;
-  // bfloat16 products (FillPath: on AMX's tiles, or with AVX512-BF16) over a bfloat16 cache, or a float8
-  // one whose pages a task reads are first widened to bfloat16 (exactly)
-  constexpr bool fp8_cache = std::is_same<KV, uint8_t>::value;
-  const bool bf16_cache = std::is_same<KV, uint16_t>::value || (fp8_cache && PARROT_AVX512_BF16);
+  // bfloat16 products (FillPath: on AMX's tiles, or with AVX512-BF16) over bfloat16 caches, or float8 ones
+  // (keys, values or both) whose pages a task reads are first widened to bfloat16 (exactly)
+  constexpr bool k8 = std::is_same<KT, uint8_t>::value, v8 = std::is_same<VT, uint8_t>::value;
+  constexpr bool fp8_cache = k8 || v8;
+  const bool bf16_cache = (std::is_same<KT, uint16_t>::value || k8) && (std::is_same<VT, uint16_t>::value || v8) &&
+                          (!fp8_cache || PARROT_AVX512_BF16);
   const bool tiles = PARROT_AMX_BF16 && bf16 == kFillAmxTiles && bf16_cache && D % 32 == 0;
   const bool pairs = PARROT_AVX512_BF16 && bf16 == kFillAvx512 && bf16_cache && D % 64 == 0 && D <= 256;
   (void)tiles, (void)pairs;  // read only where the CPU has those codes
@@ -804,8 +806,8 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
       last = std::max(last, lim);
       if (real) first = std::min(first, lim);
     }
-    const KV* kb = kc + g * head_stride;
-    const KV* vb = vc + g * head_stride;
+    const KT* kb = kc + g * head_stride;
+    const VT* vb = vc + g * head_stride;
     const int64_t end = std::min<int64_t>(static_cast<int64_t>(last) + 1, npos);
     // the bfloat16 paths' keys, values and page table: the cache's own, or (a float8 cache) the pages the
     // task reads widened in order into this thread's buffers, their table 0, 1, 2, ...
@@ -822,15 +824,19 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KV* kc, const KV
         kw.resize(std::max<int64_t>(np, 1) * page), vw.resize(std::max<int64_t>(np, 1) * page);
         order.resize(std::max<int64_t>(maxp, 1));
         for (int64_t i = 0; i < static_cast<int64_t>(order.size()); ++i) order[i] = static_cast<int32_t>(i);
-        const uint8_t* k8 = reinterpret_cast<const uint8_t*>(kb);
-        const uint8_t* v8 = reinterpret_cast<const uint8_t*>(vb);
-        for (int64_t i = 0; i < np; ++i) {
-          const int64_t at = static_cast<int64_t>(bth[i]) * page;
-          for (int64_t e = 0; e < page; e += 32) {
-            _mm512_store_si512(kw.data() + i * page + e, e4m3_bf16x32(k8 + at + e));
-            _mm512_store_si512(vw.data() + i * page + e, e4m3_bf16x32(v8 + at + e));
+        // a float8 cache's pages widened, a bfloat16 one's copied (both then lie in one page order)
+        auto gather = [&](const auto* src, uint16_t* dst) {
+          for (int64_t i = 0; i < np; ++i) {
+            const auto* from = src + static_cast<int64_t>(bth[i]) * page;
+            if constexpr (std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(src)>>, uint8_t>) {
+              for (int64_t e = 0; e < page; e += 32) _mm512_store_si512(dst + i * page + e, e4m3_bf16x32(from + e));
+            } else {
+              std::memcpy(dst + i * page, from, page * sizeof(uint16_t));
+            }
           }
-        }
+        };
+        gather(kb, kw.data());
+        gather(vb, vw.data());
         kh = kw.data(), vh = vw.data(), bth = order.data();
       }
     }

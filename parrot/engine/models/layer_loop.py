@@ -38,12 +38,12 @@ class LayerLoop:
     qdtype: jnp.dtype
 
     @staticmethod
-    def of(model: Llama, cache_dtype: jnp.dtype) -> LayerLoop | None:
+    def of(model: Llama, cache_dtype: jnp.dtype, v_dtype: jnp.dtype | None = None) -> LayerLoop | None:
         """The loop for `model`'s decode steps, or None where they cannot run as one: no native kernels,
         a float (not block-quantized) matrix, block types that differ between layers, tensor parallelism,
-        or a cache the kernels do not read in place."""
+        or caches (the keys' `cache_dtype`, the values' `v_dtype`) the kernels do not read in place."""
         cfg = model.cfg
-        if not kernels.available() or not in_place(cache_dtype, cfg.head_dim) or not model.layers:
+        if not kernels.available() or not in_place(cache_dtype, cfg.head_dim, v_dtype) or not model.layers:
             return None
         kinds = set()
         for layer in model.layers:

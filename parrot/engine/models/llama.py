@@ -216,7 +216,7 @@ class Attention(nnx.Module):
         if cfg.qkv_bias:
             qkv = qkv + self.bqkv[...]
         heads = cfg.num_heads // self.tp
-        if self.tp == 1 and qkv.dtype == jnp.float32 and in_place(k_cache.dtype, cfg.head_dim):
+        if self.tp == 1 and qkv.dtype == jnp.float32 and in_place(k_cache.dtype, cfg.head_dim, v_cache.dtype):
             # one native pass (RoPE and the KV writes; the same bits as XLA's code of them)
             q, k_cache, v_cache = kernels.rope_kv(qkv, cos, sin, batch.slot_mapping, k_cache, v_cache, heads)
         else:
