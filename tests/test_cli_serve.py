@@ -50,13 +50,15 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
     args = cli.build_parser().parse_args(["serve", "--engines", "2", "--engine-base-port", str(free_ports(2)),
                                           "--compilation-cache-dir", "/tmp/cc",
                                           "--log-format", "json", "--api-key", "k3y", "--max-sessions", "5",
-                                          "--speculative-tokens", "3", "--speculative-ngram", "1", "4"])
+                                          "--speculative-tokens", "3", "--speculative-ngram", "1", "4",
+                                          "--kv-dtype", "bf16", "--v-dtype", "fp8", "--weights", "q8_0"])
     assert cli.cmd_serve(args) == 0
     assert len(started) == 2 and len(apps) == 1
     for i, (cmd, env) in enumerate(started):
         engine_args = cli.build_parser().parse_args(cmd[cmd.index("engine"):])  # the engine's own command line
         engine = cli.engine_config_from_args(engine_args)
         assert (engine.speculative_tokens, engine.speculative_min_ngram, engine.speculative_ngram) == (3, 1, 4)
+        assert (engine.kv_dtype, engine.v_dtype, engine.weights) == ("bf16", "fp8", "q8_0")
         assert cmd[cmd.index("--compilation-cache-dir") + 1] == "/tmp/cc"
         assert cmd[cmd.index("--log-format") + 1] == "json"
         assert cmd[cmd.index("--name") + 1] == f"engine-{i}"
