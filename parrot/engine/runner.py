@@ -542,8 +542,7 @@ class ModelRunner:
         (A float8 cache's pages are widened to float32: as fast here, and exact.)"""
         d = self.model_cfg.head_dim
         return (self.prefill_dtype == jnp.bfloat16 and self.kv_storage_dtype == self.v_storage_dtype == jnp.uint16
-                and d % 64 == 0
-                and d <= 256 and kernels.decode_bf16())
+                and d % 64 == 0 and d <= 256 and kernels.decode_bf16())
 
     def _alloc_kv(self) -> KVCache:
         mcfg = self.model_cfg

@@ -64,22 +64,28 @@ def test_generation_equals_one_shot_prompt(engine: LLMEngine) -> None:
         engine.free_future(c).result(TIMEOUT)
 
 
-def test_batching_does_not_change_results(engine: LLMEngine) -> None:
+def assert_batching_keeps_tokens(engine: LLMEngine, n: int, length: int = 10, grow: int = 3,
+                                 max_tokens: int = 12) -> None:
+    """n prompts (of length + grow * i tokens) generated one at a time, then all at once: the same tokens."""
     alone = []
-    for i in range(12):
-        fill(engine, f"alone{i}", prompt(i, 10 + 3 * i))
-        alone.append(gen(engine, f"alone{i}", max_tokens=12, ignore_eos=True).token_ids)
+    for i in range(n):
+        fill(engine, f"alone{i}", prompt(i, length + grow * i))
+        alone.append(gen(engine, f"alone{i}", max_tokens=max_tokens, ignore_eos=True).token_ids)
 
     def run(i: int) -> list[int]:
-        fill(engine, f"conc{i}", prompt(i, 10 + 3 * i))
-        return gen(engine, f"conc{i}", max_tokens=12, ignore_eos=True).token_ids
+        fill(engine, f"conc{i}", prompt(i, length + grow * i))
+        return gen(engine, f"conc{i}", max_tokens=max_tokens, ignore_eos=True).token_ids
 
-    with cf.ThreadPoolExecutor(12) as ex:
-        together = list(ex.map(run, range(12)))
+    with cf.ThreadPoolExecutor(n) as ex:
+        together = list(ex.map(run, range(n)))
     assert together == alone
-    for i in range(12):
+    for i in range(n):
         engine.free_future(f"alone{i}").result(TIMEOUT)
         engine.free_future(f"conc{i}").result(TIMEOUT)
+
+
+def test_batching_does_not_change_results(engine: LLMEngine) -> None:
+    assert_batching_keeps_tokens(engine, 12)
 
 
 def test_forks_equal_unforked(engine: LLMEngine) -> None:

@@ -15,7 +15,7 @@ from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel
 from parrot.protocol import FillRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
-from tests.engine.test_engine import TIMEOUT, fill, gen, prompt
+from tests.engine.test_engine import TIMEOUT, assert_batching_keeps_tokens, fill, gen, prompt
 
 
 @pytest.fixture(scope="module", params=["float32", None], ids=["exact-mode", "default-mode"])
@@ -39,21 +39,7 @@ def test_fp8_pool_holds_twice_the_pages_of_bf16() -> None:
 
 
 def test_fp8_batching_does_not_change_results(fp8_engine: LLMEngine) -> None:
-    alone = []
-    for i in range(8):
-        fill(fp8_engine, f"alone{i}", prompt(i, 10 + 5 * i))
-        alone.append(gen(fp8_engine, f"alone{i}", max_tokens=10, ignore_eos=True).token_ids)
-
-    def run(i: int) -> list[int]:
-        fill(fp8_engine, f"conc{i}", prompt(i, 10 + 5 * i))
-        return gen(fp8_engine, f"conc{i}", max_tokens=10, ignore_eos=True).token_ids
-
-    with cf.ThreadPoolExecutor(8) as ex:
-        together = list(ex.map(run, range(8)))
-    assert together == alone
-    for i in range(8):
-        fp8_engine.free_future(f"alone{i}").result(TIMEOUT)
-        fp8_engine.free_future(f"conc{i}").result(TIMEOUT)
+    assert_batching_keeps_tokens(fp8_engine, 8, grow=5, max_tokens=10)
 
 
 def test_fp8_forks_equal_unforked(fp8_engine: LLMEngine) -> None:
@@ -161,17 +147,7 @@ def test_bf16_keys_with_fp8_values() -> None:
     assert r.prefill_in_place
     eng.start(precompile=False)
     try:
-        alone = []
-        for i in range(4):
-            fill(eng, f"a{i}", prompt(i, 12 + 7 * i))
-            alone.append(gen(eng, f"a{i}", max_tokens=10, ignore_eos=True).token_ids)
-
-        def run(i: int) -> list[int]:
-            fill(eng, f"c{i}", prompt(i, 12 + 7 * i))
-            return gen(eng, f"c{i}", max_tokens=10, ignore_eos=True).token_ids
-
-        with cf.ThreadPoolExecutor(4) as ex:
-            assert list(ex.map(run, range(4))) == alone
+        assert_batching_keeps_tokens(eng, 4, length=12, grow=7, max_tokens=10)
     finally:
         eng.shutdown()
     with pytest.raises(ValueError, match="v_dtype"):
