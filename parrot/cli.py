@@ -352,8 +352,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         if core.config.api_key is not None:  # the engines register with this core: they need its key
             env["PARROT_API_KEY"] = core.config.api_key
+        def exited(name: str, code: int) -> None:  # on the watcher thread: the core acts on its own loop
+            loop = core.loop  # set once the server runs
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(core.engines.mark_dead, name, f"its process exited with code {code}")
+
         try:
-            processes = EngineProcesses(engine_cmds, env=env).start()
+            processes = EngineProcesses(engine_cmds, env=env, on_exit=exited).start()
         except PortsInUseError as exc:
             log.error("%s", exc)
             return 2

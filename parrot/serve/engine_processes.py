@@ -5,10 +5,11 @@ module only owns the processes:
 - before anything starts, every engine port must be free: a port held by another program is a clear
   error at start (`PortsInUseError`), not an engine that dies at once and a server that serves with fewer
   engines than asked for;
-- a watcher thread notices an engine process that exits while the server runs, logs its exit code and
-  starts it again (it registers again; the serve core's failover has already re-run its unfinished
-  tasks elsewhere once its heartbeats stopped). An engine that exits `max_restarts` times within
-  `window_s` seconds is left down, with an error in the log, instead of being restarted in a loop;
+- a watcher thread notices an engine process that exits while the server runs, logs its exit code, tells
+  the serve core at once (`on_exit`: the core marks the engine dead and re-runs its unfinished tasks
+  elsewhere without waiting for its heartbeats to time out) and starts it again (it registers again). An
+  engine that exits `max_restarts` times within `window_s` seconds is left down, with an error in the
+  log, instead of being restarted in a loop;
 - `stop()` ends them all (SIGTERM, then SIGKILL after `grace_s`).
 
 No JAX here: only processes.
@@ -62,16 +63,19 @@ class EngineProcesses:
     """Start, watch and stop a set of engine processes (see the module docstring).
 
     `popen` builds a process from a command and an environment (subprocess.Popen by default; tests pass
-    their own to keep the output)."""
+    their own to keep the output). `on_exit(name, exit code)` is called on the watcher thread for every
+    exit it notices, before any restart."""
 
     def __init__(self, engines: Sequence[tuple[str, int, list[str]]], *, env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", max_restarts: int = 3, window_s: float = 60.0,
                  poll_s: float = 0.5, grace_s: float = 30.0,
-                 popen: Callable[[list[str], dict[str, str] | None], subprocess.Popen] | None = None) -> None:
+                 popen: Callable[[list[str], dict[str, str] | None], subprocess.Popen] | None = None,
+                 on_exit: Callable[[str, int], None] | None = None) -> None:
         self.engines = [EngineProcess(name, port, list(cmd)) for name, port, cmd in engines]
         self.env, self.host = env, host
         self.max_restarts, self.window_s, self.poll_s, self.grace_s = max_restarts, window_s, poll_s, grace_s
         self._popen = popen or (lambda cmd, env: subprocess.Popen(cmd, env=env))
+        self._on_exit = on_exit
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -102,6 +106,11 @@ class EngineProcesses:
         """With the lock held: restart `e` if its process exited (unless it exited too often)."""
         if e.given_up or e.proc is None or (code := e.proc.poll()) is None:
             return
+        if self._on_exit is not None:
+            try:
+                self._on_exit(e.name, code)
+            except Exception:  # noqa: BLE001 (a callback's failure must not stop the watcher)
+                log.exception("engine process %r: the exit callback failed", e.name)
         now = time.monotonic()
         e.exits = [t for t in e.exits if now - t < self.window_s] + [now]
         if len(e.exits) > self.max_restarts:

@@ -57,13 +57,16 @@ def test_an_engine_that_exits_is_started_again_and_others_keep_running() -> None
     flaky = [sys.executable, "-c",
              f"import os, sys, time\nif not os.path.exists({marker!r}):\n    open({marker!r}, 'w').close()\n"
              "    sys.exit(7)\ntime.sleep(60)"]
-    procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, flaky)], poll_s=0.05, grace_s=5).start()
+    exits: list[tuple[str, int]] = []
+    procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, flaky)], poll_s=0.05, grace_s=5,
+                            on_exit=lambda name, code: exits.append((name, code))).start()
     try:
         first = procs.status()[0]["pid"]
         _until(lambda: procs.status()[1]["restarts"] == 1 and procs.status()[1]["running"])
         status = procs.status()
         assert status[0]["pid"] == first and status[0]["running"] and status[0]["restarts"] == 0
         assert not status[1]["given_up"]
+        assert exits == [("engine-1", 7)]  # told once, before the restart
     finally:
         procs.stop()
         if os.path.exists(marker):
