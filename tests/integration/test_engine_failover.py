@@ -113,15 +113,17 @@ def test_parrot_serve_with_engine_processes(tmp_path: Path) -> None:
             var = r.json()["param_info"][0]["var_id"]
             got = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
             assert got.status_code == 200, got.text
-        # an engine process killed: the server marks it dead at once (not after 5 s without heartbeats), starts
-        # it again, and it registers anew
+        # an engine process killed: the server marks it dead at once (heartbeats would take 5 s, by when the
+        # restarted engine has registered again: it would never be seen dead), starts it again, and it
+        # registers anew
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         victim = next(int(p) for p in children if "engine-1" in Path(f"/proc/{p}/cmdline").read_text())
         os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        _wait(lambda: "engine-1" not in engines(), 10, "engine-1 to be marked dead")
-        assert time.monotonic() - killed < 3.0  # the watcher told the core; heartbeats would take 5 s
-        _wait(lambda: len(engines()) == 2, 120, "engine-1 to be started again")
+        try:
+            _wait(lambda: "engine-1" not in engines(), 10, "engine-1 to be marked dead")
+            _wait(lambda: len(engines()) == 2, 120, "engine-1 to be started again")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log ends:\n{log_path.read_text(errors='replace')[-4000:]}") from None
     finally:
         proc.send_signal(signal.SIGINT)
         try:

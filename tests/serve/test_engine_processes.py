@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -50,10 +49,10 @@ def test_a_taken_port_is_a_clear_error_before_anything_starts() -> None:
     assert started == []  # nothing was started
 
 
-def test_an_engine_that_exits_is_started_again_and_others_keep_running() -> None:
+def test_an_engine_that_exits_is_started_again_and_others_keep_running(tmp_path) -> None:  # noqa: ANN001
     base = free_ports(2)
     # engine-1 exits once (a marker file tells the second run to stay up)
-    marker = f"/tmp/parrot-test-engine-procs-{base}"
+    marker = str(tmp_path / "started-once")
     flaky = [sys.executable, "-c",
              f"import os, sys, time\nif not os.path.exists({marker!r}):\n    open({marker!r}, 'w').close()\n"
              "    sys.exit(7)\ntime.sleep(60)"]
@@ -69,8 +68,6 @@ def test_an_engine_that_exits_is_started_again_and_others_keep_running() -> None
         assert exits == [("engine-1", 7)]  # told once, before the restart
     finally:
         procs.stop()
-        if os.path.exists(marker):
-            os.remove(marker)
     assert not any(s["running"] for s in procs.status())
 
 
