@@ -72,7 +72,7 @@ def tiled(w: QuantizedTensor) -> np.ndarray | None:
 
 
 def quantize(w: np.ndarray, qtype: str) -> QuantizedTensor:
-    """Quantize a float [in, out] matrix (tests and tools; models come quantized in their files)."""
+    """Quantize a float [in, out] matrix as its `out` rows of blocks (tests, tools and `quantize_matrices`)."""
     import gguf
 
     data = gguf.quants.quantize(np.ascontiguousarray(w.T, dtype=np.float32), gguf.GGMLQuantizationType[qtype.upper()])
@@ -88,8 +88,6 @@ def quantize_matrices(weights: dict[str, object], qtype: str) -> dict[str, objec
     """The model's float matrices (`MATRICES`; an input size that is a multiple of 32) as `qtype` blocks: the
     projections as their output rows, the embedding as its rows (`rows_are_matrix`). Quantized matrices and
     everything else are kept as they are. Deterministic: the same blocks on every load."""
-    import gguf
-
     out: dict[str, object] = {}
     for name, w in weights.items():
         short = name.rsplit(".", 1)[-1]
@@ -97,13 +95,12 @@ def quantize_matrices(weights: dict[str, object], qtype: str) -> dict[str, objec
             out[name] = w
             continue
         rows = short == "embed"  # [vocab, hidden]: quantized along hidden, row by row
-        k = w.shape[1] if rows else w.shape[0]
-        if k % 32:
+        if (w.shape[1] if rows else w.shape[0]) % 32:
             out[name] = w
             continue
         a = np.asarray(w, np.float32)
-        data = gguf.quants.quantize(np.ascontiguousarray(a if rows else a.T), gguf.GGMLQuantizationType[qtype.upper()])
-        out[name] = QuantizedTensor(qtype, data, tuple(a.shape), rows_are_matrix=rows)
+        out[name] = (QuantizedTensor(qtype, quantize(a.T, qtype).data, tuple(a.shape), rows_are_matrix=True) if rows
+                     else quantize(a, qtype))
     return out
 
 

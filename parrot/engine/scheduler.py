@@ -659,7 +659,7 @@ class Scheduler:
         too (fast-forward, unless logprobs are asked for): they are fed as one chunk next step."""
         sp = job.sampling
         assert sp is not None
-        if shadow and self.drafter is not None and self.draftable(job):
+        if shadow and self.draftable(job):
             self._shadow(job, token)
         out = JobOutput(job)
         try:
