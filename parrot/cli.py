@@ -359,6 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         try:
             processes = EngineProcesses(engine_cmds, env=env, on_exit=exited).start()
+            core.engine_processes = processes
         except PortsInUseError as exc:
             log.error("%s", exc)
             return 2

@@ -262,8 +262,13 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
             info = core.engines.runtime(name)
             if info is not None and info.compiled_shapes < info.total_shapes:
                 warming[name] = f"{info.compiled_shapes} of {info.total_shapes} shapes compiled"
+        body: dict = {"status": "warming_up" if warming else "ok", "engines": engines}
         if warming:
-            return {"status": "warming_up", "engines": engines, "warming_up": warming}
-        return {"status": "ok", "engines": engines}
+            body["warming_up"] = warming
+        if core.engine_processes is not None:  # --engines N: each process's state, restarts, last exit code
+            body["engine_processes"] = core.engine_processes.status()
+            if any(p["state"] != "running" for p in body["engine_processes"]):
+                body["status"] = "degraded"  # serving, with fewer engines than it started
+        return body
 
     return app

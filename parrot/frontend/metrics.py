@@ -38,6 +38,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_held_steps_total{engine}   steps planned while throughput prompts waited for latency-critical
                                          decodes (--throughput-hold-ms)
   parrot:engine_info{engine, platform, weights, kv_dtype, kv_pages, ...}   the engine's device settings (1)
+  parrot:engine_process_up{engine} / parrot:engine_process_restarts_total{engine}   the engine processes
+                                         `parrot serve --engines N` started: running (1) or not, restarts
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
                                          ready -> its first engine primitive sent
@@ -135,6 +137,7 @@ class _CoreCollector(Collector):
         yield engine_aborts
         yield from _warmup_metrics(core)
         yield from _step_metrics(core)
+        yield from _process_metrics(core)
         for name, hist, doc in (
                 ("parrot:serve_first_primitive_seconds", core.serve_time.first,
                  "Serve layer's own time per task: ready (inputs set, output needed) -> first engine primitive sent."),
@@ -162,6 +165,20 @@ def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([name], value)
     yield from (compiled, total, warm, uptime, rss)
+
+
+def _process_metrics(core: ParrotServeCore) -> Iterator[Metric]:
+    """The engine processes this server started (`--engines N`): up or not, restarts."""
+    if core.engine_processes is None:
+        return
+    up = GaugeMetricFamily("parrot:engine_process_up", "1 while the engine process this server started runs; 0 "
+                           "while it waits to be started again or was given up.", labels=["engine"])
+    restarts = CounterMetricFamily("parrot:engine_process_restarts", "Times the server started the engine process "
+                                   "again after it exited.", labels=["engine"])
+    for p in core.engine_processes.status():
+        up.add_metric([str(p["name"])], 1 if p["state"] == "running" else 0)
+        restarts.add_metric([str(p["name"])], float(p["restarts"]))  # type: ignore[arg-type]
+    yield from (up, restarts)
 
 
 def _runtimes(core: ParrotServeCore) -> Iterator[tuple[str, RuntimeInfo]]:

@@ -23,7 +23,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parrot.config import ServeConfig
 from parrot.errors import (
@@ -60,6 +60,9 @@ from parrot.serve.session import Session
 from parrot.serve.tokenizers import TokenizerManager
 from parrot.serve.transforms import TransformContext, TransformError, run_transform, validate_call
 from parrot.serve.variables import SemanticVariable, SemanticVariableManager
+
+if TYPE_CHECKING:
+    from parrot.serve.engine_processes import EngineProcesses
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +272,9 @@ class ParrotServeCore:
         self.serve_time = ServeTime()  # the core's own time per task: ready -> first primitive, between primitives
         # set by the frontend's metrics: (endpoint, start) -> a timer with delta() / finish(...) / fail()
         self.request_timer: Callable[[str, float], Any] | None = None
+        # the engine processes this server started (`parrot serve --engines N`; None: an embedded engine or
+        # engines started elsewhere): /health and /metrics show their state
+        self.engine_processes: EngineProcesses | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:

@@ -7,9 +7,13 @@ module only owns the processes:
   engines than asked for;
 - a watcher thread notices an engine process that exits while the server runs, logs its exit code, tells
   the serve core at once (`on_exit`: the core marks the engine dead and re-runs its unfinished tasks
-  elsewhere without waiting for its heartbeats to time out) and starts it again (it registers again). An
-  engine that exits `max_restarts` times within `window_s` seconds is left down, with an error in the
-  log, instead of being restarted in a loop;
+  elsewhere without waiting for its heartbeats to time out) and starts it again (it registers again),
+  after a back-off that doubles with each exit within `window_s` seconds (`backoff_s`, 2 `backoff_s`,
+  ... at most `max_backoff_s`), so an engine that dies at start does not spin. An engine that exits
+  `max_restarts` times within `window_s` seconds is left down, with an error in the log, instead of being
+  restarted in a loop;
+- `status()` says what each process is doing (running, restarting and when, given up; its restarts and
+  last exit code): `/health` and `/metrics` show it;
 - `stop()` ends them all (SIGTERM, then SIGKILL after `grace_s`).
 
 No JAX here: only processes.
@@ -57,6 +61,8 @@ class EngineProcess:
     exits: list[float] = field(default_factory=list)  # time.monotonic() of each unexpected exit
     restarts: int = 0
     given_up: bool = False
+    last_exit_code: int | None = None
+    restart_at: float | None = None  # time.monotonic() when it is started again (after an exit)
 
 
 class EngineProcesses:
@@ -68,12 +74,13 @@ class EngineProcesses:
 
     def __init__(self, engines: Sequence[tuple[str, int, list[str]]], *, env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", max_restarts: int = 3, window_s: float = 60.0,
-                 poll_s: float = 0.5, grace_s: float = 30.0,
+                 backoff_s: float = 1.0, max_backoff_s: float = 8.0, poll_s: float = 0.5, grace_s: float = 30.0,
                  popen: Callable[[list[str], dict[str, str] | None], subprocess.Popen] | None = None,
                  on_exit: Callable[[str, int], None] | None = None) -> None:
         self.engines = [EngineProcess(name, port, list(cmd)) for name, port, cmd in engines]
         self.env, self.host = env, host
         self.max_restarts, self.window_s, self.poll_s, self.grace_s = max_restarts, window_s, poll_s, grace_s
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._popen = popen or (lambda cmd, env: subprocess.Popen(cmd, env=env))
         self._on_exit = on_exit
         self._stopping = threading.Event()
@@ -103,31 +110,52 @@ class EngineProcesses:
                     self._check(e)
 
     def _check(self, e: EngineProcess) -> None:
-        """With the lock held: restart `e` if its process exited (unless it exited too often)."""
-        if e.given_up or e.proc is None or (code := e.proc.poll()) is None:
+        """With the lock held: start `e` again once its back-off has passed; if its process exited, tell
+        `on_exit` and set when it starts again (or give it up if it exited too often)."""
+        if e.given_up or e.proc is None:
             return
+        now = time.monotonic()
+        if e.restart_at is not None:
+            if now >= e.restart_at:
+                e.restart_at = None
+                e.restarts += 1
+                e.proc = self._popen(e.command, self.env)
+            return
+        if (code := e.proc.poll()) is None:
+            return
+        e.last_exit_code = code
         if self._on_exit is not None:
             try:
                 self._on_exit(e.name, code)
             except Exception:  # noqa: BLE001 (a callback's failure must not stop the watcher)
                 log.exception("engine process %r: the exit callback failed", e.name)
-        now = time.monotonic()
         e.exits = [t for t in e.exits if now - t < self.window_s] + [now]
         if len(e.exits) > self.max_restarts:
             e.given_up = True
             log.error("engine process %r (port %d) exited with code %s, %d times in %.0f s: not restarting it; "
                       "the server runs on without it", e.name, e.port, code, len(e.exits), self.window_s)
             return
-        log.error("engine process %r (port %d) exited with code %s; starting it again", e.name, e.port, code)
-        e.restarts += 1
-        e.proc = self._popen(e.command, self.env)
+        delay = min(self.backoff_s * 2 ** (len(e.exits) - 1), self.max_backoff_s)
+        e.restart_at = now + delay
+        log.error("engine process %r (port %d) exited with code %s; starting it again in %.1f s", e.name, e.port,
+                  code, delay)
 
     def status(self) -> list[dict[str, object]]:
-        """Each process: name, port, pid, running, restarts, given_up."""
+        """Each process: name, port, pid, state ("running", "restarting", "given_up" or "exited": stopped
+        with the server), restarts, last_exit_code, and restart_in_s while it waits to start again."""
+        now = time.monotonic()
+        out: list[dict[str, object]] = []
         with self._lock:
-            return [{"name": e.name, "port": e.port, "pid": e.proc.pid if e.proc else None,
-                     "running": e.proc is not None and e.proc.poll() is None, "restarts": e.restarts,
-                     "given_up": e.given_up} for e in self.engines]
+            for e in self.engines:
+                running = e.proc is not None and e.restart_at is None and e.proc.poll() is None
+                state = ("given_up" if e.given_up else "restarting" if e.restart_at is not None
+                         else "running" if running else "exited")
+                row: dict[str, object] = {"name": e.name, "port": e.port, "pid": e.proc.pid if e.proc else None,
+                                          "state": state, "restarts": e.restarts, "last_exit_code": e.last_exit_code}
+                if e.restart_at is not None:
+                    row["restart_in_s"] = round(max(0.0, e.restart_at - now), 2)
+                out.append(row)
+        return out
 
     def stop(self) -> None:
         """Stop watching, then end every process: SIGTERM, SIGKILL after `grace_s` seconds."""

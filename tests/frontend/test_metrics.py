@@ -151,3 +151,41 @@ def test_semantic_calls_are_timed(server) -> None:
     assert after["parrot:request_success"][key] - before.get("parrot:request_success", {}).get(key, 0.0) == 1
     ttft = "parrot:time_to_first_token_seconds"
     assert after[ttft][(ttft + "_count", ())] > before[ttft][(ttft + "_count", ())]
+
+
+def test_engine_processes_show_in_health_and_metrics(server) -> None:
+    """`parrot serve --engines N`'s processes: each one's state and restarts in /health (status "degraded"
+    while one is down) and /metrics."""
+    import sys
+
+    from parrot.serve.engine_processes import EngineProcesses
+    from tests.servers import free_ports
+
+    url, core = server
+    base = free_ports(2)
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    exits = [sys.executable, "-c", "import sys; sys.exit(5)"]
+    procs = EngineProcesses([("engine-0", base, sleep), ("engine-1", base + 1, exits)], max_restarts=1,
+                            backoff_s=0.05, poll_s=0.05, grace_s=5).start()
+    core.engine_processes = procs
+    try:
+        deadline = time.monotonic() + 20
+        while procs.status()[1]["state"] != "given_up":
+            assert time.monotonic() < deadline, procs.status()
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        assert health["status"] == "degraded"
+        by_name = {p["name"]: p for p in health["engine_processes"]}
+        assert by_name["engine-0"]["state"] == "running" and by_name["engine-0"]["restarts"] == 0
+        assert by_name["engine-1"] == {**by_name["engine-1"], "state": "given_up", "restarts": 1,
+                                       "last_exit_code": 5, "port": base + 1}
+        families = scrape(url)
+        assert value(families, "parrot:engine_process_up", engine="engine-0") == 1
+        assert value(families, "parrot:engine_process_up", engine="engine-1") == 0
+        assert value(families, "parrot:engine_process_restarts", "parrot:engine_process_restarts_total",
+                     engine="engine-1") == 1
+    finally:
+        core.engine_processes = None
+        procs.stop()
+    health = httpx.get(f"{url}/health", timeout=30).json()
+    assert health["status"] in ("ok", "warming_up") and "engine_processes" not in health

@@ -58,31 +58,59 @@ def test_an_engine_that_exits_is_started_again_and_others_keep_running(tmp_path)
              "    sys.exit(7)\ntime.sleep(60)"]
     exits: list[tuple[str, int]] = []
     procs = EngineProcesses([("engine-0", base, SLEEP), ("engine-1", base + 1, flaky)], poll_s=0.05, grace_s=5,
-                            on_exit=lambda name, code: exits.append((name, code))).start()
+                            backoff_s=0.05, on_exit=lambda name, code: exits.append((name, code))).start()
     try:
         first = procs.status()[0]["pid"]
-        _until(lambda: procs.status()[1]["restarts"] == 1 and procs.status()[1]["running"])
+        _until(lambda: procs.status()[1]["restarts"] == 1 and procs.status()[1]["state"] == "running")
         status = procs.status()
-        assert status[0]["pid"] == first and status[0]["running"] and status[0]["restarts"] == 0
-        assert not status[1]["given_up"]
+        assert status[0]["pid"] == first and status[0]["state"] == "running" and status[0]["restarts"] == 0
+        assert status[1]["last_exit_code"] == 7 and status[0]["last_exit_code"] is None
         assert exits == [("engine-1", 7)]  # told once, before the restart
     finally:
         procs.stop()
-    assert not any(s["running"] for s in procs.status())
+    assert all(s["state"] == "exited" for s in procs.status())
 
 
 def test_an_engine_that_keeps_exiting_is_given_up(caplog: pytest.LogCaptureFixture) -> None:
     base = free_ports(1)
-    procs = EngineProcesses([("engine-0", base, EXIT3)], max_restarts=2, window_s=60, poll_s=0.05, grace_s=5)
+    procs = EngineProcesses([("engine-0", base, EXIT3)], max_restarts=2, window_s=60, backoff_s=0.05, poll_s=0.05,
+                            grace_s=5)
     with caplog.at_level("ERROR", logger="parrot.serve.engine_processes"):
         procs.start()
         try:
-            _until(lambda: procs.status()[0]["given_up"])
+            _until(lambda: procs.status()[0]["state"] == "given_up")
         finally:
             procs.stop()
     status = procs.status()[0]
-    assert status["restarts"] == 2 and not status["running"]
+    assert status["restarts"] == 2 and status["last_exit_code"] == 3
     assert "exited with code 3" in caplog.text and "not restarting it" in caplog.text
+
+
+def test_restarts_back_off_doubling_with_each_exit() -> None:
+    base = free_ports(1)
+    starts: list[float] = []
+
+    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        starts.append(time.monotonic())
+        return subprocess.Popen(cmd, env=env)
+
+    procs = EngineProcesses([("engine-0", base, EXIT3)], max_restarts=3, window_s=60, backoff_s=1.0,
+                            max_backoff_s=2.0, poll_s=0.02, grace_s=5, popen=popen).start()
+    waits: dict[int, float] = {}  # restarts so far -> the longest back-off seen left before the next
+    try:
+        def seen() -> bool:
+            s = procs.status()[0]
+            if s["state"] == "restarting":
+                waits[s["restarts"]] = max(waits.get(s["restarts"], 0.0), s["restart_in_s"])
+            return s["state"] == "given_up"
+
+        _until(seen)
+    finally:
+        procs.stop()
+    assert sorted(waits) == [0, 1, 2]
+    assert 0.5 < waits[0] <= 1.0 and 1.5 < waits[1] <= 2.0 and 1.5 < waits[2] <= 2.0  # 1 s, 2 s, capped at 2 s
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(gaps) == 3 and gaps[0] >= 1.0 and gaps[1] >= 2.0 and gaps[2] >= 2.0  # first start, three restarts
 
 
 def test_stop_ends_every_process() -> None:
@@ -91,4 +119,4 @@ def test_stop_ends_every_process() -> None:
     pids = [s["pid"] for s in procs.status()]
     procs.stop()
     assert all(isinstance(p, int) for p in pids)
-    assert not any(s["running"] for s in procs.status())
+    assert all(s["state"] == "exited" for s in procs.status())
