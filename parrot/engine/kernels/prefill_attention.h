@@ -395,11 +395,13 @@ inline __m512i e4m3_bf16x32(const uint8_t* p) {
 // The key and value rows of the positions l0 .. l0 + 31 (null past `cnt` or the pages).
 inline void block_rows(const uint16_t* kb, const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S,
                        int64_t D, int64_t l0, int64_t cnt, const uint16_t* krow[32], const uint16_t* vrow[32]) {
+  int64_t page = l0 / S, slot = l0 % S;  // stepped, not divided, per key
   for (int i = 0; i < 32; ++i) {
     const int64_t l = l0 + i;
-    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[l / S]) * S + l % S) * D : -1;
+    const int64_t at = i < cnt && l < npos ? (static_cast<int64_t>(pages[page]) * S + slot) * D : -1;
     krow[i] = at >= 0 ? kb + at : nullptr;
     vrow[i] = at >= 0 ? vb + at : nullptr;
+    if (++slot == S) slot = 0, ++page;
   }
 }
 
@@ -658,10 +660,10 @@ struct PrefillTiles {
   aligned::vector<uint32_t> vt;  // [D][16]: the block's values transposed, dimension d's 32 keys in pairs
   aligned::vector<uint16_t> kz;  // [32][D]: half blocks' keys where they are not one run in a page
   aligned::vector<float> ot;     // [groups][D][16]: the outputs, 16 rows in the lanes
+  aligned::vector<float> pv;     // [2][D][16]: two groups' P x V sums, between the tiles and the outputs
   alignas(64) float sc[32 * 16];  // a group's scores, [key][16 rows]
-  alignas(64) uint32_t pt[256];   // its probabilities, [16 pairs of keys][16 rows]
-  alignas(64) float corr[16];     // its rescaling factors
-  alignas(64) float pv[512];      // two P x V tiles
+  alignas(64) uint32_t pt[2][256];  // two groups' probabilities, [16 pairs of keys][16 rows]
+  alignas(64) float corr[2][16];    // and their rescaling factors
 };
 
 inline void prefill_tiles_configure() {
@@ -698,7 +700,11 @@ inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uin
   }
 }
 
-// One block of 32 keys from l0 for every group of the task's rows.
+// One block of 32 keys from l0 for every group of the task's rows, in three stages a group apart, so that no
+// vector code waits on a tile store just issued (the tile unit runs its loads, products and stores in order,
+// and a vector load of a tile's stored sums waits for the store): group g's scores are stored and its softmax
+// runs while the tile unit takes group g + 1's scores and group g - 1's P x V; group g - 2's P x V sums, stored
+// a group earlier, are added to its outputs first. Each row's steps are the same, in the same order.
 inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t groups, int64_t D, const uint16_t* kb,
                                 const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
                                 int64_t cnt) {
@@ -717,32 +723,45 @@ inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t grou
       _tile_dpbf16ps(1, 2, 3);
     }
   };
-  if (groups > 0) scores(0);
-  for (int64_t g = 0; g < groups; ++g) {
-    _tile_stored(0, t.sc, 64);
-    _tile_stored(1, t.sc + 256, 64);
-    if (g + 1 < groups) scores(g + 1);  // the tile unit's work during this group's softmax
-    if (!prefill_lane_softmax(s, t.sc, g, l0, t.corr, t.pt)) continue;
-    const __m512 corr = _mm512_load_ps(t.corr);
-    const bool rescale = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
-    _tile_loadd(5, t.pt, 64);
-    float* o = t.ot.data() + g * D * 16;
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 32 dimensions at a time: two products in flight
+  auto products = [&](int64_t g) {  // group g's P x V into t.pv[g % 2], 32 dimensions a round (tmm4-7)
+    _tile_loadd(5, t.pt[g % 2], 64);
+    float* pv = t.pv.data() + (g % 2) * D * 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
       _tile_zero(6);
       _tile_zero(7);
       _tile_loadd(4, t.vt.data() + d0 * 16, 64);
       _tile_dpbf16ps(6, 4, 5);
-      _tile_loadd(2, t.vt.data() + (d0 + 16) * 16, 64);
-      _tile_dpbf16ps(7, 2, 5);
-      _tile_stored(6, t.pv, 64);
-      _tile_stored(7, t.pv + 256, 64);
-      for (int i = 0; i < 32; ++i) {
-        float* od = o + (d0 + i) * 16;
-        const __m512 c = _mm512_load_ps(t.pv + 16 * i);
-        _mm512_store_ps(od, rescale ? _mm512_fmadd_ps(_mm512_load_ps(od), corr, c) : _mm512_add_ps(_mm512_load_ps(od), c));
-      }
+      _tile_loadd(4, t.vt.data() + (d0 + 16) * 16, 64);
+      _tile_dpbf16ps(7, 4, 5);
+      _tile_stored(6, pv + d0 * 16, 64);
+      _tile_stored(7, pv + (d0 + 16) * 16, 64);
     }
+  };
+  auto add = [&](int64_t g) {  // group g's P x V sums into its outputs: o c + P V, c its rows' rescaling
+    const __m512 corr = _mm512_load_ps(t.corr[g % 2]);
+    const bool rescale = _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0;
+    const float* pv = t.pv.data() + (g % 2) * D * 16;
+    float* o = t.ot.data() + g * D * 16;
+    for (int64_t i = 0; i < D; ++i) {
+      const __m512 c = _mm512_load_ps(pv + 16 * i);
+      _mm512_store_ps(o + 16 * i, rescale ? _mm512_fmadd_ps(_mm512_load_ps(o + 16 * i), corr, c)
+                                          : _mm512_add_ps(_mm512_load_ps(o + 16 * i), c));
+    }
+  };
+  int64_t prev = -1, older = -1;  // groups with keys in the block whose products / sums are pending
+  if (groups > 0) scores(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_stored(0, t.sc, 64);
+    _tile_stored(1, t.sc + 256, 64);
+    if (g + 1 < groups) scores(g + 1);
+    if (prev >= 0) products(prev);
+    if (older >= 0) add(older);  // before the softmax below takes its buffers (older % 2 == g % 2)
+    const bool active = prefill_lane_softmax(s, t.sc, g, l0, t.corr[g % 2], t.pt[g % 2]) != 0;
+    older = prev, prev = active ? g : -1;
   }
+  if (prev >= 0) products(prev);
+  if (older >= 0) add(older);
+  if (prev >= 0) add(prev);
 }
 #endif
 
@@ -847,7 +866,7 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT
     if (tiles) {
       thread_local PrefillTiles t;
       const int64_t groups = (rows + 15) / 16, padded = groups * 16;  // rows past `rows` see no key
-      t.qp.resize(padded * D / 2), t.vt.resize(D * 16), t.kz.resize(32 * D);
+      t.qp.resize(padded * D / 2), t.vt.resize(D * 16), t.kz.resize(32 * D), t.pv.resize(2 * D * 16);
       t.ot.assign(groups * D * 16, 0.f);
       s.m.resize(padded, -INFINITY), s.l.resize(padded, 0.f), s.lim.resize(padded, -1.f);
       for (int64_t i = 0; i < rows * D; i += 32)
