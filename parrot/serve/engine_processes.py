@@ -9,9 +9,9 @@ module only owns the processes:
   the serve core at once (`on_exit`: the core marks the engine dead and re-runs its unfinished tasks
   elsewhere without waiting for its heartbeats to time out) and starts it again (it registers again),
   after a back-off that doubles with each exit within `window_s` seconds (`backoff_s`, 2 `backoff_s`,
-  ... at most `max_backoff_s`), so an engine that dies at start does not spin. An engine that exits
-  `max_restarts` times within `window_s` seconds is left down, with an error in the log, instead of being
-  restarted in a loop;
+  ... at most `max_backoff_s`), so an engine that dies at start does not spin. An engine that exits more
+  than `max_restarts` times within `window_s` seconds is left down, with an error in the log, instead of
+  being restarted in a loop;
 - `status()` says what each process is doing (running, restarting and when, given up; its restarts and
   last exit code): `/health` and `/metrics` show it;
 - `stop()` ends them all (SIGTERM, then SIGKILL after `grace_s`).
@@ -161,6 +161,8 @@ class EngineProcesses:
         """Stop watching, then end every process: SIGTERM, SIGKILL after `grace_s` seconds."""
         self._stopping.set()
         with self._lock:
+            for e in self.engines:
+                e.restart_at = None  # a restart still waiting for its back-off never comes
             procs = [e.proc for e in self.engines if e.proc is not None]
         for p in procs:
             if p.poll() is None:

@@ -120,3 +120,18 @@ def test_stop_ends_every_process() -> None:
     procs.stop()
     assert all(isinstance(p, int) for p in pids)
     assert all(s["state"] == "exited" for s in procs.status())
+
+
+def test_stop_during_a_back_off_starts_nothing_more() -> None:
+    base = free_ports(1)
+    starts: list[float] = []
+
+    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        starts.append(time.monotonic())
+        return subprocess.Popen(cmd, env=env)
+
+    procs = EngineProcesses([("engine-0", base, EXIT3)], backoff_s=30, poll_s=0.02, grace_s=5, popen=popen).start()
+    _until(lambda: procs.status()[0]["state"] == "restarting")
+    procs.stop()
+    time.sleep(0.2)
+    assert len(starts) == 1 and procs.status()[0]["state"] == "exited"
