@@ -23,6 +23,17 @@ def _until(cond, timeout: float = 20.0) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
+def _timed_popen():  # noqa: ANN202
+    """A popen that notes when it starts each process."""
+    starts: list[float] = []
+
+    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
+        starts.append(time.monotonic())
+        return subprocess.Popen(cmd, env=env)
+
+    return starts, popen
+
+
 def test_ports_in_use_names_a_listening_port() -> None:
     base = free_ports(2)
     with socket.socket() as s:
@@ -88,11 +99,7 @@ def test_an_engine_that_keeps_exiting_is_given_up(caplog: pytest.LogCaptureFixtu
 
 def test_restarts_back_off_doubling_with_each_exit() -> None:
     base = free_ports(1)
-    starts: list[float] = []
-
-    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
-        starts.append(time.monotonic())
-        return subprocess.Popen(cmd, env=env)
+    starts, popen = _timed_popen()
 
     procs = EngineProcesses([("engine-0", base, EXIT3)], max_restarts=3, window_s=60, backoff_s=1.0,
                             max_backoff_s=2.0, poll_s=0.02, grace_s=5, popen=popen).start()
@@ -124,11 +131,7 @@ def test_stop_ends_every_process() -> None:
 
 def test_stop_during_a_back_off_starts_nothing_more() -> None:
     base = free_ports(1)
-    starts: list[float] = []
-
-    def popen(cmd: list[str], env: dict[str, str] | None) -> subprocess.Popen:
-        starts.append(time.monotonic())
-        return subprocess.Popen(cmd, env=env)
+    starts, popen = _timed_popen()
 
     procs = EngineProcesses([("engine-0", base, EXIT3)], backoff_s=30, poll_s=0.02, grace_s=5, popen=popen).start()
     _until(lambda: procs.status()[0]["state"] == "restarting")
