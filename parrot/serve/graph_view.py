@@ -241,7 +241,10 @@ def _layers(nodes: list[dict[str, Any]], calls_in: dict[str, list[str]], produce
 
 
 def engines_view(core: ParrotServeCore) -> list[dict[str, Any]]:
-    """Every registered engine: liveness, tasks the serve core runs there, and its last reported runtime."""
+    """Every registered engine: liveness, tasks the serve core runs there, its last reported runtime, and
+    (an engine process this server started: `parrot serve --engines N`) its process's state, restarts and
+    last exit code."""
+    processes = {str(p["name"]): p for p in core.engine_processes.status()} if core.engine_processes else {}
     out = []
     for st in core.engines.status():
         rt = st.runtime
@@ -254,6 +257,7 @@ def engines_view(core: ParrotServeCore) -> list[dict[str, Any]]:
             "kv_usage": round(used / rt.total_pages, 4) if rt is not None and rt.total_pages else None,
             "contexts": rt.num_contexts if rt else None, "cached_tokens": rt.num_cached_tokens if rt else None,
             "recent_step_ms": rt.recent_step_ms if rt else None,
+            "process": {k: v for k, v in processes[st.name].items() if k != "name"} if st.name in processes else None,
         })
     return out
 

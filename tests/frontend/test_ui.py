@@ -17,8 +17,9 @@ import pytest
 
 from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
+from parrot.serve.engine_processes import EngineProcesses
 from tests.conftest import tiny_engine_config, tiny_model
-from tests.servers import serving_core
+from tests.servers import free_ports, serving_core
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "You summarize text in one line. " * 2
@@ -133,6 +134,26 @@ def test_map_reduce_graph_nodes_edges_states_and_timings(client: httpx.Client) -
     assert any(c["owner"] == "session" for c in g["contexts"]) and 0 < g["prefix_hit_rate"] <= 1
     assert all(v["state"] == "done" for v in g["nodes"] if v["kind"] == "variable")
     assert g["engines"][0]["name"] == "local" and g["engines"][0]["live"]
+    assert g["engines"][0]["process"] is None  # an engine inside the server: no process of its own
+
+
+def test_an_engine_process_shows_its_state(client: httpx.Client, server) -> None:
+    """An engine whose process the server started (`--engines N`): the view shows the process's state,
+    restarts and last exit code beside the engine."""
+    _, core = server
+    port = free_ports(1)
+    procs = EngineProcesses([("local", port, [sys.executable, "-c", "import time; time.sleep(60)"])],
+                            grace_s=5).start()
+    core.engine_processes = procs
+    try:
+        sid, auth = new_session(client)
+        engine = graph(client, sid, auth)["engines"][0]
+        assert engine["name"] == "local"
+        assert engine["process"] == {"port": port, "pid": procs.status()[0]["pid"], "state": "running",
+                                     "restarts": 0, "last_exit_code": None}
+    finally:
+        core.engine_processes = None
+        procs.stop()
 
 
 def test_failed_call_carries_its_error(client: httpx.Client) -> None:
@@ -233,7 +254,7 @@ def browser():
 
 
 def test_the_page_draws_the_app_and_follows_it_live(browser, client: httpx.Client, server) -> None:
-    url, _ = server
+    url, core = server
     body = client.post("/v1/session", json={}).json()
     sid, token = body["session_id"], body["session_token"]
     auth = {"Authorization": f"Bearer {token}"}
@@ -261,6 +282,16 @@ def test_the_page_draws_the_app_and_follows_it_live(browser, client: httpx.Clien
         reader.join(60)
         assert "5 done" in page.locator("#counts").inner_text()
         assert "local" in page.locator("#engines").inner_text()
+        # an engine whose process the server started shows that process's state
+        procs = EngineProcesses([("local", free_ports(1), [sys.executable, "-c", "import time; time.sleep(60)"])],
+                                grace_s=5).start()
+        core.engine_processes = procs
+        try:
+            page.wait_for_function("document.getElementById('engines').textContent.includes('running, 0 restart(s)')",
+                                   timeout=15000)
+        finally:
+            core.engine_processes = None
+            procs.stop()
         # constant text (the shared system prompt) is drawn on request
         page.locator("#show-constants").check()
         assert page.locator("#graph g.node.variable.constant").count() > 0

@@ -254,6 +254,13 @@ function renderEngines(engines) {
     d.append(html("div", `${e.name} ${e.live ? "" : "(dead: " + (e.reason || "?") + ")"}`, "name"));
     d.append(html("div", `${e.tasks} task(s) placed here; the engine runs ${e.running ?? "–"}, `
       + `queues ${e.waiting ?? "–"}`));
+    if (e.process) {  // an engine process this server started (--engines N)
+      const p = e.process;
+      const state = p.state === "restarting" ? `restarting in ${p.restart_in_s} s` : p.state.replace("_", " ");
+      const exit = p.last_exit_code === null ? "" : `, last exit code ${p.last_exit_code}`;
+      d.append(html("div", `process ${p.pid ?? "–"} on port ${p.port}: ${state}, ${p.restarts} restart(s)${exit}`,
+        "hint"));
+    }
     if (e.kv_usage !== null) {
       const bar = html("div", null, "bar");
       const fill = html("div");
