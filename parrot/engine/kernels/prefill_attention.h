@@ -674,16 +674,9 @@ inline void prefill_tiles_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// The block's keys for the scores' A tiles (`keys`: each half's 16 rows of D, in place where they are one
-// run in a page, else copied to `kz` with zeros past the block's end) and its values transposed into `vt`.
-inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uint16_t* vb, const int32_t* pages,
-                                  int64_t npos, int64_t S, int64_t D, int64_t l0, int64_t cnt,
-                                  const uint16_t* keys[2]) {
-  const uint16_t* krow[32];
-  const uint16_t* vrow[32];
-  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
-  block_keys(krow, D, t.kz.data(), keys);
-  // vt[d][p] = (v[2p][d], v[2p + 1][d]): per 16 dimensions, the keys' pairs interleaved, then transposed
+// A block's values (`vrow`, null past its end) transposed for the P x V tiles into `vt` ([D][16]):
+// vt[d][p] = (v[2p][d], v[2p + 1][d]), per 16 dimensions the keys' pairs interleaved, then transposed.
+inline void prefill_values_t(const uint16_t* const vrow[32], int64_t D, uint32_t* vt) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     __m512i r[16];
     for (int p = 0; p < 16; ++p) {
@@ -696,8 +689,23 @@ inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uin
                                 _mm256_permute2x128_si256(lo, hi, 0x31), 1);
     }
     transpose16x16(r);
-    for (int i = 0; i < 16; ++i) _mm512_store_si512(t.vt.data() + (d0 + i) * 16, r[i]);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(vt + (d0 + i) * 16, r[i]);
   }
+}
+
+// The block's keys for the scores' A tiles (`keys`: each half's 16 rows of D, in place where they are one
+// run in a page, else copied to `kz` with zeros past the block's end) and its values transposed: into `vt`,
+// unless `shared` holds them already (made once for every task of the sequence and head; returned).
+inline const uint32_t* prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uint16_t* vb,
+                                             const int32_t* pages, int64_t npos, int64_t S, int64_t D, int64_t l0,
+                                             int64_t cnt, const uint16_t* keys[2], const uint32_t* shared) {
+  const uint16_t* krow[32];
+  const uint16_t* vrow[32];
+  block_rows(kb, vb, pages, npos, S, D, l0, cnt, krow, vrow);
+  block_keys(krow, D, t.kz.data(), keys);
+  if (shared != nullptr) return shared;
+  prefill_values_t(vrow, D, t.vt.data());
+  return t.vt.data();
 }
 
 // One block of 32 keys from l0 for every group of the task's rows, in three stages a group apart, so that no
@@ -707,9 +715,9 @@ inline void prefill_tile_operands(PrefillTiles& t, const uint16_t* kb, const uin
 // a group earlier, are added to its outputs first. Each row's steps are the same, in the same order.
 inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t groups, int64_t D, const uint16_t* kb,
                                 const uint16_t* vb, const int32_t* pages, int64_t npos, int64_t S, int64_t l0,
-                                int64_t cnt) {
+                                int64_t cnt, const uint32_t* shared_vt) {
   const uint16_t* keys[2];
-  prefill_tile_operands(t, kb, vb, pages, npos, S, D, l0, cnt, keys);
+  const uint32_t* vt = prefill_tile_operands(t, kb, vb, pages, npos, S, D, l0, cnt, keys, shared_vt);
   const int64_t pairs = D / 2;
   auto scores = [&](int64_t g) {  // group g's scores into tmm0 (keys 0-15) and tmm1 (keys 16-31)
     const uint32_t* qt = t.qt.data() + g * pairs * 16;
@@ -729,9 +737,9 @@ inline void prefill_block_tiles(PrefillScratch& s, PrefillTiles& t, int64_t grou
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       _tile_zero(6);
       _tile_zero(7);
-      _tile_loadd(4, t.vt.data() + d0 * 16, 64);
+      _tile_loadd(4, vt + d0 * 16, 64);
       _tile_dpbf16ps(6, 4, 5);
-      _tile_loadd(4, t.vt.data() + (d0 + 16) * 16, 64);
+      _tile_loadd(4, vt + (d0 + 16) * 16, 64);
       _tile_dpbf16ps(7, 4, 5);
       _tile_stored(6, pv + d0 * 16, 64);
       _tile_stored(7, pv + (d0 + 16) * 16, 64);
@@ -803,6 +811,56 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT
         if (real) todo.push_back((b * Hkv + g) * blocks + qb);
       }
   const int64_t* tasks = todo.data();  // the caller's; helpers read it until every chunk is done
+  // On the tiles over a bfloat16 cache, a sequence's whole blocks of values are transposed once for all of its
+  // tasks (each KV head's query blocks read the same blocks), where it has several query blocks: `vshared`
+  // [sequence's base + (head * its blocks + block) * D * 16], `vbase[b]` (-1: each task its own).
+  thread_local aligned::vector<uint32_t> vshared;
+  thread_local std::vector<int64_t> vbase, vblocks, vwork;
+  vbase.assign(B, -1), vblocks.assign(B, 0), vwork.clear();
+#if PARROT_AMX_BF16
+  if (tiles && !fp8_cache) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t qblocks = 0, vend = 0;
+      for (int64_t qb = 0; qb < blocks; ++qb) {
+        bool real = false;
+        for (int64_t j = qb * per; j < std::min(Q, (qb + 1) * per); ++j) {
+          const int32_t t = qidx[b * Q + j];
+          if (t < 0 || t >= T) continue;
+          real = true;
+          vend = std::max<int64_t>(vend, std::min<int64_t>(pos[t], lens[b] - 1) - off[b] + 1);
+        }
+        qblocks += real;
+      }
+      vend = std::min<int64_t>(vend, maxp * S);
+      if (qblocks < 2 || vend < 32) continue;
+      vbase[b] = total, vblocks[b] = vend / 32;  // the whole blocks (a task's last partial one is its own)
+      total += Hkv * vblocks[b] * D * 16;
+      for (int64_t i = 0; i < Hkv * vblocks[b]; ++i) vwork.push_back(b * Hkv * (maxp * S / 32 + 1) + i);
+    }
+    vshared.resize(total);
+  }
+#endif
+  // the caller's thread-locals, read by the helpers through these pointers (a lambda does not capture them)
+  uint32_t* const vsh_all = vshared.data();
+  const int64_t* const vb0 = vbase.data();
+  const int64_t* const vnb = vblocks.data();
+#if PARROT_AMX_BF16
+  if (!vwork.empty()) {
+    const int64_t stride = maxp * S / 32 + 1;
+    const int64_t* work = vwork.data();
+    parallel_chunks(pool, static_cast<int64_t>(vwork.size()), [&](int64_t item) {
+      const int64_t b = work[item] / (Hkv * stride), i = work[item] % (Hkv * stride);
+      const int64_t g = i / vnb[b], blk = i % vnb[b];
+      const uint16_t* krow[32];
+      const uint16_t* vrow[32];
+      block_rows(reinterpret_cast<const uint16_t*>(kc + g * head_stride),
+                 reinterpret_cast<const uint16_t*>(vc + g * head_stride), bt + b * maxp, maxp * S, S, D, 32 * blk, 32,
+                 krow, vrow);
+      prefill_values_t(vrow, D, vsh_all + vb0[b] + i * D * 16);
+    });
+  }
+#endif
   parallel_chunks(pool, static_cast<int64_t>(todo.size()), [&](int64_t task) {
     const int64_t qb = tasks[task] % blocks, g = (tasks[task] / blocks) % Hkv, b = tasks[task] / (blocks * Hkv);
     const int32_t* idx = qidx + b * Q + qb * per;
@@ -874,8 +932,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT
                                                                             _mm512_loadu_ps(s.qs.data() + i)));
       prefill_lane_queries(t.qp.data(), t.qt, rows, D);
       prefill_tiles_configure();
+      const uint32_t* vsh = vb0[b] >= 0 ? vsh_all + vb0[b] + g * vnb[b] * D * 16 : nullptr;
       for (int64_t l0 = 0; l0 < end; l0 += 32)
-        prefill_block_tiles(s, t, groups, D, kh, vh, bth, npos, S, l0, std::min<int64_t>(32, end - l0));
+        prefill_block_tiles(s, t, groups, D, kh, vh, bth, npos, S, l0, std::min<int64_t>(32, end - l0),
+                            vsh != nullptr && l0 + 32 <= end && l0 / 32 < vnb[b] ? vsh + l0 / 32 * D * 16 : nullptr);
       _tile_release();
       for (int64_t g = 0; g < groups; ++g)  // the outputs back to a row per token and head
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
