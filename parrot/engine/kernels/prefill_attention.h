@@ -650,7 +650,8 @@ inline void prefill_pair_blocks(PrefillScratch& s, PrefillPairs& t, int64_t rows
 //  * scores^T = K Q^T: A is 16 keys x 32 dimensions read in place from their page (one run of 16 rows,
 //    else copied), B the group's scaled queries in pairs of dimensions ([D/2][16 rows], made once a task);
 //    C [16 keys][16 rows] for each half of the block's 32 keys;
-//  * O^T += V^T P^T: A is 16 dimensions x 32 keys (the block's values transposed once per task and block),
+//  * O^T += V^T P^T: A is 16 dimensions x 32 keys (the block's values transposed: once per sequence and head
+//    for a sequence with several query blocks, else per task and block),
 //    B the probabilities in pairs of keys ([16][16 rows], as the softmax leaves them); C [16 dimensions][16
 //    rows] is added to the group's float32 output as o c + C, c the rows' rescaling in the lanes.
 // Every lane is its own row's, so every row's result is still its own.
