@@ -815,10 +815,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT
   // On the tiles over a bfloat16 cache, a sequence's whole blocks of values are transposed once for all of its
   // tasks (each KV head's query blocks read the same blocks), where it has several query blocks: `vshared`
   // [sequence's base + (head * its blocks + block) * D * 16], `vbase[b]` (-1: each task its own).
+#if PARROT_AMX_BF16
   thread_local aligned::vector<uint32_t> vshared;
   thread_local std::vector<int64_t> vbase, vblocks, vwork;
   vbase.assign(B, -1), vblocks.assign(B, 0), vwork.clear();
-#if PARROT_AMX_BF16
   if (tiles && !fp8_cache) {
     int64_t total = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -841,12 +841,10 @@ void paged_prefill(ffi::ThreadPool& pool, const float* q, const KT* kc, const VT
     }
     vshared.resize(total);
   }
-#endif
   // the caller's thread-locals, read by the helpers through these pointers (a lambda does not capture them)
   uint32_t* const vsh_all = vshared.data();
   const int64_t* const vb0 = vbase.data();
   const int64_t* const vnb = vblocks.data();
-#if PARROT_AMX_BF16
   if (!vwork.empty()) {
     const int64_t stride = maxp * S / 32 + 1;
     const int64_t* work = vwork.data();
