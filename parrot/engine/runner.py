@@ -194,9 +194,10 @@ def _as_rows(slots: list[Slot]) -> list[Slot]:
     return rows
 
 
-def _verified(slots: list[Slot], tokens: np.ndarray) -> np.ndarray:
-    """Each verify slot's sampled tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`); the
-    tokens of the other slots, one each."""
+def _verified(slots: list[Slot], rows: list[Slot], tokens: np.ndarray) -> np.ndarray:
+    """Each verify slot's sampled tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`),
+    and their logprobs where the job asked for them (`Slot.verified_logprobs`); the tokens of the other
+    slots, one each."""
     out = np.zeros(len(slots), np.int32)
     r = 0
     for i, s in enumerate(slots):
@@ -205,6 +206,8 @@ def _verified(slots: list[Slot], tokens: np.ndarray) -> np.ndarray:
             r += 1
         else:
             s.verified = tokens[r : r + len(s.tokens)].tolist()
+            if s.job.sampling is not None and s.job.sampling.logprobs is not None:
+                s.verified_logprobs = [row.logprob for row in rows[r : r + len(s.tokens)]]
             r += len(s.tokens)
     return out
 
@@ -728,7 +731,7 @@ class ModelRunner:
         if checks:  # greedy constrained rows sampled unmasked: their grammars check the tokens now
             tokens = np.array(np.asarray(tokens)[: len(slots)])
             check_greedy(checks, tokens, lambda: np.asarray(logits), self.cfg.vocab_size)
-        return _verified(given, np.asarray(tokens)) if verifying else tokens
+        return _verified(given, slots, np.asarray(tokens)) if verifying else tokens
 
     def _sample_slots(self, slots: list[Slot], logits: jax.Array, extras: tuple | None,
                       batch: int, prev: Launched | None = None) -> jax.Array | np.ndarray:

@@ -66,6 +66,17 @@ def needs_processing(job: Job, lazy: bool = False) -> bool:
             or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
+def rows_own_processing(job: Job) -> bool:
+    """True when whatever host work the job's next tokens need reads each row's logits alone: logprobs and
+    logit_bias, or none. A speculative verify step's rows (a draft's tokens) then get what plain decode steps
+    at their positions would. Not so for a constraint (its grammar's state), penalties (the tokens before a
+    row) or stop tokens still held back by min_tokens (the output's length at a row)."""
+    p = job.sampling
+    assert p is not None
+    held_back = len(job.output_ids) < p.min_tokens and bool(job.stop_ids)
+    return job.constraint is None and not p.penalized and not held_back
+
+
 def lazily_constrained(job: Job) -> bool:
     """A greedy constrained job whose logits nothing else changes (no logprobs, logit_bias, penalties or
     suppressed stop tokens): its token can be the unmasked argmax, checked against its grammar afterwards

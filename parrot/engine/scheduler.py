@@ -60,7 +60,7 @@ from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.logprobs import SampledLogprob
-from parrot.engine.sampling import needs_processing
+from parrot.engine.sampling import needs_processing, rows_own_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
@@ -89,6 +89,7 @@ class Slot:
     # sets `verified`, the token sampled after each fed token (len(draft) + 1 of them)
     draft: list[int] | None = None
     verified: list[int] | None = None
+    verified_logprobs: list[SampledLogprob | None] | None = None  # each verified token's, for a job asking them
     offset: int = 0  # a verify slot's row (runner): its place after the job's last token, its sampler step's too
 
 
@@ -338,10 +339,11 @@ class Scheduler:
             scheduled.add(job.job_id)
 
     def draftable(self, job: Job) -> bool:
-        """Whether speculative decoding may draft `job`'s tokens: a generate whose sampling needs no host work
-        (no constraint, logprobs, bias, penalties or suppressed stop tokens) and no forced tokens."""
+        """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens whose
+        sampling's host work, if any, is each row's own (logprobs, logit_bias: `rows_own_processing`; not a
+        constraint, penalties or suppressed stop tokens)."""
         return (self.drafter is not None and job.kind is JobKind.GENERATE and job.sampling is not None
-                and not job.forced and not needs_processing(job))
+                and not job.forced and rows_own_processing(job))
 
     def _acceptance_rate(self, job: Job) -> float:
         """The context's recent share of draft tokens confirmed, each after the ones before it: from its verify
@@ -611,8 +613,10 @@ class Scheduler:
         if self.kv.get(job.context_id).num_tokens > slot.start + 1 + n:
             self._truncate(job.context_id, slot.start + 1 + n)  # the rejected drafts' KV
         outputs = []
-        for token in [*draft[:n], sampled[n]]:  # each fed already but the last, which is the job's next
-            outputs.append(self._on_token(job, token, None, shadow=False))
+        logprobs = slot.verified_logprobs or [None] * len(sampled)
+        # each fed already but the last, which is the job's next
+        for token, logprob in zip([*draft[:n], sampled[n]], logprobs, strict=False):
+            outputs.append(self._on_token(job, token, logprob, shadow=False))
             if job.status is JobStatus.FINISHED:
                 break
         self._hand_over(job, None)  # a job that ended on a draft token drops the KV past its tokens

@@ -15,7 +15,7 @@ from parrot.engine.kv_cache import KVCacheManager
 from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.speculative import NgramDrafter
-from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
+from parrot.protocol import FillRequest, GenerateRequest, GenerateResponse, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
 
 TIMEOUT = 300
@@ -259,14 +259,25 @@ def test_without_a_draft_decodes_go_straight_to_a_multi_step_call() -> None:
     assert all(slot.draft is None for slot in plan.decode)
 
 
-def test_only_jobs_without_host_work_draft() -> None:
+def test_only_jobs_whose_host_work_is_each_rows_own_draft() -> None:
+    """Logprobs and logit_bias read a row's logits alone: drafted. Penalties (the tokens before a row), stop
+    tokens held back by min_tokens (the output's length at a row) and constraints (a grammar's state): not."""
     s = _scheduler(4)
     greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
     assert s.draftable(greedy)
-    assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8, temperature=0.7)))
-    for sp in (SamplingParams(max_tokens=8, logprobs=2),
-               SamplingParams(max_tokens=8, presence_penalty=0.5), SamplingParams(max_tokens=8, logit_bias={3: 1})):
-        assert not s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp))
+    for sp in (SamplingParams(max_tokens=8, temperature=0.7), SamplingParams(max_tokens=8, logprobs=2),
+               SamplingParams(max_tokens=8, logit_bias={3: 1}), SamplingParams(max_tokens=8, min_tokens=4)):
+        assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp))
+    penalized = SamplingParams(max_tokens=8, presence_penalty=0.5)
+    assert not s.draftable(Job(JobKind.GENERATE, "a", None, sampling=penalized))
+    held = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8, min_tokens=4),
+               stop_ids=frozenset({7}))
+    assert not s.draftable(held)
+    held.output_ids = [1, 2, 3, 4]  # min_tokens reached: the stop tokens are no longer held back
+    assert s.draftable(held)
+    constrained = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
+    constrained.constraint = object()  # any grammar: its state advances with each token
+    assert not s.draftable(constrained)
     assert not _scheduler(0).draftable(greedy)
 
 
@@ -310,6 +321,42 @@ def test_engine_gives_the_plain_greedy_tokens() -> None:
         spec.shutdown()
 
 
+def _generate_full(eng: LLMEngine, prompts: list[list[int]], tag: str, **sampling: object) -> list[GenerateResponse]:
+    for i, p in enumerate(prompts):
+        eng.fill_future(FillRequest(context_id=f"{tag}{i}", token_ids=p)).result(TIMEOUT)
+    futs = [eng.generate_future(GenerateRequest(context_id=f"{tag}{i}", sampling=SamplingParams(
+        max_tokens=40, ignore_eos=True, **sampling))) for i in range(len(prompts))]
+    outs = [f.result(TIMEOUT) for f in futs]
+    for i in range(len(prompts)):
+        eng.free_future(f"{tag}{i}").result(TIMEOUT)
+    return outs
+
+
+def test_logprobs_and_logit_bias_jobs_draft_with_the_plain_results() -> None:
+    """Jobs asking for logprobs, or with a logit_bias, are drafted: each verified token's logprob (and top
+    alternatives) is the one plain decoding reports for it, bit for bit, and biased tokens are plain
+    decoding's; greedy and seeded."""
+    model = tiny_model()
+    prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(3)]
+    plain = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    spec = LLMEngine(model, tiny_engine_config(speculative_tokens=4)).start(precompile=False)
+    spec.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR
+    try:
+        for kw in ({"logprobs": 2}, {"logprobs": 0, "temperature": 0.3, "seed": 9},
+                   {"logit_bias": {40: 2.0, 41: -100.0}}, {"logprobs": 1, "logit_bias": {100: 1.5}}):
+            before = spec.ping().spec_accepted_tokens
+            got, want = _generate_full(spec, prompts, "s", **kw), _generate_full(plain, prompts, "p", **kw)
+            assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
+            assert [g.logprobs for g in got] == [w.logprobs for w in want], kw
+            if "logprobs" in kw:
+                assert all(g.logprobs is not None and len(g.logprobs) == len(g.token_ids) == 40 for g in got)
+            assert spec.ping().spec_accepted_tokens > before, kw  # drafts were confirmed for these jobs
+        assert spec.kv.num_free_pages == spec.kv.total_pages
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
 @pytest.mark.model
 def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: ANN001
     """SmolLM2 asked to repeat a text: most tokens come from confirmed drafts, and the answer is plain
@@ -320,12 +367,15 @@ def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: AN
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Repeat the following text exactly, "
                                                                           f"word for word:\n\n{text}"}]))
 
-    def answer(eng: LLMEngine, **sampling: object) -> list[int]:
+    def response(eng: LLMEngine, **sampling: object) -> GenerateResponse:
         eng.fill_future(FillRequest(context_id="c", token_ids=ids)).result(TIMEOUT)
         out = eng.generate_future(GenerateRequest(context_id="c", sampling=SamplingParams(
-            max_tokens=64, **sampling))).result(TIMEOUT).token_ids
+            max_tokens=64, **sampling))).result(TIMEOUT)
         eng.free_future("c").result(TIMEOUT)
         return out
+
+    def answer(eng: LLMEngine, **sampling: object) -> list[int]:
+        return response(eng, **sampling).token_ids
 
     cfg = dict(compilation_cache_dir=None, kv_memory_mb=256)
     plain = LLMEngine(smollm, EngineConfig(**cfg)).start(precompile=False)
@@ -337,6 +387,10 @@ def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: AN
         assert spec.ping().spec_accepted_tokens >= len(expected) // 2
         sampled = {"temperature": 0.6, "top_p": 0.95, "seed": 5}  # a seeded sample: the same tokens too
         assert answer(spec, **sampled) == answer(plain, **sampled)
+        before = spec.ping().spec_accepted_tokens  # asking for logprobs: drafted, the same logprobs
+        with_logprobs = response(spec, logprobs=3)
+        assert with_logprobs == response(plain, logprobs=3) and with_logprobs.token_ids == expected
+        assert spec.ping().spec_accepted_tokens - before >= len(expected) // 2
     finally:
         plain.shutdown()
         spec.shutdown()
