@@ -1,10 +1,11 @@
 """Speculative decoding by prompt lookup against plain decoding, side by side in one process: output tokens per
 second of greedy chat answers that copy from their prompt (a text repeated, sentences quoted, a function
-rewritten), of one that does not (a story) and of a sampled one (temperature 0.7, seeded), the share of draft
+rewritten), of one that does not (a story), of a sampled one (temperature 0.7, seeded) and of one asking for
+logprobs (whose plain decoding runs a step at a time: its sampling is processed on the host), the share of draft
 tokens the model confirmed and the tokens a verify step gave, next to this machine's floors.
 
     python -m benchmarks.speculative [--model smollm2] [--speculative-tokens 4] [--repeats 5]
-        [--concurrency 1 4] [--max-tokens 160] [--out benchmarks/results/speculative.json]
+        [--concurrency 1 4] [--max-tokens 160] [--workloads repeat ...] [--out benchmarks/results/speculative.json]
 
 Two engines on one model, each warmed on every workload first (its shapes compiled outside the timing); then
 the workloads run on both in turns, the order alternating, `--repeats` times: medians, and their ratio.
@@ -53,6 +54,7 @@ WORKLOADS: dict[str, tuple[str, dict]] = {
              {}),
     "story": ("Write a short story about a parrot who learns to read.", {}),
     "repeat_t0.7": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"temperature": 0.7, "seed": 1}),
+    "repeat_logprobs": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"logprobs": 1}),
 }
 
 
@@ -78,7 +80,8 @@ def _round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int,
     return dt, outs
 
 
-def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_tokens: int) -> dict:
+def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_tokens: int,
+        workloads: list[str] | None = None) -> dict:
     loaded = load_model(model, progress=False)
     engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, precompile=False, speculative_tokens=k)).start()
                for name, k in (("plain", 0), ("speculative", spec_tokens))}
@@ -90,6 +93,8 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
     try:
         for c in concurrency:
             for name, (text, sampling) in WORKLOADS.items():
+                if workloads and name not in workloads:
+                    continue
                 prompt = _chat(loaded, text)
                 for eng in engines.values():  # this workload's shapes compiled outside the timing
                     _round(eng, prompt, c, max_tokens, "warm", sampling)
@@ -132,9 +137,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all of them")
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
-    result = run(args.model, args.speculative_tokens, args.repeats, args.concurrency, args.max_tokens)
+    result = run(args.model, args.speculative_tokens, args.repeats, args.concurrency, args.max_tokens,
+                 args.workloads)
     write_json(result, args.out)
 
 
