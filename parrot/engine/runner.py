@@ -183,14 +183,15 @@ def _pending_splice(slots: list[Slot], num_tokens: int,
 
 def _as_rows(slots: list[Slot]) -> list[Slot]:
     """`slots` with each verify slot (speculative decoding: `Slot.draft`) as one decode row per token, at its
-    position, over the same pages, sampled at its place's sampler step: each row then computes and samples what a
-    decode step at that position does."""
+    position, over the same pages, sampled at its place's sampler step (its penalties and min_tokens counting the
+    draft's tokens before it): each row then computes and samples what a decode step at that position does."""
     rows: list[Slot] = []
     for s in slots:
         if s.draft is None:
             rows.append(s)
         else:
-            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, offset=j) for j, t in enumerate(s.tokens)]
+            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, offset=j, before=s.tokens[1 : j + 1])
+                     for j, t in enumerate(s.tokens)]
     return rows
 
 
@@ -710,8 +711,9 @@ class ModelRunner:
 
         def extras_of() -> tuple[SamplerExtras, np.ndarray | None] | None:
             """Constraint masks, penalty counts (None: no job needs them)."""
+            before = [s.before or () for s in slots] if verifying else None
             return SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size,
-                                       lazy=lazy)
+                                       lazy=lazy, before=before)
 
         # on a CPU the masks are computed before the step (computed while it runs, llguidance and XLA only
         # take turns on the same cores); on an accelerator while the device runs it

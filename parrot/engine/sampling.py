@@ -24,7 +24,7 @@ penalties, logit_bias and masks (vLLM's "raw_logprobs").
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -66,15 +66,13 @@ def needs_processing(job: Job, lazy: bool = False) -> bool:
             or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
-def rows_own_processing(job: Job) -> bool:
-    """True when whatever host work the job's next tokens need reads each row's logits alone: logprobs and
-    logit_bias, or none. A speculative verify step's rows (a draft's tokens) then get what plain decode steps
-    at their positions would. Not so for a constraint (its grammar's state), penalties (the tokens before a
-    row) or stop tokens still held back by min_tokens (the output's length at a row)."""
-    p = job.sampling
-    assert p is not None
-    held_back = len(job.output_ids) < p.min_tokens and bool(job.stop_ids)
-    return job.constraint is None and not p.penalized and not held_back
+def verifiable(job: Job) -> bool:
+    """True when a speculative verify step's rows (a draft's tokens) can be sampled as plain decode steps at
+    their positions would: unless a constraint guides the job (its grammar's state advances token by token on
+    the host). Logprobs and logit_bias read a row's logits alone; penalties and stop tokens held back by
+    min_tokens read the tokens before a row: the job's output, then the draft's tokens before it
+    (`SamplerExtras.build`'s `before`)."""
+    return job.constraint is None
 
 
 def lazily_constrained(job: Job) -> bool:
@@ -137,12 +135,14 @@ class SamplerExtras:
                    np.ones(batch_size, np.float32), np.zeros(batch_size, bool))
 
     @classmethod
-    def build(cls, jobs: list[Job | None], batch_size: int, vocab_size: int,
-              lazy: bool = False) -> tuple[SamplerExtras, np.ndarray | None] | None:
+    def build(cls, jobs: list[Job | None], batch_size: int, vocab_size: int, lazy: bool = False,
+              before: Sequence[Sequence[int]] | None = None) -> tuple[SamplerExtras, np.ndarray | None] | None:
         """For the jobs sampling in a batch (None: a row that does not sample): the extras and, when some
         job has a penalty, the token counts `[B, V]` int32 (2 x times generated + 1 if in the context), or
         None when no job needs `sample_processed`. Constraint masks are computed here, on the host; with
-        `lazy`, not for `lazily_constrained` jobs (their rows stay all-allowed)."""
+        `lazy`, not for `lazily_constrained` jobs (their rows stay all-allowed). `before[i]`: tokens row i
+        samples after beyond its job's output (a speculative verify row: the draft's tokens before it), which
+        count for its penalties and min_tokens as output does."""
         live = [(i, j) for i, j in enumerate(jobs) if j is not None and needs_processing(j, lazy)]
         if not live:
             return None
@@ -153,7 +153,8 @@ class SamplerExtras:
         for i, job in live:
             p = job.sampling
             assert p is not None
-            if len(job.output_ids) < p.min_tokens and job.stop_ids:
+            pre = list(before[i]) if before is not None else []
+            if len(job.output_ids) + len(pre) < p.min_tokens and job.stop_ids:
                 _clear_bits(ex.mask[i], job.stop_ids, keep_one=job.constraint is not None)
             if p.logit_bias:
                 ex.bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
@@ -164,8 +165,8 @@ class SamplerExtras:
                                                                      p.repetition_penalty)
                 if counts is None:
                     counts = np.zeros((batch_size, vocab_size), np.int32)
-                counts[i] = 2 * np.bincount(job.output_ids, minlength=vocab_size)[:vocab_size]
-                counts[i] += np.bincount(job.context_tokens, minlength=vocab_size)[:vocab_size] > 0
+                counts[i] = 2 * np.bincount(job.output_ids + pre, minlength=vocab_size)[:vocab_size]
+                counts[i] += np.bincount(job.context_tokens + pre, minlength=vocab_size)[:vocab_size] > 0
         return ex, counts
 
 

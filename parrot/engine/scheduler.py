@@ -60,7 +60,7 @@ from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.logprobs import SampledLogprob
-from parrot.engine.sampling import needs_processing, rows_own_processing
+from parrot.engine.sampling import needs_processing, verifiable
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
@@ -91,6 +91,7 @@ class Slot:
     verified: list[int] | None = None
     verified_logprobs: list[SampledLogprob | None] | None = None  # each verified token's, for a job asking them
     offset: int = 0  # a verify slot's row (runner): its place after the job's last token, its sampler step's too
+    before: list[int] | None = None  # a verify slot's row (runner): the draft's tokens before the one it samples
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -339,11 +340,10 @@ class Scheduler:
             scheduled.add(job.job_id)
 
     def draftable(self, job: Job) -> bool:
-        """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens whose
-        sampling's host work, if any, is each row's own (logprobs, logit_bias: `rows_own_processing`; not a
-        constraint, penalties or suppressed stop tokens)."""
+        """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens or a
+        constraint (`sampling.verifiable`: logprobs, logit_bias, penalties and min_tokens are drafted)."""
         return (self.drafter is not None and job.kind is JobKind.GENERATE and job.sampling is not None
-                and not job.forced and rows_own_processing(job))
+                and not job.forced and verifiable(job))
 
     def _acceptance_rate(self, job: Job) -> float:
         """The context's recent share of draft tokens confirmed, each after the ones before it: from its verify

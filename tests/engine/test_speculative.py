@@ -12,6 +12,7 @@ import pytest
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.kv_cache import KVCacheManager
+from parrot.engine.sampling import SamplerExtras
 from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.speculative import NgramDrafter
@@ -259,26 +260,38 @@ def test_without_a_draft_decodes_go_straight_to_a_multi_step_call() -> None:
     assert all(slot.draft is None for slot in plan.decode)
 
 
-def test_only_jobs_whose_host_work_is_each_rows_own_draft() -> None:
-    """Logprobs and logit_bias read a row's logits alone: drafted. Penalties (the tokens before a row), stop
-    tokens held back by min_tokens (the output's length at a row) and constraints (a grammar's state): not."""
+def test_every_job_but_a_constrained_one_drafts() -> None:
+    """Logprobs and logit_bias read a row's logits alone, penalties and min_tokens the tokens before it (the
+    draft's among them): drafted. A constraint (its grammar's state, on the host): not."""
     s = _scheduler(4)
     greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
     assert s.draftable(greedy)
     for sp in (SamplingParams(max_tokens=8, temperature=0.7), SamplingParams(max_tokens=8, logprobs=2),
-               SamplingParams(max_tokens=8, logit_bias={3: 1}), SamplingParams(max_tokens=8, min_tokens=4)):
-        assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp))
-    penalized = SamplingParams(max_tokens=8, presence_penalty=0.5)
-    assert not s.draftable(Job(JobKind.GENERATE, "a", None, sampling=penalized))
-    held = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8, min_tokens=4),
-               stop_ids=frozenset({7}))
-    assert not s.draftable(held)
-    held.output_ids = [1, 2, 3, 4]  # min_tokens reached: the stop tokens are no longer held back
-    assert s.draftable(held)
+               SamplingParams(max_tokens=8, logit_bias={3: 1}), SamplingParams(max_tokens=8, min_tokens=4),
+               SamplingParams(max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2)):
+        assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp, stop_ids=frozenset({7})))
     constrained = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
     constrained.constraint = object()  # any grammar: its state advances with each token
     assert not s.draftable(constrained)
     assert not _scheduler(0).draftable(greedy)
+
+
+def test_a_verify_rows_penalties_and_min_tokens_count_the_draft_before_it() -> None:
+    """`SamplerExtras.build` with `before`: a verify row's counts are its job's output and context plus the
+    draft's tokens before it, and min_tokens holds the stop tokens back only while output and those tokens are
+    fewer than it."""
+    vocab = 64
+    job = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8, min_tokens=3, frequency_penalty=0.5),
+              stop_ids=frozenset({9}))
+    job.output_ids, job.context_tokens = [5], [1, 2, 5]
+    built = SamplerExtras.build([job, job, job], 4, vocab, before=[[], [6], [6, 9]])
+    assert built is not None
+    ex, counts = built
+    assert counts is not None
+    assert counts[0, 5] == 3 and counts[0, 6] == 0 and counts[0, 1] == 1  # generated twice-counted, + in context
+    assert counts[1, 6] == 3 and counts[2, 9] == 3 and counts[1, 9] == 0
+    allowed = [bool(ex.mask[r, 0] >> 9 & 1) for r in range(3)]  # token 9 (a stop token) in word 0, bit 9
+    assert allowed == [False, False, True]  # 1 and 2 tokens before: held back; 3: no longer
 
 
 # ---- the engine ---------------------------------------------------------------------------------------------
@@ -332,10 +345,10 @@ def _generate_full(eng: LLMEngine, prompts: list[list[int]], tag: str, **samplin
     return outs
 
 
-def test_logprobs_and_logit_bias_jobs_draft_with_the_plain_results() -> None:
-    """Jobs asking for logprobs, or with a logit_bias, are drafted: each verified token's logprob (and top
-    alternatives) is the one plain decoding reports for it, bit for bit, and biased tokens are plain
-    decoding's; greedy and seeded."""
+def test_processed_jobs_draft_with_the_plain_results() -> None:
+    """Jobs asking for logprobs, with a logit_bias, penalties or min_tokens are drafted: each verified token's
+    logprob (and top alternatives) is the one plain decoding reports for it, bit for bit, and the tokens are
+    plain decoding's; greedy and seeded."""
     model = tiny_model()
     prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(3)]
     plain = LLMEngine(model, tiny_engine_config()).start(precompile=False)
@@ -343,7 +356,9 @@ def test_logprobs_and_logit_bias_jobs_draft_with_the_plain_results() -> None:
     spec.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR
     try:
         for kw in ({"logprobs": 2}, {"logprobs": 0, "temperature": 0.3, "seed": 9},
-                   {"logit_bias": {40: 2.0, 41: -100.0}}, {"logprobs": 1, "logit_bias": {100: 1.5}}):
+                   {"logit_bias": {40: 2.0, 41: -100.0}}, {"logprobs": 1, "logit_bias": {100: 1.5}},
+                   {"frequency_penalty": 0.05, "presence_penalty": 0.05}, {"repetition_penalty": 1.02, "logprobs": 1},
+                   {"min_tokens": 30, "stop_token_ids": [10, 11, 12]}):
             before = spec.ping().spec_accepted_tokens
             got, want = _generate_full(spec, prompts, "s", **kw), _generate_full(plain, prompts, "p", **kw)
             assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
