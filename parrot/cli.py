@@ -365,6 +365,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     try:
         http_server(create_app(core), args.host, args.port).run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C (SIGINT), then re-raised the signal
+        log.info("stopped")
     finally:
         if processes is not None:
             processes.stop()

@@ -90,3 +90,46 @@ def test_the_server_says_where_it_listens(caplog: pytest.LogCaptureFixture) -> N
     said = next(r.getMessage() for r in caplog.records if "listening on" in r.getMessage())
     url = f"http://127.0.0.1:{port}"
     assert said.startswith(f"listening on {url}:") and f"{url}/v1," in said and f"{url}/ui" in said
+
+
+@pytest.mark.model
+def test_ctrl_c_while_shapes_compile_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
+    """`parrot serve` with the default model, interrupted (SIGINT, as Ctrl-C) right after it listens, while its
+    shapes still compile in the background: it waits for the compile under way and exits with 0; no
+    traceback, no abort (a process ending while a thread is inside XLA's compiler aborts)."""
+    import os
+    import signal
+    import sys
+
+    from parrot.engine.model_files import default_model_path
+    from parrot.errors import ModelLoadError
+
+    try:
+        default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port),
+                             "--compilation-cache-dir", str(tmp_path)],  # a fresh cache: every shape compiles
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "parrot serve did not start"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    health = r.read().decode()
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert "warming_up" in health  # interrupted while compiling
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, out[-3000:]
+    assert "Traceback" not in out and "terminate called" not in out, out[-3000:]

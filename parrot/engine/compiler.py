@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -59,6 +60,7 @@ class ShapeCompiler(Generic[K, V]):
         self._futures: dict[K, concurrent.futures.Future[V]] = {}
         self._started: set[K] = set()
         self._running_workers = 0
+        self._threads: list[threading.Thread] = []  # the workers started (`join`)
         self._serving = False
 
     # ---- queueing -------------------------------------------------------------------------------
@@ -129,9 +131,23 @@ class ShapeCompiler(Generic[K, V]):
 
     # ---- workers --------------------------------------------------------------------------------
     def _spawn(self) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
         while self._running_workers < min(self._workers, len(self._heap)):
             self._running_workers += 1
-            threading.Thread(target=self._work, name="parrot-compile", daemon=True).start()
+            worker = threading.Thread(target=self._work, name="parrot-compile", daemon=True)
+            self._threads.append(worker)
+            worker.start()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the workers to end (after `cancel`: once the compiles under way
+        finish); True if they all did. A process must not exit while a worker is inside XLA's compiler: the
+        interpreter's end would stop that thread mid-way through native code, and the process would abort."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     def _work(self) -> None:
         while True:

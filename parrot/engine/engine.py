@@ -54,6 +54,7 @@ from parrot.protocol import (
 )
 
 log = logging.getLogger(__name__)
+COMPILE_JOIN_S = 120.0  # at shutdown, how long to wait for the compiles under way (one shape each)
 
 
 class EngineDeadError(ParrotError):
@@ -156,6 +157,8 @@ class LLMEngine:
         self.runner.compiler.cancel()  # shapes still queued are not compiled any more
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if not self.runner.compiler.join(timeout=COMPILE_JOIN_S):  # those under way finish first
+            log.warning("a shape was still compiling %.0f s after the engine shut down", COMPILE_JOIN_S)
         self.runner.close()  # the other processes of a multi-process engine stop too
         self.trace.close()
 
