@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 from pydantic import ValidationError
@@ -363,15 +365,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except PortsInUseError as exc:
             log.error("%s", exc)
             return 2
+    # SIGTERM (systemd, docker stop, kill) as Ctrl-C: uvicorn shuts down gracefully on either, then raises the
+    # signal again with this process's own handler; the default one would end the process there, leaving its
+    # engine processes running and its engine unstopped
+    main_thread = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
         http_server(create_app(core), args.host, args.port).run()
-    except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C (SIGINT), then re-raised the signal
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         log.info("stopped")
     finally:
         if processes is not None:
             processes.stop()
         if engine is not None:
             engine.shutdown()
+        if main_thread:
+            signal.signal(signal.SIGTERM, before)
     return 0
 
 

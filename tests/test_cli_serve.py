@@ -133,3 +133,60 @@ def test_ctrl_c_while_shapes_compile_exits_cleanly(tmp_path) -> None:  # noqa: A
             raise
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
+
+
+@pytest.mark.model
+def test_sigterm_stops_the_engine_processes_too() -> None:
+    """`parrot serve --engines 1` sent SIGTERM (systemd, docker stop): as with Ctrl-C, it shuts down gracefully,
+    stops its engine process and exits with 0 (the signal's default action would leave the engine running)."""
+    import json
+    import os
+    import signal
+    import sys
+
+    from parrot.engine.model_files import default_model_path
+    from parrot.errors import ModelLoadError
+
+    try:
+        default_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(f"default model not installed: {exc}")
+    port, base = free_port(), free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port), "--engines", "1",
+                             "--engine-base-port", str(base), "--disable-precompile"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while child is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "parrot serve did not start its engine"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    health = json.loads(r.read())
+                if "engine-0" in health.get("engines", []):  # registered: its process runs
+                    child = health["engine_processes"][0]["pid"]
+            except OSError:
+                pass
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, out[-3000:]
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "zombie" not in f.read().lower()
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running(child):
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError(f"engine process {child} still running after the serve core stopped")
+        time.sleep(0.1)
