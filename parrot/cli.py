@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -230,6 +232,21 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (systemd, docker stop, kill) handled as Ctrl-C while the server runs: uvicorn shuts down gracefully
+    on either, then raises the signal again with this process's own handler, which the default one would make
+    the process's end there (its engine unstopped, `--engines N`'s processes left running)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
@@ -241,9 +258,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
         from parrot.engine.loader import load_model
 
         model = load_model(args.model, load_format="dummy", dtype=_weight_dtype(args))
-    run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
-                      advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
-                      mirror=_mirror(args))
+    with sigterm_as_interrupt():
+        run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
+                          advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
+                          mirror=_mirror(args))
     return 0
 
 
@@ -365,13 +383,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except PortsInUseError as exc:
             log.error("%s", exc)
             return 2
-    # SIGTERM (systemd, docker stop, kill) as Ctrl-C: uvicorn shuts down gracefully on either, then raises the
-    # signal again with this process's own handler; the default one would end the process there, leaving its
-    # engine processes running and its engine unstopped
-    main_thread = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
     try:
-        http_server(create_app(core), args.host, args.port).run()
+        with sigterm_as_interrupt():
+            http_server(create_app(core), args.host, args.port).run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         log.info("stopped")
     finally:
@@ -379,8 +393,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             processes.stop()
         if engine is not None:
             engine.shutdown()
-        if main_thread:
-            signal.signal(signal.SIGTERM, before)
     return 0
 
 
