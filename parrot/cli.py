@@ -247,10 +247,27 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
+PARENT_POLL_S = 1.0  # how often an engine process started with --exit-with-parent checks its parent
+
+
+def exit_with_parent(pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Send this process SIGTERM (a graceful stop: `sigterm_as_interrupt`) once `pid` is no longer its parent:
+    the parent ended, however (SIGKILL included), and the process was handed to another."""
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(poll_s)
+        log.warning("parent process %d ended: stopping", pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parrot-parent-watch", daemon=True).start()
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
     cfg = engine_config_from_args(args)
+    if args.exit_with_parent is not None:
+        exit_with_parent(args.exit_with_parent)
     if _join_cluster(args, cfg):
         return 0
     model = args.model
@@ -330,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for i in range(args.engines):
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
-                   "--name", f"engine-{i}",
+                   "--name", f"engine-{i}", "--exit-with-parent", str(os.getpid()),
                    "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
             for flag, value in (("--kv-memory-mb", args.kv_memory_mb),
                                 ("--gpu-memory-utilization", args.gpu_memory_utilization),
@@ -481,6 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
     e.add_argument("--serve-core-api-key", default=os.environ.get("PARROT_API_KEY"),
                    help="the serve core's API key, sent when registering (default: $PARROT_API_KEY)")
+    e.add_argument("--exit-with-parent", type=int, metavar="PID", default=None,
+                   help="stop (as on SIGTERM) once process PID is no longer this one's parent (`parrot serve "
+                        "--engines N` passes its own: its engine processes end with it, even if it is killed)")
     e.set_defaults(func=cmd_engine)
 
     v = sub.add_parser("serve", help="the Parrot serve core (REST API) with its engines")
