@@ -5,7 +5,8 @@ instruction-set flags, so a cache shared between machines (a network home direct
 image) never hands one CPU code compiled for another. A directory that cannot be created or written
 gets one warning and compiling goes on without the cache; entries that cannot be read or written
 (corrupt, truncated, foreign, a full disk) are recompiled, with one warning for all of them instead
-of JAX's one per entry.
+of JAX's one per entry; one that does not decompress is removed, so that it is written again (JAX never
+writes over an entry that exists).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import re
 import tempfile
 import threading
 import time
@@ -30,6 +32,7 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _JAX_CACHE_ERROR = "persistent compilation cache entry"  # in JAX's read and write warnings
+_JAX_READ_ERROR = re.compile(r"[Ee]rror reading persistent compilation cache entry for '([^']+)'")
 _warned = False
 
 
@@ -76,14 +79,41 @@ def _collapse_entry_warnings(path: Path) -> None:
         global _warned
         if _JAX_CACHE_ERROR not in str(message):
             return show(message, category, filename, lineno, file, line)
+        read = _JAX_READ_ERROR.search(str(message))
+        removed = _remove_unreadable(path, read.group(1)) if read else 0
         if not _warned:
             _warned = True
             log.warning("compilation cache %s has entries that cannot be read or written (first: %s); those "
-                        "shapes are compiled normally", path, str(message)[:300])
+                        "shapes are compiled normally%s", path, str(message)[:300],
+                        "; unreadable entries are removed, to be written again" if removed else "")
         return None
 
     showwarning._parrot_cache = True  # type: ignore[attr-defined]
     warnings.showwarning = showwarning
+
+
+def _remove_unreadable(path: Path, name: str) -> int:
+    """Remove the entries of function `name` in the cache directory `path` that do not decompress (a write cut
+    short, say by a killed process): JAX never writes over an entry that exists, so one left there would be
+    compiled again, and warned about, at every start. Returns how many were removed."""
+    removed = 0
+    for entry in path.glob(f"{name}-*-cache"):
+        try:
+            jax_compilation_cache.decompress_executable(entry.read_bytes())
+            continue
+        except OSError:
+            continue  # gone, or not ours to read
+        except Exception:  # noqa: BLE001 (whatever the decompressor raises: the entry is unreadable)
+            pass
+        for part in (entry, entry.with_name(entry.name[: -len("-cache")] + "-atime")):
+            try:
+                part.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                return removed
+        removed += 1
+    return removed
 
 
 def compile_with_fallback(compile_fn: Callable[[], T], what: object) -> T:

@@ -70,3 +70,7 @@ def test_corrupt_truncated_and_foreign_entries_recompile(tmp_path: Path) -> None
     assert tokens == reference
     assert stderr.count("cannot be read or written") == 1
     assert all(len(p.read_bytes()) == 100 for p in foreign.iterdir())  # untouched
+    # the unreadable entries were removed and written again: the next start reads them all
+    tokens, stderr = _run(cache)
+    assert tokens == reference and "cannot be read or written" not in stderr, stderr[-2000:]
+    assert {p.name for p in namespace.rglob("*-cache")} >= {p.name for p in entries if p.name.endswith("-cache")}
