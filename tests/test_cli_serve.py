@@ -4,16 +4,24 @@ says where it listens once it does."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
 
 from parrot import cli
+from parrot.engine.model_files import default_model_path
+from parrot.errors import ModelLoadError
 from parrot.serve import tokenizers
 from tests.servers import free_port, free_ports
 
@@ -92,45 +100,59 @@ def test_the_server_says_where_it_listens(caplog: pytest.LogCaptureFixture) -> N
     assert said.startswith(f"listening on {url}:") and f"{url}/v1," in said and f"{url}/ui" in said
 
 
-@pytest.mark.model
-def test_ctrl_c_while_shapes_compile_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
-    """`parrot serve` with the default model, interrupted (SIGINT, as Ctrl-C) right after it listens, while its
-    shapes still compile in the background: it waits for the compile under way and exits with 0; no
-    traceback, no abort (a process ending while a thread is inside XLA's compiler aborts)."""
-    import os
-    import signal
-    import sys
-
-    from parrot.engine.model_files import default_model_path
-    from parrot.errors import ModelLoadError
-
+def _need_the_default_model() -> None:
     try:
         default_model_path()
     except ModelLoadError as exc:
         pytest.skip(f"default model not installed: {exc}")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port),
-                             "--compilation-cache-dir", str(tmp_path)],  # a fresh cache: every shape compiles
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "parrot serve did not start"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    health = r.read().decode()
-                break
-            except OSError:
-                time.sleep(0.2)
-        assert "warming_up" in health  # interrupted while compiling
-    finally:
-        proc.send_signal(signal.SIGINT)
+
+
+def _serve(args: list[str], log_path: Path) -> subprocess.Popen:
+    """`parrot serve ARGS` as a process, its output to `log_path` (a file, not a pipe: an engine process
+    left running would hold a pipe open)."""
+    with open(log_path, "w") as log_file:
+        return subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", *args], stdout=log_file,
+                                stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _health_when(proc: subprocess.Popen, port: int, ready: Callable[[dict], bool], timeout: float = 120) -> dict:
+    """The server's /health once `ready` says so."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "parrot serve did not get ready"
         try:
-            out, _ = proc.communicate(timeout=150)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                health = json.loads(r.read())
+            if ready(health):
+                return health
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen, sig: signal.Signals, timeout: float = 150) -> None:
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.mark.model
+def test_ctrl_c_while_shapes_compile_exits_cleanly(tmp_path: Path) -> None:
+    """`parrot serve` with the default model, interrupted (SIGINT, as Ctrl-C) right after it listens, while its
+    shapes still compile in the background: it waits for the compile under way and exits with 0; no
+    traceback, no abort (a process ending while a thread is inside XLA's compiler aborts)."""
+    _need_the_default_model()
+    port, log_path = free_port(), tmp_path / "serve.log"
+    proc = _serve(["--port", str(port), "--compilation-cache-dir", str(tmp_path / "cache")], log_path)  # fresh
+    try:
+        health = _health_when(proc, port, lambda h: True)
+        assert health["status"] == "warming_up"  # interrupted while compiling
+    finally:
+        _stop(proc, signal.SIGINT)
+    out = log_path.read_text()
     assert proc.returncode == 0, out[-3000:]
     assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
 
@@ -144,9 +166,6 @@ def _running(pid: int) -> bool:
 
 
 def _ends_within(pid: int, seconds: float) -> None:
-    import os
-    import signal
-
     deadline = time.monotonic() + seconds
     while _running(pid):
         if time.monotonic() > deadline:
@@ -156,51 +175,24 @@ def _ends_within(pid: int, seconds: float) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_the_engine_processes_end_with_the_serve_core(sig: str, tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_engine_processes_end_with_the_serve_core(sig: signal.Signals, tmp_path: Path) -> None:
     """`parrot serve --engines 1` sent SIGTERM (systemd, docker stop): as with Ctrl-C, it shuts down gracefully,
     stops its engine process and exits with 0 (the signal's default action would leave the engine running).
     Killed (SIGKILL: nothing of it runs), its engine process sees its parent gone and stops by itself."""
-    import json
-    import os
-    import signal
-    import sys
-
-    from parrot.engine.model_files import default_model_path
-    from parrot.errors import ModelLoadError
-
-    try:
-        default_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(f"default model not installed: {exc}")
-    port, base = free_port(), free_ports(1)
-    log_path = tmp_path / "serve.log"  # a file, not a pipe: an engine left running would hold a pipe open
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "parrot.cli", "serve", "--port", str(port), "--engines", "1",
-                                 "--engine-base-port", str(base), "--disable-precompile"],
-                                stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    _need_the_default_model()
+    port, log_path = free_port(), tmp_path / "serve.log"
+    proc = _serve(["--port", str(port), "--engines", "1", "--engine-base-port", str(free_ports(1)),
+                   "--disable-precompile"], log_path)
     child = None
     try:
-        deadline = time.monotonic() + 120
-        while child is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "parrot serve did not start its engine"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    health = json.loads(r.read())
-                if "engine-0" in health.get("engines", []):  # registered: its process runs
-                    child = health["engine_processes"][0]["pid"]
-            except OSError:
-                pass
-            time.sleep(0.2)
+        health = _health_when(proc, port, lambda h: "engine-0" in h.get("engines", []))  # registered: it runs
+        child = health["engine_processes"][0]["pid"]
     finally:
-        proc.send_signal(getattr(signal, sig))
         try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+            _stop(proc, sig, timeout=120)
         finally:
             if child is not None:
                 _ends_within(child, 30)  # killed if not: no test leaves an engine behind
-    if sig == "SIGTERM":
+    if sig == signal.SIGTERM:
         assert proc.returncode == 0, log_path.read_text()[-3000:]
