@@ -234,9 +234,10 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (systemd, docker stop, kill) handled as Ctrl-C while the server runs: uvicorn shuts down gracefully
-    on either, then raises the signal again with this process's own handler, which the default one would make
-    the process's end there (its engine unstopped, `--engines N`'s processes left running)."""
+    """SIGTERM (systemd, docker stop, kill) handled as Ctrl-C while the server runs. uvicorn shuts down gracefully
+    on either, then raises the signal again with the process's own handler: SIGTERM's default one would end the
+    process there, its engine not shut down and `--engines N`'s processes left running; this one raises
+    KeyboardInterrupt, so the server's own stop runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
