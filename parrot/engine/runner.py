@@ -190,7 +190,7 @@ def _as_rows(slots: list[Slot]) -> list[Slot]:
         if s.draft is None:
             rows.append(s)
         else:
-            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, offset=j, before=s.tokens[1 : j + 1])
+            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, before=tuple(s.tokens[1 : j + 1]))
                      for j, t in enumerate(s.tokens)]
     return rows
 
@@ -216,9 +216,9 @@ def _verified(slots: list[Slot], rows: list[Slot], tokens: np.ndarray) -> np.nda
 def _sampler_steps(slots: list[Slot], prev: Launched | None) -> list[int]:
     """Each slot's sampler step counter (its random stream): the job's tokens, those the step in flight
     samples for a PENDING slot included (`prev.steps`: more than one from a multi-step plan), and a verify
-    row's place after the last one (`Slot.offset`)."""
+    row's place after the last one (`Slot.before`)."""
     pending = prev.steps if prev is not None else 0
-    return [len(s.job.output_ids) + s.offset + (pending if s.source >= 0 else 0) for s in slots]
+    return [len(s.job.output_ids) + len(s.before) + (pending if s.source >= 0 else 0) for s in slots]
 
 
 def block_size(num_layers: int, layers_per_call: int | None) -> int:
@@ -711,7 +711,7 @@ class ModelRunner:
 
         def extras_of() -> tuple[SamplerExtras, np.ndarray | None] | None:
             """Constraint masks, penalty counts (None: no job needs them)."""
-            before = [s.before or () for s in slots] if verifying else None
+            before = [s.before for s in slots] if verifying else None
             return SamplerExtras.build([s.job if s.sample else None for s in slots], shape.batch, self.cfg.vocab_size,
                                        lazy=lazy, before=before)
 

@@ -90,8 +90,9 @@ class Slot:
     draft: list[int] | None = None
     verified: list[int] | None = None
     verified_logprobs: list[SampledLogprob | None] | None = None  # each verified token's, for a job asking them
-    offset: int = 0  # a verify slot's row (runner): its place after the job's last token, its sampler step's too
-    before: list[int] | None = None  # a verify slot's row (runner): the draft's tokens before the one it samples
+    # a verify slot's row (runner): the draft's tokens before the one it samples; their number is its place after
+    # the job's last token, its sampler step's too
+    before: tuple[int, ...] = ()
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
