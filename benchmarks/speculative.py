@@ -1,8 +1,9 @@
 """Speculative decoding by prompt lookup against plain decoding, side by side in one process: output tokens per
 second of greedy chat answers that copy from their prompt (a text repeated, sentences quoted, a function
-rewritten), of one that does not (a story), of a sampled one (temperature 0.7, seeded) and of one asking for
-logprobs (whose plain decoding runs a step at a time: its sampling is processed on the host), the share of draft
-tokens the model confirmed and the tokens a verify step gave, next to this machine's floors.
+rewritten), of one that does not (a story), of a sampled one (temperature 0.7, seeded), of one asking for
+logprobs (whose plain decoding runs a step at a time: its sampling is processed on the host) and of answers
+constrained to a JSON schema (masked by their grammars), the share of draft tokens the model confirmed and the
+tokens a verify step gave, next to this machine's floors.
 
     python -m benchmarks.speculative [--model smollm2] [--speculative-tokens 4] [--repeats 5]
         [--concurrency 1 4] [--max-tokens 160] [--workloads repeat ...] [--out benchmarks/results/speculative.json]
@@ -55,6 +56,14 @@ WORKLOADS: dict[str, tuple[str, dict]] = {
     "story": ("Write a short story about a parrot who learns to read.", {}),
     "repeat_t0.7": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"temperature": 0.7, "seed": 1}),
     "repeat_logprobs": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"logprobs": 1}),
+    # constrained: the answer as JSON of a schema (its keys and punctuation forced, its strings drafted)
+    "quote_json": (f"List, word for word, the sentences of this text that mention the engine or the server, as "
+                   f"JSON:\n\n{DOC}", {"json_schema": {
+                       "type": "object", "properties": {"sentences": {"type": "array", "items": {"type": "string"}}},
+                       "required": ["sentences"]}}),
+    "repeat_json": (f"Repeat the following text exactly, word for word, as the JSON field \"text\":\n\n{DOC}",
+                    {"json_schema": {"type": "object", "properties": {"text": {"type": "string"}},
+                                     "required": ["text"]}}),
 }
 
 

@@ -704,10 +704,10 @@ class ModelRunner:
                             shape.prefix_pages)
         splice = _pending_splice(slots, shape.tokens, prev)
         sampling = [s.job.sampling for s in slots if s.sample]
-        checks = [(s.job.constraint, i) for i, s in enumerate(slots)
-                  if self._lazy_masks and s.sample and lazily_constrained(s.job)]
-        lazy = len(checks) >= LAZY_MIN_ROWS  # greedy constrained rows checked after sampling, masks on demand
-        checks = checks if lazy else []
+        unmasked = [i for i, s in enumerate(slots) if self._lazy_masks and s.sample and lazily_constrained(s.job)]
+        lazy = len(unmasked) >= LAZY_MIN_ROWS  # greedy constrained rows checked after sampling, masks on demand
+        # each row's grammar state: a verify row's is its job's after the draft's tokens before it
+        checks = [(slots[i].job.constraint.after(slots[i].before), i) for i in unmasked] if lazy else []
 
         def extras_of() -> tuple[SamplerExtras, np.ndarray | None] | None:
             """Constraint masks, penalty counts (None: no job needs them)."""

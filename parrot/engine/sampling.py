@@ -66,15 +66,6 @@ def needs_processing(job: Job, lazy: bool = False) -> bool:
             or (len(job.output_ids) < p.min_tokens and bool(job.stop_ids)))
 
 
-def verifiable(job: Job) -> bool:
-    """True when a speculative verify step's rows (a draft's tokens) can be sampled as plain decode steps at
-    their positions would: unless a constraint guides the job (its grammar's state advances token by token on
-    the host). Logprobs and logit_bias read a row's logits alone; penalties and stop tokens held back by
-    min_tokens read the tokens before a row: the job's output, then the draft's tokens before it
-    (`SamplerExtras.build`'s `before`)."""
-    return job.constraint is None
-
-
 def lazily_constrained(job: Job) -> bool:
     """A greedy constrained job whose logits nothing else changes (no logprobs, logit_bias, penalties or
     suppressed stop tokens): its token can be the unmasked argmax, checked against its grammar afterwards
@@ -142,13 +133,13 @@ class SamplerExtras:
         None when no job needs `sample_processed`. Constraint masks are computed here, on the host; with
         `lazy`, not for `lazily_constrained` jobs (their rows stay all-allowed). `before[i]`: tokens row i
         samples after beyond its job's output (a speculative verify row: the draft's tokens before it), which
-        count for its penalties and min_tokens as output does."""
+        count for its penalties and min_tokens as output does, and which its grammar's mask comes after."""
         live = [(i, j) for i, j in enumerate(jobs) if j is not None and needs_processing(j, lazy)]
         if not live:
             return None
         ex = cls.neutral(batch_size, vocab_size)
-        fill_masks([(j.constraint, i) for i, j in live if j.constraint is not None
-                    and not (lazy and lazily_constrained(j))], ex.mask)
+        fill_masks([(j.constraint.after(before[i] if before is not None else ()), i) for i, j in live
+                    if j.constraint is not None and not (lazy and lazily_constrained(j))], ex.mask)
         counts = None
         for i, job in live:
             p = job.sampling

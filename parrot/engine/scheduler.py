@@ -60,7 +60,7 @@ from parrot.config import EngineConfig
 from parrot.engine.batch import pick_bucket
 from parrot.engine.kv_cache import KVCacheManager, OutOfPages, PageCopy
 from parrot.engine.logprobs import SampledLogprob
-from parrot.engine.sampling import needs_processing, verifiable
+from parrot.engine.sampling import needs_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
@@ -150,6 +150,14 @@ def beside_decodes(cfg: EngineConfig) -> int:
     once (their decode rows nearly free in a mixed step); longer ones take turns with decode bursts."""
     budget = cfg.max_num_batched_tokens
     return min(budget, cfg.prefill_tokens_beside_decodes or budget)
+
+
+def _within_grammar(job: Job, draft: list[int]) -> list[int]:
+    """The longest prefix of a constrained job's draft that its grammar takes, up to its first stop token (a verify
+    row's mask is its grammar's state after the draft's tokens before it: `SamplerExtras.build`)."""
+    assert job.constraint is not None
+    draft = draft[: job.constraint.takes(draft)]
+    return next((draft[:i] for i, t in enumerate(draft) if t in job.stop_ids), draft)
 
 
 class Scheduler:
@@ -341,10 +349,10 @@ class Scheduler:
             scheduled.add(job.job_id)
 
     def draftable(self, job: Job) -> bool:
-        """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens or a
-        constraint (`sampling.verifiable`: logprobs, logit_bias, penalties and min_tokens are drafted)."""
+        """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens to feed (any
+        sampling: logprobs, logit_bias, penalties, min_tokens and constraints are drafted)."""
         return (self.drafter is not None and job.kind is JobKind.GENERATE and job.sampling is not None
-                and not job.forced and verifiable(job))
+                and not job.forced)
 
     def _acceptance_rate(self, job: Job) -> float:
         """The context's recent share of draft tokens confirmed, each after the ones before it: from its verify
@@ -396,6 +404,8 @@ class Scheduler:
             # a verify step gives at most len(draft) + 1 tokens: within max_tokens and the model's length
             room = min(sp.max_tokens - len(job.output_ids), self.max_len - len(tokens)) - 1
             draft = drafter.propose(job.context_id, tokens, min(k, room, spare)) if k else []
+            if draft and job.constraint is not None:
+                draft = _within_grammar(job, draft)
             if draft:
                 drafts[job.job_id] = draft
                 spare -= len(draft)
@@ -616,9 +626,12 @@ class Scheduler:
         outputs = []
         logprobs = slot.verified_logprobs or [None] * len(sampled)
         # each fed already but the last, which is the job's next
-        for token, logprob in zip([*draft[:n], sampled[n]], logprobs, strict=False):
+        for i, (token, logprob) in enumerate(zip([*draft[:n], sampled[n]], logprobs, strict=False)):
             outputs.append(self._on_token(job, token, logprob, shadow=False))
             if job.status is JobStatus.FINISHED:
+                break
+            if job.forced and i < n:  # its grammar forces the tokens after this draft token (fast-forward): they
+                self._truncate(job.context_id, slot.start + 1 + i)  # are fed with it next, as after a sampled one
                 break
         self._hand_over(job, None)  # a job that ended on a draft token drops the KV past its tokens
         return outputs

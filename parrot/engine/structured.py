@@ -18,7 +18,7 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -159,6 +159,21 @@ class Constraint:
             text = self.grammars.tokenizer.decode([token], skip_special_tokens=False)
             raise ConstraintError(f"the output left its grammar at token {token} ({text!r}): {reason}")
         self.consumed.append(token)
+
+    def after(self, tokens: Sequence[int]) -> Constraint:
+        """The state after `tokens` more (a speculative verify row's: the draft's tokens before it), as a copy that
+        moves alone; this one, without tokens. A token the grammar refuses raises ConstraintError."""
+        if not tokens:
+            return self
+        c = Constraint(self.matcher.deep_copy(), self.grammars, self.grammar)
+        c.consumed = list(self.consumed)
+        for t in tokens:
+            c.consume(t)
+        return c
+
+    def takes(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes from here (none is consumed)."""
+        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
     @property
     def state_key(self) -> tuple[str, tuple[int, ...]]:

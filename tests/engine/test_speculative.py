@@ -5,8 +5,10 @@ and seeded samples."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import re
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from parrot.config import EngineConfig
@@ -16,8 +18,9 @@ from parrot.engine.sampling import SamplerExtras
 from parrot.engine.scheduler import SPEC_COSTS_ACCELERATOR, SPEC_COSTS_CPU, Scheduler, StepPlan
 from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.speculative import NgramDrafter
+from parrot.engine.structured import Grammars, fill_masks, mask_words
 from parrot.protocol import FillRequest, GenerateRequest, GenerateResponse, SamplingParams
-from tests.conftest import tiny_engine_config, tiny_model
+from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
 
 TIMEOUT = 300
 
@@ -260,20 +263,61 @@ def test_without_a_draft_decodes_go_straight_to_a_multi_step_call() -> None:
     assert all(slot.draft is None for slot in plan.decode)
 
 
-def test_every_job_but_a_constrained_one_drafts() -> None:
+def test_every_job_drafts_and_a_grammar_trims_its_draft() -> None:
     """Logprobs and logit_bias read a row's logits alone, penalties and min_tokens the tokens before it (the
-    draft's among them): drafted. A constraint (its grammar's state, on the host): not."""
+    draft's among them), a constraint's mask its grammar's state after them: every sampling drafts. A constrained
+    job's draft is the prefix its grammar takes, up to its first stop token (no row is spent past them)."""
     s = _scheduler(4)
     greedy = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
-    assert s.draftable(greedy)
+    assert s.draftable(greedy) and not _scheduler(0).draftable(greedy)
     for sp in (SamplingParams(max_tokens=8, temperature=0.7), SamplingParams(max_tokens=8, logprobs=2),
                SamplingParams(max_tokens=8, logit_bias={3: 1}), SamplingParams(max_tokens=8, min_tokens=4),
-               SamplingParams(max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2)):
+               SamplingParams(max_tokens=8, presence_penalty=0.5, repetition_penalty=1.2),
+               SamplingParams(max_tokens=8, regex="[a-c]+")):
         assert s.draftable(Job(JobKind.GENERATE, "a", None, sampling=sp, stop_ids=frozenset({7})))
-    constrained = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
-    constrained.constraint = object()  # any grammar: its state advances with each token
-    assert not s.draftable(constrained)
-    assert not _scheduler(0).draftable(greedy)
+    forced = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=8))
+    forced.forced = True  # tokens its grammar forced, to be fed first
+    assert not s.draftable(forced)
+
+    tok = tiny_tokenizer()
+    a, b, c, z = (tok.encode(ch)[0] for ch in "abcz")
+    eos = tok.eos_token_id
+    jobs = _jobs(1, 40)
+    for job in jobs:
+        s.add(job)
+    gen = jobs[1]
+    gen.stop_ids = frozenset({eos})
+    grammars = Grammars(tok, 260)
+    for tokens, draft, trimmed in (([a, b, a, c, z, a, b], [a, c, z, a], [a, c]),  # z leaves the grammar
+                                   ([a, b, a, eos, c, a, b], [a, eos, c, a], [a])):  # a stop token ends it
+        s.tokens[gen.context_id] = tokens
+        gen.constraint = None
+        assert s._plan_drafts([gen], ahead=True) == {gen.job_id: draft}
+        gen.constraint = grammars.compile(SamplingParams(regex="[a-c]+"))
+        assert s._plan_drafts([gen], ahead=True) == {gen.job_id: trimmed}
+    gen.constraint = grammars.compile(SamplingParams(regex="z+"))
+    assert s._plan_drafts([gen], ahead=True) == {}  # nothing the grammar takes: no verify step
+
+
+def test_a_verify_rows_mask_is_its_grammars_after_the_draft_before_it() -> None:
+    """`SamplerExtras.build` with `before` and a constraint: each verify row's mask is the one its grammar gives
+    after the draft's tokens before the row, and the job's own grammar does not move."""
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    params = SamplingParams(max_tokens=8, regex="(ab|ac)[xy]z")
+    a, b, x = (tok.encode(ch)[0] for ch in "abx")
+    job = Job(JobKind.GENERATE, "a", None, sampling=params, constraint=grammars.compile(params))
+    built = SamplerExtras.build([job, job, job], 4, 260, before=[[], [a], [a, b]])
+    assert built is not None
+    mask = built[0].mask
+    for row, prefix in enumerate(([], [a], [a, b])):
+        want = grammars.compile(params)
+        for t in prefix:
+            want.consume(t)
+        expected = np.full((1, mask_words(260)), -1, np.int32)
+        fill_masks([(want, 0)], expected)
+        assert (mask[row] == expected[0]).all(), row
+    assert job.constraint.consumed == [] and x not in job.constraint.forced()
 
 
 def test_a_verify_rows_penalties_and_min_tokens_count_the_draft_before_it() -> None:
@@ -372,6 +416,35 @@ def test_processed_jobs_draft_with_the_plain_results() -> None:
         spec.shutdown()
 
 
+def test_constrained_jobs_draft_with_the_plain_results() -> None:
+    """Constrained jobs are drafted: each verify row is masked by its grammar's state after the draft's tokens
+    before it (greedy rows checked after sampling where there are several), an accepted draft token after which
+    the grammar forces tokens hands them to fast-forward as a sampled one does, and tokens and logprobs are plain
+    decoding's; greedy, seeded, with logprobs."""
+    model = tiny_model()
+    prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(3)]
+    plain = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    spec = LLMEngine(model, tiny_engine_config(speculative_tokens=4)).start(precompile=False)
+    spec.scheduler.spec_costs = SPEC_COSTS_ACCELERATOR
+    forcing = "(ab[a-z]{3}-)+"  # "-ab" forced after every three letters
+    forcing_40 = "(ab[a-z]{3}-)*(ab[a-z]{0,3})?"  # its first 40 tokens
+    try:
+        for kw, pattern in (({"regex": forcing}, forcing_40), ({"regex": forcing, "logprobs": 1}, forcing_40),
+                            ({"regex": "([a-m][n-z])+"}, "([a-m][n-z])*[a-m]?"),  # each row its own letters
+                            ({"regex": "[a-m]+", "temperature": 0.3, "seed": 4}, "[a-m]+"),
+                            ({"regex": "[k-z]+", "logprobs": 0, "logit_bias": {110: 3.0}}, "[k-z]+")):
+            before = spec.ping().spec_accepted_tokens
+            got, want = _generate_full(spec, prompts, "s", **kw), _generate_full(plain, prompts, "p", **kw)
+            assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
+            assert [g.logprobs for g in got] == [w.logprobs for w in want], kw
+            assert all(re.fullmatch(pattern, g.text) for g in got), [g.text for g in got]
+            assert spec.ping().spec_accepted_tokens > before, kw  # drafts were confirmed for these jobs
+        assert spec.kv.num_free_pages == spec.kv.total_pages
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
 @pytest.mark.model
 def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: ANN001
     """SmolLM2 asked to repeat a text: most tokens come from confirmed drafts, and the answer is plain
@@ -406,6 +479,13 @@ def test_default_model_copies_with_the_plain_tokens(smollm) -> None:  # noqa: AN
         with_logprobs = response(spec, logprobs=3)
         assert with_logprobs == response(plain, logprobs=3) and with_logprobs.token_ids == expected
         assert spec.ping().spec_accepted_tokens - before >= len(expected) // 2
+        before = spec.ping().spec_accepted_tokens  # constrained to a JSON schema: drafted, the same JSON
+        schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+                  "additionalProperties": False}
+        constrained = answer(spec, json_schema=schema)
+        assert constrained == answer(plain, json_schema=schema)
+        assert tok.decode(constrained).startswith('{"text": "The quick brown fox')
+        assert spec.ping().spec_accepted_tokens - before >= len(constrained) // 3
     finally:
         plain.shutdown()
         spec.shutdown()

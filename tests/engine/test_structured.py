@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parrot.engine.engine import LLMEngine
-from parrot.engine.structured import Grammars, fill_masks, mask_words
+from parrot.engine.structured import ConstraintError, Grammars, fill_masks, mask_words
 from parrot.errors import InvalidRequestError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
@@ -43,6 +43,29 @@ def test_masks_allow_only_what_the_grammar_allows() -> None:
     c.consume(ids["b"])
     assert tok.decode(c.forced()) == "cdef"  # forced by the grammar: fast-forward material
     assert grammars.masked_steps == 1 and grammars.mask_stats()["mask_ms_mean"] is not None
+
+
+def test_a_state_after_tokens_is_a_copy_that_moves_alone() -> None:
+    """`after` (a speculative verify row's grammar state) is the state consuming the tokens gives, in a copy: the
+    constraint itself, its masks and forced tokens stay; `takes` counts the tokens the grammar takes, in order."""
+    tok = tiny_tokenizer()
+    grammars = Grammars(tok, 260)
+    params = SamplingParams(regex="[ab]cdef[gh]")
+    c = grammars.compile(params)
+    ids = {ch: tok.encode(ch)[0] for ch in "abcdefgz"}
+    assert c.takes([ids["a"], ids["c"], ids["z"], ids["d"]]) == 2 and c.takes([]) == 0
+    assert c.after([]) is c
+    ahead = c.after([ids["b"]])
+    fresh = grammars.compile(params)
+    fresh.consume(ids["b"])
+    assert ahead.state_key == fresh.state_key and tok.decode(ahead.forced()) == "cdef"
+    mask = np.full((3, mask_words(260)), -1, np.int32)
+    fill_masks([(c, 0), (ahead, 1), (fresh, 2)], mask)
+    assert _allowed(mask[0], 260) == {ids["a"], ids["b"]}  # the original did not move
+    assert _allowed(mask[1], 260) == _allowed(mask[2], 260) == {ids["c"]}
+    assert c.consumed == [] and c.forced() == []
+    with pytest.raises(ConstraintError):
+        c.after([ids["a"], ids["z"]])
 
 
 def test_rows_in_one_state_share_a_mask_and_others_get_their_own() -> None:
