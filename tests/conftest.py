@@ -1,13 +1,17 @@
-"""Shared fixtures: the default model (loaded once per test session) and tiny random models."""
+"""Shared fixtures: the default model (loaded once per test session), tiny random models, and one persistent
+compilation cache for the session (`PARROT_TEST_COMPILE_CACHE=0` turns it off)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import jax
 import pytest
+from jax._src import compilation_cache as jax_compilation_cache
 
 from parrot.config import EngineConfig
+from parrot.engine.compile_cache import enable_compilation_cache
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
@@ -57,6 +61,28 @@ def batch_invariant_mode() -> dict:
     loops for small batches only, and a loop is another XLA program than a single step (its sums may be
     ordered otherwise), so a sequence alone and the same sequence among many would run different code."""
     return {} if jax.default_backend() == "cpu" else {"dtype": "float32", "kv_dtype": "f32", "multi_step": 1}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One persistent compilation cache for the whole session (a fresh directory: nothing from another run):
+    engines of the same configuration compile the same programs, loaded from it after the first time."""
+    if os.environ.get("PARROT_TEST_COMPILE_CACHE", "1") != "0":
+        enable_compilation_cache(str(tmp_path_factory.mktemp("jax-cache")))
+
+
+@pytest.fixture
+def without_compilation_cache() -> Iterator[None]:
+    """The session's persistent cache off while the test runs: its programs compile for real (a test of what
+    happens while they compile)."""
+    current = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax_compilation_cache.reset_cache()  # JAX decides whether the cache is used once
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", current)
+        jax_compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")

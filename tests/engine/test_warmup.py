@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from parrot.engine.engine import LLMEngine
 from parrot.protocol import FillRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
@@ -13,6 +15,7 @@ SMALL = dict(token_buckets=[16, 32, 64], bs_buckets=[1, 2, 4], max_batch_size=4,
              max_num_batched_tokens=64, prefill_bs_buckets=[1, 2], cascade_suffix_buckets=[64])
 
 
+@pytest.mark.usefixtures("without_compilation_cache")  # compiles that take their time
 def test_serves_while_warming_up_with_the_same_tokens() -> None:
     prompt, params = list(range(3, 45)), SamplingParams(max_tokens=10, ignore_eos=True)
     warm = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
