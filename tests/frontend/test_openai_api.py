@@ -294,6 +294,46 @@ def test_smollm_token_id_prompt_equals_its_text(smollm_server: str, smollm) -> N
     assert lp.token_logprobs[1:] == pytest.approx(scored_text.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
 
 
+@pytest.mark.model
+def test_smollm_speculative_answers_equal_plain_ones(smollm_server: str, smollm) -> None:  # noqa: ANN001
+    """A server whose engine drafts by prompt lookup (`speculative_tokens`) answers JSON-schema, JSON-object and
+    logprobs requests through the `openai` client exactly as the plain one does, the drafts confirmed."""
+    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
+                       token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
+                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False,
+                       speculative_tokens=4, **batch_invariant_mode())
+    engine = LLMEngine(smollm, cfg).start(precompile=False)
+    text = "Parrot serves LLM applications: prompts are templates bound to semantic variables, and the server sees it."
+    messages = [{"role": "user", "content": f"Repeat this text exactly, as the JSON field text:\n\n{text}"}]
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+              "additionalProperties": False}
+    asks = [{"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+             "logprobs": True, "top_logprobs": 2},
+            {"response_format": {"type": "json_object"}, "temperature": 0.7, "seed": 3}]
+
+    def answers(url: str) -> list[tuple[str, list | None]]:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300) as c:
+            out = []
+            for kw in asks:
+                r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=60,
+                                              **{"temperature": 0, **kw})
+                ch = r.choices[0]
+                lp = ch.logprobs and [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                                      for t in ch.logprobs.content]
+                out.append((ch.message.content, lp))
+            return out
+
+    try:
+        with serving_core(engine, "smollm2", smollm.tokenizer) as (url, _):
+            drafted = answers(url)
+        assert drafted == answers(smollm_server)
+        assert drafted[0][0].startswith('{"text": "Parrot serves LLM applications') and drafted[1][1]
+        assert engine.ping().spec_accepted_tokens >= 20
+    finally:
+        engine.shutdown()
+
+
 CHUNKS = [
     "The Apache License grants every contributor's users a perpetual, worldwide, royalty-free copyright license.",
     "Redistribution requires keeping the license text and any NOTICE file with the distributed work.",
