@@ -56,11 +56,19 @@ WORKLOADS: dict[str, tuple[str, dict]] = {
     "story": ("Write a short story about a parrot who learns to read.", {}),
     "repeat_t0.7": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"temperature": 0.7, "seed": 1}),
     "repeat_logprobs": (f"Repeat the following text exactly, word for word:\n\n{DOC}", {"logprobs": 1}),
-    # constrained: the answer as JSON of a schema (its keys and punctuation forced, its strings drafted)
+    # constrained: the answer as JSON of a schema (its keys and punctuation forced, its strings drafted; short
+    # fields leave a draft little to copy: the n-gram before a value is the schema's, not the prompt's)
     "quote_json": (f"List, word for word, the sentences of this text that mention the engine or the server, as "
                    f"JSON:\n\n{DOC}", {"json_schema": {
                        "type": "object", "properties": {"sentences": {"type": "array", "items": {"type": "string"}}},
                        "required": ["sentences"]}}),
+    "extract_json": ("Ada Lovelace was born in London in 1815. She worked with Charles Babbage on the Analytical "
+                     "Engine and wrote the first published algorithm meant for a machine. Give her name, birth city, "
+                     "birth year and the machine she worked on as JSON.",
+                     {"json_schema": {"type": "object", "properties": {
+                         "name": {"type": "string"}, "city": {"type": "string"}, "year": {"type": "integer"},
+                         "machine": {"type": "string"}}, "required": ["name", "city", "year", "machine"],
+                         "additionalProperties": False}}),
     "repeat_json": (f"Repeat the following text exactly, word for word, as the JSON field \"text\":\n\n{DOC}",
                     {"json_schema": {"type": "object", "properties": {"text": {"type": "string"}},
                                      "required": ["text"]}}),
