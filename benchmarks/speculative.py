@@ -6,7 +6,8 @@ constrained to a JSON schema (masked by their grammars), the share of draft toke
 tokens a verify step gave, next to this machine's floors.
 
     python -m benchmarks.speculative [--model smollm2] [--speculative-tokens 4] [--repeats 5]
-        [--concurrency 1 4] [--max-tokens 160] [--workloads repeat ...] [--out benchmarks/results/speculative.json]
+        [--concurrency 1 4] [--max-tokens 160] [--ngram 2 3] [--workloads repeat ...]
+        [--out benchmarks/results/speculative.json]
 
 Two engines on one model, each warmed on every workload first (its shapes compiled outside the timing); then
 the workloads run on both in turns, the order alternating, `--repeats` times: medians, and their ratio.
@@ -98,13 +99,14 @@ def _round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int,
 
 
 def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_tokens: int,
-        workloads: list[str] | None = None) -> dict:
+        workloads: list[str] | None = None, ngram: tuple[int, int] = (2, 3)) -> dict:
     loaded = load_model(model, progress=False)
-    engines = {name: LLMEngine(loaded, EngineConfig(kv_memory_mb=512, precompile=False, speculative_tokens=k)).start()
-               for name, k in (("plain", 0), ("speculative", spec_tokens))}
+    engines = {name: LLMEngine(loaded, EngineConfig(
+        kv_memory_mb=512, precompile=False, speculative_tokens=k, speculative_min_ngram=ngram[0],
+        speculative_ngram=ngram[1])).start() for name, k in (("plain", 0), ("speculative", spec_tokens))}
     result: dict = {"model": model, "backend": jax.default_backend(), "machine": procinfo.cpu_name(),
-                    "floors": floors.measure(), "speculative_tokens": spec_tokens, "repeats": repeats,
-                    "max_tokens": max_tokens, "runs": {}}
+                    "floors": floors.measure(), "speculative_tokens": spec_tokens, "ngram": list(ngram),
+                    "repeats": repeats, "max_tokens": max_tokens, "runs": {}}
     print(f"CPU {result['machine']}; floors: read {result['floors']['memory_read_gbs']:.1f} GB/s, fp32 GEMM "
           f"{result['floors']['gemm_fp32_gflops']:.0f} GFLOP/s")
     try:
@@ -154,11 +156,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--ngram", type=int, nargs=2, default=[2, 3], metavar=("MIN", "MAX"),
+                    help="the n-gram lengths matched (`--speculative-ngram`)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all of them")
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     args = ap.parse_args()
     result = run(args.model, args.speculative_tokens, args.repeats, args.concurrency, args.max_tokens,
-                 args.workloads)
+                 args.workloads, tuple(args.ngram))
     write_json(result, args.out)
 
 
