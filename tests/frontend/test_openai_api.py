@@ -254,13 +254,17 @@ def test_bad_input(client: openai.OpenAI, server) -> None:
 
 
 # ---- the real default model -----------------------------------------------------------------------
+def _smollm_config(**kw: object) -> EngineConfig:
+    """Small shapes for SmolLM2 behind a server, batch-invariant (the app and plain calls batch differently)."""
+    return EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
+                        token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
+                        kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False,
+                        **batch_invariant_mode(), **kw)
+
+
 @pytest.fixture(scope="module")
 def smollm_server(smollm):  # noqa: ANN001
-    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
-                       token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
-                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False,
-                       **batch_invariant_mode())  # the app and plain calls batch differently
-    engine = LLMEngine(smollm, cfg).start(precompile=False)
+    engine = LLMEngine(smollm, _smollm_config()).start(precompile=False)
     with serving_core(engine, "smollm2", smollm.tokenizer) as (url, _):
         yield url
     engine.shutdown()
@@ -298,11 +302,7 @@ def test_smollm_token_id_prompt_equals_its_text(smollm_server: str, smollm) -> N
 def test_smollm_speculative_answers_equal_plain_ones(smollm_server: str, smollm) -> None:  # noqa: ANN001
     """A server whose engine drafts by prompt lookup (`speculative_tokens`) answers JSON-schema, JSON-object and
     logprobs requests through the `openai` client exactly as the plain one does, the drafts confirmed."""
-    cfg = EngineConfig(compilation_cache_dir=None, kv_memory_mb=256, max_batch_size=4, bs_buckets=[1, 2, 4],
-                       token_buckets=[16, 32, 64], max_num_batched_tokens=64, prefill_bs_buckets=[1],
-                       kv_buckets=[64, 128, 256], cascade_suffix_buckets=[64, 128], precompile=False,
-                       speculative_tokens=4, **batch_invariant_mode())
-    engine = LLMEngine(smollm, cfg).start(precompile=False)
+    engine = LLMEngine(smollm, _smollm_config(speculative_tokens=4)).start(precompile=False)
     text = "Parrot serves LLM applications: prompts are templates bound to semantic variables, and the server sees it."
     messages = [{"role": "user", "content": f"Repeat this text exactly, as the JSON field text:\n\n{text}"}]
     schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
