@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
+from parrot.interrupts import remember_sigint, stop_if_interrupted
 from parrot.logs import configure as configure_logs
 
 log = logging.getLogger("parrot.serve")
@@ -334,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from parrot.engine.loader import load_model
 
         loaded = load_model(args.model, load_format=args.load_format, dtype=_weight_dtype(args))
+        stop_if_interrupted()
         core.tokenizers.register(args.model, loaded.tokenizer)  # the file is read once
         engine = LLMEngine(loaded, cfg, name=args.model, mirror=_mirror(args)).start(wait=False)
         del loaded  # the runner holds the weights
@@ -402,6 +404,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log.error("%s", exc)
             return 2
     try:
+        stop_if_interrupted()
         with sigterm_as_interrupt():
             http_server(create_app(core), args.host, args.port).run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
@@ -551,11 +554,15 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs(getattr(args, "log_format", "text"), logging.WARNING,
                    logging.INFO if args.command in ("serve", "engine") else None)
     logging.getLogger("parrot.engine.kernels").setLevel(logging.INFO)  # every command says it builds them
+    remember_sigint()  # a Ctrl-C that Python drops while the model loads still stops the command
     try:
         return args.func(args)
     except (ParrotError, ValidationError) as exc:
         print(f"parrot: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a server runs (loading its model, say) or in a one-shot command
+        print("parrot: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -157,6 +157,51 @@ def test_ctrl_c_while_shapes_compile_exits_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in out and "terminate called" not in out, out[-3000:]
 
 
+SLOW_LOAD = """
+import gc, pathlib, sys, time
+import parrot.engine.loader as loader
+def load_model(*args, **kw):  # a model that takes seconds to load: the marker says it has begun
+    pathlib.Path(sys.argv[1]).touch()
+    if sys.argv[3] == "plain":
+        time.sleep(60)
+    gc.callbacks.append(lambda *a: time.sleep(0.2))  # as JAX's: a Ctrl-C raised in it is dropped by Python
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3:
+        gc.collect()
+    gc.callbacks.pop()
+    return None  # the interrupt is noted: nothing reads this model
+loader.load_model = load_model
+from parrot import cli
+sys.exit(cli.main(["serve", "--port", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("where", ["plain", "gc-callback"])
+def test_ctrl_c_while_the_model_loads_says_interrupted(where: str, tmp_path: Path) -> None:
+    """Ctrl-C before the server runs (its model loading): `parrot: interrupted` and exit code 130, no traceback
+    (before, Python's KeyboardInterrupt traceback); also where Python drops the KeyboardInterrupt, raised in a
+    garbage-collector callback (JAX has one; before, the server went on to serve)."""
+    marker = tmp_path / "loading"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOAD, str(marker), str(free_port()), where],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        _stop(proc, signal.SIGINT, timeout=30)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read() if proc.stdout else ""
+    assert proc.returncode == 130, out[-3000:]
+    assert "parrot: interrupted" in out and "Traceback" not in out, out[-3000:]
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:

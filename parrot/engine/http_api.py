@@ -51,6 +51,7 @@ from parrot.errors import (
     ParrotError,
     code_of,
 )
+from parrot.interrupts import stop_if_interrupted
 from parrot.protocol import (
     AbortRequest,
     AbortResponse,
@@ -423,12 +424,14 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
 
     cfg = cfg or EngineConfig()
     loaded = model if isinstance(model, LoadedModel) else load_model(model)
+    stop_if_interrupted()
     engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None, mirror=mirror)
     engine.start(wait=False)  # answers at once; shapes compile in the background, most needed first
     server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
                           serve_core_api_key=serve_core_api_key)
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
     try:
+        stop_if_interrupted()
         asyncio.run(server.serve())
     except KeyboardInterrupt:  # uvicorn shut down gracefully on Ctrl-C, then re-raised the signal
         log.info("engine %r stopped", server.name)
