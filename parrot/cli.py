@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 
 from pydantic import ValidationError
 
 from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
-from parrot.interrupts import remember_sigint, stop_if_interrupted
+from parrot.interrupts import exit_with_parent, remember_sigint, sigterm_as_interrupt, stop_if_interrupted
 from parrot.logs import configure as configure_logs
 
 log = logging.getLogger("parrot.serve")
@@ -231,37 +227,6 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
                             **more)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (systemd, docker stop, kill) handled as Ctrl-C while the server runs. uvicorn shuts down gracefully
-    on either, then raises the signal again with the process's own handler: SIGTERM's default one would end the
-    process there, its engine not shut down and `--engines N`'s processes left running; this one raises
-    KeyboardInterrupt, so the server's own stop runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-PARENT_POLL_S = 1.0  # how often an engine process started with --exit-with-parent checks its parent
-
-
-def exit_with_parent(pid: int, poll_s: float = PARENT_POLL_S) -> None:
-    """Send this process SIGTERM (a graceful stop: `sigterm_as_interrupt`) once `pid` is no longer its parent:
-    the parent ended, however (SIGKILL included), and the process was handed to another."""
-    def watch() -> None:
-        while os.getppid() == pid:
-            time.sleep(poll_s)
-        log.warning("parent process %d ended: stopping", pid)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parrot-parent-watch", daemon=True).start()
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
