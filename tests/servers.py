@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -15,25 +16,34 @@ from parrot.engine.engine import LLMEngine
 from parrot.engine.tokenizer import Tokenizer
 from parrot.frontend.http_api import create_app
 from parrot.serve.core import ParrotServeCore
+from parrot.serve.engine_processes import ephemeral_ports, ports_in_use
 from parrot.serve.engines import LocalEngineClient
 from parrot.serve.tokenizers import TokenizerManager
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_PORTS = random.Random()
 
 
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive loopback ports that are all free now (for `--engine-base-port`)."""
-    from parrot.serve.engine_processes import ports_in_use
-
-    for _ in range(100):
-        base = free_port()
+def free_ports(n: int = 1) -> int:
+    """The first of `n` consecutive loopback ports that are all free now, below the system's ephemeral range
+    where it can be read: a port from that range, once its server stops (an engine process killed and
+    restarted), can be taken at any moment as the local port of some outgoing connection."""
+    eph = ephemeral_ports()
+    low, high = (20000, eph.start - 1) if eph is not None and eph.start - 20000 >= 1000 else (None, None)
+    for _ in range(200):
+        if low is None:  # no room below the range, or no range known: what the system hands out
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+        else:
+            base = _PORTS.randrange(low, high - n + 2)
         if base + n <= 65535 and not ports_in_use("127.0.0.1", range(base, base + n)):
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def free_port() -> int:
+    """A loopback port that is free now (see free_ports)."""
+    return free_ports(1)
 
 
 @contextmanager

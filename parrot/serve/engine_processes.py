@@ -4,7 +4,9 @@ Each engine process registers itself with the serve core and heartbeats (parrot.
 module only owns the processes:
 - before anything starts, every engine port must be free: a port held by another program is a clear
   error at start (`PortsInUseError`), not an engine that dies at once and a server that serves with fewer
-  engines than asked for;
+  engines than asked for. An engine port inside the system's ephemeral range (the local ports outgoing
+  connections are given) gets a warning: while its engine restarts, any outgoing connection on the
+  machine may take the port, and the restarted engine cannot bind it;
 - a watcher thread notices an engine process that exits while the server runs, logs its exit code, tells
   the serve core at once (`on_exit`: the core marks the engine dead and re-runs its unfinished tasks
   elsewhere without waiting for its heartbeats to time out) and starts it again (it registers again),
@@ -28,12 +30,23 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
 class PortsInUseError(RuntimeError):
     """Some engine ports are held by other programs."""
+
+
+def ephemeral_ports() -> range | None:
+    """The local ports the system gives outgoing connections (Linux's ip_local_port_range), or None where
+    it cannot be read. A listener on such a port that stops for a moment can lose it to any connect()."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
 
 
 def ports_in_use(host: str, ports: Sequence[int]) -> list[int]:
@@ -94,6 +107,11 @@ class EngineProcesses:
             names = ", ".join(f"{e.name} on {e.port}" for e in self.engines if e.port in taken)
             raise PortsInUseError(f"engine port(s) already in use: {names}; choose other ports with "
                                   "--engine-base-port (engine i listens on it + i)")
+        eph = ephemeral_ports()
+        if eph is not None and (inside := [e.port for e in self.engines if e.port in eph]):
+            log.warning("engine port(s) %s lie in the ephemeral port range %d-%d: an engine restarted there can "
+                        "find its port taken by an outgoing connection; a --engine-base-port below %d avoids it",
+                        ", ".join(map(str, inside)), eph.start, eph.stop - 1, eph.start)
         with self._lock:
             for e in self.engines:
                 e.proc = self._popen(e.command, self.env)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from parrot.serve.engine_processes import EngineProcesses, PortsInUseError, ports_in_use
-from tests.servers import free_ports
+from parrot.serve.engine_processes import EngineProcesses, PortsInUseError, ephemeral_ports, ports_in_use
+from tests.servers import free_port, free_ports
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 EXIT3 = [sys.executable, "-c", "import sys; sys.exit(3)"]
@@ -118,6 +118,36 @@ def test_restarts_back_off_doubling_with_each_exit() -> None:
     assert 0.5 < waits[0] <= 1.0 and 1.5 < waits[1] <= 2.0 and 1.5 < waits[2] <= 2.0  # 1 s, 2 s, capped at 2 s
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert len(gaps) == 3 and gaps[0] >= 1.0 and gaps[1] >= 2.0 and gaps[2] >= 2.0  # first start, three restarts
+
+
+def test_a_port_an_outgoing_connection_holds_cannot_be_listened_on() -> None:
+    """Why engine ports belong below the ephemeral range: the local port connect() gave a client is
+    refused to a listener (as uvicorn binds it) for as long as that connection lives."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", free_port()))
+        srv.listen()
+        with socket.create_connection(srv.getsockname()) as client:
+            local = client.getsockname()[1]
+            eph = ephemeral_ports()
+            assert eph is None or local in eph
+            assert ports_in_use("127.0.0.1", [local]) == [local]
+
+
+def test_engine_ports_inside_the_ephemeral_range_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    eph = ephemeral_ports()
+    if eph is None:
+        pytest.skip("no ephemeral port range to read on this system")
+    inside = next(p for p in range(eph.start + 1000, eph.stop) if not ports_in_use("127.0.0.1", [p]))
+    outside = free_ports(1)
+    assert outside not in eph  # the test helper keeps below the range
+    for port, warned in ((outside, False), (inside, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="parrot.serve.engine_processes"):
+            procs = EngineProcesses([("engine-0", port, SLEEP)], poll_s=0.05, grace_s=5).start()
+            procs.stop()
+        assert ("ephemeral port range" in caplog.text) is warned, caplog.text
+        if warned:
+            assert f"{port}" in caplog.text and f"below {eph.start}" in caplog.text
 
 
 def test_stop_ends_every_process() -> None:
