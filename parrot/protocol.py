@@ -236,6 +236,7 @@ class RuntimeInfo(BaseModel):
     rss_bytes: int | None = None  # the engine process's resident memory
     constrained_steps: int = 0  # steps whose sampling had constraint work (masks, or checks of greedy tokens)
     unmasked_tokens: int = 0  # greedy constrained tokens their grammar accepted unmasked: masks not computed
+    refused_tokens: int = 0  # ... that a multi-step call sampled and the grammar refused (the call's rest dropped)
     walked_tokens: int = 0  # rejected greedy constrained rows whose masked argmax was found without a mask
     fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
     spec_steps: int = 0  # speculative decoding: drafts verified (each in one step)

@@ -96,7 +96,8 @@ class LLMEngine:
                                    attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
                                    throughput_hold_ms=hold,
                                    spec_costs=SPEC_COSTS_CPU if device_memory().platform == "cpu"
-                                   else SPEC_COSTS_ACCELERATOR)
+                                   else SPEC_COSTS_ACCELERATOR,
+                                   lazy_constraints=self.runner.lazy_masks, forced_chunks=self.runner.mixed)
         if self.runner.mirror is not None or self.runner.following:
             self.scheduler.drafter = None  # a verify step's rows are sampled on one process's device
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)
@@ -326,7 +327,8 @@ class LLMEngine:
             constrained_steps=self.grammars.masked_steps, fast_forward_tokens=s.fast_forward_tokens,
             spec_steps=s.spec_steps, spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens,
-            unmasked_tokens=self.grammars.unmasked_tokens, walked_tokens=self.grammars.walked_tokens,
+            unmasked_tokens=self.grammars.unmasked_tokens + s.unchecked_tokens, refused_tokens=s.unchecked_refusals,
+            walked_tokens=self.grammars.walked_tokens,
             **self.grammars.mask_stats(),
         )
 

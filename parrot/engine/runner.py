@@ -260,7 +260,7 @@ class ModelRunner:
         self._masks_first = jax.default_backend() == "cpu"  # see _run_slots
         # greedy constrained rows sample unmasked and are checked after (structured.check_greedy) on a CPU,
         # where every mask costs the cores the step needs; an accelerator computes masks beside the step
-        self._lazy_masks = self._masks_first
+        self.lazy_masks = self._masks_first
         self.model_cfg = cfg
         if self.mesh is not None:
             self.model_cfg = tensor_parallel.padded_config(cfg, self.tp, self.weights_mode == "quantized")
@@ -704,7 +704,7 @@ class ModelRunner:
                             shape.prefix_pages)
         splice = _pending_splice(slots, shape.tokens, prev)
         sampling = [s.job.sampling for s in slots if s.sample]
-        unmasked = [i for i, s in enumerate(slots) if self._lazy_masks and s.sample and lazily_constrained(s.job)]
+        unmasked = [i for i, s in enumerate(slots) if self.lazy_masks and s.sample and lazily_constrained(s.job)]
         lazy = len(unmasked) >= LAZY_MIN_ROWS  # greedy constrained rows checked after sampling, masks on demand
         # each row's grammar state: a verify row's is its job's after the draft's tokens before it
         checks = [(slots[i].job.constraint.after(slots[i].before), i) for i in unmasked] if lazy else []

@@ -27,6 +27,13 @@ where the job's max_tokens or the model's length ends it sooner), the device sam
 itself and stops a row at its stop tokens; `update` then applies each slot's tokens in order, and a job
 that finished before its last one drops the KV beyond its tokens, as an unused ahead slot does.
 
+Constrained jobs in multi-step calls (`lazy_constraints`, CPUs): a greedy constrained job decoding alone runs
+multi-step plans too, the device sampling its argmax without a mask; `update` checks each token with its grammar
+(a token it takes is the masked argmax) and drops the call's tokens from the first it refuses, or after one that
+makes it force tokens, cutting their KV. A call is as long as the job's free runs tend to be (`_run_span`); a
+plan with a constrained job is never run ahead, since its grammar must see each token before the next plan. With
+`forced_chunks` (mixed steps) forced tokens always go as a prompt chunk, never as decode rows.
+
 Decode bursts (`burst_tokens`): while more prompt tokens wait than one step beside the decodes takes,
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
 decode-only multi-step plan of the whole decode batch, instead of a short chunk beside every decode step.
@@ -144,6 +151,23 @@ SPEC_PRIOR = (4.5, 5.0)  # a new context's acceptance, as (confirmed, tried) dra
 SPEC_DECAY = 0.8  # the weight of a context's earlier evidence after each verify step
 SPEC_SHADOW_DECAY = 0.9  # ... after each token decoded without a draft (a 1-token draft's hit or miss)
 
+# greedy constrained jobs in multi-step calls (`lazy_constraints`): a call's tokens past the place where the grammar
+# forces tokens or refuses the argmax are dropped, so a job's call takes another step while that step's token is
+# likely to stand: the share of its recent free runs (`Job.runs`, the last RUN_HISTORY) as long as the current one
+# so far that went on that far, or where fewer than RUN_EVIDENCE went as far, t / (t + j + 1) for the (j + 1)-th
+# token after t (a run that lasted t tokens tends to last as long again: long strings show themselves), at least
+# RUN_KEEP: a loop
+# step's cost over a single step's (on a 2-core Xeon with AMX and SmolLM2-135M ~4.3 ms a token in a 4-step loop,
+# ~6 ms a single step with its mask)
+RUN_HISTORY = 16
+# ... and only for a job decoding alone: with two or more such rows a single step checks them after sampling
+# instead of computing masks first (`runner.LAZY_MIN_ROWS`), and a batch's call is cut short at every refusal or
+# forced run of any of its jobs: measured there (benchmarks/constrained.py, medians of 5), long JSON strings took
+# 1.18x the tokens per second of single steps alone, 1.06x two at once, 0.95x four, 0.94x sixteen
+RUN_MAX_BATCH = 1
+RUN_EVIDENCE = 3
+RUN_KEEP = 0.7
+
 
 def beside_decodes(cfg: EngineConfig) -> int:
     """Prompt tokens a step that decodes takes. Prompts that fit in one such step go beside the decodes at
@@ -160,14 +184,40 @@ def _within_grammar(job: Job, draft: list[int]) -> list[int]:
     return next((draft[:i] for i, t in enumerate(draft) if t in job.stop_ids), draft)
 
 
+def _end_run(job: Job) -> None:
+    """A constrained job's free run ends (its grammar forced tokens, or refused a multi-step call's)."""
+    job.runs = [*job.runs[1 - RUN_HISTORY:], job.run_tokens]
+    job.run_tokens = 0
+
+
+def _run_span(job: Job, steps: int) -> int:
+    """How many of up to `steps` decode steps a constrained job's multi-step call should take: while the next
+    step's token is likely enough to stand (see RUN_KEEP); 1 where even the second's is not (a step a call)."""
+    t = job.run_tokens
+    reached = [n for n in job.runs if n >= t]
+    span = 1
+    for j in range(1, steps):  # the call's (j + 1)-th token stands if the run reaches t + j + 1 tokens
+        p = (sum(n > t + j for n in reached) / len(reached) if len(reached) >= RUN_EVIDENCE
+             else t / (t + j + 1))
+        if p < RUN_KEEP:
+            break
+        span = j + 1
+    return span
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
                  decode_bursts: int | None = None, throughput_hold_ms: int | None = None,
-                 spec_costs: tuple[float, float] = SPEC_COSTS_CPU) -> None:
+                 spec_costs: tuple[float, float] = SPEC_COSTS_CPU, lazy_constraints: bool = False,
+                 forced_chunks: bool = False) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
         `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value); the same for
         `throughput_hold_ms` (`cfg.throughput_hold_ms`), the throughput hold's bound; `spec_costs`: the device's
-        speculative decoding cost model (`SPEC_COSTS_*`)."""
+        speculative decoding cost model (`SPEC_COSTS_*`); `lazy_constraints`: greedy constrained jobs decode in
+        multi-step calls without their masks, their tokens checked as they are applied (the runner's
+        `lazy_masks`: a CPU's); `forced_chunks`: tokens a grammar forces are always fed as a prompt chunk, never
+        as decode rows, whose bits differ (a job's output then does not depend on whether others decode
+        beside it; the runner's `mixed` steps run such a chunk beside the decodes in the same pass)."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
@@ -202,6 +252,12 @@ class Scheduler:
         self.spec_steps = 0  # verify slots run
         self.spec_draft_tokens = 0  # draft tokens they fed
         self.spec_accepted_tokens = 0  # draft tokens the samples after them confirmed
+        # greedy constrained jobs (`sampling.lazily_constrained`) run in multi-step calls, their tokens sampled
+        # without masks and checked by their grammars when applied (`_update_steps`)
+        self.lazy_constraints = lazy_constraints
+        self.forced_chunks = forced_chunks
+        self.unchecked_tokens = 0  # tokens such calls sampled that their grammars took
+        self.unchecked_refusals = 0  # ... that they refused (the call's tokens from there dropped)
 
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
@@ -262,14 +318,16 @@ class Scheduler:
                 skipped, decoding = batch, []
         if self.drafter is not None:  # drafts first (verify slots), then plain decodes
             decoding = self._add_drafts(plan, decoding, scheduled)
-            if (not plan.decode and decoding and len(decoding) == len(self.running) and not prompts
-                    and not self.waiting and len(decoding) <= self.cfg.max_batch_size):
-                # no draft now and nothing else to run: a multi-step call at once, not one step before the ahead
-                # ones (after a verify step every plan starts afresh)
-                spans = self._burst_spans(decoding, steps, fits)
-                if spans is not None:
-                    self._burst(plan, decoding, spans, count=False)
-                    return plan
+        if ((self.drafter is not None or any(j.constraint is not None for j in decoding)) and not plan.decode
+                and decoding and len(decoding) == len(self.running) and not prompts and not self.waiting
+                and len(decoding) <= self.cfg.max_batch_size):
+            # no draft now (or constrained jobs, which never run ahead: their grammars check each call's tokens)
+            # and nothing else to run: a multi-step call at once, not one step before the ahead ones (after a
+            # verify step every plan starts afresh)
+            spans = self._burst_spans(decoding, steps, fits)
+            if spans is not None:
+                self._burst(plan, decoding, spans, count=False)
+                return plan
         self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
@@ -289,7 +347,7 @@ class Scheduler:
         for job in sorted(self.running, key=lambda j: j.order):
             if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
                 continue
-            if job.forced and plan.decode:
+            if job.forced and plan.decode and not self.forced_chunks:
                 continue  # a step that decodes anyway feeds forced tokens in its decode batch (below)
             if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
                 break
@@ -317,9 +375,10 @@ class Scheduler:
             longest = max(longest, n)
         # grammar-forced tokens: as one chunk only in a step with no decode batch (one prefill pass instead
         # of a decode step per token); a step that decodes anyway takes them in its decode batch, one per
-        # step without sampling until the last (a padded prefill pass beside it costs more than it saves)
+        # step without sampling until the last (a padded prefill pass beside it costs more than it saves),
+        # except with `forced_chunks`: always as a chunk (beside the decodes in one pass where steps are mixed)
         for job in sorted(self.running, key=lambda j: j.order):
-            if not job.forced or job.job_id in scheduled or job.status is not JobStatus.RUNNING:
+            if not job.forced or job.job_id in scheduled or job.status is not JobStatus.RUNNING or self.forced_chunks:
                 continue
             if len(plan.decode) >= self.cfg.max_batch_size:
                 break
@@ -484,6 +543,8 @@ class Scheduler:
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
+        if any(job.constraint is not None for job in jobs):
+            return None  # a grammar sees a job's last token before its next step is planned (it may force or refuse)
         if self._plan_drafts(jobs, ahead=True):
             return None  # the full scheduler drafts these jobs' next tokens (a draft needs the last one)
         spans = self._decode_spans(jobs, plan.steps, steps, fits)
@@ -501,18 +562,25 @@ class Scheduler:
         sampled (the plan in flight's): up to `steps` where `fits(jobs, their pages, longest KV, steps)` says
         the runner has the shape for it and pages are free, else 1. None where a job cannot be planned
         without its tokens (it may finish first, or its next token needs host work: constraints, logprobs,
-        penalties, min_tokens) or the pages for one step each are not free (no plan is preempted)."""
+        penalties, min_tokens) or the pages for one step each are not free (no plan is preempted). With
+        `lazy_constraints`, a greedy constrained job decoding alone may run (`sampling.lazily_constrained`): its
+        tokens are checked when applied, unless its grammar refused the loop's token at this very place."""
         room: list[int] = []  # tokens each job may still sample after `done`
+        if len(jobs) > RUN_MAX_BATCH and any(job.constraint is not None for job in jobs):
+            return None
         for job in jobs:
             sp = job.sampling
             if (job.kind is not JobKind.GENERATE or job.status is not JobStatus.RUNNING or sp is None
-                    or len(job.pending) > 1 or job.forced or needs_processing(job)
+                    or len(job.pending) > 1 or needs_processing(job, lazy=self.lazy_constraints)
+                    or job.refused_at == len(job.output_ids) + done
                     or len(job.output_ids) + done >= sp.max_tokens
                     or len(self.tokens[job.context_id]) + done >= self.max_len
                     or len(job.output_ids) + done < sp.min_tokens):
                 return None
             room.append(min(sp.max_tokens - len(job.output_ids),
                             self.max_len - len(self.tokens[job.context_id])) - done)
+            if job.constraint is not None:  # as long as its free runs tend to be
+                room[-1] = min(room[-1], _run_span(job, steps))
 
         def pages(spans: list[int]) -> int:
             return sum(self.kv.pages_needed(job.context_id, n) for job, n in zip(jobs, spans, strict=True))
@@ -588,7 +656,10 @@ class Scheduler:
     def _update_steps(self, plan: StepPlan, sampled: Sequence[Sequence[int]] | None,
                       ahead: StepPlan | None) -> list[JobOutput]:
         """`update` for a multi-step plan: each slot's tokens in order; token j was fed on the device in
-        step j + 1 (the KV of a job that stopped earlier is cut back to its tokens)."""
+        step j + 1 (the KV of a job that stopped earlier is cut back to its tokens). A constrained job's tokens
+        (sampled without its mask: the argmax) stand while its grammar takes them, each then the masked argmax
+        too; at the first it refuses, or after one its grammar forces tokens after, the rest are dropped and its
+        KV cut back to its tokens fed (a verify step's cut): its next token comes from a step that sees it."""
         assert sampled is not None
         outputs = list(plan.outputs)
         feeds = {slot.job.job_id: slot for slot in ahead.slots} if ahead is not None else {}
@@ -597,8 +668,22 @@ class Scheduler:
             for j in range(slot.steps):
                 if job.status is JobStatus.FINISHED:
                     break  # aborted while its step was in flight, or stopped at an earlier token
+                token = int(sampled[j][i])
+                if job.constraint is not None:
+                    if not job.constraint.accepts(token):
+                        job.refused_at = len(job.output_ids)
+                        self.unchecked_refusals += 1
+                        _end_run(job)
+                        break
+                    self.unchecked_tokens += 1
                 del job.pending[:1]  # fed: the slot's token, then each token the device sampled before
-                outputs.append(self._on_token(job, int(sampled[j][i]), None))
+                outputs.append(self._on_token(job, token, None))
+                if job.forced:
+                    break
+            if job.constraint is not None and job.status is JobStatus.RUNNING:
+                fed = len(self.tokens[job.context_id]) - len(job.pending)  # the KV of the dropped tokens goes
+                if self.kv.get(job.context_id).num_tokens > fed:
+                    self._truncate(job.context_id, fed)
             self._hand_over(job, feeds.get(job.job_id))
         return outputs
 
@@ -705,6 +790,10 @@ class Scheduler:
             return self._complete(out, reason)
         job.pending = [token, *forced]
         job.forced = bool(forced)
+        if job.constraint is not None:
+            job.run_tokens += 1
+            if forced:
+                _end_run(job)
         return out
 
     def _append(self, job: Job, out: JobOutput, token: int, logprob: SampledLogprob | None) -> str | None:

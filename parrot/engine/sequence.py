@@ -58,6 +58,13 @@ class Job:
     fill_logprobs: int | None = None  # a fill asked for its tokens' logprobs, with this many alternatives
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # fill token index -> its logprob
     forced: bool = False  # `pending` holds tokens the grammar forced after the last sampled one
+    # the output's length when its grammar refused a token a multi-step loop sampled without a mask: the token at
+    # that place is sampled by a single step, checked or masked (-1: none refused there)
+    refused_at: int = -1
+    # a constrained job's free runs (tokens sampled between two places where its grammar forced or refused one):
+    # the current one's length so far and the recent ones' lengths, which size its multi-step calls
+    run_tokens: int = 0
+    runs: list[int] = field(default_factory=list)
     parent_num_tokens: int | None = None  # a new context forks this many of the parent's tokens (None: all)
 
     @property

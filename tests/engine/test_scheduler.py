@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from parrot.engine import scheduler
 from parrot.engine.kv_cache import KVCacheManager
-from parrot.engine.scheduler import Scheduler
+from parrot.engine.scheduler import Scheduler, _end_run, _run_span
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.structured import ConstraintError, Grammars
 from parrot.errors import AbortedError, InvalidRequestError
@@ -303,6 +306,125 @@ def test_forced_tokens_ride_in_a_decode_batch_that_runs_anyway() -> None:
     assert sorted((slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots) == [
         ("a", 1, False), ("x", 1, True)]
     assert not plan.prefill and s.fast_forward_tokens == 0
+
+
+# ---- greedy constrained jobs in multi-step calls, checked as applied (lazy_constraints: CPUs) ---------------
+UNMASKED = "abzba"  # the fake model's argmax at each position, without a mask
+FALLBACK = "abcdefz"  # a single step's masked argmax where the grammar refuses the unmasked one: the first it takes
+
+
+def _constrained_run(lazy: bool) -> tuple[Scheduler, dict, list]:
+    """Two greedy jobs under grammars that refuse some of the fake model's tokens and force others, and one
+    unconstrained job, driven to the end with up to 4 decode steps a call. A single step's token is the masked
+    argmax (what the runner gives), a multi-step call's the unmasked one (what the device loop samples)."""
+    tok = tiny_tokenizer()
+    ids = {ch: tok.encode(ch)[0] for ch in set(UNMASKED + FALLBACK)}
+    grammars = Grammars(tok, 260)
+    s = _small(64)
+    s.lazy_constraints = lazy
+    for ctx in ("g1", "g2", "free"):
+        s.add(_fill(ctx, 10 + len(ctx)))
+    s.add(_constrained("g1", grammars, regex="[ab]{3}cdef[ab]+z", max_tokens=30))
+    s.add(_constrained("g2", grammars, regex="(ab|ba)+z", max_tokens=30))
+    s.add(_gen("free", 25))
+
+    def unmasked(pos: int) -> int:
+        return ids[UNMASKED[pos % len(UNMASKED)]]
+
+    def single(slot) -> int:  # noqa: ANN001
+        t = unmasked(slot.start + len(slot.tokens))
+        c = slot.job.constraint
+        return t if c is None or c.accepts(t) else next(ids[ch] for ch in FALLBACK if c.accepts(ids[ch]))
+
+    outputs: list[JobOutput] = []
+    plans: list = []
+    inflight = None
+    fits = lambda jobs, pages, kv_len, k: True  # noqa: E731
+    while s.has_work() or inflight is not None:
+        plan, inflight = (inflight, None) if inflight is not None else (s.schedule(4, fits), None)
+        plans.append([(slot.job.context_id, plan.steps) for slot in plan.decode])
+        if plan.steps > 1:
+            sampled = [[unmasked(slot.start + 1 + j) for slot in plan.slots] for j in range(plan.steps)]
+        else:
+            sampled = [single(slot) for slot in plan.slots]
+        inflight = s.schedule_ahead(plan, 4, fits)
+        assert inflight is None or not any(slot.job.constraint for slot in plan.decode)  # never constrained jobs
+        outputs += s.update(plan, sampled, inflight)
+        for ctx in s.tokens if inflight is None else ():  # (an ahead plan holds KV for its steps)
+            assert s.kv.get(ctx).num_tokens <= len(s.tokens[ctx])  # no KV of a dropped token stays
+    results = {o.job.context_id: (tok.decode(o.result.token_ids), o.result.finish_reason)
+               for o in outputs if o.finished and o.job.kind is JobKind.GENERATE}
+    assert all(o.error is None for o in outputs)
+    for ctx in results:
+        s.free_context(ctx)
+    assert s.kv.num_free_pages == s.kv.total_pages
+    return s, results, plans
+
+
+def test_constrained_jobs_run_multi_step_calls_checked_as_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-step call's tokens of a constrained job stand while its grammar takes them (each then the masked
+    argmax too); from the first it refuses, or after one its grammar forces tokens after, the rest are dropped
+    and the KV cut; the refused place is sampled by a single step. The outputs are those of single steps. (By
+    default only a job decoding alone runs such calls: here batches of three do, to see them side by side.)"""
+    _, default, plans = _constrained_run(lazy=True)
+    assert not any(steps > 1 for plan in plans for ctx, steps in plan if len(plan) > 1 and ctx.startswith("g"))
+    monkeypatch.setattr(scheduler, "RUN_MAX_BATCH", 3)
+    single, eager, _ = _constrained_run(lazy=False)
+    assert default == eager
+    lazy, results, plans = _constrained_run(lazy=True)
+    assert results == eager
+    assert results["g1"][0].startswith("abacdef") and results["g1"][0].endswith("z")
+    assert results["g2"][1] == "stop" and results["free"][1] == "length"
+    assert single.unchecked_tokens == single.unchecked_refusals == 0
+    assert lazy.unchecked_tokens > 0 and lazy.unchecked_refusals > 0
+    assert any(steps > 1 for plan in plans for ctx, steps in plan if ctx.startswith("g"))
+
+
+def test_forced_chunks_go_beside_the_decodes_never_as_decode_rows() -> None:
+    """With `forced_chunks` (mixed steps), a job's forced tokens are fed as one prompt chunk in a step that decodes
+    others, and with the prefill slot taken they wait for it: never a decode row each."""
+    tok = tiny_tokenizer()
+    s = _small(64)
+    s.forced_chunks = True
+    for ctx in ("a", "x"):
+        s.add(_fill(ctx, 10))
+    _step(s, {})
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
+    s.add(_gen("x", 10))
+    _step(s, {"a": tok.encode("a")[0]})  # "a" has "cd" forced: "a", "c", "d" to feed
+    plan = s.schedule()
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.decode] == [("x", 1, True)]
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.prefill] == [("a", 3, True)]
+    s.max_prefill_batch = 0  # no prefill slot: the forced job waits, the decodes go on
+    s.update(plan, [tok.encode("g")[0], TOKEN])
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
+    _step(s, {"a": tok.encode("b")[0]})
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.slots] == ["x"]
+
+
+def test_a_constrained_jobs_calls_are_as_long_as_its_free_runs_tend_to_be() -> None:
+    """`_run_span`: a step a call at the start of a run (no evidence) and for short runs; longer calls as a run
+    grows past the ones before it, or where recent runs tend to go on."""
+    job = Job(JobKind.GENERATE, "a", None, sampling=SamplingParams(max_tokens=100))
+    assert _run_span(job, 4) == 1  # nothing known
+    job.run_tokens = 3
+    assert _run_span(job, 4) == 1  # 3 / 5 < RUN_KEEP
+    job.run_tokens = 12
+    assert _run_span(job, 4) == 4  # a long string: 12 / 15 >= RUN_KEEP
+    job.runs = [1, 2, 1, 1, 3]  # short fields: a step a call
+    job.run_tokens = 0
+    assert _run_span(job, 4) == 1
+    job.runs = [2, 3, 2, 3, 2]  # every run has a second token, 2 of 5 a third
+    assert _run_span(job, 4) == 2
+    job.runs = [30, 25, 40, 2]  # long strings: 3 of 4 runs reach the call's 4th token
+    assert _run_span(job, 4) == 4
+    job.run_tokens = 28  # past most of them: two runs reached 28, too few to tell: 28 / 30 ... 28 / 32
+    assert _run_span(job, 4) == 4
+    job.runs = [30, 29, 40, 29, 2]  # four did, two of which went past 29 (< RUN_KEEP)
+    assert _run_span(job, 4) == 1
+    _end_run(job)
+    assert job.runs[-1] == 28 and job.run_tokens == 0
 
 
 # ---- overlap: the next decode step planned before the step in flight is applied ----------------------
