@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks import floors
 from benchmarks.report import write_json
-from benchmarks.speculative import DOC, _chat, _round
+from benchmarks.speculative import DOC, chat_prompt, generate_round
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
@@ -64,10 +64,10 @@ def run(model: str, repeats: int, concurrency: list[int], max_tokens: int, workl
             for name, (text, sampling) in WORKLOADS.items():
                 if workloads and name not in workloads:
                     continue
-                prompt = _chat(loaded, text)
+                prompt = chat_prompt(loaded, text)
                 for on in modes.values():  # shapes compiled outside the timing
                     sched.lazy_constraints = on
-                    _round(eng, prompt, c, max_tokens, "warm", sampling)
+                    generate_round(eng, prompt, c, max_tokens, "warm", sampling)
                 times: dict[str, list[float]] = {k: [] for k in modes}
                 outs: dict[str, list] = {}
                 counts = {k: [0, 0] for k in modes}  # tokens multi-step calls sampled that grammars took, refused
@@ -76,13 +76,13 @@ def run(model: str, repeats: int, concurrency: list[int], max_tokens: int, workl
                     for key in order:
                         sched.lazy_constraints = modes[key]
                         before = (sched.unchecked_tokens, sched.unchecked_refusals)
-                        dt, outs[key] = _round(eng, prompt, c, max_tokens, f"r{rep}", sampling)
+                        dt, outs[key] = generate_round(eng, prompt, c, max_tokens, f"r{rep}", sampling)
                         times[key].append(dt)
                         counts[key][0] += sched.unchecked_tokens - before[0]
                         counts[key][1] += sched.unchecked_refusals - before[1]
                 sched.lazy_constraints = eng.runner.lazy_masks
                 n_tokens = sum(len(o) for o in outs["single_step"])
-                free_dt, _ = _round(eng, prompt, c, max(1, n_tokens // c), "free",
+                free_dt, _ = generate_round(eng, prompt, c, max(1, n_tokens // c), "free",
                                     {"ignore_eos": True})  # as many tokens without a constraint
                 row: dict = {"prompt_tokens": len(prompt), "output_tokens": n_tokens,
                              "same_tokens": outs["multi_step"] == outs["single_step"],

@@ -76,12 +76,12 @@ WORKLOADS: dict[str, tuple[str, dict]] = {
 }
 
 
-def _chat(model: LoadedModel, text: str) -> list[int]:
+def chat_prompt(model: LoadedModel, text: str) -> list[int]:
     tok = model.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def _round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int, tag: str, sampling: dict,
+def generate_round(eng: LLMEngine, prompt: list[int], concurrency: int, max_tokens: int, tag: str, sampling: dict,
            ) -> tuple[float, list[list[int]]]:
     """Fill `concurrency` contexts with `prompt`, then generate in all of them at once."""
     for i in range(concurrency):
@@ -114,9 +114,9 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
             for name, (text, sampling) in WORKLOADS.items():
                 if workloads and name not in workloads:
                     continue
-                prompt = _chat(loaded, text)
+                prompt = chat_prompt(loaded, text)
                 for eng in engines.values():  # this workload's shapes compiled outside the timing
-                    _round(eng, prompt, c, max_tokens, "warm", sampling)
+                    generate_round(eng, prompt, c, max_tokens, "warm", sampling)
                 spec = engines["speculative"].scheduler
                 before = (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens)
                 times: dict[str, list[float]] = {k: [] for k in engines}
@@ -124,7 +124,7 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
                 for rep in range(repeats):
                     order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # in turns
                     for key in order:
-                        dt, outs[key] = _round(engines[key], prompt, c, max_tokens, f"r{rep}", sampling)
+                        dt, outs[key] = generate_round(engines[key], prompt, c, max_tokens, f"r{rep}", sampling)
                         times[key].append(dt)
                 steps, drafted, accepted = (now - was for now, was in zip(
                     (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens), before, strict=True))

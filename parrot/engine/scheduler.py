@@ -153,20 +153,19 @@ SPEC_SHADOW_DECAY = 0.9  # ... after each token decoded without a draft (a 1-tok
 
 # greedy constrained jobs in multi-step calls (`lazy_constraints`): a call's tokens past the place where the grammar
 # forces tokens or refuses the argmax are dropped, so a job's call takes another step while that step's token is
-# likely to stand: the share of its recent free runs (`Job.runs`, the last RUN_HISTORY) as long as the current one
-# so far that went on that far, or where fewer than RUN_EVIDENCE went as far, t / (t + j + 1) for the (j + 1)-th
-# token after t (a run that lasted t tokens tends to last as long again: long strings show themselves), at least
-# RUN_KEEP: a loop
-# step's cost over a single step's (on a 2-core Xeon with AMX and SmolLM2-135M ~4.3 ms a token in a 4-step loop,
-# ~6 ms a single step with its mask)
+# likely to stand (`_run_span`): the share of its recent free runs (`Job.runs`, the last RUN_HISTORY) as long as the
+# current one so far that went on that far, or where fewer than RUN_EVIDENCE went as far, t / (t + j + 1) for the
+# (j + 1)-th token after t (a run that lasted t tokens tends to last as long again: long strings show themselves),
+# at least RUN_KEEP: a loop step's cost over a single step's (on a 2-core Xeon with AMX and SmolLM2-135M ~4.3 ms a
+# token in a 4-step loop, ~6 ms a single step with its mask)
 RUN_HISTORY = 16
+RUN_EVIDENCE = 3
+RUN_KEEP = 0.7
 # ... and only for a job decoding alone: with two or more such rows a single step checks them after sampling
 # instead of computing masks first (`runner.LAZY_MIN_ROWS`), and a batch's call is cut short at every refusal or
 # forced run of any of its jobs: measured there (benchmarks/constrained.py, medians of 5), long JSON strings took
 # 1.18x the tokens per second of single steps alone, 1.06x two at once, 0.95x four, 0.94x sixteen
 RUN_MAX_BATCH = 1
-RUN_EVIDENCE = 3
-RUN_KEEP = 0.7
 
 
 def beside_decodes(cfg: EngineConfig) -> int:
