@@ -15,7 +15,6 @@ starts after the prompts are filled: it is the decode of the answers, forced tok
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
@@ -23,7 +22,7 @@ import numpy as np
 
 from benchmarks import floors
 from benchmarks.report import write_json
-from benchmarks.speculative import DOC, chat_prompt, generate_round
+from benchmarks.speculative import DOC, cases, generate_round, rounds_parser
 from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
@@ -60,56 +59,48 @@ def run(model: str, repeats: int, concurrency: list[int], max_tokens: int, workl
     sched = eng.scheduler
     modes = {"multi_step": True, "single_step": False}
     try:
-        for c in concurrency:
-            for name, (text, sampling) in WORKLOADS.items():
-                if workloads and name not in workloads:
-                    continue
-                prompt = chat_prompt(loaded, text)
-                for on in modes.values():  # shapes compiled outside the timing
-                    sched.lazy_constraints = on
-                    generate_round(eng, prompt, c, max_tokens, "warm", sampling)
-                times: dict[str, list[float]] = {k: [] for k in modes}
-                outs: dict[str, list] = {}
-                counts = {k: [0, 0] for k in modes}  # tokens multi-step calls sampled that grammars took, refused
-                for rep in range(repeats):
-                    order = list(modes) if rep % 2 == 0 else list(reversed(modes))  # in turns
-                    for key in order:
-                        sched.lazy_constraints = modes[key]
-                        before = (sched.unchecked_tokens, sched.unchecked_refusals)
-                        dt, outs[key] = generate_round(eng, prompt, c, max_tokens, f"r{rep}", sampling)
-                        times[key].append(dt)
-                        counts[key][0] += sched.unchecked_tokens - before[0]
-                        counts[key][1] += sched.unchecked_refusals - before[1]
-                sched.lazy_constraints = eng.runner.lazy_masks
-                n_tokens = sum(len(o) for o in outs["single_step"])
-                free_dt, _ = generate_round(eng, prompt, c, max(1, n_tokens // c), "free",
-                                    {"ignore_eos": True})  # as many tokens without a constraint
-                row: dict = {"prompt_tokens": len(prompt), "output_tokens": n_tokens,
-                             "same_tokens": outs["multi_step"] == outs["single_step"],
-                             "unconstrained_tok_s": n_tokens / free_dt}
-                for key in modes:
-                    t = float(np.median(times[key]))
-                    taken, refused = counts[key]
-                    row[key] = {"tok_s": n_tokens / t, "seconds": t, "unchecked_tokens": taken / repeats,
-                                "refused_tokens": refused / repeats}
-                row["ratio"] = row["multi_step"]["tok_s"] / row["single_step"]["tok_s"]
-                result["runs"][f"{name}@c{c}"] = row
-                m = row["multi_step"]
-                print(f"{name:13s} c={c:<2d} {n_tokens:4d} tokens: multi-step {m['tok_s']:6.1f} tok/s, one step a "
-                      f"call {row['single_step']['tok_s']:6.1f} ({row['ratio']:.2f}x); unconstrained "
-                      f"{row['unconstrained_tok_s']:6.1f}; {m['unchecked_tokens']:.0f} tokens taken unchecked, "
-                      f"{m['refused_tokens']:.0f} refused a round; same tokens: {row['same_tokens']}", flush=True)
+        for c, name, prompt, sampling in cases(loaded, WORKLOADS, concurrency, workloads):
+            for on in modes.values():  # shapes compiled outside the timing
+                sched.lazy_constraints = on
+                generate_round(eng, prompt, c, max_tokens, "warm", sampling)
+            times: dict[str, list[float]] = {k: [] for k in modes}
+            outs: dict[str, list] = {}
+            counts = {k: [0, 0] for k in modes}  # tokens multi-step calls sampled that grammars took, refused
+            for rep in range(repeats):
+                order = list(modes) if rep % 2 == 0 else list(reversed(modes))  # in turns
+                for key in order:
+                    sched.lazy_constraints = modes[key]
+                    before = (sched.unchecked_tokens, sched.unchecked_refusals)
+                    dt, outs[key] = generate_round(eng, prompt, c, max_tokens, f"r{rep}", sampling)
+                    times[key].append(dt)
+                    counts[key][0] += sched.unchecked_tokens - before[0]
+                    counts[key][1] += sched.unchecked_refusals - before[1]
+            sched.lazy_constraints = eng.runner.lazy_masks
+            n_tokens = sum(len(o) for o in outs["single_step"])
+            free_dt, _ = generate_round(eng, prompt, c, max(1, n_tokens // c), "free",
+                                        {"ignore_eos": True})  # as many tokens without a constraint
+            row: dict = {"prompt_tokens": len(prompt), "output_tokens": n_tokens,
+                         "same_tokens": outs["multi_step"] == outs["single_step"],
+                         "unconstrained_tok_s": n_tokens / free_dt}
+            for key in modes:
+                t = float(np.median(times[key]))
+                taken, refused = counts[key]
+                row[key] = {"tok_s": n_tokens / t, "seconds": t, "unchecked_tokens": taken / repeats,
+                            "refused_tokens": refused / repeats}
+            row["ratio"] = row["multi_step"]["tok_s"] / row["single_step"]["tok_s"]
+            result["runs"][f"{name}@c{c}"] = row
+            m = row["multi_step"]
+            print(f"{name:13s} c={c:<2d} {n_tokens:4d} tokens: multi-step {m['tok_s']:6.1f} tok/s, one step a "
+                  f"call {row['single_step']['tok_s']:6.1f} ({row['ratio']:.2f}x); unconstrained "
+                  f"{row['unconstrained_tok_s']:6.1f}; {m['unchecked_tokens']:.0f} tokens taken unchecked, "
+                  f"{m['refused_tokens']:.0f} refused a round; same tokens: {row['same_tokens']}", flush=True)
     finally:
         eng.shutdown()
     return result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap = rounds_parser(__doc__, [1, 4, 16])
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=None)
     ap.add_argument("--out", default="benchmarks/results/constrained.json")
     args = ap.parse_args()

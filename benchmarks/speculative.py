@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -110,52 +111,63 @@ def run(model: str, spec_tokens: int, repeats: int, concurrency: list[int], max_
     print(f"CPU {result['machine']}; floors: read {result['floors']['memory_read_gbs']:.1f} GB/s, fp32 GEMM "
           f"{result['floors']['gemm_fp32_gflops']:.0f} GFLOP/s")
     try:
-        for c in concurrency:
-            for name, (text, sampling) in WORKLOADS.items():
-                if workloads and name not in workloads:
-                    continue
-                prompt = chat_prompt(loaded, text)
-                for eng in engines.values():  # this workload's shapes compiled outside the timing
-                    generate_round(eng, prompt, c, max_tokens, "warm", sampling)
-                spec = engines["speculative"].scheduler
-                before = (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens)
-                times: dict[str, list[float]] = {k: [] for k in engines}
-                outs: dict[str, list] = {}
-                for rep in range(repeats):
-                    order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # in turns
-                    for key in order:
-                        dt, outs[key] = generate_round(engines[key], prompt, c, max_tokens, f"r{rep}", sampling)
-                        times[key].append(dt)
-                steps, drafted, accepted = (now - was for now, was in zip(
-                    (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens), before, strict=True))
-                n_tokens = sum(len(o) for o in outs["plain"])
-                row: dict = {"prompt_tokens": len(prompt), "output_tokens": n_tokens}
-                for key in engines:
-                    t = float(np.median(times[key]))
-                    row[key] = {"tok_s": n_tokens / t, "seconds": t}
-                row["ratio"] = row["speculative"]["tok_s"] / row["plain"]["tok_s"]
-                row["accepted_share"] = accepted / drafted if drafted else 0.0
-                row["tokens_per_verify"] = (accepted + steps) / steps if steps else 0.0
-                row["verify_steps_per_round"] = steps / repeats
-                row["same_tokens"] = outs["plain"] == outs["speculative"]
-                result["runs"][f"{name}_c{c}"] = row
-                print(f"{name:11s} c={c}: plain {row['plain']['tok_s']:6.1f} tok/s, speculative "
-                      f"{row['speculative']['tok_s']:6.1f} tok/s = {row['ratio']:.2f}x; drafts confirmed "
-                      f"{row['accepted_share']:.0%}, {row['tokens_per_verify']:.2f} tokens a verify step; "
-                      f"same tokens: {row['same_tokens']}", flush=True)
+        for c, name, prompt, sampling in cases(loaded, WORKLOADS, concurrency, workloads):
+            for eng in engines.values():  # this workload's shapes compiled outside the timing
+                generate_round(eng, prompt, c, max_tokens, "warm", sampling)
+            spec = engines["speculative"].scheduler
+            before = (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens)
+            times: dict[str, list[float]] = {k: [] for k in engines}
+            outs: dict[str, list] = {}
+            for rep in range(repeats):
+                order = list(engines) if rep % 2 == 0 else list(reversed(engines))  # in turns
+                for key in order:
+                    dt, outs[key] = generate_round(engines[key], prompt, c, max_tokens, f"r{rep}", sampling)
+                    times[key].append(dt)
+            steps, drafted, accepted = (now - was for now, was in zip(
+                (spec.spec_steps, spec.spec_draft_tokens, spec.spec_accepted_tokens), before, strict=True))
+            n_tokens = sum(len(o) for o in outs["plain"])
+            row: dict = {"prompt_tokens": len(prompt), "output_tokens": n_tokens}
+            for key in engines:
+                t = float(np.median(times[key]))
+                row[key] = {"tok_s": n_tokens / t, "seconds": t}
+            row["ratio"] = row["speculative"]["tok_s"] / row["plain"]["tok_s"]
+            row["accepted_share"] = accepted / drafted if drafted else 0.0
+            row["tokens_per_verify"] = (accepted + steps) / steps if steps else 0.0
+            row["verify_steps_per_round"] = steps / repeats
+            row["same_tokens"] = outs["plain"] == outs["speculative"]
+            result["runs"][f"{name}_c{c}"] = row
+            print(f"{name:11s} c={c}: plain {row['plain']['tok_s']:6.1f} tok/s, speculative "
+                  f"{row['speculative']['tok_s']:6.1f} tok/s = {row['ratio']:.2f}x; drafts confirmed "
+                  f"{row['accepted_share']:.0%}, {row['tokens_per_verify']:.2f} tokens a verify step; "
+                  f"same tokens: {row['same_tokens']}", flush=True)
     finally:
         for eng in engines.values():
             eng.shutdown()
     return result
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cases(model: LoadedModel, table: dict[str, tuple[str, dict]], concurrency: list[int],
+          chosen: list[str] | None) -> Iterator[tuple[int, str, list[int], dict]]:
+    """Each (concurrency, workload name, its chat prompt's tokens, its sampling) of `table`, the `chosen` ones."""
+    for c in concurrency:
+        for name, (text, sampling) in table.items():
+            if not chosen or name in chosen:
+                yield c, name, chat_prompt(model, text), sampling
+
+
+def rounds_parser(doc: str | None, concurrency: list[int]) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs rounds of one engine's modes in turns (`generate_round`)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--speculative-tokens", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=concurrency)
     ap.add_argument("--max-tokens", type=int, default=160)
+    return ap
+
+
+def main() -> None:
+    ap = rounds_parser(__doc__, [1, 4])
+    ap.add_argument("--speculative-tokens", type=int, default=4)
     ap.add_argument("--ngram", type=int, nargs=2, default=[2, 3], metavar=("MIN", "MAX"),
                     help="the n-gram lengths matched (`--speculative-ngram`)")
     ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all of them")
