@@ -8,10 +8,9 @@ from collections.abc import Iterator
 
 import jax
 import pytest
-from jax._src import compilation_cache as jax_compilation_cache
 
 from parrot.config import EngineConfig
-from parrot.engine.compile_cache import enable_compilation_cache
+from parrot.engine.compile_cache import enable_compilation_cache, set_cache_dir
 from parrot.engine.engine import LLMEngine
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.models.llama import LlamaConfig, random_weights
@@ -76,13 +75,11 @@ def without_compilation_cache() -> Iterator[None]:
     """The session's persistent cache off while the test runs: its programs compile for real (a test of what
     happens while they compile)."""
     current = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", None)
-    jax_compilation_cache.reset_cache()  # JAX decides whether the cache is used once
+    set_cache_dir(None)
     try:
         yield
     finally:
-        jax.config.update("jax_compilation_cache_dir", current)
-        jax_compilation_cache.reset_cache()
+        set_cache_dir(current)
 
 
 @pytest.fixture(scope="session")

@@ -69,6 +69,13 @@ def enable_compilation_cache(directory: str | None) -> Path | None:
     return path
 
 
+def set_cache_dir(directory: str | None) -> None:
+    """Point JAX's persistent cache at `directory` as it is (None: off), taking effect at the next compile (JAX
+    decides once whether the cache is used: that decision is reset)."""
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax_compilation_cache.reset_cache()
+
+
 def _collapse_entry_warnings(path: Path) -> None:
     """Turn JAX's warning per unreadable or unwritable cache entry into one log line."""
     show = warnings.showwarning
@@ -137,8 +144,7 @@ def _drop_cache(reason: str) -> bool:
         current = jax.config.jax_compilation_cache_dir
         if current is None:
             return True  # another thread turned it off already
-        jax.config.update("jax_compilation_cache_dir", None)
-        jax_compilation_cache.reset_cache()
+        set_cache_dir(None)
         moved = Path(current).with_name(f"{Path(current).name}.unusable-{int(time.time())}")
         try:
             Path(current).rename(moved)
