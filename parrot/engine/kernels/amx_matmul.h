@@ -310,7 +310,8 @@ void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1
     for (int64_t g = 0; g < xp.tiles; ++g) {
       __m512 acc[16];
       float* saved = accbuf.data() + g * 256;
-      for (int t = 0; t < 16; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * t);
+      const int64_t cnt = std::min(tn, T - g * 16);  // the tile's tokens; the last tile's padding is not added up
+      for (int64_t t = 0; t < cnt; ++t) acc[t] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * t);
       const uint8_t* x0 = xrows + (g * 16 * blocks + b0) * 96;
       auto sums = [&](int64_t j) {  // block j's sums on tile set j % 2 into C[j % 2] (a third limb: set 0)
         if constexpr (LIMBS == 2) {
@@ -323,15 +324,14 @@ void tiled_rows_limbs(const XPack& xp, const uint8_t* wt, int64_t n0, int64_t n1
         if (LIMBS == 2 && j + 1 < nb) sums(j + 1);  // two sets: the next block's sums go first
         __m512 d, m;
         tile_block<F>(tile, g == 0 ? next : nullptr, b0 + j, d, m);  // the next rows fetched beside the first tile
-        tiled_epilogue<F, LIMBS>(xp, g, b0 + j, C[LIMBS == 2 ? j % 2 : 0], d, m, tn, acc);
+        tiled_epilogue<F, LIMBS>(xp, g, b0 + j, C[LIMBS == 2 ? j % 2 : 0], d, m, cnt, acc);
         if (LIMBS == 3 && j + 1 < nb) sums(j + 1);
       }
       if (b0 + nb < blocks) {
-        for (int t = 0; t < 16; ++t) _mm512_store_ps(saved + 16 * t, acc[t]);
+        for (int64_t t = 0; t < cnt; ++t) _mm512_store_ps(saved + 16 * t, acc[t]);
         continue;
       }
       const __mmask16 rowmask = static_cast<__mmask16>((1u << rows_here) - 1);
-      const int64_t cnt = std::min(tn, T - g * 16);
       for (int64_t t = 0; t < cnt; ++t) _mm512_mask_storeu_ps(y + (g * 16 + t) * N + n, rowmask, acc[t]);
     }
   });
