@@ -97,7 +97,7 @@ class LLMEngine:
                                    throughput_hold_ms=hold,
                                    spec_costs=SPEC_COSTS_CPU if device_memory().platform == "cpu"
                                    else SPEC_COSTS_ACCELERATOR,
-                                   lazy_constraints=self.runner.lazy_masks, forced_chunks=self.runner.mixed)
+                                   lazy_constraints=self.runner.lazy_masks)
         if self.runner.mirror is not None or self.runner.following:
             self.scheduler.drafter = None  # a verify step's rows are sampled on one process's device
         self.trace = StepTrace()  # PARROT_STEP_TRACE: one line per step (step_trace.py)

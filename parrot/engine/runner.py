@@ -67,7 +67,7 @@ from parrot.engine.sampling import (
     sample,
 )
 from parrot.engine.scheduler import Slot, StepPlan
-from parrot.engine.sequence import Job, JobKind
+from parrot.engine.sequence import Job
 from parrot.engine.shapes import Shape, ShapeBook
 from parrot.engine.structured import check_greedy
 
@@ -182,29 +182,38 @@ def _pending_splice(slots: list[Slot], num_tokens: int,
 
 
 def _as_rows(slots: list[Slot]) -> list[Slot]:
-    """`slots` with each verify slot (speculative decoding: `Slot.draft`) as one decode row per token, at its
-    position, over the same pages, sampled at its place's sampler step (its penalties and min_tokens counting the
-    draft's tokens before it): each row then computes and samples what a decode step at that position does."""
+    """`slots` with each rows slot (`Slot.rows`) as one decode row per token, at its position, over the same pages:
+    each row then computes what a decode step at that position does. A verify slot's rows (speculative decoding:
+    `Slot.draft`) each sample at their place's sampler step (its penalties and min_tokens counting the draft's
+    tokens before it); another rows slot's last row samples where the slot does."""
     rows: list[Slot] = []
     for s in slots:
-        if s.draft is None:
+        if not s.rows:
             rows.append(s)
-        else:
+        elif s.draft is not None:
             rows += [Slot(s.job, [t], s.start + j, s.pages, sample=True, before=tuple(s.tokens[1 : j + 1]))
+                     for j, t in enumerate(s.tokens)]
+        else:
+            last = len(s.tokens) - 1
+            rows += [Slot(s.job, [t], s.start + j, s.pages, sample=s.sample and j == last)
                      for j, t in enumerate(s.tokens)]
     return rows
 
 
 def _verified(slots: list[Slot], rows: list[Slot], tokens: np.ndarray) -> np.ndarray:
     """Each verify slot's sampled tokens (`Slot.verified`) from the tokens sampled for its rows (`_as_rows`),
-    and their logprobs where the job asked for them (`Slot.verified_logprobs`); the tokens of the other
-    slots, one each."""
+    and their logprobs where the job asked for them (`Slot.verified_logprobs`); another rows slot's token and
+    logprob are its last row's; the tokens of the other slots, one each."""
     out = np.zeros(len(slots), np.int32)
     r = 0
     for i, s in enumerate(slots):
-        if s.draft is None:
+        if not s.rows:
             out[i] = tokens[r]
             r += 1
+        elif s.draft is None:
+            r += len(s.tokens)
+            out[i] = tokens[r - 1]
+            s.logprob = rows[r - 1].logprob
         else:
             s.verified = tokens[r : r + len(s.tokens)].tolist()
             if s.job.sampling is not None and s.job.sampling.logprobs is not None:
@@ -630,7 +639,7 @@ class ModelRunner:
                 [s.pages for s in plan.decode])[1]:
             return None
         slots = plan.slots
-        rows = sum(len(s.tokens) if s.draft is not None else 1 for s in slots)  # a verify slot: a row a token
+        rows = sum(len(s.tokens) if s.rows else 1 for s in slots)  # a rows slot: a row a token
         shape = self.shapes.mixed_shape(rows, sum(len(s.tokens) for s in slots),
                                         max(s.start + len(s.tokens) for s in slots))
         if shape is None or (self.precompiled and not self.compiler.ready(shape)):
@@ -689,10 +698,10 @@ class ModelRunner:
     def _run_slots(self, slots: list[Slot], decode: bool, prev: Launched | None = None,
                    shape: Shape | None = None) -> jax.Array | np.ndarray | None:
         given = slots
-        verifying = any(s.draft is not None for s in slots)
-        if verifying:  # speculative decoding: each token of a verify slot is a decode row of its own
+        verifying = any(s.rows for s in slots)
+        if verifying:  # each token of a rows slot (a verify slot, forced or recomputed tokens) is a decode row
             slots = _as_rows(slots)
-        seqs = [SequenceSlice(s.tokens, s.start, s.pages, fill=s.job.kind is JobKind.FILL) for s in slots]
+        seqs = [SequenceSlice(s.tokens, s.start, s.pages, fill=s.prompt) for s in slots]
         if shape is None and decode and self.ecfg.shared_prefix_attention and len(slots) > 1 and not verifying:
             shape = self._cascade(seqs)
         if shape is None:

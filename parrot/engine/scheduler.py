@@ -31,8 +31,13 @@ Constrained jobs in multi-step calls (`lazy_constraints`, CPUs): a greedy constr
 multi-step plans too, the device sampling its argmax without a mask; `update` checks each token with its grammar
 (a token it takes is the masked argmax) and drops the call's tokens from the first it refuses, or after one that
 makes it force tokens, cutting their KV. A call is as long as the job's free runs tend to be (`_run_span`); a
-plan with a constrained job is never run ahead, since its grammar must see each token before the next plan. With
-`forced_chunks` (mixed steps) forced tokens always go as a prompt chunk, never as decode rows.
+plan with a constrained job is never run ahead, since its grammar must see each token before the next plan.
+
+How a token is fed (`row_fed`): a prompt's tokens go in prompt chunks (prompt rows), a generated token as a decode
+row (a plain decode slot, or a rows slot: tokens a grammar forces, each a decode row of its own in one step), and the
+two compute different bits. Each context records how each of its tokens was fed, and a context whose KV is
+recomputed (its job preempted, or its KV evicted while idle) feeds every token again the same way: a preempted or
+evicted context gives the same bits, and the same outputs, as one that kept its KV.
 
 Decode bursts (`burst_tokens`): while more prompt tokens wait than one step beside the decodes takes,
 `schedule(steps, fits)` alternates a step that fills prompts alone (up to `burst_tokens`) with a
@@ -100,6 +105,8 @@ class Slot:
     # a verify slot's row (runner): the draft's tokens before the one it samples; their number is its place after
     # the job's last token, its sampler step's too
     before: tuple[int, ...] = ()
+    rows: bool = False  # its tokens run as decode rows of their own (a verify slot, or a rows slot: `row_fed`)
+    prompt: bool = False  # a prompt chunk: its tokens are multiplied as prompt rows
 
 
 PENDING = -1  # a token sampled by the step in flight: the runner takes it from the device
@@ -207,16 +214,13 @@ def _run_span(job: Job, steps: int) -> int:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, cfg: EngineConfig, max_len: int, attention_in_place: bool = False,
                  decode_bursts: int | None = None, throughput_hold_ms: int | None = None,
-                 spec_costs: tuple[float, float] = SPEC_COSTS_CPU, lazy_constraints: bool = False,
-                 forced_chunks: bool = False) -> None:
+                 spec_costs: tuple[float, float] = SPEC_COSTS_CPU, lazy_constraints: bool = False) -> None:
         """`decode_bursts`: prompt tokens per step between decode bursts, 0 for none (default:
         `cfg.decode_bursts`, none where that is unset; the engine resolves its automatic value); the same for
         `throughput_hold_ms` (`cfg.throughput_hold_ms`), the throughput hold's bound; `spec_costs`: the device's
         speculative decoding cost model (`SPEC_COSTS_*`); `lazy_constraints`: greedy constrained jobs decode in
         multi-step calls without their masks, their tokens checked as they are applied (the runner's
-        `lazy_masks`: a CPU's); `forced_chunks`: tokens a grammar forces are always fed as a prompt chunk, never
-        as decode rows, whose bits differ (a job's output then does not depend on whether others decode
-        beside it; the runner's `mixed` steps run such a chunk beside the decodes in the same pass)."""
+        `lazy_masks`: a CPU's)."""
         self.kv = kv
         self.cfg = cfg
         self.max_len = max_len
@@ -228,6 +232,9 @@ class Scheduler:
         self.attention_in_place = attention_in_place
         self.max_prefill_batch = max(cfg.prefill_bs_buckets)
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
+        # every context's fed tokens (a prefix of its tokens, its KV's or longer): 1 where the token was fed as a
+        # decode row, 0 where in a prompt chunk; a recomputed token is fed the same way again (`_next_feed`)
+        self.row_fed: dict[str, bytearray] = {}
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
         self.busy: dict[str, Job] = {}  # context -> its running job
@@ -235,7 +242,7 @@ class Scheduler:
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
-        self.fast_forward_tokens = 0  # grammar-forced tokens fed within a chunk: decode steps saved
+        self.fast_forward_tokens = 0  # grammar-forced tokens fed as the rows of one step: decode steps saved
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
         self._burst_due = False  # the last step filled prompts while decodes waited: their burst is next
         self.decode_bursts = 0  # decode-only bursts planned between prompt steps (`EngineConfig.decode_bursts`)
@@ -254,7 +261,6 @@ class Scheduler:
         # greedy constrained jobs (`sampling.lazily_constrained`) run in multi-step calls, their tokens sampled
         # without masks and checked by their grammars when applied (`_update_steps`)
         self.lazy_constraints = lazy_constraints
-        self.forced_chunks = forced_chunks
         self.unchecked_tokens = 0  # tokens such calls sampled that their grammars took
         self.unchecked_refusals = 0  # ... that they refused (the call's tokens from there dropped)
 
@@ -297,11 +303,13 @@ class Scheduler:
         self._copies = []
         self._admit(plan)
         scheduled: set[int] = set()
+        feeds = {job.job_id: self._next_feed(job) for job in self.running
+                 if job.pending and job.status is JobStatus.RUNNING}  # job -> (as decode rows, tokens fed so)
         decoding = [job for job in sorted(self.running, key=lambda j: j.order)
-                    if len(job.pending) == 1 and job.status is JobStatus.RUNNING]
+                    if job.job_id in feeds and feeds[job.job_id][0] and len(job.pending) == 1]
         skipped: list[Job] = []  # decodes that wait for their burst while this step fills prompts alone
-        all_prompts = self._prompt_tokens_pending()
-        latency_prompts = self._prompt_tokens_pending(latency_only=True) if self.hold_s else all_prompts
+        all_prompts = self._prompt_tokens_pending(feeds)
+        latency_prompts = self._prompt_tokens_pending(feeds, latency_only=True) if self.hold_s else all_prompts
         held = self._holding(decoding, throughput_waits=all_prompts > latency_prompts)
         prompts = latency_prompts if held else all_prompts
         if held:
@@ -328,6 +336,8 @@ class Scheduler:
                 self._burst(plan, decoding, spans, count=False)
                 return plan
         self._add_decodes(plan, decoding, scheduled)  # decodes first: running work keeps its pace
+        if not skipped:  # then the jobs with several tokens to feed as decode rows (forced or recomputed)
+            self._add_rows(plan, feeds, scheduled, held)
         # then prefill chunks within the token budget; the padded step (sequences bucket x longest
         # chunk bucket) must stay within it too, so every prefill step has a precompiled shape
         budget = self.cfg.max_num_batched_tokens
@@ -344,10 +354,8 @@ class Scheduler:
             background = min(budget, self.cfg.prefill_tokens_beside_latency)
         longest = 0
         for job in sorted(self.running, key=lambda j: j.order):
-            if len(job.pending) <= 1 or job.status is not JobStatus.RUNNING:
-                continue
-            if job.forced and plan.decode and not self.forced_chunks:
-                continue  # a step that decodes anyway feeds forced tokens in its decode batch (below)
+            if job.job_id not in feeds or feeds[job.job_id][0] or job.status is not JobStatus.RUNNING:
+                continue  # nothing to feed, its next tokens go as decode rows, or preempted by this step
             if budget <= 0 or len(plan.prefill) >= self.max_prefill_batch:
                 break
             limit = budget if job.priority == 0 else min(budget, background)
@@ -356,34 +364,19 @@ class Scheduler:
             if self._room(job.context_id) <= 0:
                 if plan.decode or plan.prefill or not self._make_room(job, 1, scheduled, plan):
                     continue  # others progress this step and free pages
-            n = self._align(self.kv.get(job.context_id).num_tokens, min(len(job.pending), limit,
+            n = self._align(self.kv.get(job.context_id).num_tokens, min(feeds[job.job_id][1], limit,
                                                                          self._room(job.context_id)))
-            if len(job.pending) - n == 1 and n > 1:  # leave no single token: it would go in a decode batch,
-                n -= 1  # whose attention differs from a fill's (results would depend on how others cut chunks)
             if plan.prefill and not self.attention_in_place:
                 count = pick_bucket(len(plan.prefill) + 1, self.cfg.prefill_bs_buckets)
                 if count * pick_bucket(max(longest, n), self.cfg.token_buckets) > self.cfg.max_num_batched_tokens:
                     break
-            last = n == len(job.pending)
-            plan.prefill.append(self._slot(job, job.pending[:n], job.kind is JobKind.GENERATE and last))
+            slot = self._slot(job, job.pending[:n], False)  # a generate's last token is a decode row's: not here
+            slot.prompt = True
+            plan.prefill.append(slot)
             scheduled.add(job.job_id)
-            if job.forced:
-                self.fast_forward_tokens += n - 1
             budget -= n
             background -= n
             longest = max(longest, n)
-        # grammar-forced tokens: as one chunk only in a step with no decode batch (one prefill pass instead
-        # of a decode step per token); a step that decodes anyway takes them in its decode batch, one per
-        # step without sampling until the last (a padded prefill pass beside it costs more than it saves),
-        # except with `forced_chunks`: always as a chunk (beside the decodes in one pass where steps are mixed)
-        for job in sorted(self.running, key=lambda j: j.order):
-            if not job.forced or job.job_id in scheduled or job.status is not JobStatus.RUNNING or self.forced_chunks:
-                continue
-            if len(plan.decode) >= self.cfg.max_batch_size:
-                break
-            if self._make_room(job, 1, scheduled, plan):
-                plan.decode.append(self._slot(job, job.pending[:1], len(job.pending) == 1))
-                scheduled.add(job.job_id)
         if skipped and not plan.prefill:  # no prompt could be filled after all: the decodes go now
             spans = self._burst_spans(skipped, steps, fits)
             if spans is not None:
@@ -405,6 +398,60 @@ class Scheduler:
                 continue
             plan.decode.append(self._slot(job, job.pending[:1], job.kind is JobKind.GENERATE))
             scheduled.add(job.job_id)
+
+    def _add_rows(self, plan: StepPlan, feeds: dict[int, tuple[bool, int]], scheduled: set[int],
+                  held: bool) -> None:
+        """A rows slot in `plan`'s decode batch for each running job whose next tokens are several decode rows'
+        (a grammar's forced tokens after a sampled one, or generated tokens recomputed): each token a decode row of
+        its own in this step, as many as the batch has rows left (`max_batch_size`); the job samples after the
+        last of its pending tokens. Throughput jobs wait while they are `held`."""
+        used = sum(len(s.tokens) if s.rows else 1 for s in plan.decode)
+        for job in sorted(self.running, key=lambda j: j.order):
+            feed = feeds.get(job.job_id)
+            if (feed is None or not feed[0] or len(job.pending) == 1 or job.job_id in scheduled
+                    or job.status is not JobStatus.RUNNING):
+                continue  # nothing to feed as rows, fed already, or preempted by this step
+            if held and job.priority:
+                continue
+            n = min(feed[1], self.cfg.max_batch_size - used)
+            if n <= 0:
+                break
+            if not self._make_room(job, n, scheduled, plan):
+                continue
+            last = n == len(job.pending)
+            slot = self._slot(job, job.pending[:n], job.kind is JobKind.GENERATE and last)
+            slot.rows = True
+            plan.decode.append(slot)
+            scheduled.add(job.job_id)
+            used += n
+            if job.forced:
+                self.fast_forward_tokens += n - 1
+
+    def _next_feed(self, job: Job) -> tuple[bool, int]:
+        """How `job`'s next pending token is fed (True: as a decode row, False: in a prompt chunk), and how many of
+        its pending tokens from there are fed the same way: as recorded where the context fed them before
+        (`row_fed`: its KV is recomputed), else a fill's as prompt rows and a generate's as decode rows."""
+        fed = self.row_fed.setdefault(job.context_id, bytearray())
+        p = self.kv.get(job.context_id).num_tokens  # the first pending token's position
+        n = len(job.pending)
+        new = job.kind is JobKind.GENERATE
+        if p >= len(fed):
+            return new, n
+        row = fed[p] == 1
+        end = min(len(fed), p + n)
+        other = fed.find(b"\x00" if row else b"\x01", p, end)
+        if other >= 0:
+            return row, other - p
+        return row, (n if end < p + n and new == row else end - p)
+
+    def _record(self, context_id: str, start: int, n: int, row: bool) -> None:
+        """Tokens `start..start + n` of a context were fed as decode rows (`row`) or in a prompt chunk."""
+        fed = self.row_fed.get(context_id)
+        if fed is None:
+            return  # freed while its step was in flight
+        end = min(start + n, len(self.tokens[context_id]))
+        if start <= len(fed) and end > start:
+            fed[start:end] = (b"\x01" if row else b"\x00") * (end - start)
 
     def draftable(self, job: Job) -> bool:
         """Whether speculative decoding may draft `job`'s tokens: a generate without forced tokens to feed (any
@@ -486,16 +533,16 @@ class Scheduler:
                 continue
             slot = self._slot(job, [job.pending[0], *draft], False)
             slot.draft = draft
+            slot.rows = True
             plan.decode.append(slot)
             scheduled.add(job.job_id)
         return rest
 
-    def _prompt_tokens_pending(self, latency_only: bool = False) -> int:
-        """Prompt tokens the running jobs have to fill (beyond each one's next token; grammar-forced tokens
-        ride in decode batches); `latency_only`: of latency-critical jobs (priority 0) only."""
-        return sum(len(j.pending) for j in self.running
-                   if len(j.pending) > 1 and not j.forced and j.status is JobStatus.RUNNING
-                   and not (latency_only and j.priority))
+    def _prompt_tokens_pending(self, feeds: dict[int, tuple[bool, int]], latency_only: bool = False) -> int:
+        """Prompt tokens the running jobs have to fill next, in prompt chunks (`feeds`: `_next_feed` of each);
+        `latency_only`: of latency-critical jobs (priority 0) only."""
+        return sum(feeds[j.job_id][1] for j in self.running
+                   if j.job_id in feeds and not feeds[j.job_id][0] and not (latency_only and j.priority))
 
     def _holding(self, decoding: list[Job], throughput_waits: bool) -> bool:
         """True if throughput work waits this step (its prompts and its decodes): latency-critical jobs decode,
@@ -633,6 +680,7 @@ class Scheduler:
             if slot.draft is not None:
                 outputs.extend(self._accept(slot))
                 continue
+            self._record(job.context_id, slot.start, len(slot.tokens), not slot.prompt)
             if job.status is JobStatus.FINISHED:
                 continue  # aborted while its step was in flight
             if slot.scores is not None:
@@ -683,6 +731,7 @@ class Scheduler:
                 fed = len(self.tokens[job.context_id]) - len(job.pending)  # the KV of the dropped tokens goes
                 if self.kv.get(job.context_id).num_tokens > fed:
                     self._truncate(job.context_id, fed)
+            self._record(job.context_id, slot.start, slot.steps, True)
             self._hand_over(job, feeds.get(job.job_id))
         return outputs
 
@@ -693,6 +742,7 @@ class Scheduler:
         assert draft is not None
         del job.pending[:1]
         if job.status is JobStatus.FINISHED:  # aborted while its step was in flight
+            self._record(job.context_id, slot.start, 1, True)
             self._hand_over(job, None)
             return []
         sampled = slot.verified
@@ -717,6 +767,7 @@ class Scheduler:
             if job.forced and i < n:  # its grammar forces the tokens after this draft token (fast-forward): they
                 self._truncate(job.context_id, slot.start + 1 + i)  # are fed with it next, as after a sampled one
                 break
+        self._record(job.context_id, slot.start, 1 + len(draft), True)  # its rows' places (the context's tokens)
         self._hand_over(job, None)  # a job that ended on a draft token drops the KV past its tokens
         return outputs
 
@@ -970,9 +1021,11 @@ class Scheduler:
                 if copy is not None:
                     plan.copies.append(copy)
                 self.tokens[ctx_id] = list(parent_tokens[:n])
+                self.row_fed[ctx_id] = self.row_fed[job.parent_context_id][:n]
             elif job.kind is JobKind.FILL:
                 self.kv.create(ctx_id)
                 self.tokens[ctx_id] = []
+                self.row_fed[ctx_id] = bytearray()
             else:
                 raise NotFoundError(f"context {ctx_id!r} does not exist (and no parent_context_id to fork)")
             created = True
@@ -999,15 +1052,21 @@ class Scheduler:
             tokens.extend(job.fill_tokens)
         kv_len = self.kv.get(ctx_id).num_tokens
         job.pending = tokens[kv_len:]
+        fed = self.row_fed.setdefault(ctx_id, bytearray())
+        if job.kind is JobKind.FILL and job.fill_logprobs is not None and 0 < job.base_len <= len(fed):
+            fed[job.base_len - 1] = 0  # fed again in the fill's chunk (below), and so where its KV is recomputed
         if job.kind is JobKind.FILL and job.fill_logprobs is not None and 0 < kv_len == job.base_len:
             # the first filled token's logprob needs the logits of the token before it: feed that one again
             copy = self.kv.truncate(ctx_id, kv_len - 1)
             if copy is not None:
                 plan.copies.append(copy)
             job.pending = tokens[kv_len - 1 :]
-        if job.kind is JobKind.GENERATE and not job.pending:
-            if kv_len == 0:
+        if job.kind is JobKind.GENERATE and not resumed:
+            if not tokens:
                 raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")
+            if len(fed) >= len(tokens):
+                fed[len(tokens) - 1] = 1  # a decode row feeds the last token (again, below) for its logits
+        if job.kind is JobKind.GENERATE and not job.pending:
             copy = self.kv.truncate(ctx_id, kv_len - 1)  # re-feed the last token for its logits
             if copy is not None:
                 plan.copies.append(copy)
@@ -1020,11 +1079,13 @@ class Scheduler:
         if self.kv.get(job.context_id).num_tokens > job.base_len:
             self._truncate(job.context_id, job.base_len)
         del self.tokens[job.context_id][job.base_len :]
+        del self.row_fed.setdefault(job.context_id, bytearray())[job.base_len :]
 
     def free_context(self, context_id: str) -> int:
         if self.drafter is not None:
             self.drafter.forget(context_id)
         freed = self.kv.free(context_id)
         del self.tokens[context_id]
+        self.row_fed.pop(context_id, None)
         self.last_used.pop(context_id, None)
         return freed

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import itertools
 
 import pytest
 
@@ -168,3 +170,46 @@ def test_the_tiled_weights_change_no_token(engine: LLMEngine, smollm: LoadedMode
     finally:
         kernels.use_tiled(True)
     assert tiled == rows
+
+
+def _conversation(eng: LLMEngine, smollm: LoadedModel, tag: str, q: str, pause=None) -> list:  # noqa: ANN001
+    """A question, a greedy reply, a follow-up and a second reply, each reply with its tokens' logprobs (bit for
+    bit); `pause()` runs between the first reply and the follow-up (other work that may take this context's KV)."""
+    tok = smollm.tokenizer
+    out: list = []
+    eng.fill_future(FillRequest(context_id=tag, token_ids=_ids(smollm, q))).result(300)
+    for turn in range(2):
+        sp = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+        r = eng.generate_future(GenerateRequest(context_id=tag, sampling=sp)).result(300)
+        out += [r.token_ids, [(lp.logprob, [t.logprob for t in lp.top]) for lp in r.logprobs]]
+        if turn == 0:
+            if pause is not None:
+                pause()
+            follow = tok.encode("<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")
+            eng.fill_future(FillRequest(context_id=tag, token_ids=follow)).result(300)
+    eng.free_future(tag).result(60)
+    return out
+
+
+def test_preempted_and_evicted_contexts_give_the_same_tokens_and_logprobs(engine: LLMEngine,
+                                                                          smollm: LoadedModel) -> None:
+    """In a pool too small for the work, running jobs are preempted and idle contexts evicted, and their KV is
+    recomputed: each token fed again the way it was fed the first time (a prompt's in a prompt chunk, a generated
+    one as a decode row), so every reply has the same tokens and the same logprobs, bit for bit, as with room."""
+    questions = QUESTIONS[:6]
+    alone = [_conversation(engine, smollm, f"roomy{i}", q) for i, q in enumerate(questions)]
+    small = LLMEngine(smollm, dataclasses.replace(engine.cfg, kv_memory_mb=4)).start(precompile=False)
+    hogs = itertools.count()
+    try:
+        def hog() -> None:  # a long prompt through the pool while the conversations' contexts are idle
+            ids = _ids(smollm, " ".join(QUESTIONS))
+            small.fill_future(FillRequest(context_id=f"hog{next(hogs)}", token_ids=ids)).result(300)
+
+        with cf.ThreadPoolExecutor(6) as ex:
+            tight = list(ex.map(lambda a: _conversation(small, smollm, f"tight{a[0]}", a[1], pause=hog),
+                                enumerate(questions)))
+        ping = small.ping()
+    finally:
+        small.shutdown()
+    assert ping.preemptions > 0 and ping.evictions > 0
+    assert tight == alone

@@ -253,9 +253,10 @@ def test_a_token_the_grammar_rejects_fails_only_its_job() -> None:
     assert _results(_drive(s))["b"].token_ids == [TOKEN] * 3
 
 
-def test_forced_tokens_are_fed_as_one_chunk() -> None:
-    """After a sampled "b" the grammar forces "cdef": they join the output at once and the next step
-    feeds all five tokens as one prefill chunk, then samples the last choice."""
+def test_forced_tokens_are_fed_as_the_rows_of_one_step() -> None:
+    """After a sampled "b" the grammar forces "cdef": they join the output at once and the next step feeds all
+    five tokens as decode rows of their own (a rows slot), then samples after the last: a generated token is
+    always a decode row's, whatever else runs."""
     tok = tiny_tokenizer()
     s = _small(32)
     s.add(_fill("a", 10))
@@ -264,48 +265,119 @@ def test_forced_tokens_are_fed_as_one_chunk() -> None:
     outputs = _step(s, {"a": tok.encode("b")[0]})
     assert [tok.decode([c.token_id]) for c in outputs[0].chunks] == list("bcdef")
     plan = s.schedule()
-    assert not plan.decode and [len(slot.tokens) for slot in plan.prefill] == [5] and plan.prefill[0].sample
+    assert not plan.prefill
+    assert [(len(slot.tokens), slot.rows, slot.sample) for slot in plan.decode] == [(5, True, True)]
     assert s.fast_forward_tokens == 4  # decode steps saved
     outputs = s.update(plan, [tok.encode("h")[0]])
     result = outputs[0].result
     assert tok.decode(result.token_ids) == "bcdefh" and result.finish_reason == "stop"  # the grammar is complete
+    assert s.row_fed["a"] == bytes(9) + b"\x01" * 6  # the prompt's chunk, the re-fed last token and the rows
 
 
-def test_forced_tokens_without_a_prefill_slot_go_with_the_decodes() -> None:
-    """With the prefill slot taken by older work, a job's forced tokens are fed one per step in the decode
-    batch, without sampling, instead of waiting for a slot; once one is free the rest go as a chunk."""
+def test_forced_tokens_go_beside_the_decodes_and_the_prompts_as_rows() -> None:
+    """A job's forced tokens are a rows slot in the decode batch beside the others' decodes, whether or not a
+    prompt chunk runs in the step too (never a prompt chunk: a generated token's bits are a decode row's)."""
     tok = tiny_tokenizer()
     s = _small(64)
     s.max_prefill_batch = 1
-    s.add(_fill("a", 10))
-    _step(s, {})
-    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
-    _step(s, {"a": tok.encode("a")[0]})  # "cd" forced: "a", "c", "d" to feed
-    s.add(_fill("big", 60, waited=10.0))  # older: it takes the prefill slot
-    plan = s.schedule()
-    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots] == [
-        ("a", 1, False), ("big", 60, False)]
-    s.update(plan, [TOKEN] * len(plan.slots))
-    plan = s.schedule()
-    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots] == [("a", 2, True)]
-    assert s.fast_forward_tokens == 1
-    result = s.update(plan, [tok.encode("g")[0]])[0].result
-    assert tok.decode(result.token_ids) == "acdg" and result.finish_reason == "stop"
-
-
-def test_forced_tokens_ride_in_a_decode_batch_that_runs_anyway() -> None:
-    tok = tiny_tokenizer()
-    s = _small(64)
     for ctx in ("a", "x"):
         s.add(_fill(ctx, 10))
     _step(s, {})
     s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
     s.add(_gen("x", 10))
     _step(s, {"a": tok.encode("a")[0]})  # both sampled a first token; "a" has "cd" forced
+    s.add(_fill("big", 60, waited=10.0))
     plan = s.schedule()
-    assert sorted((slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.slots) == [
-        ("a", 1, False), ("x", 1, True)]
-    assert not plan.prefill and s.fast_forward_tokens == 0
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample, slot.rows) for slot in plan.decode] == [
+        ("x", 1, True, False), ("a", 3, True, True)]
+    assert [(slot.job.context_id, len(slot.tokens), slot.prompt) for slot in plan.prefill] == [("big", 60, True)]
+    assert s.fast_forward_tokens == 2
+    result = s.update(plan, [TOKEN, tok.encode("g")[0], TOKEN])[1].result
+    assert tok.decode(result.token_ids) == "acdg" and result.finish_reason == "stop"
+
+
+def test_rows_beyond_the_batch_go_in_later_steps() -> None:
+    """A rows slot takes the rows the batch has left (`max_batch_size`); the rest of the job's forced tokens go
+    in the next step, and only the step that feeds the last of them samples."""
+    tok = tiny_tokenizer()
+    s = _small(64)
+    s.cfg.max_batch_size = 4
+    for ctx in ("a", "x", "y"):
+        s.add(_fill(ctx, 10))
+    _step(s, {})
+    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cdef[gh]"))
+    s.add(_gen("x", 10))
+    s.add(_gen("y", 10))
+    _step(s, {"a": tok.encode("b")[0]})  # "b" sampled, "cdef" forced: five tokens to feed
+    plan = s.schedule()
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.decode] == [
+        ("x", 1, True), ("y", 1, True), ("a", 2, False)]
+    s.update(plan, [TOKEN] * len(plan.slots))
+    plan = s.schedule()
+    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.decode] == [
+        ("x", 1, True), ("y", 1, True), ("a", 2, False)]
+    s.update(plan, [TOKEN] * len(plan.slots))
+    plan = s.schedule()
+    assert ("a", 1, True) in [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.decode]
+
+
+def _feeds(plan) -> list[tuple[str, int, bool]]:  # noqa: ANN001
+    """Each slot of a plan: its context, its tokens, and whether they go as decode rows."""
+    return [(slot.job.context_id, len(slot.tokens), slot in plan.decode) for slot in plan.slots]
+
+
+def test_a_preempted_job_is_recomputed_as_it_was_fed() -> None:
+    """A preempted generate's KV is recomputed the way each token was fed: its prompt in a prompt chunk, its
+    generated tokens as decode rows (a rows slot), so it gets the same bits as if it had kept its KV."""
+    s = _small(6)  # 96 token slots
+    for name in ("old", "new"):
+        s.add(_fill(name, 30))
+        s.add(_gen(name, 30))  # 60 tokens each: 120 > 96
+    new: list[tuple[int, bool, bool, bool]] = []  # each slot of "new": tokens, as rows, a rows slot, sampling
+    outputs: list[JobOutput] = []
+    while s.has_work():
+        plan = s.schedule()
+        new += [(len(slot.tokens), slot in plan.decode, slot.rows, slot.sample) for slot in plan.slots
+                if slot.job.context_id == "new"]
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    assert s.preemptions > 0
+    # once resumed for the last time: the prompt but its last token in a chunk, that token and the 18 generated
+    # ones fed before the preemption as rows (16 a step: the batch), the last sampling, then plain decodes
+    last = max(i for i, feed in enumerate(new) if feed == (29, False, False, False))
+    assert new[last + 1 : last + 4] == [(16, True, True, False), (3, True, True, True), (1, True, False, True)]
+    assert all(len(_results(outputs)[n].token_ids) == 30 for n in ("old", "new"))
+    assert s.row_fed["new"] == bytes(29) + b"\x01" * 30  # the last sampled token was never fed
+    for name in ("old", "new"):
+        s.free_context(name)
+    assert s.kv.num_free_pages == 6
+
+
+def test_an_evicted_context_is_recomputed_as_it_was_fed() -> None:
+    """A conversation's context (a prompt, a reply, a follow-up) evicted while idle is recomputed the way each
+    token was fed: prompt chunks for the prompts, decode rows for the reply and for each prompt's last token,
+    which a generate fed again as a decode row for its logits."""
+    s = _small(6)
+    s.add(_fill("chat", 20))
+    s.add(_gen("chat", 5))
+    s.add(_fill("chat", 8))
+    _drive(s)
+    assert s.row_fed["chat"] == bytes(19) + b"\x01" * 5 + bytes(9)  # the reply's last token fed in the chunk
+    s.add(_fill("hog", 90))  # the whole pool: "chat" loses its KV, keeps its tokens and how they were fed
+    _drive(s)
+    assert s.evictions >= 1 and s.kv.get("chat").num_tokens == 0
+    s.free_context("hog")
+    s.add(_gen("chat", 2))
+    plan = s.schedule()
+    assert _feeds(plan) == [("chat", 19, False)]
+    s.update(plan, [TOKEN])
+    plan = s.schedule()
+    assert _feeds(plan) == [("chat", 5, True)] and plan.decode[0].rows and not plan.decode[0].sample
+    s.update(plan, [TOKEN])
+    plan = s.schedule()
+    assert _feeds(plan) == [("chat", 8, False)]  # the reply's last token and the follow-up but its last token
+    s.update(plan, [TOKEN])
+    plan = s.schedule()
+    assert _feeds(plan) == [("chat", 1, True)] and plan.decode[0].sample
 
 
 # ---- greedy constrained jobs in multi-step calls, checked as applied (lazy_constraints: CPUs) ---------------
@@ -378,29 +450,6 @@ def test_constrained_jobs_run_multi_step_calls_checked_as_applied(monkeypatch: p
     assert single.unchecked_tokens == single.unchecked_refusals == 0
     assert lazy.unchecked_tokens > 0 and lazy.unchecked_refusals > 0
     assert any(steps > 1 for plan in plans for ctx, steps in plan if ctx.startswith("g"))
-
-
-def test_forced_chunks_go_beside_the_decodes_never_as_decode_rows() -> None:
-    """With `forced_chunks` (mixed steps), a job's forced tokens are fed as one prompt chunk in a step that decodes
-    others, and with the prefill slot taken they wait for it: never a decode row each."""
-    tok = tiny_tokenizer()
-    s = _small(64)
-    s.forced_chunks = True
-    for ctx in ("a", "x"):
-        s.add(_fill(ctx, 10))
-    _step(s, {})
-    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
-    s.add(_gen("x", 10))
-    _step(s, {"a": tok.encode("a")[0]})  # "a" has "cd" forced: "a", "c", "d" to feed
-    plan = s.schedule()
-    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.decode] == [("x", 1, True)]
-    assert [(slot.job.context_id, len(slot.tokens), slot.sample) for slot in plan.prefill] == [("a", 3, True)]
-    s.max_prefill_batch = 0  # no prefill slot: the forced job waits, the decodes go on
-    s.update(plan, [tok.encode("g")[0], TOKEN])
-    s.add(_constrained("a", Grammars(tok, 260), regex="[ab]cd[gh]"))
-    _step(s, {"a": tok.encode("b")[0]})
-    plan = s.schedule()
-    assert [slot.job.context_id for slot in plan.slots] == ["x"]
 
 
 def test_a_constrained_jobs_calls_are_as_long_as_its_free_runs_tend_to_be() -> None:
