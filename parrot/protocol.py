@@ -238,7 +238,7 @@ class RuntimeInfo(BaseModel):
     unmasked_tokens: int = 0  # greedy constrained tokens their grammar accepted unmasked: masks not computed
     refused_tokens: int = 0  # ... that a multi-step call sampled and the grammar refused (the call's rest dropped)
     walked_tokens: int = 0  # rejected greedy constrained rows whose masked argmax was found without a mask
-    fast_forward_tokens: int = 0  # tokens a grammar forced, fed as one fill: decode steps saved
+    fast_forward_tokens: int = 0  # tokens a grammar forced, fed as decode rows of one step: decode steps saved
     spec_steps: int = 0  # speculative decoding: drafts verified (each in one step)
     spec_draft_tokens: int = 0  # draft tokens fed for verification
     spec_accepted_tokens: int = 0  # draft tokens the samples after them confirmed (decode steps saved)

@@ -17,6 +17,7 @@ from parrot.engine.models.llama import LlamaConfig, random_weights
 from parrot.engine.runner import ModelRunner
 from parrot.engine.tokenizer import BYTE_LEVEL_CHAT_TEMPLATE, Tokenizer
 from parrot.errors import ModelLoadError
+from parrot.protocol import TokenLogprob
 
 TINY = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position=512)
@@ -50,6 +51,28 @@ def tiny_engine_config(**kw) -> EngineConfig:
     # kept on accelerators too, where `device.for_device` would raise a value equal to EngineConfig's default
     base["explicit"] = ("prefill_bs_buckets", *kw.get("explicit", ()))
     return EngineConfig(**base)
+
+
+def same_logprobs(got: list[TokenLogprob] | None, want: list[TokenLogprob] | None, tol: float = 1e-5) -> bool:
+    """Two generates' logprobs (lists of TokenLogprob, or None) agree: the same tokens and alternatives, and the
+    same values bit for bit where the native CPU kernels compute the step (a row's bits do not depend on the
+    batch), within `tol` elsewhere (float32 rounding; more with a bfloat16 KV cache): XLA's products order a
+    row's sums by the batch's shape."""
+    from parrot.engine import kernels
+
+    if got is None or want is None or len(got) != len(want):
+        return got == want
+    exact = kernels.available()
+
+    def close(a: float | None, b: float | None) -> bool:
+        return a == b if exact or a is None or b is None else abs(a - b) <= tol
+
+    def same(g: TokenLogprob, w: TokenLogprob) -> bool:
+        return (g.token_id == w.token_id and close(g.logprob, w.logprob) and len(g.top) == len(w.top)
+                and all(x.token_id == y.token_id and close(x.logprob, y.logprob)
+                        for x, y in zip(g.top, w.top, strict=True)))
+
+    return all(same(g, w) for g, w in zip(got, want, strict=True))
 
 
 def batch_invariant_mode() -> dict:

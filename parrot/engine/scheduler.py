@@ -809,7 +809,7 @@ class Scheduler:
     def _on_token(self, job: Job, token: int, logprob: SampledLogprob | None, shadow: bool = True) -> JobOutput:
         """Apply a generate's sampled token: its grammar advances (a rejected token fails the job alone), a
         stop token finishes it, otherwise the token joins the output. Then tokens its grammar forces join
-        too (fast-forward, unless logprobs are asked for): they are fed as one chunk next step."""
+        too (fast-forward, unless logprobs are asked for): they are fed as the decode rows of one step next."""
         sp = job.sampling
         assert sp is not None
         if shadow and self.draftable(job):
