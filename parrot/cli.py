@@ -373,12 +373,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with sigterm_as_interrupt():
             http_server(create_app(core), args.host, args.port).run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
-        log.info("stopped")
+        pass
     finally:
         if processes is not None:
             processes.stop()
         if engine is not None:
             engine.shutdown()
+    log.info("stopped")  # also where uvicorn returned without raising the signal again (one before it started)
     return 0
 
 
