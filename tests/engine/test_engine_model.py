@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -173,7 +174,8 @@ def test_the_tiled_weights_change_no_token(engine: LLMEngine, smollm: LoadedMode
     assert tiled == rows
 
 
-def _conversation(eng: LLMEngine, smollm: LoadedModel, tag: str, q: str, pause=None) -> list:  # noqa: ANN001
+def _conversation(eng: LLMEngine, smollm: LoadedModel, tag: str, q: str,
+                  pause: Callable[[], None] | None = None) -> list:
     """A question, a greedy reply, a follow-up and a second reply, each reply with its tokens' logprobs (bit for
     bit); `pause()` runs between the first reply and the follow-up (other work that may take this context's KV)."""
     tok = smollm.tokenizer
