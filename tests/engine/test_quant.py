@@ -411,6 +411,23 @@ def avx2_code():  # noqa: ANN201
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_avx2_codes_prompt_rows_are_the_same_bits_in_a_chunk_of_any_size(avx2_code: None, qtype: str) -> None:
+    """The AVX2 code multiplies prompt rows in float32 through its panel for any number of rows (its few-row
+    products sum in another order): a prompt token gets the same bits in a chunk of any size, so a context
+    recomputed in other chunks than it was first fed in gets its bits again."""
+    q = quant.quantize(_random(576, 80), qtype)
+    x = np.random.default_rng(11).standard_normal((70, 576)).astype(np.float32)
+    d = jnp.asarray(q.data)
+    f = jax.jit(lambda x: kernels.qmatmul(x, d, qtype, jnp.ones(x.shape[0], jnp.int32)))
+    alone = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(len(x))])
+    for size in [2, 3, 9, 16, 17, 33, 70]:
+        for start in range(0, len(x) - size + 1, size):
+            np.testing.assert_array_equal(np.asarray(f(x[start:start + size])), alone[start:start + size])
+    ref = x.astype(np.float64) @ q.dequantize().astype(np.float64)
+    np.testing.assert_allclose(alone, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_avx2_code_puts_generated_rows_on_two_limbs(avx2_code: None, qtype: str) -> None:
     """The AVX2 code, asked for 2 limbs (the default mode's generated rows): activations to 15 bits below
     their block's largest, within the 2-limb bound of the float product; a row the same bits alone and in a

@@ -491,17 +491,20 @@ inline void micro(const float* x, int64_t K, const float* P, float* y, int64_t l
 }
 
 // rows [n0, n1) of the output, every activation row
+// `prompt`: the rows are prompt tokens', always multiplied through the panel, whose sums run in one order for a
+// row whatever the number of rows (the few-row products below sum in another): a prompt token's bits then do not
+// depend on the size of the chunk it was fed in.
 template <int Q>
 void qmatmul_rows(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y,
-                  int64_t N) {
+                  int64_t N, bool prompt = false) {
   const int64_t blocks = K / 32, ldw = blocks * Block<Q>::kBytes;
-  if (T == 1) {
+  if (T == 1 && !prompt) {
     int64_t n = n0;
     for (; n + 4 <= n1; n += 4) gemv_tile<Q, 4>(x, w + n * ldw, ldw, blocks, y + n);
     for (; n < n1; ++n) gemv_tile<Q, 1>(x, w + n * ldw, ldw, blocks, y + n);
     return;
   }
-  if (T <= kSmallT) {
+  if (T <= kSmallT && !prompt) {
     for (int64_t n = n0; n < n1; ++n) gemv_multi_rows<Q>(x, T, K, w + n * ldw, blocks, y + n, N);
     return;
   }
@@ -658,7 +661,7 @@ void qmatmul(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const 
     return;
   }
   parallel_chunks(pool, chunks, [&](int64_t c) {
-    qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N);
+    qmatmul_rows<Q>(x, T, K, w, c * rows, std::min(N, (c + 1) * rows), y, N, !generated);
   }, T <= kHotRows);
 }
 
