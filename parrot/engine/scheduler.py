@@ -1053,14 +1053,16 @@ class Scheduler:
         kv_len = self.kv.get(ctx_id).num_tokens
         job.pending = tokens[kv_len:]
         fed = self.row_fed.setdefault(ctx_id, bytearray())
-        if job.kind is JobKind.FILL and job.fill_logprobs is not None and 0 < job.base_len <= len(fed):
-            fed[job.base_len - 1] = 0  # fed again in the fill's chunk (below), and so where its KV is recomputed
-        if job.kind is JobKind.FILL and job.fill_logprobs is not None and 0 < kv_len == job.base_len:
-            # the first filled token's logprob needs the logits of the token before it: feed that one again
-            copy = self.kv.truncate(ctx_id, kv_len - 1)
-            if copy is not None:
-                plan.copies.append(copy)
-            job.pending = tokens[kv_len - 1 :]
+        if job.kind is JobKind.FILL and job.fill_logprobs is not None:
+            # the first filled token's logprob needs the logits of the token before it: feed that one again, in
+            # the fill's chunk (and so where the context's KV is recomputed)
+            if 0 < job.base_len <= len(fed):
+                fed[job.base_len - 1] = 0
+            if 0 < kv_len == job.base_len:
+                copy = self.kv.truncate(ctx_id, kv_len - 1)
+                if copy is not None:
+                    plan.copies.append(copy)
+                job.pending = tokens[kv_len - 1 :]
         if job.kind is JobKind.GENERATE and not resumed:
             if not tokens:
                 raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")
