@@ -4,6 +4,8 @@ This module is the only vocabulary the serve layer and the engine share; it impo
 
 from __future__ import annotations
 
+import codecs
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -112,6 +114,19 @@ class TokenLogprob(BaseModel):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
+def logprobs_within(items: Sequence[TokenLogprob], chars: int) -> list[TokenLogprob]:
+    """The tokens of `items` that start within the first `chars` characters of the text they decode to (a
+    token holding part of a character starts where that character does): where a stop string cut a
+    generation's text, the tokens after the cut are not part of the answer, as OpenAI reports them."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = 0
+    for i, t in enumerate(items):
+        if offset >= chars:
+            return list(items[:i])
+        offset += len(decoder.decode(bytes(t.bytes)))
+    return list(items)
+
+
 WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "
           "engine queues it as if it had arrived that long ago, so a task's later primitives keep its place")
 
@@ -174,6 +189,9 @@ class StreamChunk(BaseModel):
     text: str = ""
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None  # with sampling.logprobs: token_id's
+    # the last chunk's, with sampling.logprobs: how many of the generation's token logprobs are the answer's
+    # (fewer than its tokens where a stop string cut its text: `logprobs_within`); None: all
+    logprobs_kept: int | None = None
 
 
 class FreeContextRequest(BaseModel):

@@ -77,7 +77,7 @@ from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
 from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
-from parrot.protocol import FillResponse, GenerateResponse, StreamChunk, TokenLogprob
+from parrot.protocol import FillResponse, GenerateResponse, StreamChunk, TokenLogprob, logprobs_within
 
 
 @dataclass
@@ -871,11 +871,17 @@ class Scheduler:
         job.finish_reason = reason
         self.finish(job)
         tail = job.detok.flush() if job.detok is not None else ""
-        out.chunks.append(StreamChunk(text=tail, finish_reason=reason))
-        out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids),
-                                      text=job.detok.text if job.detok is not None else "",
+        text = job.detok.text if job.detok is not None else ""
+        logprobs = kept = None
+        if job.sampling.logprobs is not None:  # those of the tokens a stop string cut off are left out
+            logprobs = list(job.logprobs)
+            if job.detok is not None and job.detok.cut:
+                logprobs = logprobs_within(logprobs, len(text))
+                kept = len(logprobs)
+        out.chunks.append(StreamChunk(text=tail, finish_reason=reason, logprobs_kept=kept))
+        out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids), text=text,
                                       finish_reason=reason, num_tokens=len(self.tokens[job.context_id]),
-                                      logprobs=list(job.logprobs) if job.sampling.logprobs is not None else None)
+                                      logprobs=logprobs)
         return out
 
     def fail_step(self, plan: StepPlan, err: BaseException) -> list[JobOutput]:

@@ -208,6 +208,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
+        self.cut = False  # a stop string was found: `text` ends before it
         self._prefix = 0  # ids before this index are already reflected in `text`
         self._read = 0
 
@@ -225,6 +226,7 @@ class IncrementalDetokenizer:
         hits = [i for stop in self.stop if (i := self.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
         if hits:
             self.text = self.text[: min(hits)]
+            self.cut = True
             return self.flush(), True
         held = max((k for stop in self.stop for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
         end = len(self.text) - held

@@ -15,6 +15,7 @@ re-dispatched elsewhere.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import concurrent.futures
 import dataclasses
 import logging
@@ -105,6 +106,7 @@ class _TaskRecord:
 
     def on_text(self, delta: str) -> None: ...
     def on_logprob(self, position: int, logprob: TokenLogprob) -> None: ...
+    def on_logprobs_kept(self, kept: int) -> None: ...
     def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None: ...
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
     def failed(self, reason: str, error: ParrotError | None = None) -> None: ...
@@ -188,13 +190,32 @@ class _PlainRecord(_TaskRecord):
     queue: asyncio.Queue | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     _sent_logprobs: int = 0  # logprobs already queued (kept across retries on another engine)
+    # where each token's text starts in the generated text, in characters (a token holding part of a
+    # character starts where that character does): a token's logprob goes out with the text it starts in
+    _starts: list[int] = field(default_factory=list)
+    _decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    _end: int = 0  # characters the tokens of `_starts` decode to
+    logprobs_kept: int | None = None  # where a stop string cut the text: the tokens whose logprobs are the answer's
     prompt_items: list[TokenLogprob] | None = None  # the prompt's logprobs (queued once, at the first attempt)
 
+    def _send_logprobs(self, upto: int) -> None:
+        if upto > self._sent_logprobs:
+            self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:upto]))
+            self._sent_logprobs = upto
+
     def on_text(self, delta: str) -> None:
-        if len(self.logprobs) > self._sent_logprobs:
-            self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
-            self._sent_logprobs = len(self.logprobs)
+        """`delta` follows the text streamed so far: the logprobs of the tokens starting in it go first (a
+        token whose text is held back, e.g. what may begin a stop string, waits for its text)."""
+        end = len(self.streamed) + len(delta)
+        upto = self._sent_logprobs
+        while upto < len(self._starts) and self._starts[upto] < end:
+            upto += 1
+        self._send_logprobs(upto)
         self.queue.put_nowait(delta)
+
+    def on_logprobs_kept(self, kept: int) -> None:
+        self.logprobs_kept = kept
 
     def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None:
         if self.prompt_items is None:
@@ -207,12 +228,13 @@ class _PlainRecord(_TaskRecord):
             self.logprobs[position] = logprob
         else:
             self.logprobs.append(logprob)
+            self._starts.append(self._end)
+            self._end += len(self._decoder.decode(bytes(logprob.bytes)))
 
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
-        if len(self.logprobs) > self._sent_logprobs:
-            self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:]))
-            self._sent_logprobs = len(self.logprobs)
-        logprobs = self.logprobs[:len(token_ids)] if self.sampling.logprobs is not None else None
+        kept = len(token_ids) if self.logprobs_kept is None else min(self.logprobs_kept, len(token_ids))
+        self._send_logprobs(min(kept, len(self.logprobs)))
+        logprobs = self.logprobs[:kept] if self.sampling.logprobs is not None else None
         self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens, logprobs,
                                                self.prompt_items))
 
@@ -669,6 +691,8 @@ class ParrotServeCore:
                         t_first = t_first or time.perf_counter()
                     if chunk.logprob is not None:
                         rec.on_logprob(len(ids) - 1, chunk.logprob)
+                    if chunk.logprobs_kept is not None:
+                        rec.on_logprobs_kept(chunk.logprobs_kept)
                     if chunk.text and timer is not None:
                         timer.delta()
                     text += chunk.text

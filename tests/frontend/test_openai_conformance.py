@@ -300,6 +300,27 @@ def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
     refused(comp, "logprobs", client=client, logprobs=21)
 
 
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client: openai.OpenAI) -> None:
+    """The tokens a stop string cut off have no logprobs (OpenAI's answers: the tokens make up the text),
+    streamed or not; the token the cut falls in keeps its own."""
+    regex = {"guided_regex": "AABAAAAA"}
+    r = comp(client, extra=regex, logprobs=1, max_tokens=8, stop=["BA"])
+    assert r.choices[0].text == "AA" and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].logprobs.tokens == ["A", "A"] and r.choices[0].logprobs.text_offset == [0, 1]
+    streamed = [c.choices[0] for c in comp(client, extra=regex, logprobs=1, max_tokens=8, stop=["BA"], stream=True)]
+    assert "".join(c.text for c in streamed) == "AA"
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == ["A", "A"]
+    c = chat(client, logprobs=True, max_tokens=8, stop=["ABA"], extra_body={"guided_regex": "AABAAAAA"})
+    assert c.choices[0].message.content == "A" and [t.token for t in c.choices[0].logprobs.content] == ["A"]
+    streamed = [t.token for k in chat(client, logprobs=True, max_tokens=8, stop=["ABA"], stream=True,
+                                      extra_body={"guided_regex": "AABAAAAA"})
+                if k.choices and k.choices[0].logprobs for t in k.choices[0].logprobs.content]
+    assert streamed == ["A"]
+    # no stop string: every token keeps its logprob, the last one's text held back until the end included
+    r = comp(client, extra=regex, logprobs=1, max_tokens=8, stop=["BB"])
+    assert r.choices[0].text == "AABAAAAA" and len(r.choices[0].logprobs.tokens) == 8
+
+
 # ---- honoured: output constraints --------------------------------------------------------------------
 def test_response_format(client: openai.OpenAI) -> None:
     text = chat(client, response_format={"type": "text"}).choices[0].message.content
