@@ -736,7 +736,10 @@ class ParrotServeCore:
                          rec.overloads)
                 self._spawn(self._retry_later(task))
                 return
-            rec.failed(str(exc) or type(exc).__name__, exc)
+            if rec.cancelled is not None and isinstance(exc, AbortedError):  # the abort it asked for: say why
+                rec.failed(rec.cancelled)
+            else:
+                rec.failed(str(exc) or type(exc).__name__, exc)
         except asyncio.CancelledError as exc:
             rec.failed(str(exc) or type(exc).__name__)
             raise

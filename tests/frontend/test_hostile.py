@@ -286,7 +286,7 @@ def test_variable_stream_disconnect_cancels_unless_another_reader_needs_it(engin
         _stream_a_little(url, sid, auth, ids["a"])
         wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 10, "the generation to stop")
         r = c.get(f"/v1/semantic_var/{ids['a']}", params={"session_id": sid, "timeout": 5}, headers=auth)
-        assert r.status_code == 424 and "aborted" in r.json()["detail"], r.text
+        assert r.status_code == 424 and "aborted: its reader disconnected" in r.json()["detail"], r.text
         assert core.aborts == 1
 
         # in a DAG: b needs a, and a client waits for b; a's streaming reader leaving does not cancel a
