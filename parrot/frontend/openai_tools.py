@@ -261,7 +261,7 @@ def could_be_whole_calls(text: str) -> bool:
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
     """Split a model answer into (content, calls): `<tool_call>` blocks holding a call of a known tool
     (a last block may be unterminated), or an answer that is only calls (`_whole_answer_calls`). Blocks
-    that do not parse stay in the content. Content is None when nothing but calls was said."""
+    that do not parse stay in the content. Content is None when nothing but calls (and whitespace) was said."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
@@ -276,7 +276,7 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
     if not calls:
         whole = _whole_answer_calls(text, names)
         return (None, whole) if whole else (text, [])
-    content = "".join(kept).strip()
+    content = "".join(kept).rstrip()  # the text around the calls as it was said, up to its trailing whitespace
     return content or None, calls
 
 
@@ -439,6 +439,7 @@ class ToolAnswer:
         self.required = RequiredCallStream(self.names) if choice.mode == "required" else None
         self.named_id = new_call_id()
         self.streamed_calls = 0
+        self.held_space = ""  # "auto": the content's trailing whitespace, not sent yet (no text may follow it)
 
     @property
     def calls_tools(self) -> bool:
@@ -502,10 +503,17 @@ class ToolAnswer:
         return self._auto_deltas(self.auto.feed(delta))
 
     def _auto_deltas(self, events: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Content as the whole answer's (`parse_tool_calls`: with calls, the text around them without its
+        trailing whitespace): trailing whitespace is held until text follows it, or the answer ends without
+        calls."""
         out: list[dict[str, Any]] = []
         for kind, value in events:
             if kind == "content":
-                out.append({"content": value})
+                text = self.held_space + value
+                body = text.rstrip()
+                self.held_space = text[len(body):]
+                if body:
+                    out.append({"content": body})
             elif self.parallel or self.streamed_calls == 0:
                 out.append({"tool_calls": [call_delta(self.streamed_calls, value)]})
                 self.streamed_calls += 1
@@ -522,5 +530,8 @@ class ToolAnswer:
         if mode == "auto":
             assert self.auto is not None
             deltas = self._auto_deltas(self.auto.finish())
+            if self.held_space and not self.auto.calls:  # an answer without calls: its text as it was said
+                deltas.append({"content": self.held_space})
+            self.held_space = ""
             return deltas, self.finish_reason(finish, self.streamed_calls > 0)
         return [], self.finish_reason(finish, mode == "named")

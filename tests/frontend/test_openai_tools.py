@@ -185,3 +185,25 @@ def test_tool_answer_messages_and_deltas() -> None:
     assert finish == "tool_calls" and len(msg["tool_calls"]) == 1  # parallel_tool_calls=false: the first
     none = ToolAnswer(ToolChoice("none"), tools)
     assert none.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
+
+
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", '
+    '"arguments": {}}</tool_call>\n',
+    '  A <tool_call>{"name": "get_time", "arguments": {}}</tool_call> B  \n',
+    "Hello there,\n\n",
+    "  \n",
+    'Not a call <tool_call>{"name": "nope"}</tool_call>  ',
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_auto_answers_streamed_equal_whole_ones(text: str, step: int) -> None:
+    tools = parse_tools([WEATHER, TIME])
+    msg, finish = ToolAnswer(ToolChoice("auto"), tools).message(text, "stop")
+    streamed = ToolAnswer(ToolChoice("auto"), tools)
+    deltas = [d for i in range(0, len(text), step) for d in streamed.feed(text[i:i + step])]
+    last, reason = streamed.close(text, "stop")
+    deltas += last
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    assert (content or None) == msg["content"] and reason == finish
+    assert len([d for d in deltas if "tool_calls" in d]) == len(msg.get("tool_calls", []))
