@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError, RateLimitError
 
 DEFAULT_URL = "http://127.0.0.1:9000"
 Criterion = Literal["latency", "throughput"]
@@ -69,9 +69,15 @@ def _check(response: httpx.Response) -> httpx.Response:
     """Raise the `ParrotError` subclass matching an error status; return the response otherwise."""
     if response.status_code < 400:
         return response
-    cls = _STATUS_ERRORS.get(response.status_code, ServerError)
-    raise cls(f"{_detail(response)} (HTTP {response.status_code} on {response.request.method} "
-              f"{response.request.url.path})")
+    message = f"{_detail(response)} (HTTP {response.status_code} on {response.request.method} " \
+              f"{response.request.url.path})"
+    if response.status_code == 429:  # a limit the server was started with: retry after the time it names
+        try:
+            retry_after = float(response.headers.get("retry-after", "1"))
+        except ValueError:
+            retry_after = 1.0
+        raise RateLimitError(message, retry_after)
+    raise _STATUS_ERRORS.get(response.status_code, ServerError)(message)
 
 
 def _transport_error(url: str, exc: httpx.TransportError) -> ParrotError:

@@ -272,3 +272,18 @@ def test_virtual_machines_share_one_tls_context(server, monkeypatch: pytest.Monk
 
     asyncio.run(main())
     assert len(loaded) == 1
+
+
+def test_a_limit_raises_rate_limit_error_with_the_servers_retry_after() -> None:
+    import httpx
+
+    from parrot.errors import RateLimitError
+    from parrot.frontend.sdk import _check
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/v1/session")
+    with pytest.raises(RateLimitError) as info:
+        _check(httpx.Response(429, headers={"Retry-After": "3"}, json={"detail": "at most 2 sessions"},
+                              request=request))
+    assert info.value.retry_after == 3.0 and "at most 2 sessions (HTTP 429" in str(info.value)
+    with pytest.raises(P.ServerError):
+        _check(httpx.Response(503, json={"detail": "no engine"}, request=request))
