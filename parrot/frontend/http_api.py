@@ -26,7 +26,7 @@ from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from parrot.errors import (
     AbortedError,
@@ -74,6 +74,7 @@ _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 
                  422: "invalid_request", 429: "rate_limited"}
 UNGUARDED = ("/health", "/metrics", "/ui")  # open without the API key (/ui: the static page and its assets)
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
+REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call")
 
 
 def error_body(detail: str, code: str) -> dict[str, str]:
@@ -84,9 +85,31 @@ def _open_path(path: str) -> bool:
     return any(path == p or (p == "/ui" and path.startswith("/ui/")) for p in UNGUARDED)
 
 
+def _openai_path(path: str) -> bool:
+    """Whether `path` answers errors in the OpenAI shape: the OpenAI routes, and any other /v1/ path that is
+    not one of the REST API's (e.g. an OpenAI route this server lacks, /v1/embeddings)."""
+    if any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS):
+        return True
+    return path.startswith("/v1/") and not any(path == p or path.startswith(p + "/") for p in REST_PATHS)
+
+
+def error_response(path: str, status: int, message: str, code: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error answer in the shape of `path`'s API: OpenAI's `{"error": {...}}` or the REST `{"detail", "code"}`."""
+    if _openai_path(path):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                            status_code=status, headers=headers)
+    return JSONResponse(error_body(message, code), status_code=status, headers=headers)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised by the guarded `receive` once a body passes MAX_BODY_BYTES."""
+
+
 def _unauthorized(path: str, message: str) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"}
-    if any(path == p or path.startswith(p + "/") for p in OPENAI_PATHS):  # what the openai client expects
+    if _openai_path(path):  # what the openai client expects
         return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": "invalid_api_key"}}, status_code=401, headers=headers)
     return JSONResponse(error_body(message, "unauthorized"), status_code=401, headers=headers)
@@ -125,13 +148,44 @@ class _Guard:
             elif not _same(given, self.api_key):
                 refusal = _unauthorized(path, "invalid API key")
         length = headers.get("content-length")
+
+        def too_large() -> JSONResponse:  # and the connection closed: the rest of the body is not read
+            return error_response(path, 413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large",
+                                  headers={"Connection": "close"})
+
         if refusal is None and length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            refusal = JSONResponse(error_body(f"request body over {MAX_BODY_BYTES} bytes", "body_too_large"),
-                                   status_code=413)
+            refusal = too_large()
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        # a body without Content-Length (chunked) is counted as it arrives: past the limit, the app's next
+        # read raises and the answer is this 413, whatever the route made of that error
+        received, over, started = 0, False, False
+
+        async def counted() -> Message:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > MAX_BODY_BYTES:
+                    over = True
+                    raise _BodyTooLarge(413, f"request body over {MAX_BODY_BYTES} bytes")
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if over and not started:  # the app's own answer to the error it got reading: the 413 instead
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, sending)
+        except Exception:
+            if not over or started:
+                raise
+        if over and not started:
+            await too_large()(scope, receive, send)
 
 
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
@@ -178,8 +232,10 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), _STATUS_CODES.get(exc.status_code, "error")),
-                            status_code=exc.status_code, headers=exc.headers)
+        # also the app's own 404 / 405 for paths and methods no route has: in the OpenAI shape under /v1/ but
+        # the REST API's paths
+        return error_response(request.url.path, exc.status_code, str(exc.detail),
+                              _STATUS_CODES.get(exc.status_code, "error"), headers=exc.headers)
 
     def session_of(session_id: str, authorization: str | None, session_token: str | None = None) -> Session:
         """The session, if the request carries its token: X-Session-Token, else the Authorization bearer token

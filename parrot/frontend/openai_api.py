@@ -6,7 +6,8 @@ as semantic calls, so plain OpenAI clients get prefix sharing:
 
 - chat: the messages are rendered with the model's chat template and passed as pieces at message
   boundaries (the template rendered for messages[:1], messages[:2], ..., the differences being the
-  pieces; one piece if those renders are not prefixes of each other). The leading system (or developer)
+  pieces; one piece if those renders are not prefixes of each other; for long chats in linear time,
+  `_message_ends`), on a worker thread, as is the tokenizing of every prompt. The leading system (or developer)
   messages are `shared`: kept as global contexts, so a repeated system prompt is filled once and forked
   after (`usage.prompt_tokens_details.cached_tokens` > 0). Without a system message the template's
   constant preamble (e.g. a default system prompt, found by rendering the first message with two
@@ -32,8 +33,8 @@ hard-code a model name). `GET /v1/models/{id}` is 404 for other names.
 Errors use the OpenAI shape on these routes, `{"error": {"message", "type", "param", "code"}}`, so the
 openai client exposes them as `exc.message / exc.type / exc.param / exc.code`: invalid requests
 (including schema violations and malformed JSON) are 400 `invalid_request_error`, unknown model 404,
-no engine reachable 503, anything unexpected 500. (The Parrot REST API keeps `{"detail": ...}`; a
-404/405 for a path that does not exist at all is produced by the app and has that shape too.) An error
+no engine reachable 503, anything unexpected 500. (The Parrot REST API keeps `{"detail": ...}`; the app's
+own 404 / 405 / 413 take the shape of the path: `http_api.error_response`.) An error
 after a stream has started is sent as a last event `data: {"error": {...}}`, which the openai client
 raises as `APIError`.
 """
@@ -125,15 +126,12 @@ def chat_pieces(render: Callable[[list[dict[str, str]], bool], str],
     the full prompt. Shared: the leading system messages, else the template's constant preamble."""
     full = render(messages, True)
     try:
-        renders = [render(messages[:i], False) for i in range(1, len(messages))] + [full]
+        ends = _message_ends(render, messages, full)
     except ParrotError:  # e.g. a template that refuses a partial conversation
         return [full], 0
-    pieces, prev = [], ""
-    for r in renders:
-        if not r.startswith(prev):
-            return [full], 0
-        pieces.append(r[len(prev):])
-        prev = r
+    if ends is None:
+        return [full], 0
+    pieces = [full[a:b] for a, b in zip([0, *ends], [*ends, len(full)], strict=True)]
     n_system = 0
     while n_system < len(messages) and messages[n_system]["role"] == "system":
         n_system += 1
@@ -150,6 +148,62 @@ def chat_pieces(render: Callable[[list[dict[str, str]], bool], str],
         return [preamble, pieces[0][len(preamble):], *pieces[1:]], 1
     return pieces, 0
 
+
+EXACT_PIECES_MAX = 32  # conversations up to this many messages: every prefix rendered (n²/2 messages, ~ms)
+EXACT_FALLBACK_MAX = 256  # where the windowed split fails: every prefix rendered up to this many (~0.2 s)
+
+
+def _message_ends(render: Callable[[list[dict[str, str]], bool], str], messages: list[dict[str, str]],
+                  full: str) -> list[int] | None:
+    """Where `render(messages[:i], False)` ends in `full`, for i in 1..n-1 (None where one is not a prefix of
+    the next and of `full`: the prompt is then one piece).
+
+    Rendering every prefix is quadratic (a 2,500-message chat took 14 s), so beyond EXACT_PIECES_MAX messages
+    each message's piece is rendered in a window (the first message, up to three before it, positions of the
+    same parity: templates that treat the first message or alternate roles see what they see in full), the
+    pieces must follow one another in `full`, and exact prefix renders check the split at a few points,
+    always the last (`render(messages[:n-1])`, the previous turn's prompt). A template whose pieces depend on
+    more than that window fails those checks: every prefix is rendered then (up to EXACT_FALLBACK_MAX
+    messages), else the prompt is one piece."""
+    n = len(messages)
+    if n > EXACT_PIECES_MAX:
+        try:
+            ends = _windowed_ends(render, messages, full)
+        except Exception:  # noqa: BLE001 - a template refusing a window is no verdict on these messages
+            ends = None
+        if ends is not None or n > EXACT_FALLBACK_MAX:
+            return ends
+    ends = []
+    for i in range(1, n):
+        end = len(r := render(messages[:i], False))
+        if (ends and end < ends[-1]) or not full.startswith(r):
+            return None
+        ends.append(end)
+    return ends
+
+
+def _windowed_ends(render: Callable[[list[dict[str, str]], bool], str], messages: list[dict[str, str]],
+                   full: str) -> list[int] | None:
+    """`_message_ends` from renders of a few messages each, checked by exact prefix renders (see there)."""
+    n = len(messages)
+    first = render(messages[:1], False)
+    if not full.startswith(first):
+        return None
+    ends, pos = [len(first)], len(first)
+    for i in range(1, n - 1):  # message i's piece: render(messages[:i + 1]) less render(messages[:i])
+        s = max(1, i - 3)
+        s -= 1 - s % 2  # odd: message i sits at a position of i's parity in the window
+        window = [messages[0], *messages[s:i]]
+        before, after = render(window, False), render([*window, messages[i]], False)
+        if not after.startswith(before) or not full.startswith(after[len(before):], pos):
+            return None
+        pos += len(after) - len(before)
+        ends.append(pos)
+    for i in sorted({n - 1, *(n * k // 5 for k in range(1, 5))} - {0}):  # the split checked where it counts
+        r = render(messages[:i], False)
+        if len(r) != ends[i - 1] or not full.startswith(r):
+            return None
+    return ends
 
 
 # ---- running choices ----------------------------------------------------------------------------
@@ -379,12 +433,13 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         fields.update(extra)
         return [body.sampling(fields, i) for i in range(body.n)]  # all validated before anything runs
 
-    def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
-               params: list[SamplingParams], endpoint: str, start: float,
-               prompt_logprobs: int | None = None) -> list[_Choice]:
+    async def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
+                     params: list[SamplingParams], endpoint: str, start: float,
+                     prompt_logprobs: int | None = None) -> list[_Choice]:
         """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`)."""
-        # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them)
-        tokens = [core.prompt_tokens(pieces) for pieces, _ in pieces_list]
+        # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them);
+        # on a worker thread, as a long prompt takes seconds (`encode_pieces` lets go of the GIL meanwhile)
+        tokens = await asyncio.to_thread(lambda: [core.prompt_tokens(pieces) for pieces, _ in pieces_list])
         limit = core.engines.max_context_len()
         if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
@@ -434,7 +489,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         prompt_only = body.max_tokens == 0  # echo: the prompt (and its logprobs); the engine generates one token
         params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
         await constraints.validate(params[0])
-        choices = submit([([p], 0) for p in prompts], body, params, "completions", start, body.prompt_logprobs)
+        choices = await submit([([p], 0) for p in prompts], body, params, "completions", start,
+                               body.prompt_logprobs)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
         top_n = body.logprobs or 0
@@ -501,11 +557,16 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict | StreamingResponse:
         start = time.perf_counter()
         body.check()
-        tok = core.tokenizers.get(core.model)
         legacy = body.functions is not None or body.function_call is not None  # openai_functions.py
-        tools, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice, body.functions,
-                                                 body.function_call)
-        pieces, shared = rendered_pieces(render, msgs)
+
+        def prompt() -> tuple[list[Any], Any, list[str], int]:
+            tok = core.tokenizers.get(core.model)
+            tools, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice,
+                                                     body.functions, body.function_call)
+            return tools, choice, *rendered_pieces(render, msgs)
+
+        # on a worker thread: a long chat's template renders take a while, and other clients are served meanwhile
+        tools, choice, pieces, shared = await asyncio.to_thread(prompt)
         extra = body.logprob_fields()
         schema = constraint_schema(choice, tools)
         if schema is not None:
@@ -517,7 +578,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
         await constraints.validate(params[0])
-        choices = submit([(pieces, shared)], body, params, "chat", start)
+        choices = await submit([(pieces, shared)], body, params, "chat", start)
         answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)
                    for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from parrot.serve.engine_processes import EngineProcesses
 
 log = logging.getLogger(__name__)
+INLINE_TOKENIZE_CHARS = 1 << 16  # a semantic call's prompt longer than this is tokenized on a worker thread
 
 
 @dataclass(eq=False)
@@ -616,10 +617,15 @@ class ParrotServeCore:
         if session.session_id in self.sessions:
             self._progress(session)
 
-    def _submit_chain(self, session: Session, chain, criterion: Criterion) -> None:  # noqa: ANN001
-        clock = TaskClock()  # ready now: tokenizing is the serve layer's time too
+    def _submit_chain(self, session: Session, chain, criterion: Criterion,  # noqa: ANN001
+                      token_pieces: list[list[int]] | None = None, clock: TaskClock | None = None) -> None:
+        clock = clock or TaskClock()  # ready now: tokenizing is the serve layer's time too
         pieces = [v.content or "" for v in chain.prefix_vars]
-        token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
+        if token_pieces is None:
+            if sum(len(p) for p in pieces) > INLINE_TOKENIZE_CHARS:  # seconds for a megabyte: not on the loop
+                self._spawn(self._tokenize_then_submit(session, chain, criterion, pieces, clock))
+                return
+            token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
         tokens = [t for piece in token_pieces for t in piece]
         boundaries, n = [], 0
         for piece in token_pieces:
@@ -647,6 +653,22 @@ class ParrotServeCore:
                               session.executor.group(chain), payload=rec)
         self._chain_tasks[chain.id] = task
         self.scheduler.submit(task)
+
+    async def _tokenize_then_submit(self, session: Session, chain, criterion: Criterion,  # noqa: ANN001
+                                    pieces: list[str], clock: TaskClock) -> None:
+        """`_submit_chain` of a long prompt: tokenized on a worker thread (`encode_pieces` lets go of the GIL),
+        the event loop serving other clients meanwhile; then submitted as a short one is."""
+        try:
+            token_pieces = await asyncio.to_thread(self.tokenizers.encode_pieces, self.model, pieces)
+        except Exception as exc:  # noqa: BLE001 - fails this output alone
+            if session.session_id in self.sessions:
+                chain.output_var.fail_if_pending(f"the prompt could not be tokenized: {exc}")
+                session.executor.finished(chain)
+                self._progress(session)
+            return
+        if session.session_id in self.sessions:  # not deleted meanwhile
+            self._submit_chain(session, chain, criterion, token_pieces, clock)
+            self._dispatch()
 
     def _priority(self, criterion: Criterion) -> int:
         """Latency-critical work goes first in the engines' queues too (app-aware mode only)."""
