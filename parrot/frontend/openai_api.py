@@ -435,17 +435,23 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
     async def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
                      params: list[SamplingParams], endpoint: str, start: float,
-                     prompt_logprobs: int | None = None) -> list[_Choice]:
-        """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`)."""
+                     prompt_logprobs: int | None = None, implicit_max: bool = False) -> list[_Choice]:
+        """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`).
+        `implicit_max`: the request named no max_tokens, so its default is capped at what the context leaves
+        after each prompt (as vLLM does), not refused."""
         # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them);
         # on a worker thread, as a long prompt takes seconds (`encode_pieces` lets go of the GIL meanwhile)
         tokens = await asyncio.to_thread(lambda: [core.prompt_tokens(pieces) for pieces, _ in pieces_list])
         limit = core.engines.max_context_len()
+        per_prompt = [params] * len(tokens)
         if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
-            for ids in tokens:
+            for p, ids in enumerate(tokens):
                 n_prompt = sum(len(piece) for piece in ids)
-                if n_prompt + params[0].max_tokens > limit:
+                room = limit - n_prompt
+                if implicit_max and max(1, params[0].min_tokens) <= room < params[0].max_tokens:
+                    per_prompt[p] = [sp.model_copy(update={"max_tokens": room}) for sp in params]
+                elif n_prompt + params[0].max_tokens > limit:
                     raise OpenAIError(
                         400, f"this model's maximum context length is {limit} tokens; the {param} has "
                         f"{n_prompt} tokens and max_tokens is {params[0].max_tokens}",
@@ -453,8 +459,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
-                queue = core.complete(pieces, params[i], "latency", shared, prompt_logprobs, tokens=tokens[p],
-                                      arrived=start)
+                queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
+                                      tokens=tokens[p], arrived=start)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer))
         return choices
@@ -490,7 +496,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
         await constraints.validate(params[0])
         choices = await submit([([p], 0) for p in prompts], body, params, "completions", start,
-                               body.prompt_logprobs)
+                               body.prompt_logprobs, implicit_max=body.max_tokens is None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
         top_n = body.logprobs or 0
@@ -578,7 +584,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
         await constraints.validate(params[0])
-        choices = await submit([(pieces, shared)], body, params, "chat", start)
+        choices = await submit([(pieces, shared)], body, params, "chat", start,
+                               implicit_max=body.max_completion_tokens is None and body.max_tokens is None)
         answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)
                    for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -251,6 +251,13 @@ def test_bad_input(client: openai.OpenAI, server) -> None:
     assert e.code == "context_length_exceeded" and e.param == "prompt" and "600 tokens" in e.message
     e = bad(openai.BadRequestError, comp, model="tiny", prompt=[[65], [65] * 510], max_tokens=4, stream=True)
     assert e.code == "context_length_exceeded" and e.param == "max_tokens"
+    # no max_tokens named: the default (16 / 128) is capped at what the context leaves, as vLLM does
+    r = comp(model="tiny", prompt=[65] * 509, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    r = chat(model="tiny", messages=[{"role": "user", "content": "x" * 440}], extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 512 and r.choices[0].finish_reason == "length"
+    e = bad(openai.BadRequestError, comp, model="tiny", prompt=[65] * 512)  # no room for one token
+    assert e.code == "context_length_exceeded" and e.param == "prompt"
 
 
 # ---- the real default model -----------------------------------------------------------------------
