@@ -34,6 +34,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal part (OpenAI's history): read as its text
 
 
 class ChatMessage(BaseModel):
@@ -52,11 +53,15 @@ def _text(m: ChatMessage, i: int) -> str | None:
     if isinstance(m.content, str):
         return m.content
     texts = []
-    for part in m.content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(m.content):
+        text = part.refusal if part.type == "refusal" and m.role == "assistant" else part.text
+        if part.type not in ("text", "refusal") or (part.type == "refusal" and m.role != "assistant"):
             raise ToolError(f"messages[{i}].content: a content part of type {part.type!r} is not supported by "
                             "this server (text only)", f"messages.{i}.content")
-        texts.append(part.text)
+        if text is None:
+            raise ToolError(f"messages[{i}].content[{j}]: a {part.type!r} part needs its {part.type!r} field",
+                            f"messages.{i}.content.{j}.{part.type}")
+        texts.append(text)
     return "".join(texts)
 
 
@@ -87,6 +92,7 @@ def template_messages(messages: list[ChatMessage], tools: list[ToolDef], choice:
     """The messages as a chat template takes them. `native`: the template renders tools and tool
     messages itself; otherwise they become text (and the default tool prompt a system message)."""
     out: list[dict[str, Any]] = []
+    called: dict[str, str] = {}  # the tool calls of the assistant messages so far: id -> name
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ToolError(f"messages[{i}].role {m.role!r} is not supported ({', '.join(ROLES)})",
@@ -96,14 +102,17 @@ def template_messages(messages: list[ChatMessage], tools: list[ToolDef], choice:
         if m.tool_calls and role != "assistant":
             raise ToolError(f"messages[{i}]: only assistant messages have tool_calls", f"messages.{i}.tool_calls")
         calls = _calls(m, i) if m.tool_calls else []
+        called.update((cid, n) for cid, n, _ in calls)
         if text is None and not calls and role != "assistant":
             raise ToolError(f"messages[{i}].content is required", f"messages.{i}.content")
         if role == "tool":
             if not m.tool_call_id:
                 raise ToolError(f"messages[{i}] (role tool) needs tool_call_id", f"messages.{i}.tool_call_id")
+            if m.tool_call_id not in called:  # as OpenAI: a tool message answers an earlier call
+                raise ToolError(f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of an earlier "
+                                "assistant message", f"messages.{i}.tool_call_id")
             if native:
-                name = next((n for msg in messages[:i] for cid, n, _ in (_calls(msg, -1) if msg.tool_calls else [])
-                             if cid == m.tool_call_id), None)
+                name = called[m.tool_call_id]
                 out.append({"role": "tool", "content": text or "", "tool_call_id": m.tool_call_id,
                             **({"name": name} if name else {})})
             else:

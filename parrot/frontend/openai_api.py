@@ -56,8 +56,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
-from parrot.errors import ParrotError
+from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend import openai_functions as legacy_functions
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
@@ -84,6 +85,20 @@ __all__ = ["OpenAIError", "chat_pieces", "frontend_routes", "openai_routes", "un
 
 
 # ---- chat prompt pieces -------------------------------------------------------------------------
+def _message(m: Any, i: int) -> ChatMessage:
+    """Message i of a request, validated; a 400 naming its field where it is malformed."""
+    if not isinstance(m, dict):
+        raise ToolError(f"messages[{i}] must be an object with a role", f"messages.{i}")
+    try:
+        return ChatMessage.model_validate(m)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        loc = [str(x) for x in e.get("loc", ()) if not any(c in str(x) for c in "[]") and x not in ("str", "list")]
+        where = ".".join([f"messages.{i}", *loc])
+        what = "is required" if e.get("type") == "missing" else f"is invalid: {e.get('msg')}"
+        raise ToolError(f"{where} {what}", where) from exc
+
+
 def chat_input(tok: Any, messages: list[Any] | None, tools: Any, tool_choice: Any, functions: Any,
                function_call: Any) -> tuple[list[Any], Any, Callable, list[dict]]:
     """A chat request's tools, tool choice, template renderer and template messages, as /v1/chat/completions
@@ -93,9 +108,7 @@ def chat_input(tok: Any, messages: list[Any] | None, tools: Any, tool_choice: An
         parsed = parse_tools(raw_tools)
         choice = parse_tool_choice(raw_choice, parsed)
         raw_messages = legacy_functions.messages_of(messages or [])
-        checked = [ChatMessage.model_validate(m) if isinstance(m, dict) else None for m in raw_messages]
-        if any(m is None for m in checked):
-            raise ToolError("every message must be an object with a role", "messages")
+        checked = [_message(m, i) for i, m in enumerate(raw_messages)]
         render, native = renderer(tok, parsed, choice)
         msgs = template_messages(checked, parsed, choice, native)  # type: ignore[arg-type]
     except ToolError as exc:
@@ -433,6 +446,16 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         fields.update(extra)
         return [body.sampling(fields, i) for i in range(body.n)]  # all validated before anything runs
 
+    async def validate_constraint(body: SamplingRequest, params: list[SamplingParams], tools: bool = False) -> None:
+        """The output constraint compiles (`constraints.validate`); else a 400 naming the parameter that asked
+        for it (`tools` where a tool call's schema constrains the answer)."""
+        try:
+            await constraints.validate(params[0])
+        except InvalidRequestError as exc:
+            asked = body.constraint()
+            raise OpenAIError(400, str(exc), param=asked[2] if asked is not None else "tools" if tools else None,
+                              code=exc.code) from exc
+
     async def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
                      params: list[SamplingParams], endpoint: str, start: float,
                      prompt_logprobs: int | None = None, implicit_max: bool = False) -> list[_Choice]:
@@ -494,7 +517,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                  for p in prompts] if body.echo else []
         prompt_only = body.max_tokens == 0  # echo: the prompt (and its logprobs); the engine generates one token
         params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
-        await constraints.validate(params[0])
+        await validate_constraint(body, params)
         choices = await submit([([p], 0) for p in prompts], body, params, "completions", start,
                                body.prompt_logprobs, implicit_max=body.max_tokens is None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -583,7 +606,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             extra["json_schema"] = schema
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
-        await constraints.validate(params[0])
+        await validate_constraint(body, params, tools=schema is not None)
         choices = await submit([(pieces, shared)], body, params, "chat", start,
                                implicit_max=body.max_completion_tokens is None and body.max_tokens is None)
         answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)

@@ -63,10 +63,13 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         # drop pydantic's union-member tags ("str", "list[str]") from the path shown to the user
         where = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "list"))
-        param = param or where or None
         msg = str(e.get("msg"))
-        if e.get("type") == "json_invalid":
+        if e.get("type") == "json_invalid":  # its location is a character offset, not a parameter
+            where = ""
             msg = f"the body is not valid JSON: {e.get('ctx', {}).get('error', msg)}"
+        elif not where and e.get("type") in ("dict_type", "model_attributes_type"):
+            msg = f"the body must be a JSON object (sent as Content-Type: application/json): {msg}"
+        param = param or where or None
         parts.append(f"{where}: {msg}" if where else msg)
     return OpenAIError(400, "; ".join(dict.fromkeys(parts)) or "invalid request", param=param)
 

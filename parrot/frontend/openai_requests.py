@@ -391,6 +391,8 @@ class ChatCompletionRequest(SamplingRequest):
                      "prompt_cache_options"):
             if getattr(self, name) is not None:
                 raise unsupported(name, name)
+        if (self.model_extra or {}).get("echo"):  # vLLM's chat echo (the last message's text prepended)
+            raise unsupported("echo", "echo on chat completions (vLLM's extension)")
         if self.prompt_cache_retention not in (None, "in_memory"):  # cached prefixes live in engine memory
             raise unsupported("prompt_cache_retention", f"prompt_cache_retention {self.prompt_cache_retention!r}")
 

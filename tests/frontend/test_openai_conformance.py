@@ -517,3 +517,35 @@ def test_bad_tools_are_400(client: openai.OpenAI, kw: dict, param: str) -> None:
 def test_models_show_sampling_defaults(client: openai.OpenAI) -> None:
     card = client.models.retrieve("tiny").model_extra["sampling_defaults"]
     assert card == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "source": "llama.cpp defaults"}
+
+
+def test_malformed_messages_and_constraints_name_their_parameter(client: openai.OpenAI, server) -> None:
+    url = server[0]
+    post = lambda body, **kw: httpx.post(f"{url}/v1/chat/completions", timeout=60, **kw,  # noqa: E731
+                                         **({"json": body} if isinstance(body, dict) else {"content": body}))
+    r = post(b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None and "not valid JSON" in r.text
+    r = post(b'{"model": "x", "messages": []}', headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+    cases = [({"messages": [{"content": "hi"}]}, "messages.0.role", "is required"),
+             ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "needs"),
+             ({"messages": MSGS, "guided_regex": "("}, "guided_regex", "regex"),
+             ({"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+                 "name": "a", "schema": {"type": "string", "format": "bogusformat"}}}}, "response_format", "format"),
+             ({"messages": [*MSGS, {"role": "tool", "tool_call_id": "call_zzz", "content": "5"}]},
+              "messages.1.tool_call_id", "answers no tool call"),
+             ({"messages": MSGS, "echo": True}, "echo", "echo")]
+    for body, param, says in cases:
+        r = post({"model": "tiny", "max_tokens": 2, **body})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and says in error["message"], (body, error)
+        assert "pydantic" not in error["message"], error
+    # an assistant's refusal part in the history is its text; a tool message answering a call is taken
+    history = [*MSGS, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "Why?"}]
+    assert chat(client, messages=history, max_tokens=2).choices[0].finish_reason in ("stop", "length")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert chat(client, messages=history, tools=[WEATHER], max_tokens=2).choices[0].finish_reason in (
+        "stop", "length")

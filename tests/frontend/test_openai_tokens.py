@@ -184,7 +184,7 @@ def test_bad_input(http: httpx.Client) -> None:
         ("/tokenize", {"prompt": ["a", "b"]}, "prompt", "string"),
         ("/tokenize", {"messages": []}, "messages", "at least 1"),
         ("/tokenize", {"messages": "hi"}, "messages", "list"),
-        ("/tokenize", {"messages": ["hi"]}, "messages", "object with a role"),
+        ("/tokenize", {"messages": ["hi"]}, "messages.0", "object with a role"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role", "not supported"),
         ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", "tool_call_id"),
         ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content",
