@@ -3,6 +3,8 @@ activations through the native kernel and through XLA equal to the float32 produ
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -89,7 +91,8 @@ def test_the_best_code_the_cpu_has_runs_by_default() -> None:
     flags = open("/proc/cpuinfo").read()
     paths = kernels.matmul_paths()
     assert paths[0] == "avx2"
-    assert ("avx512-vnni" in paths) == ("avx512_vnni" in flags and "avx512bw" in flags and "avx512vl" in flags)
+    if os.environ.get("PARROT_KERNEL_MARCH", "native") == "native":  # else a build for another CPU's flags
+        assert ("avx512-vnni" in paths) == ("avx512_vnni" in flags and "avx512bw" in flags and "avx512vl" in flags)
     assert kernels.use_matmul("auto") == paths[-1]
     assert kernels.use_matmul("no such code") == paths[-1]  # unchanged
 

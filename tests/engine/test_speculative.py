@@ -391,8 +391,8 @@ def _generate_full(eng: LLMEngine, prompts: list[list[int]], tag: str, **samplin
 
 def test_processed_jobs_draft_with_the_plain_results() -> None:
     """Jobs asking for logprobs, with a logit_bias, penalties or min_tokens are drafted: each verified token's
-    logprob (and top alternatives) is the one plain decoding reports for it, bit for bit, and the tokens are
-    plain decoding's; greedy and seeded."""
+    logprob (and top alternatives) is the one plain decoding reports for it (within float32 rounding: the tiny
+    model's float weights go through XLA's products), and the tokens are plain decoding's; greedy and seeded."""
     model = tiny_model()
     prompts = [[(i * 37 + k * 11) % 250 + 3 for k in range(20)] for i in range(3)]
     plain = LLMEngine(model, tiny_engine_config()).start(precompile=False)
@@ -406,7 +406,8 @@ def test_processed_jobs_draft_with_the_plain_results() -> None:
             before = spec.ping().spec_accepted_tokens
             got, want = _generate_full(spec, prompts, "s", **kw), _generate_full(plain, prompts, "p", **kw)
             assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
-            assert all(same_logprobs(g.logprobs, w.logprobs) for g, w in zip(got, want, strict=True)), kw
+            assert all(same_logprobs(g.logprobs, w.logprobs, float_weights=True) for g, w in zip(got, want,
+                                                                                             strict=True)), kw
             if "logprobs" in kw:
                 assert all(g.logprobs is not None and len(g.logprobs) == len(g.token_ids) == 40 for g in got)
             assert spec.ping().spec_accepted_tokens > before, kw  # drafts were confirmed for these jobs
@@ -436,7 +437,8 @@ def test_constrained_jobs_draft_with_the_plain_results() -> None:
             before = spec.ping().spec_accepted_tokens
             got, want = _generate_full(spec, prompts, "s", **kw), _generate_full(plain, prompts, "p", **kw)
             assert [g.token_ids for g in got] == [w.token_ids for w in want], kw
-            assert all(same_logprobs(g.logprobs, w.logprobs) for g, w in zip(got, want, strict=True)), kw
+            assert all(same_logprobs(g.logprobs, w.logprobs, float_weights=True) for g, w in zip(got, want,
+                                                                                             strict=True)), kw
             assert all(re.fullmatch(pattern, g.text) for g in got), [g.text for g in got]
             assert spec.ping().spec_accepted_tokens > before, kw  # drafts were confirmed for these jobs
         assert spec.kv.num_free_pages == spec.kv.total_pages

@@ -1,7 +1,8 @@
 """Native CPU kernels (cpu_kernels.cc), compiled on first use for this machine's CPU and called from
 jitted code through XLA's FFI.
 
-The shared library is built with the system's C++ compiler (`-O3 -march=native`) into
+The shared library is built with the system's C++ compiler (`-O3 -march=native`; `PARROT_KERNEL_MARCH=haswell`
+builds and runs what an AVX2-only CPU would, on any x86-64 CPU with AVX2) into
 `~/.cache/parrot/kernels/` (or `$PARROT_KERNEL_DIR`), named by a hash of the source, the compiler flags,
 the jaxlib version and the CPU's flags, so a source change, a jaxlib upgrade or another CPU builds anew
 (once: processes starting at once wait for one build). Where
@@ -90,7 +91,7 @@ def source_hash() -> str:
 
 def _library_path() -> Path:
     base = Path(os.environ.get("PARROT_KERNEL_DIR") or Path.home() / ".cache" / "parrot" / "kernels")
-    key = f"{source_hash()}|{jaxlib.__version__}|{_cpu_flags()}|{' '.join(CXXFLAGS)}"
+    key = f"{source_hash()}|{jaxlib.__version__}|{_cpu_flags()}|{' '.join(_cxxflags())}"
     return base / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
@@ -100,6 +101,15 @@ CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "
 # The translation units the library is built from, compiled at once (cpu_kernels.cc: PARROT_PART_*). The
 # products of each block type take most of the compile time (~8 s each on a 2-core Xeon, the rest ~9 s, and
 # each unit ~4 s of its own): on 2-3 cores two units (32.7 s -> 19.5 s on that Xeon), from 4 cores four.
+
+
+def _cxxflags() -> tuple[str, ...]:
+    """The flags this process builds its library with: CXXFLAGS, for `-march=$PARROT_KERNEL_MARCH` where set
+    (e.g. `haswell`: the build an AVX2-only CPU makes, run on this one to test that CPU's code paths)."""
+    march = os.environ.get("PARROT_KERNEL_MARCH", "native")
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in CXXFLAGS)
+
+
 UNITS = {1: (("Q8_0", "Q4_0", "Q4_1", "REST"),),
          2: (("Q8_0", "Q4_0"), ("Q4_1", "REST")),
          4: (("Q8_0",), ("Q4_0",), ("Q4_1",), ("REST",))}
@@ -145,7 +155,7 @@ def _die_with_parent(cmd: list[str]) -> list[str]:
 def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source: Path | None = None,
            flags: tuple[str, ...] | None = None) -> None:
     """Compile the units (default: UNITS for this machine's cores) of `source` (default: SOURCE) with `flags`
-    (default: CXXFLAGS) side by side into a temporary directory, link them, and rename the library into place
+    (default: `_cxxflags()`) side by side into a temporary directory, link them, and rename the library into place
     (processes may build concurrently)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not compiler:
@@ -154,7 +164,7 @@ def _build(path: Path, units: tuple[tuple[str, ...], ...] | None = None, source:
     _remove_stale_builds(path.parent)
     units = units or _units()
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-        cmds = [[compiler, *(flags or CXXFLAGS), *(f"-DPARROT_PART_{p}=1" for p in parts),
+        cmds = [[compiler, *(flags or _cxxflags()), *(f"-DPARROT_PART_{p}=1" for p in parts),
                  f"-I{jax.ffi.include_dir()}", "-c", str(source or SOURCE), "-o", str(Path(tmp) / f"unit{i}.o")]
                 for i, parts in enumerate(units)]
         link = [compiler, "-shared", *(c[-1] for c in cmds), "-o", str(Path(tmp) / "cpu_kernels.so")]
