@@ -286,6 +286,9 @@ class ParrotServeCore:
         self._natives = concurrent.futures.ThreadPoolExecutor(cfg.native_workers, thread_name_prefix="parrot-native")
         self._completions: weakref.WeakKeyDictionary[asyncio.Queue, CompletionTask] = weakref.WeakKeyDictionary()
         self._chain_tasks: dict[str, CompletionTask] = {}  # chain id -> its task, while queued or running
+        # chains whose long prompts are tokenized on a worker thread (`_tokenize_then_submit`) -> why they were
+        # cancelled meanwhile (None: still wanted)
+        self._tokenizing: dict[str, str | None] = {}
         # session id -> when its app's current run began: its first chain became ready since the session last
         # had no chain left (app-aware mode: the engine queues the app's later steps as of then)
         self._app_started: dict[str, float] = {}
@@ -486,6 +489,9 @@ class ParrotServeCore:
         if task is None:
             if chain is not None and not chain.started:  # not runnable yet: just no longer needed
                 session.executor.criteria.pop(chain.id, None)
+            if chain is not None and chain.id in self._tokenizing:  # its long prompt is being tokenized
+                self._tokenizing[chain.id] = f"aborted: {why}"
+                return True
             return False
         return self._cancel_task(task, f"aborted: {why}")
 
@@ -658,13 +664,22 @@ class ParrotServeCore:
                                     pieces: list[str], clock: TaskClock) -> None:
         """`_submit_chain` of a long prompt: tokenized on a worker thread (`encode_pieces` lets go of the GIL),
         the event loop serving other clients meanwhile; then submitted as a short one is."""
+        self._tokenizing[chain.id] = None
         try:
             token_pieces = await asyncio.to_thread(self.tokenizers.encode_pieces, self.model, pieces)
         except Exception as exc:  # noqa: BLE001 - fails this output alone
+            self._tokenizing.pop(chain.id, None)
             if session.session_id in self.sessions:
                 chain.output_var.fail_if_pending(f"the prompt could not be tokenized: {exc}")
                 session.executor.finished(chain)
                 self._progress(session)
+            return
+        cancelled = self._tokenizing.pop(chain.id, None)
+        if cancelled is not None and session.session_id in self.sessions:  # its reader left meanwhile
+            self.aborts += 1
+            chain.output_var.fail_if_pending(cancelled)
+            session.executor.finished(chain)
+            self._progress(session)
             return
         if session.session_id in self.sessions:  # not deleted meanwhile
             self._submit_chain(session, chain, criterion, token_pieces, clock)

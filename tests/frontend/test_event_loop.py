@@ -184,3 +184,22 @@ def test_the_apps_own_errors_take_the_shape_of_the_path(url: str) -> None:
             assert r.status_code == status and set(r.json()) == {"detail", "code"}, (path, r.text)
         r = c.post("/v1/session", content=b"x" * (MAX_BODY_BYTES + 1))
         assert r.status_code == 413 and r.json()["code"] == "body_too_large", r.text
+
+
+def test_a_long_semantic_call_whose_reader_leaves_while_it_is_tokenized_is_cancelled(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/session", json={})
+        sid, auth = r.json()["session_id"], {"Authorization": f"Bearer {r.json()['session_token']}"}
+        call = {"session_id": sid, "template": "a " * 300_000 + "{{doc}}{{x}}",  # seconds to tokenize
+                "parameters": [{"name": "doc", "is_output": False, "value": "b " * 300_000},
+                               {"name": "x", "is_output": True, "sampling_config": {"max_tokens": 1}}]}
+        r = c.post("/v1/semantic_call", json=call, headers=auth)
+        assert r.status_code == 201, r.text
+        var = next(p["var_id"] for p in r.json()["param_info"] if p["is_output"])
+        with c.stream("GET", f"/v1/semantic_var/{var}/stream", params={"session_id": sid}, headers=auth) as s:
+            assert s.status_code == 200
+            time.sleep(0.2)  # the reader leaves while the prompt is tokenized
+        time.sleep(0.5)  # the server sees it leave (a reader coming first would still need the variable)
+        r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+        # cancelled before it was submitted, not failed for its length (what it would have come to)
+        assert r.status_code == 424 and "aborted: its reader disconnected" in r.json()["detail"], r.text
