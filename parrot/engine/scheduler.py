@@ -63,6 +63,7 @@ again.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -234,6 +235,7 @@ class Scheduler:
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
         # every context's fed tokens (a prefix of its tokens, its KV's or longer): 1 where the token was fed as a
         # decode row, 0 where in a prompt chunk; a recomputed token is fed the same way again (`_next_feed`)
+        self._queued = itertools.count()  # jobs taken (`Job.queued`)
         self.row_fed: dict[str, bytearray] = {}
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
@@ -269,6 +271,7 @@ class Scheduler:
         """Queue a job by (priority, arrival). A job may also arrive 'earlier' than queued ones (`waited_s`),
         but never goes ahead of a queued job touching the same contexts: primitives on one context keep
         their order."""
+        job.queued = next(self._queued)
         related = {job.context_id, job.parent_context_id} - {None}
         for other in self.waiting:
             if other.context_id in related or other.parent_context_id == job.context_id:
@@ -928,7 +931,8 @@ class Scheduler:
 
     def _make_room(self, job: Job, n: int, scheduled: set[int], plan: StepPlan) -> bool:
         """Free pages for `n` more tokens of `job` by preempting the newest running job not already
-        in this step (vLLM's policy; that may be `job` itself: then False). A job alone in the engine
+        in this step (vLLM's policy; that may be `job` itself: then False; among jobs of one arrival, the
+        last taken, so the same one yields each time rather than each in turn). A job alone in the engine
         that still cannot fit fails with an explicit error instead of waiting forever."""
         while not self.kv.can_extend(job.context_id, n):
             if self._evict_idle():
@@ -982,11 +986,17 @@ class Scheduler:
         """Move waiting jobs whose context (and parent) are idle into running, setting up contexts."""
         blocked: set[str] = set()
         kept: deque[Job] = deque()
+        first: dict[str, int] = {}  # each context's first job still waiting, as taken (`Job.queued`)
+        for job in self.waiting:
+            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
         while self.waiting:
             job = self.waiting.popleft()
             ctx_id, parent = job.context_id, job.parent_context_id
             new_ctx = ctx_id not in self.kv
-            parent_busy = new_ctx and parent is not None and (parent in self.busy or parent in blocked)
+            # a fork waits for the work on its parent sent before it (a fill preempted and queued again may
+            # stand behind it: forking then would copy tokens whose KV no step has computed)
+            parent_busy = new_ctx and parent is not None and (parent in self.busy or parent in blocked
+                                                              or first.get(parent, job.queued) < job.queued)
             if ctx_id in self.busy or ctx_id in blocked or parent_busy or len(self.running) >= self.cfg.max_batch_size:
                 blocked.add(ctx_id)  # later jobs on this context keep their order
                 kept.append(job)

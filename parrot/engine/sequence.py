@@ -43,6 +43,7 @@ class Job:
     job_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower first (latency-critical work before throughput work)
+    queued: int = 0  # jobs the scheduler took before this one (`Scheduler.add`): the last tie-break of `order`
     status: JobStatus = JobStatus.WAITING
     base_len: int = -1  # context length before this fill was applied (-1: not yet); failures roll back
     pending: list[int] = field(default_factory=list)  # tokens to feed before this job can finish/decode
@@ -68,9 +69,10 @@ class Job:
     parent_num_tokens: int | None = None  # a new context forks this many of the parent's tokens (None: all)
 
     @property
-    def order(self) -> tuple[int, float]:
-        """Queue position: by priority, then arrival."""
-        return (self.priority, self.arrival)
+    def order(self) -> tuple[int, float, int]:
+        """Queue position: by priority, then arrival, then the order the scheduler took them in (jobs of one
+        arrival, e.g. a fill and the generate forking its context, keep it when a preempted one is queued again)."""
+        return (self.priority, self.arrival, self.queued)
 
 
 @dataclass

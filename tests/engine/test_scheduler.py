@@ -380,6 +380,55 @@ def test_an_evicted_context_is_recomputed_as_it_was_fed() -> None:
     assert _feeds(plan) == [("chat", 1, True)] and plan.decode[0].sample
 
 
+def test_a_fork_waits_for_its_parents_fill_even_queued_again_behind_it() -> None:
+    """A fill and the generate forking its context sent together (one arrival, as the serve core sends them):
+    the fill preempted mid-way is queued again before the fork (submission order among equal arrivals), and
+    the fork is not set up until the fill is done: it copies no token whose KV no step computed, and its
+    prompt is recomputed in prompt chunks, as the context was fed."""
+    s = _small(32)
+    arrival = time.monotonic()
+    fill = Job(JobKind.FILL, "p", None, fill_tokens=[5] * 100, arrival=arrival)  # two chunks of 64 tokens
+    gen = Job(JobKind.GENERATE, "c", "p", sampling=SamplingParams(max_tokens=2), arrival=arrival)
+    s.add(fill)
+    s.add(gen)
+    plan = s.schedule()
+    assert _feeds(plan) == [("p", 64, False)]
+    s.update(plan, [TOKEN] * len(plan.slots))
+    s._preempt(fill)  # as pressure elsewhere would: its KV dropped, queued again
+    assert list(s.waiting) == [fill, gen]
+    s.waiting.rotate()  # even where it stands behind the fork (a fork that claims to have waited longer)
+    fed: list[tuple[str, int, bool]] = []
+    outputs: list[JobOutput] = []
+    while s.has_work():
+        plan = s.schedule()
+        fed += _feeds(plan)
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    assert fed[:2] == [("p", 64, False), ("p", 36, False)]  # the fill first, whole, before the fork runs
+    assert s.row_fed["c"] == bytes(99) + b"\x01" * 2  # the prompt as prompt rows; its last token and the reply
+    assert _results(outputs)["c"].token_ids == [TOKEN] * 2
+
+
+def test_the_newest_of_jobs_that_arrived_together_is_preempted_each_time() -> None:
+    """Jobs of one arrival (a request's n choices): the one preempted for room is the last submitted, whatever
+    the order they run in; not the first found, which after each requeue is another one: each in turn then
+    loses its recomputed KV, and none may finish."""
+    for order in ((2, 0, 1), (1, 2, 0), (0, 1, 2)):
+        s = _small(6)  # 96 token slots
+        arrival = time.monotonic()
+        s.add(Job(JobKind.FILL, "p", None, fill_tokens=[5] * 20, arrival=arrival))
+        jobs = [Job(JobKind.GENERATE, f"c{i}", "p", sampling=SamplingParams(max_tokens=40), arrival=arrival)
+                for i in range(3)]
+        for job in jobs:
+            s.add(job)
+        while s.kv.num_free_pages or len(s.running) < 3:
+            _steps(s, 1)
+        s.running = [jobs[i] for i in order]
+        before = [j.preemptions for j in jobs]
+        assert s._make_room(jobs[0], 16, set(), scheduler.StepPlan())
+        assert [j.status for j in jobs] == [JobStatus.RUNNING, JobStatus.RUNNING, JobStatus.WAITING], order
+        assert [j.preemptions - b for j, b in zip(jobs, before, strict=True)] == [0, 0, 1]
+
+
 # ---- greedy constrained jobs in multi-step calls, checked as applied (lazy_constraints: CPUs) ---------------
 UNMASKED = "abzba"  # the fake model's argmax at each position, without a mask
 FALLBACK = "abcdefz"  # a single step's masked argmax where the grammar refuses the unmasked one: the first it takes
