@@ -74,7 +74,8 @@ _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 
                  422: "invalid_request", 429: "rate_limited"}
 UNGUARDED = ("/health", "/metrics", "/ui")  # open without the API key (/ui: the static page and its assets)
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
-REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call")
+REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call",
+              "/v1/engine")  # the engines' registration and heartbeats (docs/deployment.md)
 
 
 def error_body(detail: str, code: str) -> dict[str, str]:

@@ -154,6 +154,8 @@ def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) ->
             assert r.status_code == 401, (path, r.text)
             r = c.request(method, path, json={}, headers={"Authorization": "Bearer wrong"})
             assert r.status_code == 401, (path, r.text)
+            # OpenAI's shape on its routes, the REST one (the engines' registration included) elsewhere
+            assert set(r.json()) == ({"error"} if path == "/v1/models" else {"detail", "code"}), (path, r.text)
         admin = {"Authorization": f"Bearer {key}"}
         r = c.post("/v1/session", json={}, headers=admin)
         assert r.status_code == 201
