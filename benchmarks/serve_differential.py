@@ -410,6 +410,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(n: int) -> int:
+    """A base port whose n ports from it are free now (engines of `--engines n` listen on base + i)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        with contextlib.ExitStack() as stack:
+            try:
+                for i in range(n):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + i))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
 def http_get(url: str, timeout: float = 5.0) -> bytes | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -424,6 +439,9 @@ class Server:
 
     def __init__(self, name: str, args: list[str], log: Path, lifetime: float) -> None:
         self.name, self.port, self.log_path = name, free_port(), log
+        if "--engines" in args and "--engine-base-port" not in args:  # the two servers' engines apart
+            engines = int(args[args.index("--engines") + 1])
+            args = [*args, "--engine-base-port", str(free_port_range(max(engines, 1)))]
         self.cmd = [sys.executable, "-m", "parrot.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     *args]
         self.proc: subprocess.Popen[bytes] | None = None
