@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from parrot.serve.engine_processes import EngineProcesses
 
 log = logging.getLogger(__name__)
+FILL_ERROR_WAIT_S = 5.0  # how long a generate that found no parent waits for the failing fill's reason
 INLINE_TOKENIZE_CHARS = 1 << 16  # a semantic call's prompt longer than this is tokenized on a worker thread
 
 
@@ -759,6 +760,12 @@ class ParrotServeCore:
             self._engine_gone(engine)
             return
         except ParrotError as exc:
+            if isinstance(exc, NotFoundError) and _fill_error(rec) is None:
+                # its parent missing: a fill it forked failed in the same step, and that fill's error may not
+                # have reached this loop yet
+                pending = [f for f in rec.fills if not f.done()]
+                if pending:
+                    await asyncio.wait(pending, timeout=FILL_ERROR_WAIT_S)
             exc = _fill_error(rec) or exc  # a fill it forked failed: that is why (e.g. no KV space: retry)
             if task.engine != engine:
                 # the engine died or restarted meanwhile and the task is queued again: that run takes over (this

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from parrot.config import ServeConfig
-from parrot.errors import GenerationFailedError, KVCacheFullError, NotFoundError, ParrotError
+from parrot.errors import GenerationFailedError, InvalidRequestError, KVCacheFullError, NotFoundError, ParrotError
 from parrot.protocol import (
     FillRequest,
     FillResponse,
@@ -152,6 +152,29 @@ def test_overloaded_engine_is_retried_and_failed_generates_are_freed() -> None:
     engine = ScriptedEngine([KVCacheFullError("no page", "fake")] * 3)
     core, text, err = _run_one(engine, overload_retries=2)
     assert text is None and "no page" in (err or "")
+
+
+class FailingFillEngine(ScriptedEngine):
+    """An ordered engine (fills pipelined ahead of the generates forking them) whose fills fail, their errors
+    reaching the core only after the generate's: the generate finds no parent context first."""
+
+    ordered = True
+
+    def send_fill(self, req: FillRequest) -> asyncio.Future[FillResponse]:
+        fut: asyncio.Future[FillResponse] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.2, fut.set_exception, InvalidRequestError(
+            f"context {req.context_id!r} would exceed the model's maximum length"))
+        return fut
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self.generated.append(req.context_id)
+        raise NotFoundError(f"parent context {req.parent_context_id!r} does not exist")
+        yield StreamChunk()  # an async generator
+
+
+def test_a_generate_without_its_parent_fails_with_the_failed_fills_reason() -> None:
+    core, text, err = _run_one(FailingFillEngine([]))
+    assert text is None and "maximum length" in (err or ""), err
 
 
 def test_scheduler_capacity_is_the_engines_own() -> None:
