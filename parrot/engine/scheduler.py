@@ -233,9 +233,9 @@ class Scheduler:
         self.attention_in_place = attention_in_place
         self.max_prefill_batch = max(cfg.prefill_bs_buckets)
         self.tokens: dict[str, list[int]] = {}  # every context's tokens (KV holds a prefix of them)
+        self._queued = itertools.count()  # jobs taken (`Job.queued`)
         # every context's fed tokens (a prefix of its tokens, its KV's or longer): 1 where the token was fed as a
         # decode row, 0 where in a prompt chunk; a recomputed token is fed the same way again (`_next_feed`)
-        self._queued = itertools.count()  # jobs taken (`Job.queued`)
         self.row_fed: dict[str, bytearray] = {}
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []
