@@ -22,6 +22,7 @@ cached entry is always correct, only sometimes slower.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -61,6 +62,9 @@ class CachedContext:
     in_use: int = 0  # tasks currently forking from or generating into it
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    # the pipelined fill computing its KV while that is in flight (ordered engines: registered at once, forked
+    # at once; a task forking it depends on that fill: `ParrotServeCore._depend`)
+    filling: asyncio.Future | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -87,6 +87,7 @@ class _TaskRecord:
     ended: bool = False  # finished, failed or cancelled for good
     clock: TaskClock = field(default_factory=TaskClock)  # the serve layer's own time (serve_time.py)
     fills: list[asyncio.Future] = field(default_factory=list)  # fills this run sent or forks, not awaited
+    others: set[asyncio.Future] = field(default_factory=set)  # those of `fills` for others' longer prompts
     prompt_logprobs: int | None = None  # the prompt's token logprobs too, with this many alternatives each
 
     app_started: float | None = None  # app-aware: when its app's current run began (app-FIFO in the engine)
@@ -150,12 +151,18 @@ def _generation_stats(rec: _ChainRecord, prompt_tokens: int, cached_tokens: int,
             "latency_s": now - rec.created}
 
 
-def _fill_error(rec: _TaskRecord) -> ParrotError | None:
-    """The error of the first failed fill the task sent or forked (pipelined), if any."""
+def _failed_fill(rec: _TaskRecord) -> asyncio.Future | None:
+    """The first failed fill the task sent or forked (pipelined), if any."""
     for fut in rec.fills:
         if fut.done() and not fut.cancelled() and isinstance(fut.exception(), ParrotError):
-            return fut.exception()
+            return fut
     return None
+
+
+def _fill_error(rec: _TaskRecord) -> ParrotError | None:
+    """The error of the first failed fill the task sent or forked (pipelined), if any."""
+    fut = _failed_fill(rec)
+    return None if fut is None else fut.exception()
 
 
 @dataclass(eq=False)
@@ -701,7 +708,7 @@ class ParrotServeCore:
         rec.note(engine=engine, created=rec.created, dispatched=time.perf_counter())
         gen_id: str | None = None  # the generate's context, once asked for (freed here unless it succeeded)
         generated = False
-        rec.fills = []
+        rec.fills, rec.others = [], set()
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
@@ -760,13 +767,18 @@ class ParrotServeCore:
             self._engine_gone(engine)
             return
         except ParrotError as exc:
-            if isinstance(exc, NotFoundError) and _fill_error(rec) is None:
-                # its parent missing: a fill it forked failed in the same step, and that fill's error may not
+            if not isinstance(exc, AbortedError) and _fill_error(rec) is None:
+                # e.g. its parent missing: a fill it forked failed in the same step, and that fill's error may not
                 # have reached this loop yet
                 pending = [f for f in rec.fills if not f.done()]
                 if pending:
                     await asyncio.wait(pending, timeout=FILL_ERROR_WAIT_S)
-            exc = _fill_error(rec) or exc  # a fill it forked failed: that is why (e.g. no KV space: retry)
+            failed = _failed_fill(rec)
+            exc = failed.exception() if failed is not None else exc  # that is why (e.g. no KV space: retry)
+            if failed in rec.others and not isinstance(exc, EngineOverloadedError):
+                # the fill of another task's longer prompt, whose first blocks this task forked: whatever stopped
+                # it, this task runs again, on what is cached then (within the retries' bound)
+                exc = EngineOverloadedError(f"a longer context this task forked could not be filled: {exc}")
             if task.engine != engine:
                 # the engine died or restarted meanwhile and the task is queued again: that run takes over (this
                 # error is an effect of the restart, e.g. a parent context the restarted engine never had)
@@ -870,6 +882,7 @@ class ParrotServeCore:
         parent = self.contexts.longest_cached(engine, task.tokens, hashes)
         if parent is not None:
             self.contexts.touch(parent)
+            self._depend(rec, parent)
         rec.note(boundaries=task.boundaries, forked_from=parent.context_id if parent else None,
                  forked_tokens=parent.num_tokens if parent else 0)
         n = len(task.tokens)
@@ -957,7 +970,7 @@ class ParrotServeCore:
         if pending is not None:  # another task fills it
             ctx, fut = pending
             if ctx is not None:  # ordered: fork it now
-                rec.fills.append(fut)
+                self._depend(rec, ctx)
                 return ctx, 0
             self.serve_time.sending(rec.clock)  # waiting for that is engine time for this task
             try:
@@ -966,6 +979,7 @@ class ParrotServeCore:
                 self.serve_time.done(rec.clock)
         cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
         if cached is not None:
+            self._depend(rec, cached)
             return cached, 0
         ctx_id = self.contexts.new_id(owner)
         start = parent.num_tokens if parent is not None else 0
@@ -974,6 +988,7 @@ class ParrotServeCore:
         if holder is not None:  # a longer context holds these blocks: fork its prefix, feed only the last token
             parent, start = holder, len(tokens) - 1
             fork_len = start
+            self._depend(rec, holder, longer=True)
         req = FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
                           parent_num_tokens=fork_len, token_ids=tokens[start:], waited_s=rec.waited(),
                           priority=rec.priority)
@@ -981,6 +996,7 @@ class ParrotServeCore:
             self.serve_time.sending(rec.clock)
             sent = client.send_fill(req)
             ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
+            ctx.filling = sent
             self._inflight_prefix[key] = (ctx, sent)
             sent.add_done_callback(lambda f: self._fill_done(f, rec, key, ctx))
             rec.fills.append(sent)
@@ -1014,8 +1030,22 @@ class ParrotServeCore:
         self.serve_time.done(rec.clock)
         if key is not None and self._inflight_prefix.get(key, (None, None))[1] is fut:
             del self._inflight_prefix[key]
-        if ctx is not None and (fut.cancelled() or fut.exception() is not None):
-            self.contexts.discard(ctx)
+        if ctx is not None:
+            ctx.filling = None
+            if fut.cancelled() or fut.exception() is not None:
+                self.contexts.discard(ctx)
+
+    @staticmethod
+    def _depend(rec: _TaskRecord, ctx: CachedContext, longer: bool = False) -> None:
+        """The task forks `ctx`: if a pipelined fill is still computing its KV, the task depends on it (that
+        fill failing, the fork fails too, and the task reports the fill's error). `longer`: `ctx` holds more
+        than this task needs (another task's longer prompt): whatever stopped its fill, the task runs again
+        (`_run_task`)."""
+        fut = ctx.filling
+        if fut is not None and not fut.done() and fut not in rec.fills:
+            rec.fills.append(fut)
+            if longer:
+                rec.others.add(fut)
 
     # ---- plain completions (OpenAI-compatible API) ---------------------------------------------
     def complete(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,

@@ -333,3 +333,79 @@ def test_a_short_piece_after_a_cached_prefix_is_filled_with_the_rest() -> None:
 def test_min_prefix_cut_tokens_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="min_prefix_cut_tokens"):
         ServeConfig(model="tiny", min_prefix_cut_tokens=-1)
+
+
+
+
+class PipelinedEngine(ScriptedEngine):
+    """An ordered engine whose fills take 0.1 s, each after the fill of the context it forks; a fill of more
+    than `most` tokens in all fails (too long for its KV pool), and so does everything forked from it."""
+
+    ordered = True
+
+    def __init__(self, most: int) -> None:
+        super().__init__([])
+        self.most = most
+        self.contexts: dict[str, asyncio.Future[int]] = {}  # context -> its token count once filled
+
+    def send_fill(self, req: FillRequest) -> asyncio.Future[FillResponse]:
+        parent = self.contexts.get(req.parent_context_id) if req.parent_context_id else None
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.contexts[req.context_id] = done
+
+        async def fill() -> FillResponse:
+            try:
+                base = 0 if parent is None else await parent
+                if req.parent_context_id and parent is None:
+                    raise NotFoundError(f"parent context {req.parent_context_id!r} does not exist")
+                base = base if req.parent_num_tokens is None else req.parent_num_tokens
+                await asyncio.sleep(0.1)
+                if base + len(req.token_ids) > self.most:
+                    raise InvalidRequestError(f"context {req.context_id!r} needs {base + len(req.token_ids)} "
+                                              f"tokens of KV; the whole cache holds {self.most}")
+            except ParrotError as exc:
+                done.set_exception(exc)
+                del self.contexts[req.context_id]
+                raise
+            done.set_result(base + len(req.token_ids))
+            return FillResponse(context_id=req.context_id, num_tokens=base + len(req.token_ids))
+
+        return asyncio.ensure_future(fill())
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        parent = self.contexts.get(req.parent_context_id)
+        if parent is None or parent.cancelled() or (parent.done() and parent.exception() is not None):
+            raise NotFoundError(f"parent context {req.parent_context_id!r} does not exist")
+        await parent
+        yield StreamChunk(token_id=66, text="B", finish_reason="length")
+
+
+def test_a_prompt_forking_a_longer_prompt_whose_fill_fails_runs_again() -> None:
+    """A second prompt that shares a first one's blocks forks the first's context while it is still being filled
+    (the radix view's holder). The first is too long for the KV pool and fails; the second, which fits, runs
+    again and answers (it failed with the first's error)."""
+    from parrot.protocol import SamplingParams
+    from parrot.serve.core import CompletionResult
+
+    async def last(queue: asyncio.Queue) -> object:
+        while not isinstance(item := await queue.get(), CompletionResult | BaseException):
+            pass
+        return item
+
+    async def run() -> tuple[object, object]:
+        core = make_core(config=ServeConfig(model="tiny", overload_backoff_s=0.01))
+        core.engines.register(PipelinedEngine(most=288))
+        await core.start()
+        try:
+            shared = "".join(chr(97 + i % 26) for i in range(224))
+            sp = SamplingParams(max_tokens=1)
+            first = core.complete([shared + "x" * 80], sp)
+            await asyncio.sleep(0.02)  # its fill is on its way
+            second = core.complete([shared + "y" * 20], sp)
+            return await asyncio.wait_for(last(first), 10), await asyncio.wait_for(last(second), 10)
+        finally:
+            await core.stop()
+
+    first, second = asyncio.run(run())
+    assert isinstance(first, ParrotError) and "the whole cache holds 288" in str(first), first
+    assert isinstance(second, CompletionResult) and second.text == "B", second
