@@ -767,9 +767,9 @@ class ParrotServeCore:
             self._engine_gone(engine)
             return
         except ParrotError as exc:
-            if not isinstance(exc, AbortedError) and _fill_error(rec) is None:
-                # e.g. its parent missing: a fill it forked failed in the same step, and that fill's error may not
-                # have reached this loop yet
+            if isinstance(exc, NotFoundError | InvalidRequestError) and _fill_error(rec) is None:
+                # its parent missing or shorter than it forked: a fill it forked failed in the same step, and that
+                # fill's error may not have reached this loop yet (an overloaded engine's error does not wait)
                 pending = [f for f in rec.fills if not f.done()]
                 if pending:
                     await asyncio.wait(pending, timeout=FILL_ERROR_WAIT_S)
