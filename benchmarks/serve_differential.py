@@ -42,6 +42,7 @@ from typing import Any
 import openai
 
 from benchmarks.report import write_json
+from benchmarks.soak import free_port
 from parrot.frontend.sdk import VirtualMachine  # a pure client (httpx, no JAX); imported once, not per thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -402,12 +403,6 @@ def _die_with_parent() -> None:
     """In the child before exec: SIGTERM once this process's parent ends (Linux prctl PR_SET_PDEATHSIG)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_range(n: int) -> int:

@@ -114,17 +114,21 @@ class TokenLogprob(BaseModel):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
-def logprobs_within(items: Sequence[TokenLogprob], chars: int) -> list[TokenLogprob]:
-    """The tokens of `items` that start within the first `chars` characters of the text they decode to (a
-    token holding part of a character starts where that character does): where a stop string cut a
-    generation's text, the tokens after the cut are not part of the answer, as OpenAI reports them."""
+def token_offsets(items: Sequence[TokenLogprob], offset: int = 0) -> list[int]:
+    """Where each token of `items` starts in the text they decode to, in characters from `offset` (a token
+    holding part of a character starts where that character does)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offset = 0
-    for i, t in enumerate(items):
-        if offset >= chars:
-            return list(items[:i])
+    starts = []
+    for t in items:
+        starts.append(offset)
         offset += len(decoder.decode(bytes(t.bytes)))
-    return list(items)
+    return starts
+
+
+def logprobs_within(items: Sequence[TokenLogprob], chars: int) -> list[TokenLogprob]:
+    """The tokens of `items` that start within the first `chars` characters of their text: where a stop string
+    cut a generation's text, the tokens after the cut are not part of the answer, as OpenAI reports them."""
+    return [t for t, start in zip(items, token_offsets(items), strict=True) if start < chars]
 
 
 WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "

@@ -62,7 +62,7 @@ from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend import openai_functions as legacy_functions
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
-from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, from_exception, unsupported
+from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, error_path, from_exception, unsupported
 from parrot.frontend.openai_logprobs import chat_logprobs, completion_logprobs
 from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest, require
 from parrot.frontend.openai_tools import (
@@ -93,8 +93,7 @@ def _message(m: Any, i: int) -> ChatMessage:
         return ChatMessage.model_validate(m)
     except ValidationError as exc:
         e = exc.errors()[0]
-        loc = [str(x) for x in e.get("loc", ()) if not any(c in str(x) for c in "[]") and x not in ("str", "list")]
-        where = ".".join([f"messages.{i}", *loc])
+        where = ".".join(x for x in (f"messages.{i}", error_path(e.get("loc", ()))) if x)
         what = "is required" if e.get("type") == "missing" else f"is invalid: {e.get('msg')}"
         raise ToolError(f"{where} {what}", where) from exc
 

@@ -7,7 +7,7 @@ model 404, no engine reachable 503, rate limits 429 with Retry-After, anything u
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -57,12 +57,17 @@ def from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error")
 
 
+def error_path(loc: Sequence[object]) -> str:
+    """A pydantic error location as the parameter path shown to the user ("messages.0.role"): without the
+    request body's own name and pydantic's union-member tags ("str", "list[str]")."""
+    return ".".join(x for x in map(str, loc)
+                    if x != "body" and not any(c in x for c in "[]") and x not in ("str", "int", "list"))
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     parts, param = [], None
     for e in exc.errors():
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # drop pydantic's union-member tags ("str", "list[str]") from the path shown to the user
-        where = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "list"))
+        where = error_path(e.get("loc", ()))
         msg = str(e.get("msg"))
         if e.get("type") == "json_invalid":  # its location is a character offset, not a parameter
             where = ""

@@ -12,11 +12,10 @@ penalties, logit_bias and constraint masks, as vLLM reports them by default.
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from typing import Any
 
-from parrot.protocol import TokenLogprob
+from parrot.protocol import TokenLogprob, token_offsets
 
 
 def chat_content(items: Sequence[TokenLogprob], top_n: int) -> list[dict[str, Any]]:
@@ -31,12 +30,7 @@ def chat_logprobs(items: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
 def completion_logprobs(items: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
     """`text_offset`: each token's offset in characters of the text (a token holding part of a character
     starts where that character does)."""
-    tokens, lps, tops, offsets = [], [], [], []
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for t in items:
-        tokens.append(t.token)
-        lps.append(t.logprob)
-        tops.append(None if t.logprob is None else {a.token: a.logprob for a in t.top[:top_n]} if top_n else {})
-        offsets.append(offset)
-        offset += len(decoder.decode(bytes(t.bytes)))
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    tops = [None if t.logprob is None else {a.token: a.logprob for a in t.top[:top_n]} if top_n else {}
+            for t in items]
+    return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items], "top_logprobs": tops,
+            "text_offset": token_offsets(items, offset)}

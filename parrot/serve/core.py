@@ -675,23 +675,20 @@ class ParrotServeCore:
         self._tokenizing[chain.id] = None
         try:
             token_pieces = await asyncio.to_thread(self.tokenizers.encode_pieces, self.model, pieces)
+            failed = self._tokenizing.pop(chain.id, None)  # its reader left meanwhile: why it was cancelled
+            self.aborts += failed is not None
         except Exception as exc:  # noqa: BLE001 - fails this output alone
             self._tokenizing.pop(chain.id, None)
-            if session.session_id in self.sessions:
-                chain.output_var.fail_if_pending(f"the prompt could not be tokenized: {exc}")
-                session.executor.finished(chain)
-                self._progress(session)
+            failed = f"the prompt could not be tokenized: {exc}"
+        if session.session_id not in self.sessions:  # deleted meanwhile
             return
-        cancelled = self._tokenizing.pop(chain.id, None)
-        if cancelled is not None and session.session_id in self.sessions:  # its reader left meanwhile
-            self.aborts += 1
-            chain.output_var.fail_if_pending(cancelled)
+        if failed is not None:
+            chain.output_var.fail_if_pending(failed)
             session.executor.finished(chain)
             self._progress(session)
             return
-        if session.session_id in self.sessions:  # not deleted meanwhile
-            self._submit_chain(session, chain, criterion, token_pieces, clock)
-            self._dispatch()
+        self._submit_chain(session, chain, criterion, token_pieces, clock)
+        self._dispatch()
 
     def _priority(self, criterion: Criterion) -> int:
         """Latency-critical work goes first in the engines' queues too (app-aware mode only)."""

@@ -103,10 +103,11 @@ CXXFLAGS = ("-O3", "-march=native", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "
 # each unit ~4 s of its own): on 2-3 cores two units (32.7 s -> 19.5 s on that Xeon), from 4 cores four.
 
 
-def _cxxflags() -> tuple[str, ...]:
-    """The flags this process builds its library with: CXXFLAGS, for `-march=$PARROT_KERNEL_MARCH` where set
-    (e.g. `haswell`: the build an AVX2-only CPU makes, run on this one to test that CPU's code paths)."""
-    march = os.environ.get("PARROT_KERNEL_MARCH", "native")
+def _cxxflags(march: str | None = None) -> tuple[str, ...]:
+    """CXXFLAGS for `-march=march`; by default the flags this process builds its library with, for
+    `-march=$PARROT_KERNEL_MARCH` where set (e.g. `haswell`: the build an AVX2-only CPU makes, run on this one
+    to test that CPU's code paths)."""
+    march = march or os.environ.get("PARROT_KERNEL_MARCH", "native")
     return tuple(f"-march={march}" if f == "-march=native" else f for f in CXXFLAGS)
 
 
@@ -264,7 +265,7 @@ def build_library(out: str | Path, source: str | Path | None = None, march: str 
         raise FileNotFoundError(f"no kernels' source at {src}")
     out = Path(out).resolve()
     text = src.read_text()
-    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in CXXFLAGS
+    flags = tuple(f for f in _cxxflags(march)
                   if f != "-fvisibility=hidden" or "visibility push(default)" in text)  # older code exports all
     # a source without the units' macros builds whole in each unit: one unit then
     _build(out, None if "PARROT_PART_REST" in text else UNITS[1], src, flags)
