@@ -27,6 +27,7 @@ import ctypes
 import json
 import math
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -77,6 +78,7 @@ KINDS = ["chat", "chat_seeded", "chat_logprobs", "chat_n", "chat_json", "chat_to
          "completion_seeded", "completion_logprobs", "completion_echo", "completion_n", "rest_chain", "rest_map",
          "rest_two_outputs"]
 
+TOO_BIG = re.compile(r"needs \d+ tokens of KV; the whole cache holds \d+")
 Outcome = dict[str, Any]  # {"choices": [Choice, ...], "seconds": s} or {"error": "...", "seconds": s}
 Choice = dict[str, Any]  # {"index", "text", "finish", "tools": [[name, arguments]] | None, "logprobs": [...] | None}
 
@@ -331,9 +333,17 @@ def logprob_gap(a: list[list[Any]] | None, b: list[list[Any]] | None) -> tuple[s
     return None, far
 
 
+def too_big(outcome: Outcome) -> bool:
+    """The request was refused as larger than the whole KV pool (a small `--kv-memory-mb`): a refusal that
+    depends on the request alone, not on what ran beside it."""
+    return bool(TOO_BIG.search(outcome.get("error", "")))
+
+
 def compare(a: Outcome, b: Outcome, tolerance: float = 0.0) -> tuple[str | None, float]:
     """(where two answers to one request differ, None if they agree; the largest logprob gap). An error on
-    either side is a difference."""
+    either side is a difference, but for a request both sides refused as larger than the whole pool."""
+    if too_big(a) and too_big(b):
+        return None, 0.0
     if "error" in a or "error" in b:
         return f"error: {a.get('error', 'ok')} / {b.get('error', 'ok')}", 0.0
     ca, cb = a["choices"], b["choices"]
@@ -556,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     alone_server = Server("alone", serve_args, log_dir / "serve_differential-alone.log", lifetime)
     t_start = time.perf_counter()
     rounds: list[dict[str, Any]] = []
-    differed = failed = 0
+    differed = failed = refused = 0
     max_gap = 0.0
     try:
         mix_server.start()
@@ -595,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
             bad = [(i, c, v) for i, (c, v) in enumerate(zip(cases, verdicts, strict=True)) if v.differed]
             differed += len(bad)
             failed += sum(any("error" in o for o in c.outcomes.values()) for c in cases)
+            refused += sum(all(too_big(o) for o in c.outcomes.values()) for c in cases)
             gap = max((v.logprob_gap for v in verdicts), default=0.0)
             max_gap = max(max_gap, gap)
             for i, c, v in bad:
@@ -618,12 +629,13 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     requests = sum(r["requests"] for r in rounds)
     seconds = time.perf_counter() - t_start
-    print(f"{differed} of {requests} requests differed ({failed} with an error); largest logprob gap {max_gap:.3g}; "
-          f"{seconds:.0f} s")
+    print(f"{differed} of {requests} requests differed ({failed} with an error, {refused} refused on both sides as "
+          f"larger than the KV pool); largest logprob gap {max_gap:.3g}; {seconds:.0f} s")
     write_json({"model": MODEL, "kv_memory_mb": args.kv_memory_mb, "serve_args": serve_args, "seed": args.seed,
                 "kv_pages_total": pages, "requests": requests, "differed": differed, "failed": failed,
-                "max_logprob_gap": max_gap, "tolerance": args.tolerance, "seconds": round(seconds, 1),
-                "prefix_cache_hit_tokens": hits, "overload_retries": retries, "rounds": rounds}, args.out)
+                "refused": refused, "max_logprob_gap": max_gap, "tolerance": args.tolerance,
+                "seconds": round(seconds, 1), "prefix_cache_hit_tokens": hits, "overload_retries": retries,
+                "rounds": rounds}, args.out)
     return 1 if differed else 0
 
 

@@ -77,7 +77,7 @@ from parrot.engine.sampling import needs_processing
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.speculative import NgramDrafter
 from parrot.engine.structured import ConstraintError
-from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import AbortedError, InvalidRequestError, NotFoundError, ParrotError, code_of, error_for_code
 from parrot.protocol import FillResponse, GenerateResponse, StreamChunk, TokenLogprob, logprobs_within
 
 
@@ -897,7 +897,7 @@ class Scheduler:
                 continue  # already failed with the step before it (an ahead step), or aborted
             if job.context_id in self.kv and self.kv.get(job.context_id).num_tokens > slot.start:
                 self._truncate(job.context_id, slot.start)
-            outputs.append(self._fail(job, err))
+            outputs.extend(self._fail(job, err))
         return outputs
 
     def abort(self, context_id: str) -> list[JobOutput]:
@@ -909,14 +909,39 @@ class Scheduler:
         self.waiting = deque(j for j in self.waiting if j.context_id != context_id)
         self.aborts += len(victims)
         err = AbortedError(f"the primitive on context {context_id!r} was aborted")
-        return [self._fail(job, err) for job in victims]
+        return [out for job in victims if job.status is not JobStatus.FINISHED for out in self._fail(job, err)]
 
-    def _fail(self, job: Job, err: BaseException) -> JobOutput:
+    def _fail(self, job: Job, err: BaseException) -> list[JobOutput]:
+        """End `job` with `err` (a fill's tokens leave its context), and with it a failed fill's dependents."""
         if job.status is JobStatus.RUNNING:
             self.finish(job)
         job.status = JobStatus.FINISHED
         self.roll_back(job)
-        return JobOutput(job, error=err)
+        outputs = [JobOutput(job, error=err)]
+        if job.kind is JobKind.FILL:
+            outputs.extend(self._fail_dependents(job, err))
+        return outputs
+
+    def _fail_dependents(self, failed: Job, err: BaseException) -> list[JobOutput]:
+        """A fill failed, its tokens gone: the queued primitives sent after it on its context, or forking it,
+        counted on them, and fail too (as do, in turn, those counting on the contexts they would have made);
+        run, they would have continued or forked the context without the fill's tokens. Each gets an error of
+        the fill's kind (e.g. a full KV cache: retry) saying why."""
+        outputs: list[JobOutput] = []
+        lost = {failed.context_id}
+        kept: deque[Job] = deque()
+        for job in self.waiting:  # in queue order: a dependent's own dependents come after it
+            if job.queued > failed.queued and (job.context_id in lost or job.parent_context_id in lost):
+                how = "continues" if job.context_id in lost else "forks"
+                lost.add(job.context_id)
+                job.status = JobStatus.FINISHED
+                msg = (f"the fill of context {failed.context_id!r} failed, and this primitive, sent after it, "
+                       f"{how} a context counting on it: {err}")
+                outputs.append(JobOutput(job, error=error_for_code(code_of(err), msg)))
+            else:
+                kept.append(job)
+        self.waiting = kept
+        return outputs
 
     def _truncate(self, context_id: str, n: int) -> None:
         copy = self.kv.truncate(context_id, n)
@@ -950,7 +975,7 @@ class Scheduler:
             err = OutOfPages(self.kv.pages_needed(job.context_id, n), self.kv.num_free_pages,
                              f"continue context {job.context_id!r}: the rest of the pool is held by "
                              f"{len(self.kv) - 1} other context(s); free contexts or raise kv_memory_mb")
-            plan.outputs.append(self._fail(job, err))
+            plan.outputs.extend(self._fail(job, err))
             return False
         return True
 
@@ -1008,10 +1033,10 @@ class Scheduler:
                     blocked.add(ctx_id)
                     kept.append(job)
                 else:
-                    plan.outputs.append(self._fail(job, err))
+                    plan.outputs.extend(self._fail(job, err))
                 continue
             except ParrotError as err:
-                plan.outputs.append(self._fail(job, err))
+                plan.outputs.extend(self._fail(job, err))
                 continue
             job.status = JobStatus.RUNNING
             self.running.append(job)

@@ -69,6 +69,18 @@ def test_an_error_on_either_side_is_a_difference() -> None:
     assert compare(err, err)[0] is not None  # the same error twice is still a failure
 
 
+def test_a_request_larger_than_the_pool_refused_on_both_sides_agrees() -> None:
+    """The one refusal that depends on the request alone (a pool smaller than it); any other error twice, or
+    this one on one side only, is still a difference."""
+    big = {"error": "BadRequestError: Error code: 400 - context 'completion-1' needs 292 tokens of KV; the whole "
+                    "cache holds 288", "seconds": 0.1}
+    other = {"error": big["error"].replace("completion-1", "s-2"), "seconds": 0.2}
+    assert compare(big, other) == (None, 0.0)
+    assert compare(big, _answer(_choice()))[0] is not None
+    full = {"error": "BadRequestError: Error code: 400 - KV cache is full: 1 page(s) needed", "seconds": 1.0}
+    assert compare(full, full)[0] is not None
+
+
 def test_logprobs_bit_for_bit_unless_a_tolerance_is_given() -> None:
     a, b = _answer(_choice(logprobs=_lps(-0.5, -1.0))), _answer(_choice(logprobs=_lps(-0.5, -1.0 + 3e-7)))
     where, gap = compare(a, b)

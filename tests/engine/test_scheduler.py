@@ -8,11 +8,11 @@ import time
 import pytest
 
 from parrot.engine import scheduler
-from parrot.engine.kv_cache import KVCacheManager
+from parrot.engine.kv_cache import KVCacheManager, OutOfPages
 from parrot.engine.scheduler import Scheduler, _end_run, _run_span
 from parrot.engine.sequence import Job, JobKind, JobOutput, JobStatus
 from parrot.engine.structured import ConstraintError, Grammars
-from parrot.errors import AbortedError, InvalidRequestError
+from parrot.errors import AbortedError, InvalidRequestError, KVCacheFullError, code_of
 from parrot.protocol import SamplingParams
 from tests.conftest import tiny_engine_config, tiny_tokenizer
 
@@ -224,6 +224,61 @@ def test_a_failed_step_rolls_back_its_fills() -> None:
     assert [str(o.error) for o in outputs] == ["boom"]
     assert len(s.tokens["a"]) == 20 and s.kv.get("a").num_tokens == 20
     assert not s.running and not s.busy
+
+
+def test_the_work_counting_on_a_failed_fill_fails_with_it() -> None:
+    """A fill, then primitives sent behind it that fork its context (and fork those), as the serve core
+    pipelines a prompt's prefixes and its generate: the fill fails, its tokens leave the context, and
+    everything counting on them fails with an error of the fill's kind (a full KV cache: retry) instead of
+    forking the emptied context and filling or generating from the wrong prompt."""
+    s = _small(32)
+    s.add(_fill("base", 20))
+    _drive(s)
+    s.add(_fill("a", 40, parent="base"))
+    s.add(_fill("b", 10, parent="a"))
+    s.add(_gen("c", 3, parent="b"))
+    s.add(_fill("d", 5, parent="b"))
+    s.add(_gen("e", 3, parent="d"))
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.slots] == ["a"]
+    outputs = s.fail_step(plan, OutOfPages(1, 0, "continue context 'a'"))
+    errors = {o.job.context_id: o.error for o in outputs}
+    assert list(errors) == ["a", "b", "c", "d", "e"]
+    assert all(code_of(err) == "kv_cache_full" for err in errors.values())
+    assert all(isinstance(errors[c], KVCacheFullError) for c in "bcde")  # an EngineOverloadedError: retried
+    assert "the fill of context 'a' failed" in str(errors["e"]) and "KV cache is full" in str(errors["e"])
+    assert s.tokens["a"] == [5] * 20 and not any(c in s.tokens for c in "bcde") and not s.has_work()
+
+
+def test_work_not_counting_on_a_failed_fill_goes_on() -> None:
+    """Only what was sent after the fill on its context, or forking it, fails with it: work on the context the
+    fill forked, and on other contexts, goes on (here the fill fails as it is set up: too long for the pool)."""
+    s = _small(4)  # 64 token slots
+    s.add(_fill("base", 20))
+    _drive(s)
+    s.add(_fill("a", 60, parent="base"))  # 80 tokens: more than the whole pool
+    s.add(_gen("b", 2, parent="a"))
+    s.add(_fill("x", 10))
+    s.add(_gen("base", 2))
+    s.add(_gen("y", 2, parent="base"))
+    outputs = _drive(s)
+    errors = {o.job.context_id: o.error for o in outputs if o.error is not None}
+    assert list(errors) == ["a", "b"] and all(isinstance(e, InvalidRequestError) for e in errors.values())
+    results = _results(outputs)
+    assert results["x"].num_tokens == 10 and results["base"].token_ids == [TOKEN] * 2
+    assert results["y"].num_tokens == 24  # base's 20, base's 2 generated (sent before it), its own 2
+
+
+def test_an_aborted_fill_takes_its_forks_with_it() -> None:
+    s = _small(32)
+    s.add(_fill("a", 100))  # two chunks
+    s.add(_gen("c", 3, parent="a"))
+    plan = s.schedule()
+    s.update(plan, [TOKEN] * len(plan.slots))
+    outputs = s.abort("a")
+    assert [(o.job.context_id, type(o.error)) for o in outputs] == [("a", AbortedError), ("c", AbortedError)]
+    assert "forks a context counting on it" in str(outputs[1].error)
+    assert not s.has_work() and s.tokens["a"] == []
 
 
 # ---- constraints: the matcher advances with each applied token --------------------------------------
