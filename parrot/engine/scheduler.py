@@ -912,7 +912,8 @@ class Scheduler:
         return [out for job in victims if job.status is not JobStatus.FINISHED for out in self._fail(job, err)]
 
     def _fail(self, job: Job, err: BaseException) -> list[JobOutput]:
-        """End `job` with `err` (a fill's tokens leave its context), and with it a failed fill's dependents."""
+        """End `job` with `err` (a fill's tokens leave its context, a context it made is freed), and with it a
+        failed fill's dependents."""
         if job.status is JobStatus.RUNNING:
             self.finish(job)
         job.status = JobStatus.FINISHED
@@ -920,6 +921,8 @@ class Scheduler:
         outputs = [JobOutput(job, error=err)]
         if job.kind is JobKind.FILL:
             outputs.extend(self._fail_dependents(job, err))
+            if job.created and job.context_id in self.kv and not self.referenced(job.context_id):
+                self.free_context(job.context_id)  # a context the fill made goes with it: its client never had it
         return outputs
 
     def _fail_dependents(self, failed: Job, err: BaseException) -> list[JobOutput]:
@@ -980,17 +983,30 @@ class Scheduler:
         return True
 
     def _evict_idle(self, keep: str | None = None) -> bool:
-        """Drop the KV of the least recently used idle context (other than `keep`) that owns a page
-        alone (its tokens stay; the next primitive on it, or on a fork of it, recomputes them). False
-        if none."""
-        idle = (c for c in self.kv if c not in self.busy and c != keep)
-        for ctx_id in sorted(idle, key=lambda c: self.last_used.get(c, 0.0)):
-            ctx = self.kv.get(ctx_id)
-            if ctx.num_tokens and any(self.kv.refcount(p) == 1 for p in ctx.pages):
+        """Free a page by dropping idle contexts' KV (other than `keep`'s; their tokens stay: the next
+        primitive on one, or on a fork of it, recomputes them): the least recently used idle context that owns
+        a page alone; failing that, the idle contexts sharing a page no other context holds (a prefix and a
+        fork of it ending on the same page boundary, say), those least recently used first. False if none."""
+        idle = sorted((c for c in self.kv if c not in self.busy and c != keep and self.kv.get(c).num_tokens),
+                      key=lambda c: self.last_used.get(c, 0.0))
+        for ctx_id in idle:
+            if any(self.kv.refcount(p) == 1 for p in self.kv.get(ctx_id).pages):
                 self.kv.truncate(ctx_id, 0)
                 self.evictions += 1
                 return True
-        return False
+        rank = {c: i for i, c in enumerate(idle)}
+        holders: dict[int, list[str]] = {}
+        for ctx_id in self.kv:
+            for p in self.kv.get(ctx_id).pages:
+                holders.setdefault(p, []).append(ctx_id)
+        group = min((h for h in holders.values() if all(c in rank for c in h)),
+                    key=lambda h: max(rank[c] for c in h), default=None)
+        if group is None:
+            return False
+        for ctx_id in group:
+            self.kv.truncate(ctx_id, 0)
+            self.evictions += 1
+        return True
 
     def _preempt(self, job: Job) -> None:
         """Drop the job's private KV (recomputed when it runs again) and requeue it by arrival."""
@@ -1090,6 +1106,7 @@ class Scheduler:
                 f"{self.kv.total_pages * self.kv.page_size}")
         if job.kind is JobKind.FILL and not resumed:
             job.base_len = len(tokens)
+            job.created = created
             tokens.extend(job.fill_tokens)
         kv_len = self.kv.get(ctx_id).num_tokens
         job.pending = tokens[kv_len:]

@@ -46,6 +46,7 @@ class Job:
     queued: int = 0  # jobs the scheduler took before this one (`Scheduler.add`): the last tie-break of `order`
     status: JobStatus = JobStatus.WAITING
     base_len: int = -1  # context length before this fill was applied (-1: not yet); failures roll back
+    created: bool = False  # this fill made its context (a new one, or a fork): failing, it frees it
     pending: list[int] = field(default_factory=list)  # tokens to feed before this job can finish/decode
     output_ids: list[int] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None

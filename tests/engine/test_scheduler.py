@@ -198,6 +198,31 @@ def test_fork_evicts_idle_contexts_for_its_page() -> None:
     assert s.kv.get("parent").num_tokens == 20  # the parent itself keeps its KV
 
 
+def test_idle_contexts_sharing_their_pages_are_evicted_together() -> None:
+    """A prefix and a fork of it preempted back to the pages they share (any idle contexts holding only pages
+    they share): neither owns a page alone, yet dropping both frees them. A job that needs the room gets it (it
+    failed before: "the rest of the pool is held by other contexts"), and the fork, run again, recomputes its
+    prompt and gives what it would have."""
+    s = _small(8)  # 128 token slots
+    s.add(_fill("p", 32))  # 2 full pages
+    _drive(s)
+    fork = _fill("c", 80, parent="p")
+    s.add(fork)
+    _steps(s, 1)  # its first 64 tokens
+    s._preempt(fork)  # back to the 32 tokens it shares with "p"
+    assert s.kv.get("c").pages == s.kv.get("p").pages and s.kv.num_free_pages == 6
+    s.waiting.clear()  # (held back while the other job needs the pool)
+    s.add(_fill("x", 128))  # every page
+    results = _results(_drive(s))
+    assert results["x"].num_tokens == 128 and s.evictions == 2
+    assert s.kv.get("p").num_tokens == 0 == s.kv.get("c").num_tokens and len(s.tokens["p"]) == 32
+    s.free_context("x")
+    fork.status = JobStatus.WAITING
+    s.waiting.append(fork)
+    s.add(_gen("c", 2))
+    assert _results(_drive(s))["c"].num_tokens == 114 and s.row_fed["c"] == bytes(111) + b"\x01" * 2
+
+
 def test_abort_running_and_queued_jobs() -> None:
     s = _small(32)
     s.add(_fill("a", 20))
@@ -228,9 +253,10 @@ def test_a_failed_step_rolls_back_its_fills() -> None:
 
 def test_the_work_counting_on_a_failed_fill_fails_with_it() -> None:
     """A fill, then primitives sent behind it that fork its context (and fork those), as the serve core
-    pipelines a prompt's prefixes and its generate: the fill fails, its tokens leave the context, and
-    everything counting on them fails with an error of the fill's kind (a full KV cache: retry) instead of
-    forking the emptied context and filling or generating from the wrong prompt."""
+    pipelines a prompt's prefixes and its generate: the fill fails, the context it forked is freed (its
+    client never had it; a fill on an existing context only loses its tokens), and everything counting on it
+    fails with an error of the fill's kind (a full KV cache: retry) instead of forking the emptied context and
+    filling or generating from the wrong prompt."""
     s = _small(32)
     s.add(_fill("base", 20))
     _drive(s)
@@ -247,7 +273,8 @@ def test_the_work_counting_on_a_failed_fill_fails_with_it() -> None:
     assert all(code_of(err) == "kv_cache_full" for err in errors.values())
     assert all(isinstance(errors[c], KVCacheFullError) for c in "bcde")  # an EngineOverloadedError: retried
     assert "the fill of context 'a' failed" in str(errors["e"]) and "KV cache is full" in str(errors["e"])
-    assert s.tokens["a"] == [5] * 20 and not any(c in s.tokens for c in "bcde") and not s.has_work()
+    assert not any(c in s.tokens or c in s.kv for c in "abcde") and not s.has_work()  # the fork "a" made: gone
+    assert s.kv.num_free_pages == s.kv.total_pages - 2  # "base"'s two pages alone are held
 
 
 def test_work_not_counting_on_a_failed_fill_goes_on() -> None:
@@ -278,7 +305,7 @@ def test_an_aborted_fill_takes_its_forks_with_it() -> None:
     outputs = s.abort("a")
     assert [(o.job.context_id, type(o.error)) for o in outputs] == [("a", AbortedError), ("c", AbortedError)]
     assert "forks a context counting on it" in str(outputs[1].error)
-    assert not s.has_work() and s.tokens["a"] == []
+    assert not s.has_work() and "a" not in s.kv and s.kv.num_free_pages == s.kv.total_pages
 
 
 # ---- constraints: the matcher advances with each applied token --------------------------------------
