@@ -156,7 +156,12 @@ class _Guard:
 
         if refusal is None and length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             refusal = too_large()
+        # a chunked body has no end the server knows of: one the app answered without reading to its end is not
+        # read on (the server would read and drop it for as long as the client sends): the connection closes
+        unread = "chunked" in headers.get("transfer-encoding", "").lower()
         if refusal is not None:
+            if unread:
+                refusal.headers["Connection"] = "close"
             await refusal(scope, receive, send)
             return
         # a body without Content-Length (chunked) is counted as it arrives: past the limit, the app's next
@@ -164,19 +169,22 @@ class _Guard:
         received, over, started = 0, False, False
 
         async def counted() -> Message:
-            nonlocal received, over
+            nonlocal received, over, unread
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
                     over = True
                     raise _BodyTooLarge(413, f"request body over {MAX_BODY_BYTES} bytes")
+                unread = unread and message.get("more_body", False)
             return message
 
         async def sending(message: Message) -> None:
             nonlocal started
             if over and not started:  # the app's own answer to the error it got reading: the 413 instead
                 return
+            if message["type"] == "http.response.start" and unread:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             started = started or message["type"] == "http.response.start"
             await send(message)
 
