@@ -1060,50 +1060,49 @@ class Scheduler:
         self.waiting = kept
 
     def _setup(self, job: Job, plan: StepPlan) -> None:
-        ctx_id = job.context_id
+        ctx_id, parent = job.context_id, job.parent_context_id
         resumed = job.preemptions > 0  # context and tokens already set up; KV partly dropped
-        created = False
-        if not resumed and ctx_id not in self.kv:
-            if job.parent_context_id is not None:
-                if job.parent_context_id not in self.kv:
-                    raise NotFoundError(f"parent context {job.parent_context_id!r} does not exist")
-                parent_tokens = self.tokens[job.parent_context_id]
-                n = len(parent_tokens) if job.parent_num_tokens is None else job.parent_num_tokens
-                if n > len(parent_tokens):
-                    raise InvalidRequestError(f"parent_num_tokens {n} exceeds the {len(parent_tokens)} tokens of "
-                                              f"parent context {job.parent_context_id!r}")
-                while not self.kv.num_free_pages and self._evict_idle(keep=job.parent_context_id):
-                    pass  # the fork copies the parent's partial last page into a free page
-                copy = self.kv.fork(ctx_id, job.parent_context_id, n)
-                if copy is not None:
-                    plan.copies.append(copy)
-                self.tokens[ctx_id] = list(parent_tokens[:n])
-                self.row_fed[ctx_id] = self.row_fed[job.parent_context_id][:n]
-            elif job.kind is JobKind.FILL:
-                self.kv.create(ctx_id)
-                self.tokens[ctx_id] = []
-                self.row_fed[ctx_id] = bytearray()
-            else:
-                raise NotFoundError(f"context {ctx_id!r} does not exist (and no parent_context_id to fork)")
-            created = True
+        created = not resumed and ctx_id not in self.kv
+        if not created:
+            held = len(self.tokens[ctx_id])
+        elif parent is not None:
+            if parent not in self.kv:
+                raise NotFoundError(f"parent context {parent!r} does not exist")
+            held = len(self.tokens[parent]) if job.parent_num_tokens is None else job.parent_num_tokens
+            if held > len(self.tokens[parent]):
+                raise InvalidRequestError(f"parent_num_tokens {held} exceeds the {len(self.tokens[parent])} tokens "
+                                          f"of parent context {parent!r}")
+        elif job.kind is JobKind.FILL:
+            held = 0
+        else:
+            raise NotFoundError(f"context {ctx_id!r} does not exist (and no parent_context_id to fork)")
+        if not resumed:  # what the job makes of the context must fit the model and the pool (checked before a fork)
+            if job.kind is JobKind.GENERATE and not held:
+                raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")
+            extra = len(job.fill_tokens) if job.kind is JobKind.FILL else job.sampling.max_tokens
+            if held + extra > self.max_len:
+                what = "fill" if job.kind is JobKind.FILL else "max_tokens"
+                raise InvalidRequestError(
+                    f"context {ctx_id!r} would exceed the model's maximum length {self.max_len}: it holds "
+                    f"{held} tokens, {what} adds {extra}")
+            if self.kv.pages_for(held + extra) > self.kv.total_pages:
+                raise InvalidRequestError(
+                    f"context {ctx_id!r} needs {held + extra} tokens of KV; the whole cache holds "
+                    f"{self.kv.total_pages * self.kv.page_size}")
+        if created and parent is not None:
+            while not self.kv.num_free_pages and self._evict_idle(keep=parent):
+                pass  # the fork copies the parent's partial last page into a free page
+            copy = self.kv.fork(ctx_id, parent, held)
+            if copy is not None:
+                plan.copies.append(copy)
+            self.tokens[ctx_id] = list(self.tokens[parent][:held])
+            self.row_fed[ctx_id] = self.row_fed[parent][:held]
+        elif created:
+            self.kv.create(ctx_id)
+            self.tokens[ctx_id] = []
+            self.row_fed[ctx_id] = bytearray()
         tokens = self.tokens[ctx_id]
         job.context_tokens = tokens
-        extra = len(job.fill_tokens) if job.kind is JobKind.FILL else job.sampling.max_tokens
-        if resumed:
-            extra = 0
-        elif len(tokens) + extra > self.max_len:
-            if created:
-                self.free_context(ctx_id)
-            what = "fill" if job.kind is JobKind.FILL else "max_tokens"
-            raise InvalidRequestError(
-                f"context {ctx_id!r} would exceed the model's maximum length {self.max_len}: it holds "
-                f"{len(tokens)} tokens, {what} adds {extra}")
-        if self.kv.pages_for(len(tokens) + extra) > self.kv.total_pages:
-            if created:
-                self.free_context(ctx_id)
-            raise InvalidRequestError(
-                f"context {ctx_id!r} needs {len(tokens) + extra} tokens of KV; the whole cache holds "
-                f"{self.kv.total_pages * self.kv.page_size}")
         if job.kind is JobKind.FILL and not resumed:
             job.base_len = len(tokens)
             job.created = created
@@ -1122,8 +1121,6 @@ class Scheduler:
                     plan.copies.append(copy)
                 job.pending = tokens[kv_len - 1 :]
         if job.kind is JobKind.GENERATE and not resumed:
-            if not tokens:
-                raise InvalidRequestError(f"context {ctx_id!r} is empty: fill it before generating")
             if len(fed) >= len(tokens):
                 fed[len(tokens) - 1] = 1  # a decode row feeds the last token (again, below) for its logits
         if job.kind is JobKind.GENERATE and not job.pending:

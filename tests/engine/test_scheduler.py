@@ -223,6 +223,23 @@ def test_idle_contexts_sharing_their_pages_are_evicted_together() -> None:
     assert _results(_drive(s))["c"].num_tokens == 114 and s.row_fed["c"] == bytes(111) + b"\x01" * 2
 
 
+def test_a_fork_too_big_for_the_pool_is_refused_as_such_before_forking() -> None:
+    """A prompt holding the whole pool and a generate forking it that could never fit: the answer is the clear
+    refusal ("needs N tokens of KV"), not a full cache (which a serve core retries in vain, and which depends on
+    what else is cached); nothing is made of the fork. A fork that would generate from nothing is refused too."""
+    s = _small(4)  # 64 token slots
+    s.add(_fill("p", 60))
+    _drive(s)
+    s.add(_gen("c", 10, parent="p"))
+    empty = _gen("e", 2, parent="p")
+    empty.parent_num_tokens = 0
+    s.add(empty)
+    errors = {o.job.context_id: str(o.error) for o in _drive(s)}
+    assert errors == {"c": "context 'c' needs 70 tokens of KV; the whole cache holds 64",
+                      "e": "context 'e' is empty: fill it before generating"}
+    assert "c" not in s.kv and "e" not in s.kv and s.kv.get("p").num_tokens == 60
+
+
 def test_abort_running_and_queued_jobs() -> None:
     s = _small(32)
     s.add(_fill("a", 20))
