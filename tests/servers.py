@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -97,3 +98,23 @@ def tiny_serving_core() -> Iterator[tuple[str, ParrotServeCore]]:
             yield url, core
     finally:
         engine.shutdown()
+
+
+def endless_chunked_body(url: str, method: str, path: str, headers: dict[str, str] | None = None,
+                         most: int = 64 * 2**20) -> tuple[bytes, int]:
+    """Send `method path` with a chunked body that does not end: wait for the answer (a route that reads no
+    body gives it at once), then send on (up to `most` bytes or 30 s) until the server closes the connection or
+    stops reading. Returns (the answer's first bytes, the body bytes the server took)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    chunk = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n{head}\r\n".encode()
+                     + chunk)
+        sent, t0 = len(chunk), time.monotonic()
+        answer = sock.recv(65536)  # (before a reset could drop it)
+        with contextlib.suppress(ConnectionError, TimeoutError):  # reset by the server, or no longer read
+            while time.monotonic() - t0 < 30 and sent < most:
+                sock.sendall(chunk)
+                sent += len(chunk)
+    return answer, sent

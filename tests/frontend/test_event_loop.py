@@ -4,8 +4,6 @@ routes' errors keep their shape even where the app itself answers (404, 405, 413
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +17,7 @@ from parrot.frontend import openai_api
 from parrot.frontend.http_api import MAX_BODY_BYTES
 from parrot.frontend.openai_api import chat_pieces
 from tests.conftest import tiny_engine_config, tiny_model, tiny_tokenizer
-from tests.servers import serving_core
+from tests.servers import endless_chunked_body, serving_core
 
 
 @pytest.fixture(scope="module")
@@ -173,24 +171,8 @@ def test_a_chunked_body_over_the_limit_is_refused(url: str, path: str, head: byt
 
 def test_an_endless_body_to_a_route_that_reads_none_is_answered_and_cut_off(url: str) -> None:
     """A GET that sends a chunked body without end: the route answers without reading it, and the server then
-    closes the connection instead of reading (or keeping) what keeps coming."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
-    chunk = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
-    sent, answer, t0 = 0, b"", time.monotonic()
-    sock.setblocking(False)
-    with contextlib.suppress(ConnectionError):  # reset by the server: what the test waits for
-        while time.monotonic() - t0 < 30 and sent < 64 * 2**20:
-            with contextlib.suppress(BlockingIOError):
-                sent += sock.send(chunk)
-            with contextlib.suppress(BlockingIOError):
-                data = sock.recv(65536)
-                if not data:
-                    break
-                answer += data
-            time.sleep(0.001)
-    sock.close()
+    closes the connection instead of reading (and dropping) what keeps coming, for as long as it comes."""
+    answer, sent = endless_chunked_body(url, "GET", "/health")
     assert answer.startswith(b"HTTP/1.1 200") and b'"status":"ok"' in answer, answer[:200]
     assert sent < 4 * MAX_BODY_BYTES, f"{sent >> 20} MiB taken before the connection was closed"
 

@@ -15,9 +15,10 @@ import pytest
 import parrot as P
 from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
+from parrot.frontend.http_api import MAX_BODY_BYTES
 from parrot.serve.session import Session
 from tests.conftest import tiny_engine_config, tiny_model
-from tests.servers import serving_core
+from tests.servers import endless_chunked_body, serving_core
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,9 @@ def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) ->
             assert r.status_code == 401, (path, r.text)
             # OpenAI's shape on its routes, the REST one (the engines' registration included) elsewhere
             assert set(r.json()) == ({"error"} if path == "/v1/models" else {"detail", "code"}), (path, r.text)
+        # a refusal's chunked body is not read on: the connection closes
+        answer, sent = endless_chunked_body(url, "POST", "/v1/chat/completions")
+        assert answer.startswith(b"HTTP/1.1 401") and sent < 4 * MAX_BODY_BYTES, (answer[:100], sent)
         admin = {"Authorization": f"Bearer {key}"}
         r = c.post("/v1/session", json={}, headers=admin)
         assert r.status_code == 201
