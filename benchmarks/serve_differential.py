@@ -499,24 +499,40 @@ class Server:
             proc.wait(10)
 
 
-def metric(url: str, name: str) -> float | None:
-    """A /metrics value: the sum over the series of `name`."""
+def metric(url: str, name: str, over: Callable[[list[float]], float] = sum) -> float | None:
+    """A /metrics value: the series of `name` (one per engine, say) put together by `over` (their sum)."""
     raw = http_get(url + "/metrics")
     if raw is None:
         return None
     values = [float(line.rsplit(" ", 1)[1]) for line in raw.decode().splitlines()
               if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")]
-    return sum(values) if values else None
+    return over(values) if values else None
 
 
-def kv_pages_total(url: str) -> int | None:
-    """The engine's KV pool in pages (16 tokens each), from a session's graph view."""
+def kv_pages_total(url: str, engines: int = 1, wait: float = 60.0) -> int | None:
+    """The engines' KV pools in pages (16 tokens each; summed over `engines` engines, once that many have
+    reported theirs), from a session's graph view."""
+    deadline = time.monotonic() + wait
     try:
         with VirtualMachine(url, timeout=30) as vm:
-            graph = vm._request("GET", f"/v1/session/{vm.session_id}/graph")
-        return graph["engines"][0]["kv_pages_total"]
+            while True:
+                totals = [e["kv_pages_total"] for e in vm._request("GET", f"/v1/session/{vm.session_id}/graph")[
+                    "engines"] if e["kv_pages_total"] is not None]  # (an engine process: once it reported)
+                if len(totals) >= engines or time.monotonic() > deadline:
+                    return sum(totals) if totals else None
+                time.sleep(0.5)
     except Exception:  # noqa: BLE001 (informational only)
         return None
+
+
+def engines_of(serve_args: list[str]) -> int:
+    """How many engines `parrot serve` starts with these arguments (`--engines N`, else one)."""
+    for i, arg in enumerate(serve_args):
+        if arg.startswith("--engines="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--engines" and i + 1 < len(serve_args):
+            return int(serve_args[i + 1])
+    return 1
 
 
 class KvWatch:
@@ -529,7 +545,7 @@ class KvWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(0.25):
-            usage = metric(self.url, "parrot:kv_cache_usage_perc")
+            usage = metric(self.url, "parrot:kv_cache_usage_perc", max)  # the fullest engine's
             if usage is not None:
                 self.peak = max(self.peak, usage)
 
@@ -575,9 +591,9 @@ def main(argv: list[str] | None = None) -> int:
             s.expire()
         for s in (mix_server, alone_server):
             s.wait_ready(900, args.warm)
-        pages = kv_pages_total(mix_server.url)
+        pages = kv_pages_total(mix_server.url, engines_of(serve_args))
         print(f"parrot serve {' '.join(serve_args)}: mix at {mix_server.url}, alone at {alone_server.url}; KV pool "
-              f"{pages} pages of 16 tokens; ready after {time.perf_counter() - t_start:.1f} s", flush=True)
+              f"{pages} pages of 16 tokens in all; ready after {time.perf_counter() - t_start:.1f} s", flush=True)
         clients = {s.name: openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=args.timeout,
                                          max_retries=0) for s in (mix_server, alone_server)}
         for rnd in range(args.rounds):

@@ -20,6 +20,7 @@ from benchmarks.serve_differential import (
     completion_choices,
     completion_stream_choices,
     describe_request,
+    engines_of,
     first_divergence,
     judge,
     logprob_gap,
@@ -204,3 +205,8 @@ def test_the_shared_system_prompt_is_elided_in_the_report() -> None:
     case = Case("chat_system", {"model": "smollm2", "messages": [{"role": "system", "content": SYSTEM}]}, stream=True)
     line = describe_request(case)
     assert line.startswith("chat_system stream ") and "<SYSTEM>" in line and SYSTEM[:40] not in line
+
+
+def test_engines_of_reads_the_serve_arguments() -> None:
+    assert engines_of(["--kv-memory-mb", "7"]) == 1
+    assert engines_of(["--engines", "2"]) == 2 and engines_of(["--engines=3", "--no-overlap"]) == 3
