@@ -1008,6 +1008,16 @@ class Scheduler:
             self.evictions += 1
         return True
 
+    def _drop_partial_page(self, context_id: str) -> None:
+        """Drop the KV of an idle context's tokens on its partial last page, if no other context holds that page
+        (the tokens stay, recomputed by whatever uses them next): a fork of a prompt that fills the pool to its
+        last page then has a page for them, instead of none to copy them into."""
+        ctx = self.kv.get(context_id)
+        cut = ctx.num_tokens - ctx.num_tokens % self.kv.page_size
+        if cut < ctx.num_tokens and self.kv.refcount(ctx.pages[-1]) == 1:
+            self._truncate(context_id, cut)
+            self.evictions += 1
+
     def _preempt(self, job: Job) -> None:
         """Drop the job's private KV (recomputed when it runs again) and requeue it by arrival."""
         ctx = self.kv.get(job.context_id)
@@ -1092,6 +1102,8 @@ class Scheduler:
         if created and parent is not None:
             while not self.kv.num_free_pages and self._evict_idle(keep=parent):
                 pass  # the fork copies the parent's partial last page into a free page
+            if not self.kv.num_free_pages and parent not in self.busy:
+                self._drop_partial_page(parent)  # or recomputes those tokens: the parent's tail page is the room
             copy = self.kv.fork(ctx_id, parent, held)
             if copy is not None:
                 plan.copies.append(copy)

@@ -170,14 +170,17 @@ def test_idle_contexts_are_evicted_and_recomputed() -> None:
 
 
 def test_fork_waits_for_a_page_instead_of_failing() -> None:
-    """A fork of a parent with a partial last page needs one free page; while a running job holds the
-    rest of the pool it waits (then evicts the finished job's KV and runs) rather than failing."""
+    """A fork of 20 of a parent's 32 tokens needs one free page (for the parent's second page's first 4 tokens);
+    while a running job holds the rest of the pool it waits (then evicts the finished job's KV and runs) rather
+    than failing."""
     s = _small(4)
-    s.add(_fill("parent", 20))  # 2 pages, the last one partial
+    s.add(_fill("parent", 32))  # 2 full pages
     s.add(_fill("hog", 30))  # the other 2 pages
     _drive(s)
     s.add(_gen("hog", 2))  # runs, holding its pages
-    s.add(_gen("child", 2, parent="parent"))
+    child = _gen("child", 2, parent="parent")
+    child.parent_num_tokens = 20
+    s.add(child)
     plan = s.schedule()
     assert [slot.job.context_id for slot in plan.slots] == ["hog"] and not plan.outputs
     s.update(plan, [TOKEN] * len(plan.slots))
@@ -238,6 +241,21 @@ def test_a_fork_too_big_for_the_pool_is_refused_as_such_before_forking() -> None
     assert errors == {"c": "context 'c' needs 70 tokens of KV; the whole cache holds 64",
                       "e": "context 'e' is empty: fill it before generating"}
     assert "c" not in s.kv and "e" not in s.kv and s.kv.get("p").num_tokens == 60
+
+
+def test_a_fork_of_a_prompt_filling_the_pool_recomputes_its_tail_page() -> None:
+    """A prompt ending on a partial page that fills the pool, and a generate forking it that fits the pool too:
+    there is no page to copy the parent's partial page into, so the parent's tail page is dropped (its tokens
+    stay) and the fork recomputes those tokens into it, fed as the prompt was, instead of failing."""
+    s = _small(4)  # 64 token slots
+    s.add(_fill("p", 60))  # 4 pages, the last holding 12 tokens
+    _drive(s)
+    assert s.kv.num_free_pages == 0
+    s.add(_gen("c", 3, parent="p"))
+    results = _results(_drive(s))
+    assert results["c"].num_tokens == 63 and results["c"].token_ids == [TOKEN] * 3
+    assert s.row_fed["c"] == bytes(59) + b"\x01" * 3  # recomputed as "p" was fed; its last token for the logits
+    assert s.kv.get("p").num_tokens == 48 and len(s.tokens["p"]) == 60
 
 
 def test_abort_running_and_queued_jobs() -> None:
