@@ -185,7 +185,7 @@ class ContextManager:
         return out
 
     def discard(self, ctx: CachedContext) -> None:
-        """Forget a context the engine never made (its fill failed); the caller frees nothing."""
+        """Forget a context whose fill failed (the engine dropped what that fill made); the caller frees nothing."""
         self._forget(ctx)
 
     def release_engine(self, engine: str) -> list[CachedContext]:
