@@ -909,7 +909,7 @@ class Scheduler:
         self.waiting = deque(j for j in self.waiting if j.context_id != context_id)
         self.aborts += len(victims)
         err = AbortedError(f"the primitive on context {context_id!r} was aborted")
-        return [out for job in victims if job.status is not JobStatus.FINISHED for out in self._fail(job, err)]
+        return [out for job in victims for out in self._fail(job, err)]
 
     def _fail(self, job: Job, err: BaseException) -> list[JobOutput]:
         """End `job` with `err` (a fill's tokens leave its context, a context it made is freed), and with it a
@@ -917,12 +917,13 @@ class Scheduler:
         if job.status is JobStatus.RUNNING:
             self.finish(job)
         job.status = JobStatus.FINISHED
-        self.roll_back(job)
         outputs = [JobOutput(job, error=err)]
         if job.kind is JobKind.FILL:
             outputs.extend(self._fail_dependents(job, err))
-            if job.created and job.context_id in self.kv and not self.referenced(job.context_id):
-                self.free_context(job.context_id)  # a context the fill made goes with it: its client never had it
+        if job.created and job.context_id in self.kv and not self.referenced(job.context_id):
+            self.free_context(job.context_id)  # a context the fill made goes with it: its client never had it
+        else:
+            self.roll_back(job)
         return outputs
 
     def _fail_dependents(self, failed: Job, err: BaseException) -> list[JobOutput]:
