@@ -8,7 +8,8 @@ one takes the mixes, the other the replays alone (so no prefix the mix cached he
 Each round sends 4-12 requests at once (threads, staggered by 0-200 ms) through the `openai` client and the
 REST session API (semantic calls bound to semantic variables, read through the SDK's `VirtualMachine`): greedy,
 seeded (temperature, top-p, `seed`) and `n` > 1 chat completions and completions, stop strings, `logprobs` /
-`top_logprobs`, `echo` with prompt logprobs, a `json_schema` response format, tools, a long system prompt
+`top_logprobs`, `echo` with prompt logprobs, the sampler's options (penalties, `logit_bias`, `top_k`, `min_p`,
+`min_tokens`, `stop_token_ids`), a `json_schema` response format, tools, a long system prompt
 several requests share, streamed and not; two chained calls (the second reads the first's output), a call with
 two outputs, and a map-reduce whose map calls share a long constant prefix. Then it sends each request alone,
 one at a time, to the other server, and compares text, finish reason, tool calls and logprobs (equal bit for bit
@@ -76,7 +77,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "required": ["city"]}}}]
 KINDS = ["chat", "chat_seeded", "chat_logprobs", "chat_n", "chat_json", "chat_tools", "chat_system", "completion",
          "completion_seeded", "completion_logprobs", "completion_echo", "completion_n", "rest_chain", "rest_map",
-         "rest_two_outputs"]
+         "rest_two_outputs", "chat_sampling", "completion_sampling"]
+# SmolLM2's ids of ".", ",", " the", " and", "\n", " a", " is", " cat", " sea": logit_bias and stop_token_ids
+COMMON_IDS = [30, 28, 260, 284, 198, 253, 314, 2644, 3426]
 
 TOO_BIG = re.compile(r"needs \d+ tokens of KV; the whole cache holds \d+")
 Outcome = dict[str, Any]  # {"choices": [Choice, ...], "seconds": s} or {"error": "...", "seconds": s}
@@ -142,6 +145,10 @@ def make_case(rng: random.Random, kinds: list[str] | None = None) -> Case:
     elif kind == "completion_echo":
         body["prompt"] = f"{SYSTEM}\nQuestion: {rng.choice(QUESTIONS)}\nAnswer:"
         body.update(echo=True, logprobs=rng.randint(0, 2), max_tokens=rng.randint(1, 12))
+    elif kind in ("chat_sampling", "completion_sampling"):  # the sampler's processing, greedy or seeded
+        body.update(sampling_options(rng))
+        if rng.random() < 0.5:
+            body.update(seeded)
     elif kind.startswith("rest"):
         greedy: dict[str, Any] = {"max_tokens": body["max_tokens"]}
         sampling = dict(greedy, temperature=seeded["temperature"], top_p=seeded["top_p"], seed=seeded["seed"])
@@ -152,6 +159,33 @@ def make_case(rng: random.Random, kinds: list[str] | None = None) -> Case:
             body["questions"] = rng.sample(QUESTIONS, rng.randint(2, 4))
             body["criteria"] = "throughput"
     return Case(kind, body, stream)
+
+
+def sampling_options(rng: random.Random) -> dict[str, Any]:
+    """One to three of the sampler's processing options: penalties, logit_bias, top-k, min-p, min_tokens,
+    stop_token_ids (the extensions in `extra_body`, as the openai client sends them)."""
+    out: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    names = ["frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
+             "min_tokens", "stop_token_ids"]
+    for name in rng.sample(names, rng.randint(1, 3)):
+        if name in ("frequency_penalty", "presence_penalty"):
+            out[name] = rng.choice([-0.5, 0.5, 1.5])
+        elif name == "repetition_penalty":
+            extra[name] = rng.choice([0.9, 1.2, 1.5])
+        elif name == "logit_bias":
+            out[name] = {str(i): rng.choice([-100, -3, 3, 8]) for i in rng.sample(COMMON_IDS, rng.randint(1, 3))}
+        elif name == "top_k":
+            extra[name] = rng.choice([1, 5, 40])
+        elif name == "min_p":
+            extra[name] = rng.choice([0.05, 0.2])
+        elif name == "min_tokens":
+            extra[name] = rng.randint(1, 8)
+        else:
+            extra[name] = rng.sample(COMMON_IDS, rng.randint(1, 2))
+    if extra:
+        out["extra_body"] = extra
+    return out
 
 
 # ---- running one request -------------------------------------------------------------------------------------

@@ -201,6 +201,22 @@ def test_requests_are_reproducible_and_never_sample_unseeded() -> None:
     assert {make_case(random.Random(s), ["chat_tools"]).kind for s in range(5)} == {"chat_tools"}
 
 
+def test_sampling_options_are_valid_requests_with_extensions_in_extra_body() -> None:
+    rng = random.Random(3)
+    seen: set[str] = set()
+    for _ in range(200):
+        body = make_case(rng, ["chat_sampling", "completion_sampling"]).body
+        extra = body.get("extra_body", {})
+        seen |= set(extra) | {k for k in body if k.endswith("penalty") or k == "logit_bias"}
+        assert set(extra) <= {"repetition_penalty", "top_k", "min_p", "min_tokens", "stop_token_ids"}
+        assert extra.get("min_tokens", 0) <= body["max_tokens"]
+        assert all(-2.0 <= body.get(k, 0.0) <= 2.0 for k in ("frequency_penalty", "presence_penalty"))
+        assert all(-100 <= b <= 100 for b in body.get("logit_bias", {}).values())
+        assert body["temperature"] == 0.0 or "seed" in body
+    assert seen == {"frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
+                    "min_tokens", "stop_token_ids"}
+
+
 def test_the_shared_system_prompt_is_elided_in_the_report() -> None:
     case = Case("chat_system", {"model": "smollm2", "messages": [{"role": "system", "content": SYSTEM}]}, stream=True)
     line = describe_request(case)
