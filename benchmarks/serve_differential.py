@@ -81,7 +81,9 @@ KINDS = ["chat", "chat_seeded", "chat_logprobs", "chat_n", "chat_json", "chat_to
 # SmolLM2's ids of ".", ",", " the", " and", "\n", " a", " is", " cat", " sea": logit_bias and stop_token_ids
 COMMON_IDS = [30, 28, 260, 284, 198, 253, 314, 2644, 3426]
 
-TOO_BIG = re.compile(r"needs \d+ tokens of KV; the whole cache holds \d+")
+# refusals of a request as such: larger than the whole KV pool, or than the model's maximum length
+TOO_BIG = re.compile(r"needs \d+ tokens of KV; the whole cache holds \d+|maximum context length is \d+ tokens"
+                     r"|would exceed the model's maximum length \d+")
 Outcome = dict[str, Any]  # {"choices": [Choice, ...], "seconds": s} or {"error": "...", "seconds": s}
 Choice = dict[str, Any]  # {"index", "text", "finish", "tools": [[name, arguments]] | None, "logprobs": [...] | None}
 
@@ -368,14 +370,14 @@ def logprob_gap(a: list[list[Any]] | None, b: list[list[Any]] | None) -> tuple[s
 
 
 def too_big(outcome: Outcome) -> bool:
-    """The request was refused as larger than the whole KV pool (a small `--kv-memory-mb`): a refusal that
-    depends on the request alone, not on what ran beside it."""
+    """The request was refused as larger than the whole KV pool (a small `--kv-memory-mb`) or than the model's
+    maximum length (`--max-model-len`): a refusal that depends on the request alone, not on what ran beside it."""
     return bool(TOO_BIG.search(outcome.get("error", "")))
 
 
 def compare(a: Outcome, b: Outcome, tolerance: float = 0.0) -> tuple[str | None, float]:
     """(where two answers to one request differ, None if they agree; the largest logprob gap). An error on
-    either side is a difference, but for a request both sides refused as larger than the whole pool."""
+    either side is a difference, but for a request both sides refused as too big (`too_big`)."""
     if too_big(a) and too_big(b):
         return None, 0.0
     if "error" in a or "error" in b:
@@ -680,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = sum(r["requests"] for r in rounds)
     seconds = time.perf_counter() - t_start
     print(f"{differed} of {requests} requests differed ({failed} with an error, {refused} refused on both sides as "
-          f"larger than the KV pool); largest logprob gap {max_gap:.3g}; {seconds:.0f} s")
+          f"larger than the KV pool or the model); largest logprob gap {max_gap:.3g}; {seconds:.0f} s")
     write_json({"model": MODEL, "kv_memory_mb": args.kv_memory_mb, "serve_args": serve_args, "seed": args.seed,
                 "kv_pages_total": pages, "requests": requests, "differed": differed, "failed": failed,
                 "refused": refused, "max_logprob_gap": max_gap, "tolerance": args.tolerance,

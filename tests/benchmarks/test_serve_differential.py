@@ -71,13 +71,20 @@ def test_an_error_on_either_side_is_a_difference() -> None:
 
 
 def test_a_request_larger_than_the_pool_refused_on_both_sides_agrees() -> None:
-    """The one refusal that depends on the request alone (a pool smaller than it); any other error twice, or
-    this one on one side only, is still a difference."""
+    """The refusals that depend on the request alone (a pool or a model length smaller than it); any other error
+    twice, or such a refusal on one side only, is still a difference."""
     big = {"error": "BadRequestError: Error code: 400 - context 'completion-1' needs 292 tokens of KV; the whole "
                     "cache holds 288", "seconds": 0.1}
     other = {"error": big["error"].replace("completion-1", "s-2"), "seconds": 0.2}
     assert compare(big, other) == (None, 0.0)
     assert compare(big, _answer(_choice()))[0] is not None
+    long = {"error": "BadRequestError: Error code: 400 - this model's maximum context length is 256 tokens; the "
+                     "messages has 252 tokens and max_tokens is 40", "seconds": 0.1}
+    assert compare(long, long) == (None, 0.0)
+    var = {"error": "VariableFailedError: semantic variable 'author' (var-a) failed: context 's-1' would exceed the "
+                    "model's maximum length 256: it holds 247 tokens, max_tokens adds 47", "seconds": 0.1}
+    assert compare(var, dict(var, error=var["error"].replace("var-a", "var-b"))) == (None, 0.0)
+    assert compare(long, _answer(_choice()))[0] is not None
     full = {"error": "BadRequestError: Error code: 400 - KV cache is full: 1 page(s) needed", "seconds": 1.0}
     assert compare(full, full)[0] is not None
 
