@@ -254,8 +254,10 @@ class ModelRunner:
         self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         if self.weights_mode == "float" and ecfg.weights == "auto" and kernels.available():
-            log.info("float weights on a CPU run through XLA's float products; --weights q8_0 quantizes them at "
-                     "load for the native kernels (SmolLM2-135M's shape: decode 4.7x faster, prefill 1.3x)")
+            log.info("float weights on a CPU run through XLA's float products, whose sums' order follows the "
+                     "batch's size (a sequence alone and in a batch may pick apart nearly tied tokens); "
+                     "--weights q8_0 quantizes them at load for the native kernels, which sum every row in one "
+                     "order (SmolLM2-135M's shape: decode 4.7x faster, prefill 1.3x)")
         # tensor parallelism: the model with heads, FFN and vocabulary zero-padded to split in whole parts
         self.tp = ecfg.tensor_parallel_size
         self.mesh = tensor_parallel.make_mesh(self.tp) if self.tp > 1 else None
