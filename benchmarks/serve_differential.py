@@ -9,7 +9,8 @@ Each round sends 4-12 requests at once (threads, staggered by 0-200 ms) through 
 REST session API (semantic calls bound to semantic variables, read through the SDK's `VirtualMachine`): greedy,
 seeded (temperature, top-p, `seed`) and `n` > 1 chat completions and completions, stop strings, `logprobs` /
 `top_logprobs`, `echo` with prompt logprobs, the sampler's options (penalties, `logit_bias`, `top_k`, `min_p`,
-`min_tokens`, `stop_token_ids`), a `json_schema` response format, tools, a long system prompt
+`min_tokens`, `stop_token_ids`), a `json_schema` or `json_object` response format, regex, choice and Lark grammar
+constraints, tools, a long system prompt
 several requests share, streamed and not; two chained calls (the second reads the first's output), a call with
 two outputs, and a map-reduce whose map calls share a long constant prefix. Then it sends each request alone,
 one at a time, to the other server, and compares text, finish reason, tool calls and logprobs (equal bit for bit
@@ -77,7 +78,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "required": ["city"]}}}]
 KINDS = ["chat", "chat_seeded", "chat_logprobs", "chat_n", "chat_json", "chat_tools", "chat_system", "completion",
          "completion_seeded", "completion_logprobs", "completion_echo", "completion_n", "rest_chain", "rest_map",
-         "rest_two_outputs", "chat_sampling", "completion_sampling"]
+         "rest_two_outputs", "chat_sampling", "completion_sampling", "chat_guided", "completion_guided"]
+# output constraints beside json_schema (vLLM's names, in `extra_body`; json_object in response_format)
+GUIDED: list[dict[str, Any]] = [
+    {"guided_regex": r"[A-Z][a-z]+( [a-z]+){2,6}\."},
+    {"guided_regex": r"(yes|no), because [a-z ]{5,40}\."},
+    {"guided_choice": ["the sea", "a cat", "prime numbers", "bread"]},
+    {"guided_grammar": 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/'},
+    {"guided_grammar": 'start: item (", " item)*\nitem: /[a-z]{2,8}/'},
+]
 # SmolLM2's ids of ".", ",", " the", " and", "\n", " a", " is", " cat", " sea": logit_bias and stop_token_ids
 COMMON_IDS = [30, 28, 260, 284, 198, 253, 314, 2644, 3426]
 
@@ -150,6 +159,14 @@ def make_case(rng: random.Random, kinds: list[str] | None = None) -> Case:
     elif kind in ("chat_sampling", "completion_sampling"):  # the sampler's processing, greedy or seeded
         body.update(sampling_options(rng))
         if rng.random() < 0.5:
+            body.update(seeded)
+    elif kind in ("chat_guided", "completion_guided"):  # structured decoding beside the JSON schemas
+        if kind == "chat_guided" and rng.random() < 0.2:
+            body["response_format"] = {"type": "json_object"}
+            body["messages"] = [{"role": "user", "content": f"Describe {topic} as a JSON object."}]
+        else:
+            body["extra_body"] = dict(rng.choice(GUIDED))
+        if rng.random() < 0.4:
             body.update(seeded)
     elif kind.startswith("rest"):
         greedy: dict[str, Any] = {"max_tokens": body["max_tokens"]}
