@@ -253,7 +253,7 @@ class ModelRunner:
         self.page_size = ecfg.page_size
         self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
-        if self.weights_mode == "float" and ecfg.weights == "auto" and kernels.available():
+        if self.weights_mode == "float" and kernels.available():  # `auto` on float weights, or f32 / bf16
             log.info("float weights on a CPU run through XLA's float products, whose sums' order follows the "
                      "batch's size (a sequence alone and in a batch may pick apart nearly tied tokens); "
                      "--weights q8_0 quantizes them at load for the native kernels, which sum every row in one "
