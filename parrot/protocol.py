@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request
+TOP_K_ALL = 2**31 - 1  # a top_k beyond any vocabulary keeps all of it; larger ones are taken as this (int32)
 
 
 class SamplingParams(BaseModel):
@@ -26,7 +27,7 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(128, ge=1, description="stop after this many generated tokens")
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 = whole vocabulary")
+    top_k: int = Field(0, ge=0, description="0, or any k from the vocabulary's size up: the whole vocabulary")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
     seed: int | None = Field(None, ge=0, lt=2**32, description="per-request seed; None = random")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output)")
@@ -58,6 +59,11 @@ class SamplingParams(BaseModel):
         if bad:
             raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100] (bad: {bad[:5]})")
         return bias
+
+    @field_validator("top_k")
+    @classmethod
+    def _clamp_top_k(cls, k: int) -> int:
+        return min(k, TOP_K_ALL)  # the sampler's top_k is an int32; any k past the vocabulary means all of it
 
     @field_validator("choice")
     @classmethod

@@ -42,7 +42,14 @@ from parrot.engine.sequence import Job, JobKind, JobOutput
 from parrot.engine.step_trace import StepTrace
 from parrot.engine.structured import Constraint, Grammars
 from parrot.engine.tokenizer import IncrementalDetokenizer
-from parrot.errors import ConflictError, EngineUnavailableError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import (
+    ConflictError,
+    EngineUnavailableError,
+    GenerationFailedError,
+    InvalidRequestError,
+    NotFoundError,
+    ParrotError,
+)
 from parrot.protocol import (
     FillRequest,
     FillResponse,
@@ -423,6 +430,9 @@ class LLMEngine:
             except ParrotError as err:
                 self._deliver(self.scheduler.fail_step(plan, err))
                 return
+            except Exception as exc:  # noqa: BLE001 - what this step's inputs met: they fail, the engine serves on
+                self._deliver(self.scheduler.fail_step(plan, _step_failed(exc)))
+                return
         else:
             plan, launched = self._inflight
             self._inflight = None
@@ -433,6 +443,9 @@ class LLMEngine:
                 self._inflight = (ahead, self.runner.launch(ahead, prev=launched))
             except ParrotError as err:
                 self._deliver(self.scheduler.fail_step(ahead, err))  # its jobs fail; `plan` skips them
+                ahead = None
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._deliver(self.scheduler.fail_step(ahead, _step_failed(exc)))
                 ahead = None
         try:
             sampled = self.runner.collect(launched)
@@ -457,6 +470,14 @@ class LLMEngine:
                 _emit(out.job, chunk)
             if out.finished:
                 _finish(out.job, out.result, out.error)
+
+
+def _step_failed(exc: Exception) -> GenerationFailedError:
+    """The error for the jobs of a step whose launch raised something other than a ParrotError (a bug met by
+    their inputs, e.g. a value the host could not pack): they fail with it, their KV rolled back, and the
+    loop goes on, so one request cannot take the engine, and everyone's work, down with it."""
+    log.exception("a step could not be launched; its jobs fail, the engine serves on")
+    return GenerationFailedError(f"the engine could not run this step: {type(exc).__name__}: {exc}")
 
 
 def _emit(job: Job, chunk: StreamChunk) -> None:

@@ -10,7 +10,7 @@ import pytest
 from parrot.engine.engine import LLMEngine
 from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
+from parrot.errors import ConflictError, GenerationFailedError, InvalidRequestError, NotFoundError
 from parrot.protocol import FillRequest, GenerateRequest, SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
 
@@ -582,3 +582,28 @@ def test_mixed_steps_of_a_wide_batch_keep_results(engine: LLMEngine) -> None:
         del engine.runner._mixed
     assert any(s.batch == 8 for s in shapes), shapes
     assert mixed == two_passes
+
+
+def test_a_step_that_cannot_be_launched_fails_its_jobs_and_the_engine_serves_on(
+        engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Something other than a ParrotError out of the runner's launch (a value the host could not pack: a top_k
+    past int32 once did this) fails that step's jobs with a clear error, their KV rolled back; it used to end
+    the engine loop, and with it every request the server held."""
+    launch = engine.runner.launch
+
+    def poisoned(plan, *args, **kwargs):
+        if any(slot.job.context_id == "poison" and slot.job.kind is JobKind.GENERATE for slot in plan.slots):
+            raise OverflowError("Python int too large to convert to C long")
+        return launch(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", poisoned)
+    fill(engine, "poison", prompt(7))
+    with pytest.raises(GenerationFailedError, match="OverflowError"):
+        gen(engine, "poison", max_tokens=4)
+    assert engine.alive
+    fill(engine, "bystander", prompt(8))
+    assert len(gen(engine, "bystander", max_tokens=3, ignore_eos=True).token_ids) == 3
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    assert len(gen(engine, "poison", max_tokens=2, ignore_eos=True).token_ids) == 2  # its context is intact
+    for ctx in ("poison", "bystander"):
+        engine.free_future(ctx).result(TIMEOUT)

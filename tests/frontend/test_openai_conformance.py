@@ -106,6 +106,10 @@ def test_temperature_seed_top_p_and_extensions_top_k_min_p(client: openai.OpenAI
     assert comp(client, temperature=1.0, seed=5, top_p=1e-6).choices[0].text == greedy
     assert comp(client, {"top_k": 1}, temperature=1.0, seed=5).choices[0].text == greedy
     assert comp(client, {"min_p": 1.0}, temperature=1.0, seed=5).choices[0].text == greedy
+    # a top_k past the vocabulary keeps all of it, however large (it once took the engine down)
+    whole = comp(client, {"top_k": 0}, temperature=1.0, seed=5).choices[0].text
+    for k in (10**6, 10**30):
+        assert comp(client, {"top_k": k}, temperature=1.0, seed=5).choices[0].text == whole
     assert chat(client, temperature=1.0, seed=5, top_p=1e-6).choices[0].message.content == \
         chat(client).choices[0].message.content
     refused(comp, "temperature", client=client, temperature=2.5)
