@@ -319,15 +319,20 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         return core.native_call(session_of(body.session_id, authorization, xst), body)
 
     # ---- service ------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> dict:
+    @app.get("/health", response_model=None)
+    async def health() -> dict | JSONResponse:
         engines = [e.name for e in core.engines.live_engines()]
+        # an engine inside this process whose loop stopped never comes back: nothing here can serve again,
+        # so the answer is a 503 (a liveness probe restarts the server), as an engine's own /health answers
+        stopped = {st.name: st.reason for st in core.engines.status() if st.url is None and not st.live}
+        if stopped and not engines:
+            return JSONResponse({"status": "engine_dead", "engines": [], "dead": stopped}, status_code=503)
         warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs
         for name in engines:
             info = core.engines.runtime(name)
             if info is not None and info.compiled_shapes < info.total_shapes:
                 warming[name] = f"{info.compiled_shapes} of {info.total_shapes} shapes compiled"
-        body: dict = {"status": "warming_up" if warming else "ok", "engines": engines}
+        body: dict = {"status": "warming_up" if warming else "ok" if engines else "no_engine", "engines": engines}
         if warming:
             body["warming_up"] = warming
         if core.engine_processes is not None:  # --engines N: each process's state, restarts, last exit code

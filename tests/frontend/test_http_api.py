@@ -215,3 +215,22 @@ def test_deleting_a_session_mid_generation_frees_its_contexts(client: httpx.Clie
         assert time.time() < deadline, "the deleted session's contexts were not released"
         time.sleep(0.05)
     assert ids["y"] not in {v.id for v in core.vars.session_variables(sid)}
+
+
+def test_health_is_a_503_once_the_servers_own_engine_has_stopped() -> None:
+    """An engine inside the server whose loop stopped never serves again: /health says so with a 503 (a
+    liveness probe restarts the server), where it used to answer 200 "ok" with no engine."""
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, _):
+            ok = httpx.get(f"{url}/health", timeout=30)
+            assert ok.status_code == 200 and ok.json()["engines"] == ["local"]
+            engine.shutdown()
+            deadline = time.monotonic() + 30
+            while (r := httpx.get(f"{url}/health", timeout=30)).status_code == 200:
+                assert time.monotonic() < deadline, r.json()
+                time.sleep(0.2)
+            assert r.status_code == 503
+            assert r.json()["status"] == "engine_dead" and r.json()["engines"] == [] and "local" in r.json()["dead"]
+    finally:
+        engine.shutdown()
