@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 4096  # characters per stop string
 TOP_K_ALL = 2**31 - 1  # a top_k beyond any vocabulary keeps all of it; larger ones are taken as this (int32)
 
 
@@ -59,6 +61,17 @@ class SamplingParams(BaseModel):
         if bad:
             raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100] (bad: {bad[:5]})")
         return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: list[str]) -> list[str]:
+        if len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings; got {len(stop)}")
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        if longest := max((len(s) for s in stop if len(s) > MAX_STOP_CHARS), default=0):
+            raise ValueError(f"a stop string has {longest} characters; at most {MAX_STOP_CHARS}")
+        return stop
 
     @field_validator("top_k")
     @classmethod

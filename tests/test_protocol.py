@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from parrot.protocol import TOP_K_ALL, SamplingParams
+from parrot.protocol import MAX_STOP_CHARS, TOP_K_ALL, SamplingParams
 
 
 def test_a_top_k_past_any_vocabulary_is_taken_as_the_whole_of_it() -> None:
@@ -19,3 +19,10 @@ def test_seeds_and_logprobs_keep_their_ranges() -> None:
     for bad in ({"seed": 2**32}, {"seed": -1}, {"logprobs": 21}, {"max_tokens": 0}, {"min_tokens": 9, "max_tokens": 8}):
         with pytest.raises(ValidationError):
             SamplingParams(**bad)
+
+
+def test_stop_strings_are_bounded_in_number_and_length_and_never_empty() -> None:
+    assert SamplingParams(stop=["x" * MAX_STOP_CHARS] * 16).stop[0] == "x" * MAX_STOP_CHARS
+    for bad in ([""], ["a"] * 17, ["x" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(ValidationError, match="stop"):
+            SamplingParams(stop=bad)

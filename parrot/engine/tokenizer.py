@@ -197,6 +197,41 @@ def encodable(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
+class StopMatcher:
+    """Where one stop string shows up in a text fed piece by piece: the longest prefix of it that ends the text
+    so far (the characters to hold back), and the end of its first whole occurrence. Knuth-Morris-Pratt, so a
+    piece costs its own length whatever the stop string's: a long stop string cannot stall the engine's loop
+    (holding back by testing every prefix of it against the text took its length squared each token)."""
+
+    def __init__(self, stop: str) -> None:
+        if not stop:
+            raise ValueError("a stop string must not be empty")
+        self.stop = stop
+        self.fail = fail = [0] * len(stop)  # fail[i]: the longest proper prefix of stop[: i + 1] that ends it
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            fail[i] = k
+        self.matched = 0  # characters of the stop string that end the text fed so far
+
+    def feed(self, piece: str) -> int | None:
+        """Advance over `piece`: the index in it just past the stop string's first whole occurrence, or None."""
+        k, stop, fail = self.matched, self.stop, self.fail
+        for j, ch in enumerate(piece):
+            while k and ch != stop[k]:
+                k = fail[k - 1]
+            if ch == stop[k]:
+                k += 1
+                if k == len(stop):
+                    self.matched = k
+                    return j + 1
+        self.matched = k
+        return None
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters,
     and finds stop strings as they appear. Text that could be the start of a stop string is held back
@@ -205,6 +240,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.matchers = [StopMatcher(s) for s in self.stop]
         self.ids: list[int] = []
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
@@ -220,15 +256,16 @@ class IncrementalDetokenizer:
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return "", False  # incomplete UTF-8 sequence or nothing printable yet
         old_len = len(self.text)
-        self.text += full[len(prefix_text) :]
+        piece = full[len(prefix_text) :]
+        self.text += piece
         self._prefix, self._read = self._read, len(self.ids)
-        # a stop string may straddle deltas: search from where it could have started; earliest wins
-        hits = [i for stop in self.stop if (i := self.text.find(stop, max(0, old_len - len(stop) + 1))) != -1]
+        # a stop string may straddle deltas (each matcher carries what of it ended the text); earliest wins
+        hits = [old_len + end - len(m.stop) for m in self.matchers if (end := m.feed(piece)) is not None]
         if hits:
             self.text = self.text[: min(hits)]
             self.cut = True
             return self.flush(), True
-        held = max((k for stop in self.stop for k in range(1, len(stop)) if self.text.endswith(stop[:k])), default=0)
+        held = max((m.matched for m in self.matchers), default=0)
         end = len(self.text) - held
         delta = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)

@@ -20,11 +20,11 @@ from pydantic_core import PydanticCustomError
 
 from parrot.frontend.openai_errors import OpenAIError, unsupported
 from parrot.frontend.strict_schema import strict_schema
-from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams
 from parrot.serve.sampling_defaults import SamplingDefaults
 
 MAX_N = 16
-MAX_STOP = 16
+MAX_STOP = MAX_STOPS
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 SCHEMA_NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
@@ -148,6 +148,8 @@ class SamplingRequest(BaseModel):
             raise OpenAIError(400, f"at most {MAX_STOP} stop sequences", param="stop")
         if any(not s for s in stops):
             raise OpenAIError(400, "stop sequences must not be empty", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise OpenAIError(400, f"stop sequences may have at most {MAX_STOP_CHARS} characters", param="stop")
         return stops
 
     # ---- constraints -------------------------------------------------------------------------------

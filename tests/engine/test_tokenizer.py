@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from parrot.engine.loader import LoadedModel
-from parrot.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from parrot.engine.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -182,3 +182,37 @@ def test_earliest_of_several_stops_wins(tok: Tokenizer) -> None:
     _, _, hit, detok = stream(tok, tok.encode(text), ["e", "t"])
     assert hit
     assert detok.text == ""  # "t" is at 0; the bug cuts at "e" and leaves "th"
+
+
+def _held_and_hit(text: str, stop: str) -> tuple[int, int | None]:
+    """What StopMatcher computes, by brute force: the longest proper prefix of `stop` ending `text`, and the
+    end of its first occurrence."""
+    at = text.find(stop)
+    held = max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return held, None if at == -1 else at + len(stop)
+
+
+@given(st.text(alphabet="ab", max_size=40), st.text(alphabet="ab", min_size=1, max_size=8),
+       st.lists(st.integers(1, 6), max_size=20))
+def test_stop_matcher_equals_brute_force_fed_in_any_pieces(text: str, stop: str, cuts: list[int]) -> None:
+    m, fed, pos = StopMatcher(stop), "", 0
+    for n in [*cuts, len(text)]:
+        piece, pos = text[pos : pos + n], pos + n
+        end = m.feed(piece)
+        held, hit = _held_and_hit(fed + piece, stop)
+        if end is not None:  # the first whole occurrence, in this piece
+            assert hit == len(fed) + end and _held_and_hit(fed + piece[: end - 1], stop)[1] is None
+            return
+        assert hit is None and m.matched == held
+        fed += piece
+
+
+def test_a_long_stop_string_costs_each_piece_its_own_length() -> None:
+    """A 4,096-character stop string (the most a request may give) held back against a long text: the old
+    way tested every prefix of it against the text every token."""
+    stop = "ab" * 2047 + "ac"
+    m = StopMatcher(stop)
+    for _ in range(5000):
+        assert m.feed("ab") is None
+    assert m.matched == len(stop) - 2  # all but its last "ac" ends the text: held back
+    assert m.feed("ac") == 2

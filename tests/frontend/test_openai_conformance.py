@@ -164,6 +164,7 @@ def test_max_tokens_n_stop_and_model(client: openai.OpenAI) -> None:
     refused(comp, "best_of", client=client, best_of=3, n=1)
     refused(comp, "n", client=client, n=0)
     refused(comp, "stop", client=client, stop=[""])
+    refused(comp, "stop", client=client, stop="x" * 4097)  # at most 4,096 characters
 
 
 def test_stream_and_stream_options(client: openai.OpenAI) -> None:
