@@ -234,3 +234,41 @@ def test_health_is_a_503_once_the_servers_own_engine_has_stopped() -> None:
             assert r.json()["status"] == "engine_dead" and r.json()["engines"] == [] and "local" in r.json()["dead"]
     finally:
         engine.shutdown()
+
+
+def test_work_waiting_when_the_servers_own_engine_stops_fails_instead_of_waiting_forever() -> None:
+    """The engine inside the server stops mid-generation: the request it held, re-dispatched, and a semantic call
+    sent afterwards fail with an explicit error; they used to wait for an engine that could never come."""
+    import threading
+
+    from parrot.frontend.sdk import VirtualMachine
+
+    engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, _):
+            got: dict = {}
+
+            def long_generation() -> None:
+                body = {"model": "tiny", "prompt": "a b c", "max_tokens": 400, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    got["status"] = r.status_code
+                    got["events"] = [line for line in r.iter_lines() if line.startswith("data:")]
+
+            t = threading.Thread(target=long_generation)
+            t.start()
+            deadline = time.monotonic() + 30
+            while engine.ping().running == 0:  # the generation runs on the engine
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            engine.shutdown()
+            t.join(60)
+            assert not t.is_alive()
+            # a 503 before the stream's first chunk, or a stream that ends with an error event
+            assert got["status"] == 503 or any("error" in e for e in got["events"]), got
+            with VirtualMachine(url, timeout=60) as vm:
+                call = vm.semantic_call("Say: {{a}}", [{"name": "a", "is_output": True,
+                                                         "sampling_config": {"max_tokens": 4}}])
+                with pytest.raises(Exception, match="engine"):  # noqa: PT011 - the SDK's error for a failed variable
+                    call["a"].get(timeout=30)
+    finally:
+        engine.shutdown()
