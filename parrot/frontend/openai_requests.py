@@ -84,7 +84,7 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str = "text"
+    type: str  # required, as OpenAI and vLLM have it
     json_schema: JsonSchemaFormat | None = None
 
 

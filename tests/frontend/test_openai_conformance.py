@@ -340,6 +340,7 @@ def test_response_format(client: openai.OpenAI) -> None:
     stream = chat(client, response_format=fmt, max_tokens=40, stream=True)
     assert set(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices))) == {"n"}
     refused(chat, "response_format", client=client, response_format={"type": "xml"})
+    refused(chat, "response_format.type", client=client, response_format={"json_schema": fmt["json_schema"]})
 
 
 @pytest.mark.parametrize(("extra", "check"), [
