@@ -322,10 +322,10 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @app.get("/health", response_model=None)
     async def health() -> dict | JSONResponse:
         engines = [e.name for e in core.engines.live_engines()]
-        # an engine inside this process whose loop stopped never comes back: nothing here can serve again,
-        # so the answer is a 503 (a liveness probe restarts the server), as an engine's own /health answers
-        stopped = {st.name: st.reason for st in core.engines.status() if st.url is None and not st.live}
-        if stopped and not engines:
+        # every engine stopped for good (the one inside this process): nothing here can serve again, so the
+        # answer is a 503 (a liveness probe restarts the server), as an engine's own /health answers
+        stopped = core.engines.stranded()
+        if stopped:
             return JSONResponse({"status": "engine_dead", "engines": [], "dead": stopped}, status_code=503)
         warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs
         for name in engines:

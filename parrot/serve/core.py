@@ -695,21 +695,17 @@ class ParrotServeCore:
         return 1 if self.scheduler.app_aware and criterion == "throughput" else 0
 
     def _dispatch(self) -> None:
-        if self._stranded():
-            self._fail_queued()
+        stranded = self.engines.stranded()
+        if stranded:
+            self._fail_queued(stranded)
             return
         for task in self.scheduler.schedule():
             self._spawn(self._run_task(task))
 
-    def _stranded(self) -> bool:
-        """No engine can ever take work again: every registered engine is one inside this process, and each
-        has stopped (an engine process or a remote engine may come back and register; these cannot)."""
-        status = self.engines.status()
-        return bool(status) and all(st.url is None and not st.live for st in status)
-
-    def _fail_queued(self) -> None:
-        """Fail every queued task with an explicit error instead of leaving it waiting for an engine forever."""
-        reasons = "; ".join(f"{st.name}: {st.reason}" for st in self.engines.status())
+    def _fail_queued(self, stranded: dict[str, str]) -> None:
+        """Every engine stopped for good (`EngineManager.stranded`): fail every queued task with an explicit
+        error instead of leaving it waiting for an engine that cannot come."""
+        reasons = "; ".join(f"{name}: {why}" for name, why in stranded.items())
         err = EngineUnavailableError(f"the engine stopped, and no other engine can run this ({reasons})")
         stranded, self.scheduler.queue = self.scheduler.queue, []
         for task in stranded:

@@ -114,6 +114,12 @@ class EngineClient(abc.ABC):
     async def ping(self) -> RuntimeInfo:
         """The engine's runtime info; raises EngineUnavailableError when it cannot serve."""
 
+    @property
+    def stopped_for_good(self) -> bool:
+        """The engine can never serve again (an in-process engine whose loop ended); a remote engine may always
+        come back and register."""
+        return False
+
     async def abort(self, context_id: str) -> bool:
         """Abort the queued or running primitive on `context_id` (its client went away): True when one was
         aborted (it then fails with AbortedError). Engines without abort answer False."""
@@ -229,6 +235,10 @@ class LocalEngineClient(EngineClient):
             return False
         with self._mapped():
             return bool(await abort(context_id))
+
+    @property
+    def stopped_for_good(self) -> bool:
+        return not self.engine.alive
 
     async def ping(self) -> RuntimeInfo:
         if not self.engine.alive:
@@ -537,6 +547,14 @@ class EngineManager:
 
     def live_engines(self) -> list[EngineClient]:
         return [e.client for e in self._entries.values() if e.live]
+
+    def stranded(self) -> dict[str, str] | None:
+        """{name: why} when engines are registered and every one has stopped for good (in-process engines whose
+        loops ended: nothing can take work again), else None. A liveness slip (a missed ping) is not enough."""
+        entries = self._entries.items()
+        if entries and all(e.client.stopped_for_good for _, e in entries):
+            return {name: e.reason or "stopped" for name, e in entries}
+        return None
 
     def max_context_len(self, live_only: bool = True) -> int | None:
         """The context length every prompt must fit in: the shortest of the live engines' (`live_only` False:

@@ -502,10 +502,15 @@ def test_manager_pings_a_local_engine() -> None:
         mgr.register(LocalEngineClient(eng, name="in-proc", owns_engine=True))
         mgr.start_monitor(interval=0.05, dead_after=1.0)
         await wait_for(lambda: mgr.runtime("in-proc") is not None, 2, "a ping")
-        assert mgr.is_live("in-proc")
+        assert mgr.is_live("in-proc") and mgr.stranded() is None
+        mgr.mark_dead("in-proc", "a missed ping")  # a liveness slip: its loop runs, it comes back
+        assert mgr.stranded() is None
+        await wait_for(lambda: mgr.is_live("in-proc"), 2, "the slip to heal")
+        deaths.clear()
         await asyncio.to_thread(eng.shutdown)
         took = await wait_for(lambda: not mgr.is_live("in-proc"), 2, "the local engine to be marked dead")
         assert took < 0.5  # a local engine that is not running is dead at the next ping
+        assert set(mgr.stranded() or {}) == {"in-proc"}  # it stopped for good: nothing can take work
         await asyncio.sleep(0.3)
         await mgr.drain()
         assert deaths == ["in-proc"]
