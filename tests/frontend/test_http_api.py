@@ -241,7 +241,7 @@ def test_work_waiting_when_the_servers_own_engine_stops_fails_instead_of_waiting
     sent afterwards fail with an explicit error; they used to wait for an engine that could never come."""
     import threading
 
-    from parrot.frontend.sdk import VirtualMachine
+    from parrot.frontend.sdk import VariableFailedError, VirtualMachine
 
     engine = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
     try:
@@ -268,7 +268,7 @@ def test_work_waiting_when_the_servers_own_engine_stops_fails_instead_of_waiting
             with VirtualMachine(url, timeout=60) as vm:
                 call = vm.semantic_call("Say: {{a}}", [{"name": "a", "is_output": True,
                                                          "sampling_config": {"max_tokens": 4}}])
-                with pytest.raises(Exception, match="engine"):  # noqa: PT011 - the SDK's error for a failed variable
+                with pytest.raises(VariableFailedError, match="engine stopped"):
                     call["a"].get(timeout=30)
     finally:
         engine.shutdown()
