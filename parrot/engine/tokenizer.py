@@ -239,8 +239,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.matchers = [StopMatcher(s) for s in self.stop]
+        self.matchers = [StopMatcher(s) for s in stop]
         self.ids: list[int] = []
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas

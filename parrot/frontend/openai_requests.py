@@ -20,11 +20,10 @@ from pydantic_core import PydanticCustomError
 
 from parrot.frontend.openai_errors import OpenAIError, unsupported
 from parrot.frontend.strict_schema import strict_schema
-from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOPS, SamplingParams
+from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from parrot.serve.sampling_defaults import SamplingDefaults
 
 MAX_N = 16
-MAX_STOP = MAX_STOPS
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 SCHEMA_NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
@@ -143,14 +142,8 @@ class SamplingRequest(BaseModel):
             raise unsupported("metadata", "metadata (it goes with store)")
 
     def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP:
-            raise OpenAIError(400, f"at most {MAX_STOP} stop sequences", param="stop")
-        if any(not s for s in stops):
-            raise OpenAIError(400, "stop sequences must not be empty", param="stop")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise OpenAIError(400, f"stop sequences may have at most {MAX_STOP_CHARS} characters", param="stop")
-        return stops
+        """`stop` as a list (their number, emptiness and length are `SamplingParams`'s checks)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     # ---- constraints -------------------------------------------------------------------------------
     def constraint(self) -> tuple[str, Any, str] | None:
@@ -271,8 +264,10 @@ class SamplingRequest(BaseModel):
         try:
             return SamplingParams(**fields, seed=seed)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
-            raise OpenAIError(400, f"invalid sampling parameters: {problems}") from None
+            errors = exc.errors(include_url=False)
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+            param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None  # the request's own name
+            raise OpenAIError(400, f"invalid sampling parameters: {problems}", param=param) from None
 
 
 Prompt = str | list[int]  # text, or token ids given as they are
