@@ -31,7 +31,7 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0, or any k from the vocabulary's size up: the whole vocabulary")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the top token's probability")
-    seed: int | None = Field(None, ge=0, lt=2**32, description="per-request seed; None = random")
+    seed: int | None = Field(None, ge=0, lt=2**64, description="per-request seed, 64 bits; None = random")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output)")
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False

@@ -16,7 +16,8 @@ def test_a_top_k_past_any_vocabulary_is_taken_as_the_whole_of_it() -> None:
 
 
 def test_seeds_and_logprobs_keep_their_ranges() -> None:
-    for bad in ({"seed": 2**32}, {"seed": -1}, {"logprobs": 21}, {"max_tokens": 0}, {"min_tokens": 9, "max_tokens": 8}):
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1  # 64 bits, as vLLM's seeds
+    for bad in ({"seed": 2**64}, {"seed": -1}, {"logprobs": 21}, {"max_tokens": 0}, {"min_tokens": 9, "max_tokens": 8}):
         with pytest.raises(ValidationError):
             SamplingParams(**bad)
 

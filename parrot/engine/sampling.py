@@ -82,7 +82,7 @@ class SamplingBatch:
     temperature: jax.Array  # [B] float32 (0: greedy)
     top_p: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32 (0: off)
-    seeds: jax.Array  # [B] uint32
+    seeds: jax.Array  # [B, 2] uint32: each row's 64-bit seed as (high, low) words, a threefry key's data
     steps: jax.Array  # [B] int32 tokens generated so far (folded into the key)
     min_p: jax.Array  # [B] float32 (0: off)
 
@@ -93,12 +93,14 @@ class SamplingBatch:
         temp = np.zeros(batch_size, np.float32)
         top_p = np.ones(batch_size, np.float32)
         top_k = np.zeros(batch_size, np.int32)
-        seeds = np.zeros(batch_size, np.uint32)
+        seeds = np.zeros((batch_size, 2), np.uint32)
         st = np.zeros(batch_size, np.int32)
         temp[:n] = [p.temperature for p in params]
         top_p[:n] = [p.top_p for p in params]
         top_k[:n] = [p.top_k for p in params]
-        seeds[:n] = [p.seed if p.seed is not None else d for p, d in zip(params, default_seeds, strict=True)]
+        whole = [p.seed if p.seed is not None else d for p, d in zip(params, default_seeds, strict=True)]
+        if n:  # a seed below 2**32 keys as jax.random.key(seed) does
+            seeds[:n] = [(s >> 32, s & 0xFFFFFFFF) for s in whole]
         st[:n] = steps
         min_p = np.zeros(batch_size, np.float32)
         min_p[:n] = [p.min_p for p in params]
@@ -327,7 +329,8 @@ def _choose(logits: jax.Array, sb: SamplingBatch, stages: Stages | None = None) 
     alone needs neither. Each part runs only when some row needs it, and a row's cut-off and draw are the
     same whichever parts its batch ran. One uniform number per row picks the token (`_draw`)."""
     def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), ())
+        key = jax.random.wrap_key_data(seed, impl="threefry2x32")  # (high, low): all 64 bits of the seed
+        return jax.random.uniform(jax.random.fold_in(key, step), ())
 
     u = jax.vmap(uniform)(sb.seeds, sb.steps)
     if native_sampler():  # the same definitions, a row at a time in the cache (kernels/sampler.h)

@@ -118,6 +118,21 @@ def test_a_rows_draw_does_not_depend_on_the_cut_off_path_of_its_batch(samplers: 
             assert int(fn(logits, alone)[0]) == int(fn(logits, beside)[0])
 
 
+def test_every_bit_of_a_seed_keys_the_draws(samplers: Samplers) -> None:
+    """A seed's 64 bits key the draws (seeds equal in their low 32 bits draw apart); a seed below 2**32 keys
+    them as `jax.random.key(seed)` does."""
+    logits = _logits(1, seed=5)
+    seeds = [7, 7 + 2**32, 7 + 2**63, 2**64 - 1]
+    sbs = [SamplingBatch.build([SamplingParams(temperature=1.0, seed=s)], [0], 1, [0]) for s in seeds]
+    assert np.asarray(sbs[1].seeds).tolist() == [[1, 7]]
+    draws = [[int(np.asarray(samplers.plain(logits, SamplingBatch.build(
+        [SamplingParams(temperature=1.0, seed=s)], [step], 1, [0])))[0]) for step in range(24)] for s in seeds]
+    assert len({tuple(d) for d in draws}) == len(seeds)
+    key = jax.random.fold_in(jax.random.key(7), 0)
+    assert float(jax.random.uniform(key, ())) == float(jax.random.uniform(
+        jax.random.fold_in(jax.random.wrap_key_data(np.asarray(sbs[0].seeds)[0]), 0), ()))
+
+
 def test_top_k_top_p_and_min_p_keep_the_right_tokens(samplers: Samplers) -> None:
     logits = np.full((1, V), -20.0, np.float32)
     logits[0, :6] = [3.0, 2.9, 2.8, 1.0, 0.5, 0.0]
