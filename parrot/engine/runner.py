@@ -70,6 +70,7 @@ from parrot.engine.scheduler import Slot, StepPlan
 from parrot.engine.sequence import Job
 from parrot.engine.shapes import Shape, ShapeBook
 from parrot.engine.structured import check_greedy
+from parrot.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,9 @@ class ModelRunner:
         self.dtype = decode_dtype
         self.prefill_dtype = prefill_dtype
         self.page_size = ecfg.page_size
+        if "kv_buckets" in ecfg.explicit and ecfg.kv_buckets[-1] > cfg.max_position:  # a max_model_len asked for
+            raise ModelLoadError(f"max_model_len {ecfg.kv_buckets[-1]} is longer than the model's context "
+                                 f"({cfg.max_position} tokens)")
         self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         if self.weights_mode == "float" and kernels.available():  # `auto` on float weights, or f32 / bf16

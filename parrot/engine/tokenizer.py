@@ -127,8 +127,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render chat messages into the prompt text the model was trained on."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            **template_kwargs: object) -> str:
+        """Render chat messages into the prompt text the model was trained on (`template_kwargs`: more of the
+        template's variables, as Hugging Face's apply_chat_template passes them)."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use a plain completion")
         if self._template is None:
@@ -143,7 +145,8 @@ class Tokenizer:
         bos = vocab.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = vocab.id_to_token(self.eos_token_id) if self.eos_token_id is not None else ""
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            **template_kwargs, messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos,
+            eos_token=eos
         )
 
     def to_json(self) -> str:

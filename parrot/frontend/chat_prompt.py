@@ -149,13 +149,20 @@ def _compiled(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def renderer(tok: Any, tools: list[ToolDef], choice: ToolChoice) -> tuple[
+# the variables a chat template is given by the server itself: not a request's `chat_template_kwargs`
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception"})
+
+
+def renderer(tok: Any, tools: list[ToolDef], choice: ToolChoice, kwargs: dict[str, Any] | None = None) -> tuple[
         Callable[[list[dict[str, Any]], bool], str], bool]:
     """(render(messages, add_generation_prompt), native): the model's chat template, given the tools when
-    it renders them (native) and tool_choice is not "none"."""
+    it renders them (native) and tool_choice is not "none", and `kwargs` as more of its variables (vLLM's
+    `chat_template_kwargs`, e.g. `enable_thinking`; none of `TEMPLATE_VARIABLES`)."""
+    kwargs = kwargs or {}
     native = template_supports_tools(tok.chat_template)
     if not native:
-        return (lambda msgs, gen: tok.apply_chat_template(msgs, add_generation_prompt=gen)), False
+        return (lambda msgs, gen: tok.apply_chat_template(msgs, add_generation_prompt=gen, **kwargs)), False
     template = _compiled(tok.chat_template)
     vocab = tok.backend
     bos = vocab.id_to_token(tok.bos_token_id) if tok.bos_token_id is not None else ""
@@ -163,6 +170,7 @@ def renderer(tok: Any, tools: list[ToolDef], choice: ToolChoice) -> tuple[
     specs = [t.spec() for t in tools] if tools and choice.mode != "none" else None
 
     def render(msgs: list[dict[str, Any]], gen: bool) -> str:
-        return template.render(messages=msgs, tools=specs, add_generation_prompt=gen, bos_token=bos, eos_token=eos)
+        return template.render(**kwargs, messages=msgs, tools=specs, add_generation_prompt=gen, bos_token=bos,
+                               eos_token=eos)
 
     return render, True

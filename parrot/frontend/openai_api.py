@@ -58,6 +58,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from parrot import __version__
 from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend import openai_functions as legacy_functions
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
@@ -99,16 +100,18 @@ def _message(m: Any, i: int) -> ChatMessage:
 
 
 def chat_input(tok: Any, messages: list[Any] | None, tools: Any, tool_choice: Any, functions: Any,
-               function_call: Any) -> tuple[list[Any], Any, Callable, list[dict]]:
-    """A chat request's tools, tool choice, template renderer and template messages, as /v1/chat/completions
-    (and /tokenize) read them: legacy functions as tools, every message validated; a 400 for what is malformed."""
+               function_call: Any, template_kwargs: dict[str, Any] | None = None,
+               ) -> tuple[list[Any], Any, Callable, list[dict]]:
+    """A chat request's tools, tool choice, template renderer (given `template_kwargs`) and template messages,
+    as /v1/chat/completions (and /tokenize) read them: legacy functions as tools, every message validated; a
+    400 for what is malformed."""
     try:
         raw_tools, raw_choice = legacy_functions.tools_of(functions, function_call, tools, tool_choice)
         parsed = parse_tools(raw_tools)
         choice = parse_tool_choice(raw_choice, parsed)
         raw_messages = legacy_functions.messages_of(messages or [])
         checked = [_message(m, i) for i, m in enumerate(raw_messages)]
-        render, native = renderer(tok, parsed, choice)
+        render, native = renderer(tok, parsed, choice, template_kwargs)
         msgs = template_messages(checked, parsed, choice, native)  # type: ignore[arg-type]
     except ToolError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc
@@ -117,17 +120,38 @@ def chat_input(tok: Any, messages: list[Any] | None, tools: Any, tool_choice: An
     return parsed, choice, render, msgs
 
 
-def rendered_pieces(render: Callable, msgs: list[dict], generation_prompt: bool = True) -> tuple[list[str], int]:
-    """`chat_pieces` of the messages (the whole text alone without the generation prompt), a 400 where the
-    template cannot render them."""
+def rendered_pieces(render: Callable, msgs: list[dict], generation_prompt: bool = True,
+                    continue_final: bool = False) -> tuple[list[str], int]:
+    """`chat_pieces` of the messages (the whole text alone without the generation prompt, or cut after the
+    final message's content with `continue_final`), a 400 where the template cannot render them."""
     try:
+        if continue_final:
+            return [continued_final_message(render, msgs)], 0
         if not generation_prompt:
             return [render(msgs, False)], 0
         return chat_pieces(render, msgs)
+    except OpenAIError:
+        raise
     except ParrotError as exc:
         raise OpenAIError(400, str(exc), param="messages") from exc
     except Exception as exc:  # a template error (jinja) on these messages
         raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
+
+
+def continued_final_message(render: Callable[[list[dict[str, Any]], bool], str], msgs: list[dict]) -> str:
+    """vLLM's (and Hugging Face's) `continue_final_message`: the chat rendered without a generation prompt and cut
+    right after the final message's content, so that the model goes on with that message (a prefilled answer)."""
+    content = msgs[-1].get("content") if msgs else None
+    if not isinstance(content, str) or not content.strip():
+        raise OpenAIError(400, "continue_final_message needs a final message with text content to continue",
+                          param="continue_final_message")
+    text = render(msgs, False)
+    for said in (content, content.strip()):  # some templates strip a message's content
+        at = text.rfind(said)
+        if at >= 0:
+            return text[:at + len(said)]
+    raise OpenAIError(400, "the chat template does not render the final message's content as given, so it cannot "
+                      "be continued", param="continue_final_message")
 
 
 def chat_pieces(render: Callable[[list[dict[str, str]], bool], str],
@@ -426,8 +450,15 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             return None
 
     def model_card() -> dict:
-        return {"id": core.model, "object": "model", "created": CREATED, "owned_by": "parrot",
+        """vLLM's model card: its `root` (the model as given to the server), `max_model_len` (the longest context
+        of the registered engines), and the sampling defaults in use."""
+        return {"id": core.model, "object": "model", "created": CREATED, "owned_by": "parrot", "root": core.model,
+                "parent": None, "max_model_len": core.engines.max_context_len(live_only=False),
                 "sampling_defaults": defaults().to_json()}
+
+    @router.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @router.get("/v1/models")
     async def list_models() -> dict:
@@ -590,8 +621,9 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         def prompt() -> tuple[list[Any], Any, list[str], int]:
             tok = core.tokenizers.get(core.model)
             tools, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice,
-                                                     body.functions, body.function_call)
-            return tools, choice, *rendered_pieces(render, msgs)
+                                                     body.functions, body.function_call, body.chat_template_kwargs)
+            return tools, choice, *rendered_pieces(render, msgs, body.add_generation_prompt,
+                                                   body.continue_final_message)
 
         # on a worker thread: a long chat's template renders take a while, and other clients are served meanwhile
         tools, choice, pieces, shared = await asyncio.to_thread(prompt)
@@ -602,6 +634,9 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 raise OpenAIError(400, f"tool_choice {choice.mode!r} constrains the answer to a tool call: it cannot "
                                   "be combined with response_format or another output constraint", param="tool_choice")
             require("json_schema", "tool_choice", f"tool_choice {choice.mode!r} (constrained tool calls)")
+            if not body.add_generation_prompt:  # the call opens after the generation prompt
+                raise OpenAIError(400, f"tool_choice {choice.mode!r} opens the answer with a tool call: it needs the "
+                                  "generation prompt (add_generation_prompt true)", param="tool_choice")
             extra["json_schema"] = schema
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)

@@ -28,9 +28,17 @@ def chat_logprobs(items: Sequence[TokenLogprob], top_n: int) -> dict[str, Any]:
 
 
 def completion_logprobs(items: Sequence[TokenLogprob], top_n: int, offset: int = 0) -> dict[str, Any]:
-    """`text_offset`: each token's offset in characters of the text (a token holding part of a character
-    starts where that character does)."""
-    tops = [None if t.logprob is None else {a.token: a.logprob for a in t.top[:top_n]} if top_n else {}
-            for t in items]
+    """`top_logprobs`: each token's `top_n` most likely alternatives and the token itself (OpenAI: "the API
+    will always return the logprob of the sampled token, so there may be up to logprobs+1 elements"; vLLM
+    the same, also for echoed prompt tokens). `text_offset`: each token's offset in characters of the text (a
+    token holding part of a character starts where that character does)."""
+    def top(t: TokenLogprob) -> dict[str, float] | None:
+        if t.logprob is None:
+            return None
+        out = {a.token: a.logprob for a in t.top[:top_n]}
+        out.setdefault(t.token, t.logprob)
+        return out
+
+    tops = [top(t) for t in items]
     return {"tokens": [t.token for t in items], "token_logprobs": [t.logprob for t in items], "top_logprobs": tops,
             "text_offset": token_offsets(items, offset)}

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from parrot.frontend.chat_prompt import TEMPLATE_VARIABLES
 from parrot.frontend.openai_errors import OpenAIError, unsupported
 from parrot.frontend.strict_schema import strict_schema
 from parrot.protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
@@ -27,7 +29,8 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 SCHEMA_NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
-# other servers' extensions that would change the output if they were honoured: refused, not ignored
+# other servers' extensions that would change the output if they were honoured: refused, not ignored, unless
+# given as their neutral value (what the server they come from does when they are left out): None, or these
 REFUSED_EXTENSIONS = {
     "ebnf": "ebnf (SGLang's GBNF grammars; give a Lark grammar as `grammar`)",
     "guided_decoding_backend": "guided_decoding_backend (one matcher is built in)",
@@ -37,11 +40,42 @@ REFUSED_EXTENSIONS = {
     "include_stop_str_in_output": "include_stop_str_in_output", "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "truncate_prompt_tokens": "truncate_prompt_tokens", "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-    "chat_template": "a request's own chat_template", "chat_template_kwargs": "chat_template_kwargs",
-    "add_generation_prompt": "add_generation_prompt", "continue_final_message": "continue_final_message",
-    "documents": "documents", "mm_processor_kwargs": "mm_processor_kwargs", "lora_request": "LoRA adapters",
+    "prompt_logprobs": "prompt_logprobs (on /v1/completions, echo with logprobs gives the prompt's)",
+    "return_token_ids": "return_token_ids",
+    "chat_template": "a request's own chat_template", "documents": "documents",
+    "mm_processor_kwargs": "mm_processor_kwargs", "lora_request": "LoRA adapters",
+    # llama.cpp's server samplers
+    "typical_p": "typical_p", "tfs_z": "tfs_z", "mirostat": "mirostat", "dry_multiplier": "dry_multiplier",
+    "xtc_probability": "xtc_probability", "n_probs": "n_probs (give logprobs)",
 }
-CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],), "logits_processors": ([],),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "documents": ([],),
+    "mm_processor_kwargs": ({},), "typical_p": (1.0,), "tfs_z": (1.0,), "mirostat": (0,), "dry_multiplier": (0.0,),
+    "xtc_probability": (0.0,), "n_probs": (0,),
+}
+
+
+def refuse_extensions(extra: dict[str, Any] | None, names: Iterable[str] = REFUSED_EXTENSIONS) -> None:
+    """A 400 for the first of `names` given in `extra` (a request's unknown fields) with an effect."""
+    for name in sorted(set(extra or {}) & set(names)):
+        value = (extra or {})[name]
+        neutral = NEUTRAL_VALUES.get(name, ())
+        if value is None or any(type(value) is type(v) or isinstance(v, float) and isinstance(value, int)
+                                for v in neutral if value == v):
+            continue
+        what = REFUSED_EXTENSIONS[name]
+        raise unsupported(name, f"{what} other than {json.dumps(neutral[0])}" if neutral else what)
+
+
+def _null_is(default: Any) -> Any:
+    """A before-validator taking `null`, for a field OpenAI marks nullable that this server types without None,
+    as `default` (vLLM takes null the same way)."""
+    def check(value: Any) -> Any:
+        return default if value is None else value
+
+    return check
 
 
 def supports(name: str) -> bool:
@@ -71,6 +105,7 @@ def _schema_value(value: Any, param: str) -> dict[str, Any]:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: refused when true (`check_common`)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -101,7 +136,7 @@ class SamplingRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=64, description="extension")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**63, description="a 64-bit integer, as vLLM takes it")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate max_tokens tokens regardless of EOS
@@ -129,9 +164,14 @@ class SamplingRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
 
+    _null_n = field_validator("n", mode="before")(_null_is(1))
+    _null_flags = field_validator("stream", "ignore_eos", mode="before")(_null_is(False))
+
     def check_common(self) -> None:
-        for name in sorted(set(self.model_extra or {}) & set(REFUSED_EXTENSIONS)):
-            raise unsupported(name, REFUSED_EXTENSIONS[name])
+        refuse_extensions(self.model_extra)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise unsupported("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats "
+                              "(usage comes in the last chunk, with include_usage)")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.service_tier not in (None, "auto", "default"):
@@ -260,7 +300,7 @@ class SamplingRequest(BaseModel):
         return bias
 
     def sampling(self, fields: dict[str, Any], index: int) -> SamplingParams:
-        seed = None if self.seed is None else (self.seed + index) % 2**32
+        seed = None if self.seed is None else (self.seed + index) % 2**64  # choice i: seed + i, all 64 bits
         try:
             return SamplingParams(**fields, seed=seed)
         except ValidationError as exc:
@@ -306,6 +346,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
     _prompt_shape = field_validator("prompt", mode="before")(_prompt_shape)
+    _null_echo = field_validator("echo", mode="before")(_null_is(False))
 
     def check(self, vocab_size: int | None = None) -> list[Prompt]:
         """The prompts, each a string or a list of token ids (sent to the engine as given: they must lie in
@@ -356,7 +397,27 @@ class CompletionRequest(SamplingRequest):
 Modality = Literal["text"]
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's chat template options (/v1/chat/completions and /tokenize): the generation prompt or not,
+    `continue_final_message` (the model goes on with the final message: a prefilled answer), and more of the
+    template's variables (`chat_template_kwargs`, e.g. `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                              "add_generation_prompt false to continue the final message)",
+                              param="continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_VARIABLES)
+        if taken:
+            raise OpenAIError(400, f"chat_template_kwargs cannot set {', '.join(taken)}: the server gives the "
+                              "template those", param="chat_template_kwargs")
+
+
+class ChatCompletionRequest(ChatTemplateOptions, SamplingRequest):
     messages: list[Any] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -378,6 +439,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check(self) -> None:
         self.check_common()
+        self.check_template_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.logprobs:

@@ -27,8 +27,8 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from parrot.frontend.openai_api import chat_input, rendered_pieces
-from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, unsupported
-from parrot.frontend.openai_requests import REFUSED_EXTENSIONS
+from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute
+from parrot.frontend.openai_requests import ChatTemplateOptions, refuse_extensions
 from parrot.frontend.openai_tools import forced_prefix
 from parrot.serve.core import ParrotServeCore
 
@@ -36,12 +36,12 @@ __all__ = ["TOKEN_PATHS", "DetokenizeRequest", "TokenizeRequest", "token_routes"
 
 TOKEN_PATHS = ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize")
 # vLLM's tokenize fields this server does not implement (as /v1/chat/completions refuses them)
-_REFUSED = ("continue_final_message", "chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs",
-            "lora_request")
-_CHAT_FIELDS = ("add_generation_prompt", "tools", "tool_choice", "functions", "function_call")
+_REFUSED = ("chat_template", "documents", "mm_processor_kwargs", "lora_request")
+_CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
+                "functions", "function_call")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateOptions):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt` or `messages`."""
 
     model_config = ConfigDict(extra="allow")
@@ -50,7 +50,6 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[Any] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -58,8 +57,8 @@ class TokenizeRequest(BaseModel):
     function_call: Any = None
 
     def check(self) -> None:
-        for name in sorted(set(self.model_extra or {}) & set(_REFUSED)):
-            raise unsupported(name, REFUSED_EXTENSIONS[name])
+        refuse_extensions(self.model_extra, _REFUSED)
+        self.check_template_options()
         given = self.model_fields_set
         if self.prompt is None and self.messages is None:
             raise OpenAIError(400, "give a prompt (text) or messages (a chat)", param="prompt")
@@ -98,8 +97,8 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
         """The chat prompt's pieces, built as `/v1/chat/completions` builds them."""
         tok = core.tokenizers.get(core.model)
         _, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice, body.functions,
-                                             body.function_call)
-        pieces, _ = rendered_pieces(render, msgs, body.add_generation_prompt)
+                                             body.function_call, body.chat_template_kwargs)
+        pieces, _ = rendered_pieces(render, msgs, body.add_generation_prompt, body.continue_final_message)
         if not body.add_generation_prompt:
             return pieces
         return [*pieces[:-1], pieces[-1] + forced_prefix(choice)]  # "" unless tool_choice forces a call

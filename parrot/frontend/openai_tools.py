@@ -253,9 +253,21 @@ def _whole_answer_calls(text: str, names: set[str]) -> list[ToolCall] | None:
 
 
 def could_be_whole_calls(text: str) -> bool:
-    """Whether an answer beginning with `text` may turn out to be nothing but calls (a stream holds it)."""
+    """Whether an answer beginning with `text` may turn out to be nothing but calls (a stream holds it): a
+    marker, JSON, or a fence that is or may become ``` or ```json before JSON (a fence of other code, say
+    ```python, streams at once)."""
     head = text.lstrip()
-    return bool(head) and (head[0] in "{[`" or any(m.startswith(head[:len(m)]) for m in WHOLE_MARKERS))
+    if not head:
+        return False
+    if head[0] in "{[" or any(m.startswith(head[:len(m)]) for m in WHOLE_MARKERS):
+        return True
+    if not head.startswith("```"):
+        return "```".startswith(head)
+    rest = head[3:]
+    if "json".startswith(rest):
+        return True  # "```", "```js", ...: the fence's language is not known yet
+    body = (rest[4:] if rest.startswith("json") else rest).lstrip()
+    return not body or body[0] in "{["
 
 
 def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:

@@ -665,8 +665,30 @@ def test_cli_engine_config() -> None:
     assert not engine_config_from_args(build_parser().parse_args(["engine", "--no-gc-freeze"])).gc_freeze
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--throughput-hold-ms", "1000"]))
     assert cfg.throughput_hold_ms == 1000
-    with pytest.raises(ParrotError, match="throughput_hold_ms"):
-        engine_config_from_args(build_parser().parse_args(["engine", "--throughput-hold-ms", "-1"]))
+    assert engine_config_from_args(build_parser().parse_args(["serve", "--max-num-seqs", "8"])).max_batch_size == 8
+    assert "kv_buckets" in engine_config_from_args(build_parser().parse_args(["serve", "--max-model-len", "512"])
+                                                   ).explicit  # the engine refuses one past the model's context
+
+
+@pytest.mark.parametrize("argv", [["--max-batch-size", "-3"], ["--max-num-batched-tokens", "0"],
+                                  ["--max-num-batched-tokens", "-1"], ["--kv-memory-mb", "0"], ["--port", "70000"],
+                                  ["--port", "0"], ["--engines", "-1"], ["--throughput-hold-ms", "-1"],
+                                  ["--max-model-len", "-16"], ["--precompile-bs-paddings", "1", "0"],
+                                  ["--speculative-tokens", "-2"], ["--max-sessions", "0"]])
+def test_cli_numbers_out_of_range_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything loads, naming the flag (a negative batch size was taken and every request hung;
+    port 70000 listened on 4464)."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and argv[0] in err and "out of range" in err, err
+
+
+def test_a_max_model_len_past_the_models_context_is_refused() -> None:
+    cfg = tiny_engine_config(kv_buckets=[256, 1024], explicit=("kv_buckets",))  # the tiny model's context: 512
+    with pytest.raises(ModelLoadError, match="max_model_len 1024 is longer than the model's context"):
+        LLMEngine(tiny_model(), cfg)
+    assert LLMEngine(tiny_model(), tiny_engine_config(kv_buckets=[256, 1024])).runner.max_len == 512  # a default
 
 
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+import parrot
 from parrot.config import EngineConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.http_api import EngineServer
@@ -51,7 +52,12 @@ def _stream_text(stream, chat: bool) -> tuple[str, str | None, object]:  # noqa:
 
 def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == ["tiny"]
-    assert client.models.retrieve("tiny").owned_by == "parrot"
+    card = client.models.retrieve("tiny")
+    assert card.owned_by == "parrot" and card.model_extra["root"] == "tiny" and card.model_extra["parent"] is None
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    assert card.model_extra["max_model_len"] == httpx.post(f"{root}/tokenize", json={"prompt": "x"}).json()[
+        "max_model_len"] > 0  # vLLM's card: the longest context
+    assert httpx.get(f"{root}/version").json() == {"version": parrot.__version__}
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
 

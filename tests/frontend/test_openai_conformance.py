@@ -229,7 +229,10 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI) -> None:
     lp = choice.logprobs
     assert "".join(lp.tokens) == choice.text and lp.text_offset == list(range(n))
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    # the two most likely and the prompt's own token (OpenAI: "up to logprobs+1 elements"), at its logprob
+    assert all(len(t) in (2, 3) and t[tok] == x for t, tok, x in zip(lp.top_logprobs[1:], lp.tokens[1:],
+                                                                      lp.token_logprobs[1:], strict=True))
     assert lp.tokens[-3:] == gen.logprobs.tokens
     assert lp.token_logprobs[-3:] == pytest.approx(gen.logprobs.token_logprobs, abs=1e-4)
     assert [sorted(t) for t in lp.top_logprobs[-3:]] == [sorted(t) for t in gen.logprobs.top_logprobs]
@@ -298,7 +301,10 @@ def test_completion_logprobs_shape(client: openai.OpenAI) -> None:
     lp = r.choices[0].logprobs
     assert lp.tokens == ["A"] * 4 and lp.text_offset == [0, 1, 2, 3]
     assert len(lp.token_logprobs) == 4 and all(x <= 0 for x in lp.token_logprobs)
-    assert all(len(top) == 2 for top in lp.top_logprobs)  # the raw distribution: before the bias
+    # the raw distribution, before the bias: the two most likely, and the sampled token with its own logprob
+    assert all(len(top) in (2, 3) and top["A"] == x for top, x in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    zero = comp(client, logprobs=0, max_tokens=2, logit_bias={str(A): 100}).choices[0].logprobs
+    assert zero.top_logprobs == [{"A": x} for x in zero.token_logprobs]  # logprobs 0: the sampled token alone
     streamed = [t for c in comp(client, logprobs=2, max_tokens=4, logit_bias={str(A): 100}, stream=True)
                 for t in c.choices[0].logprobs.tokens]
     assert streamed == ["A"] * 4

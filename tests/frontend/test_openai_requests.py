@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from parrot.frontend.openai_errors import OpenAIError
 from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -49,6 +50,13 @@ def test_penalties_bias_and_extensions_pass_through() -> None:
     ({"response_format": {"type": "grammar"}}, "response_format"), ({"ebnf": "root ::= x"}, "ebnf"),
     ({"structured_outputs": {"structural_tag": {}}}, "structured_outputs"), ({"store": True}, "store"),
     ({"use_beam_search": True}, "use_beam_search"), ({"service_tier": "flex"}, "service_tier"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"length_penalty": 0.5}, "length_penalty"),
+    ({"typical_p": 0.2}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"prompt_logprobs": 2}, "prompt_logprobs"),
+    ({"return_token_ids": True}, "return_token_ids"), ({"include_stop_str_in_output": True},
+                                                       "include_stop_str_in_output"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
 ])
 def test_refused(kw, param) -> None:  # noqa: ANN001
     with pytest.raises(OpenAIError) as info:
@@ -129,3 +137,28 @@ def test_bad_prompts_are_refused_by_check(prompt, says: str) -> None:  # noqa: A
 def test_mixed_or_malformed_prompts_are_invalid(prompt) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="prompt"):
         CompletionRequest.model_validate({"prompt": prompt})
+
+
+def test_vllm_fields_at_their_defaults_and_nulls_are_taken() -> None:
+    """What vLLM's clients send with every request: other servers' fields at the value that changes nothing, and
+    `null` for fields OpenAI marks nullable."""
+    neutral = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "length_penalty": 1,
+               "use_beam_search": False, "include_stop_str_in_output": False, "bad_words": [],
+               "logits_processors": None, "truncate_prompt_tokens": None, "add_generation_prompt": True,
+               "continue_final_message": False, "chat_template_kwargs": {}, "typical_p": 1.0, "mirostat": 0,
+               "return_token_ids": False, "prompt_logprobs": None}
+    req = _chat(n=None, stream=None, ignore_eos=None, **neutral)
+    req.check()
+    assert (req.n, req.stream, req.ignore_eos) == (1, False, False)
+    completion = CompletionRequest.model_validate({"prompt": "x", "echo": None, "n": None})
+    completion.check()
+    assert (completion.echo, completion.n) == (False, 1)
+
+
+def test_seeds_are_64_bit_integers() -> None:
+    assert _chat(seed=-1).sampling({"max_tokens": 1}, 0).seed == 2**64 - 1
+    assert _chat(seed=2**63 - 1).sampling({"max_tokens": 1}, 1).seed == 2**63
+    assert _chat(seed=2**32).sampling({"max_tokens": 1}, 0).seed == 2**32  # not folded onto seed 0
+    for bad in (2**63, -2**63 - 1):  # vLLM's range: a signed 64-bit integer
+        with pytest.raises(ValidationError, match="seed"):
+            _chat(seed=bad)

@@ -125,6 +125,32 @@ def test_chat_tokenize_counts_what_a_chat_completion_reports(http: httpx.Client,
         long["count"])
 
 
+def test_chat_template_options(http: httpx.Client, client: openai.OpenAI, server: tuple[str, ParrotServeCore]) -> None:
+    """vLLM's continue_final_message (the prompt ends with the final message's text, the model goes on with it)
+    and add_generation_prompt, counted alike by /tokenize and /v1/chat/completions."""
+    tok = server[1].tokenizers.get("tiny")
+    prefilled = [*CHAT, {"role": "assistant", "content": "The answer is"}]
+    opts = {"add_generation_prompt": False, "continue_final_message": True}
+    out = ok(http, "/tokenize", {"messages": prefilled, **opts})
+    text = ok(http, "/detokenize", {"tokens": out["tokens"]})["prompt"]
+    whole = tok.apply_chat_template(prefilled, add_generation_prompt=False)
+    assert text.endswith("The answer is") and whole.startswith(text) and len(whole) > len(text)
+    assert chat_prompt_tokens(client, messages=prefilled, extra_body=opts) == out["count"]
+    bare = {"add_generation_prompt": False}
+    assert chat_prompt_tokens(client, messages=CHAT, extra_body=bare) == ok(
+        http, "/tokenize", {"messages": CHAT, **bare})["count"]
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ flavour | default('plain') }}"
+    with tokens_only("tiny", tok) as url, httpx.Client(base_url=url, timeout=60) as http:
+        for kwargs, ends in (({"flavour": "mint"}, "mint"), ({}, "plain"), (None, "plain")):
+            body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+            out = ok(http, "/tokenize", body)
+            assert ok(http, "/detokenize", {"tokens": out["tokens"]})["prompt"] == "hi" + ends
+
+
 def test_detokenize_inverts_tokenize(http: httpx.Client, server: tuple[str, ParrotServeCore]) -> None:
     vocab = server[1].tokenizers.get("tiny").backend
     for text in TEXTS:
@@ -191,7 +217,13 @@ def test_bad_input(http: httpx.Client) -> None:
          "text only"),
         ("/tokenize", {"messages": msg, "tools": [{"type": "function"}]}, "tools.0", "tools"),
         ("/tokenize", {"messages": msg, "tool_choice": "required"}, "tool_choice", "tool"),
-        ("/tokenize", {"messages": msg, "continue_final_message": True}, "continue_final_message", "not supported"),
+        ("/tokenize", {"messages": msg, "continue_final_message": True}, "continue_final_message",
+         "cannot both be true"),
+        ("/tokenize", {"messages": [{"role": "user", "content": " "}], "continue_final_message": True,
+                       "add_generation_prompt": False},
+         "continue_final_message", "final message with text"),
+        ("/tokenize", {"messages": msg, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
+         "cannot set messages"),
         ("/tokenize", {"messages": msg, "chat_template": "{{ x }}"}, "chat_template", "not supported"),
         ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt", "chat field"),
         ("/tokenize", {"prompt": "hi", "tools": [WEATHER]}, "tools", "chat field"),

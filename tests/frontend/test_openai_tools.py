@@ -121,13 +121,25 @@ def test_other_tool_call_formats(text: str) -> None:
 
 
 @pytest.mark.parametrize("text", ['[1] A footnote.', '{"name": "rm", "arguments": {}}', '[TOOL_CALLS] oops',
-                                  '<|python_tag|>{"name": "get_time"}; not json', "```python\nprint(1)\n```"])
+                                  '<|python_tag|>{"name": "get_time"}; not json', '```json\n{"a": 1}\n```'])
 def test_answers_that_only_look_like_calls_stay_content(text: str) -> None:
     names = {"get_time"}
     assert parse_tool_calls(text, names) == (text, [])
     stream = AutoToolStream(names)
     events = [e for ch in text for e in stream.feed(ch)] + stream.finish()
     assert events == [("content", text)]  # held to the end, then sent as it was
+
+
+@pytest.mark.parametrize(("text", "held"), [("```python\nprint(1)\n```", "```p"), ("```\nls -l\n```", "```\nl"),
+                                            ("`x` is a name", "`x"), ("  ``` js", "  ``` j")])
+def test_fences_of_other_code_stream_at_once(text: str, held: str) -> None:
+    """Only a fence that may hold JSON (``` or ```json before { or [) can be a call: other code streams as soon
+    as its fence says so."""
+    stream = AutoToolStream({"get_time"})
+    events = [stream.feed(text[:i + 1][-1:]) for i in range(len(text))]
+    first = next(i for i, e in enumerate(events) if e)
+    assert text[:first + 1] == held and events[first] == [("content", held)]
+    assert "".join(v for e in events for _, v in e) + "".join(v for _, v in stream.finish()) == text
 
 
 def test_plain_text_streams_at_once() -> None:

@@ -87,7 +87,8 @@ def test_logprobs_in_the_openai_shape(client: openai.OpenAI) -> None:
                                   temperature=0)
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 4
-    assert all(len(top) == 3 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert all(len(top) == 3 and max(top.values()) <= 0 and tok in top for top, tok in zip(lp.top_logprobs, lp.tokens,
+                                                                                          strict=True))  # greedy
     assert lp.text_offset[0] == 0 and lp.tokens[0].strip() == "Paris"
 
 
