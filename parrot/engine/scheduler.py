@@ -269,11 +269,11 @@ class Scheduler:
     # ---- queue --------------------------------------------------------------------------------
     def add(self, job: Job) -> None:
         """Queue a job by (priority, arrival). A job may also arrive 'earlier' than queued ones (`waited_s`),
-        but never goes ahead of a queued job touching the same contexts: primitives on one context keep
-        their order."""
+        but never goes ahead of a queued or running job touching the same contexts (a running one may be
+        preempted and queued again): primitives on one context keep their order."""
         job.queued = next(self._queued)
         related = {job.context_id, job.parent_context_id} - {None}
-        for other in self.waiting:
+        for other in itertools.chain(self.waiting, self.running):
             if other.context_id in related or other.parent_context_id == job.context_id:
                 job.arrival = max(job.arrival, other.arrival)
                 job.priority = max(job.priority, other.priority)
@@ -1051,6 +1051,9 @@ class Scheduler:
                                                               or first.get(parent, job.queued) < job.queued)
             if ctx_id in self.busy or ctx_id in blocked or parent_busy or len(self.running) >= self.cfg.max_batch_size:
                 blocked.add(ctx_id)  # later jobs on this context keep their order
+                kept.append(job)
+                continue
+            if first[ctx_id] < job.queued:  # a job on this context taken before it waits behind it: it goes first
                 kept.append(job)
                 continue
             try:

@@ -156,6 +156,33 @@ def test_preemption_when_pages_run_out_finishes_every_job() -> None:
     assert s.kv.num_free_pages == 6
 
 
+@pytest.mark.parametrize("how", ["waited", "priority"])
+def test_work_taken_while_a_job_runs_on_its_context_stays_behind_it_when_that_job_is_preempted(how: str) -> None:
+    """A fill sent for a context while a generate runs there, marked as having waited upstream (or more urgent than
+    the generate), must not overtake it when the generate is preempted and queued again: it ran between the
+    generate's tokens, and the resumed generate found the fill's tokens in its pending ones (the engine loop
+    died on an assertion)."""
+    s = _small(6)  # 96 token slots; two generates of 60 tokens each
+    for name in ("old", "new"):
+        s.add(_fill(name, 30))
+    gens = {name: _gen(name, 30) for name in ("old", "new")}
+    gens["new"].priority = 1 if how == "priority" else 0
+    for job in gens.values():
+        s.add(job)
+    outputs: list[JobOutput] = []
+    while not all(job.status == JobStatus.RUNNING and job.output_ids for job in gens.values()):
+        plan = s.schedule()
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    refill = _fill("new", 5, waited=100.0 if how == "waited" else 0.0)
+    s.add(refill)
+    outputs += _drive(s)
+    assert s.preemptions > 0
+    done = [o.job for o in outputs if o.finished and o.error is None]
+    assert done.index(gens["new"]) < done.index(refill)
+    assert s.tokens["new"] == [5] * 30 + [TOKEN] * 30 + [5] * 5  # the generate's tokens, then the fill's
+    assert all(len(o.result.token_ids) == 30 for o in outputs if o.finished and o.job in gens.values())
+
+
 def test_idle_contexts_are_evicted_and_recomputed() -> None:
     s = _small(6)
     s.add(_fill("idle", 60))  # 4 pages, then idle
