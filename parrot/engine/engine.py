@@ -196,7 +196,7 @@ class LLMEngine:
             if not job.sampling.ignore_eos:
                 stops |= self.tokenizer.stop_token_ids
             job.stop_ids = frozenset(stops)
-            job.detok = IncrementalDetokenizer(self.tokenizer, job.sampling.stop)
+            job.detok = IncrementalDetokenizer(self.tokenizer, job.sampling.stop, job.sampling.min_tokens)
         self._call(lambda: self.scheduler.add(job))
 
     def _call(self, fn: Callable[[], None]) -> None:

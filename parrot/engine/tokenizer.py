@@ -220,18 +220,21 @@ class StopMatcher:
             fail[i] = k
         self.matched = 0  # characters of the stop string that end the text fed so far
 
-    def feed(self, piece: str) -> int | None:
-        """Advance over `piece`: the index in it just past the stop string's first whole occurrence, or None."""
+    def feed(self, piece: str, report: bool = True) -> int | None:
+        """Advance over `piece`: the index in it just past the stop string's first whole occurrence, or None
+        (`report` False: none counts, the whole piece is read; what of the stop string ends it is kept)."""
         k, stop, fail = self.matched, self.stop, self.fail
         for j, ch in enumerate(piece):
+            if k == len(stop):  # an occurrence that did not count: go on from its longest border
+                k = fail[k - 1]
             while k and ch != stop[k]:
                 k = fail[k - 1]
             if ch == stop[k]:
                 k += 1
-                if k == len(stop):
+                if k == len(stop) and report:
                     self.matched = k
                     return j + 1
-        self.matched = k
+        self.matched = fail[k - 1] if k == len(stop) else k  # a whole occurrence that did not count: not held
         return None
 
 
@@ -240,9 +243,12 @@ class IncrementalDetokenizer:
     and finds stop strings as they appear. Text that could be the start of a stop string is held back
     until it is resolved, so the streamed deltas always concatenate to the final text."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+        """`min_tokens`: a stop string counts only where it ends in the text of a token after that many (vLLM's
+        min_tokens holds stop strings back as it holds EOS)."""
         self.tokenizer = tokenizer
         self.matchers = [StopMatcher(s) for s in stop]
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
@@ -262,7 +268,8 @@ class IncrementalDetokenizer:
         self.text += piece
         self._prefix, self._read = self._read, len(self.ids)
         # a stop string may straddle deltas (each matcher carries what of it ended the text); earliest wins
-        hits = [old_len + end - len(m.stop) for m in self.matchers if (end := m.feed(piece)) is not None]
+        counts = len(self.ids) > self.min_tokens
+        hits = [old_len + end - len(m.stop) for m in self.matchers if (end := m.feed(piece, counts)) is not None]
         if hits:
             self.text = self.text[: min(hits)]
             self.cut = True

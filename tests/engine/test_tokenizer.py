@@ -207,6 +207,39 @@ def test_stop_matcher_equals_brute_force_fed_in_any_pieces(text: str, stop: str,
         fed += piece
 
 
+@given(st.text(alphabet="ab", max_size=40), st.text(alphabet="ab", min_size=1, max_size=8),
+       st.lists(st.integers(1, 6), max_size=20), st.integers(0, 8))
+def test_occurrences_that_do_not_count_are_read_past(text: str, stop: str, cuts: list[int], quiet: int) -> None:
+    """Pieces fed with `report` False (a job's first min_tokens tokens): the first occurrence reported is the
+    first that ends in a later piece, as brute force finds it."""
+    m, fed, pos = StopMatcher(stop), "", 0
+    pieces = []
+    for n in [*cuts, len(text)]:
+        pieces.append(text[pos : pos + n])
+        pos += n
+    for i, piece in enumerate(pieces):
+        end = m.feed(piece, report=i >= quiet)
+        later = [at + len(stop) for at in range(len(fed + piece)) if (fed + piece).startswith(stop, at)
+                 and at + len(stop) > len(fed)]
+        if i < quiet:
+            assert end is None
+        elif later:
+            assert end == later[0] - len(fed)
+            return
+        else:
+            assert end is None and m.matched == _held_and_hit(fed + piece, stop)[0]
+        fed += piece
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    """As vLLM: a stop string counts only where it ends in a token after the first min_tokens."""
+    ids = tok.encode("one, two, three, four")
+    comma = [i for i, t in enumerate(ids) if "," in tok.decode([t])]
+    detok = IncrementalDetokenizer(tok, [","], min_tokens=comma[0] + 1)
+    hit = next(n for n, t in enumerate(ids) if detok.add(t)[1])
+    assert hit == comma[1] and detok.text == "one, two"
+
+
 def test_a_long_stop_string_costs_each_piece_its_own_length() -> None:
     """A 4,096-character stop string (the most a request may give) held back against a long text: the old
     way tested every prefix of it against the text every token."""
