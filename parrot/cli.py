@@ -274,7 +274,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig for `parrot serve`: the API key from --api-key, else PARROT_API_KEY."""
     try:
-        return ServeConfig(model=args.model, prefix_sharing=not args.no_prefix_sharing,
+        return ServeConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
+                           prefix_sharing=not args.no_prefix_sharing,
                            app_aware=not args.no_app_awareness,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
                            max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
@@ -514,6 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /ui (default: "
                         "$PARROT_API_KEY; session tokens then go in X-Session-Token)")
+    v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names the OpenAI API serves the model under (the first is its id in /v1/models and in "
+                        "answers; default: --model as given); requests may still name any model")
     v.add_argument("--max-sessions", type=POSITIVE, default=d.max_sessions, help="open sessions at once (429 beyond)")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")

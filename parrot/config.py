@@ -200,6 +200,9 @@ class ServeConfig:
     """Every knob of the serve layer (`parrot serve`), with its default. Limits answer 429 with `Retry-After`."""
 
     model: str = "smollm2"
+    # the names the OpenAI API serves the model under (vLLM's --served-model-name; the first is its id in
+    # /v1/models and in answers); empty: `model` as given
+    served_model_names: tuple[str, ...] = ()
     # sessions
     session_ttl_s: float = 3600.0  # a session idle this long is deleted
     max_sessions: int = 1024  # open sessions at once
@@ -263,5 +266,8 @@ class ServeConfig:
             raise ValueError("min_prefix_cut_tokens must not be negative")
         if self.prefix_tail_checkpoint_tokens < 0:
             raise ValueError("prefix_tail_checkpoint_tokens must not be negative")
+        self.served_model_names = tuple(self.served_model_names)
+        if any(not name.strip() for name in self.served_model_names):
+            raise ValueError("served model names must not be empty")
         if self.api_key is not None and not self.api_key.strip():
             self.api_key = None

@@ -449,10 +449,17 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         except ParrotError:
             return None
 
-    def model_card() -> dict:
+    served = core.config.served_model_names or (core.model,)  # the model's names (`--served-model-name`)
+
+    def answered_as(requested: str | None) -> str:
+        """The model name an answer carries: the one the request named where it is one of the served names (as
+        vLLM echoes it), else the first (requests may name any model)."""
+        return requested if requested in served else served[0]
+
+    def model_card(name: str) -> dict:
         """vLLM's model card: its `root` (the model as given to the server), `max_model_len` (the longest context
         of the registered engines), and the sampling defaults in use."""
-        return {"id": core.model, "object": "model", "created": CREATED, "owned_by": "parrot", "root": core.model,
+        return {"id": name, "object": "model", "created": CREATED, "owned_by": "parrot", "root": core.model,
                 "parent": None, "max_model_len": core.engines.max_context_len(live_only=False),
                 "sampling_defaults": defaults().to_json()}
 
@@ -462,14 +469,14 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
     @router.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in served]}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        if model_id != core.model:
-            raise OpenAIError(404, f"the model {model_id!r} does not exist (served: {core.model!r})",
+        if model_id not in served:
+            raise OpenAIError(404, f"the model {model_id!r} does not exist (served: {', '.join(map(repr, served))})",
                               param="model", code="model_not_found")
-        return model_card()
+        return model_card(model_id)
 
     def samplings(body: SamplingRequest, max_tokens: int, extra: dict[str, Any]) -> list[SamplingParams]:
         fields = body.sampling_fields(max_tokens, defaults(), vocab_size())
@@ -551,7 +558,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         choices = await submit([([p], 0) for p in prompts], body, params, "completions", start,
                                body.prompt_logprobs, implicit_max=body.max_tokens is None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": core.model}
+        base = {"id": rid, "object": "text_completion", "created": created, "model": answered_as(body.model)}
         top_n = body.logprobs or 0
         want_logprobs = body.logprobs is not None
 
@@ -646,7 +653,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)
                    for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion", "created": created, "model": core.model,
+        base = {"id": rid, "object": "chat.completion", "created": created, "model": answered_as(body.model),
                 "system_fingerprint": None}
 
         def logprobs_of(items: list[Any]) -> dict | None:

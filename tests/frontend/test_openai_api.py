@@ -11,7 +11,7 @@ import openai
 import pytest
 
 import parrot
-from parrot.config import EngineConfig
+from parrot.config import EngineConfig, ServeConfig
 from parrot.engine.engine import LLMEngine
 from parrot.engine.http_api import EngineServer
 from parrot.errors import InvalidRequestError
@@ -60,6 +60,23 @@ def test_models(client: openai.OpenAI) -> None:
     assert httpx.get(f"{root}/version").json() == {"version": parrot.__version__}
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+
+
+def test_served_model_names(server) -> None:  # noqa: ANN001
+    """vLLM's --served-model-name: the names /v1/models lists; an answer carries the name its request gave where
+    it is one of them, else the first (any name is still taken)."""
+    engine = server[1].engines.live_engines()[0].engine
+    config = ServeConfig(model="tiny", served_model_names=("tiny-chat", "alias"))
+    with serving_core(engine, "tiny", tiny_model().tokenizer, config=config) as (url, _), openai.OpenAI(
+            base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        assert [m.id for m in client.models.list()] == ["tiny-chat", "alias"]
+        assert client.models.retrieve("alias").model_extra["root"] == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("tiny")
+        for asked, answered in (("alias", "alias"), ("tiny-chat", "tiny-chat"), ("gpt-4", "tiny-chat")):
+            assert client.completions.create(model=asked, prompt=PROMPT, max_tokens=1).model == answered
+            assert client.chat.completions.create(model=asked, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=1).model == answered
 
 
 def test_completion_stream_equals_non_stream(client: openai.OpenAI, server) -> None:
