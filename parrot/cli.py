@@ -275,6 +275,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig for `parrot serve`: the API key from --api-key, else PARROT_API_KEY."""
     try:
         return ServeConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
+                           allowed_origins=tuple(args.allowed_origins or ()),
                            prefix_sharing=not args.no_prefix_sharing,
                            app_aware=not args.no_app_awareness,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
@@ -518,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names the OpenAI API serves the model under (the first is its id in /v1/models and in "
                         "answers; default: --model as given); requests may still name any model")
+    v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
+                        "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")
     v.add_argument("--max-sessions", type=POSITIVE, default=d.max_sessions, help="open sessions at once (429 beyond)")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")

@@ -212,6 +212,7 @@ class ServeConfig:
     max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
     max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
     retry_after_s: int = 1  # the Retry-After of a 429
+    allowed_origins: tuple[str, ...] = ()  # web pages of these origins may call the API from a browser (CORS; "*": any)
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /health, /metrics
     # generation
     default_max_tokens: int = 128
@@ -267,6 +268,7 @@ class ServeConfig:
         if self.prefix_tail_checkpoint_tokens < 0:
             raise ValueError("prefix_tail_checkpoint_tokens must not be negative")
         self.served_model_names = tuple(self.served_model_names)
+        self.allowed_origins = tuple(self.allowed_origins)
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("served model names must not be empty")
         if self.api_key is not None and not self.api_key.strip():

@@ -24,6 +24,7 @@ from typing import Annotated
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -214,6 +215,9 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
 
     app.add_middleware(_Guard, api_key=api_key)
+    if core.config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(core.config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def errors(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, TimeoutError):

@@ -144,6 +144,25 @@ def test_session_keeps_bounded_history() -> None:
 
 
 # ---- API key ------------------------------------------------------------------------------------------
+def test_browser_pages_get_cors_only_from_allowed_origins(engine: LLMEngine) -> None:
+    """--allowed-origins: a listed origin's preflight is answered (without the API key, which a preflight never
+    carries) and its calls get the CORS header; other origins, and every origin by default, get none."""
+    key, page, other = "sekret-key", "http://localhost:3000", "http://evil.example"
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with serve(engine, api_key=key, allowed_origins=(page,)) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        r = c.options("/v1/chat/completions", headers={"Origin": page, **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/v1/models", headers={"Origin": page, "Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        assert c.get("/v1/models", headers={"Origin": page}).status_code == 401  # the key is still required
+        r = c.options("/v1/chat/completions", headers={"Origin": other, **preflight})
+        assert "access-control-allow-origin" not in r.headers
+    with serve(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers={"Origin": page}).headers
+
+
 def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) -> None:
     key = "sekret-key"
     with serve(engine, api_key=key) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
