@@ -276,6 +276,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     try:
         return ServeConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
                            allowed_origins=tuple(args.allowed_origins or ()),
+                           stats_log_interval_s=0.0 if args.disable_log_stats else ServeConfig.stats_log_interval_s,
                            prefix_sharing=not args.no_prefix_sharing,
                            app_aware=not args.no_app_awareness,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
@@ -522,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")
+    v.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic log line of throughput, load, KV cache use and prefix cache hits (default: one "
+                        f"every {ServeConfig.stats_log_interval_s:g} s while there is work, as vLLM's)")
     v.add_argument("--max-sessions", type=POSITIVE, default=d.max_sessions, help="open sessions at once (429 beyond)")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")

@@ -247,6 +247,7 @@ class ServeConfig:
     overload_backoff_s: float = 0.5  # ... this long apart, on the least loaded engine
     free_context_retries: int = 120  # freeing a context still in use is retried this often ...
     free_context_retry_s: float = 0.5  # ... this long apart
+    stats_log_interval_s: float = 10.0  # a log line of throughput and load this often while there is work; 0: none
     # native functions
     transform_timeout_s: float = 1.0  # a regular expression running longer fails its call
     native_workers: int = 4  # threads running native functions (never the event loop)
@@ -263,6 +264,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive")
         if self.prefix_checkpoint_tokens < 0 or self.prefix_checkpoint_tokens % self.prefix_block_tokens:
             raise ValueError("prefix_checkpoint_tokens must be a multiple of prefix_block_tokens (or 0)")
+        if self.stats_log_interval_s < 0:
+            raise ValueError("stats_log_interval_s must be 0 (off) or positive")
         if self.min_prefix_cut_tokens < 0:
             raise ValueError("min_prefix_cut_tokens must not be negative")
         if self.prefix_tail_checkpoint_tokens < 0:

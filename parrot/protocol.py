@@ -255,6 +255,8 @@ class RuntimeInfo(BaseModel):
     waiting: int
     recent_step_ms: float
     steps: int
+    prompt_tokens: int = 0  # prompt tokens computed in prompt chunks (recomputed ones too), since the start
+    generated_tokens: int = 0  # tokens generated, since the start
     recent_host_ms: float = 0.0  # median host time per step: scheduling, batch building, applying tokens
     ahead_steps: int = 0  # steps launched while the previous one ran (overlap)
     overlap: bool | None = None  # the engine plans a stable decode batch's next step while one runs

@@ -322,6 +322,7 @@ class LLMEngine:
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
+            prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
             recent_host_ms=float(np.median(self._host_ms)) if self._host_ms else 0.0, ahead_steps=self.ahead_steps,
             overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions, evictions=s.evictions,

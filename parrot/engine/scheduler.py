@@ -244,6 +244,8 @@ class Scheduler:
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
+        self.prompt_tokens = 0  # tokens computed in prompt chunks (a throughput figure: recomputed ones too)
+        self.generated_tokens = 0  # tokens that joined generates' outputs
         self.fast_forward_tokens = 0  # grammar-forced tokens fed as the rows of one step: decode steps saved
         self._copies: list[PageCopy] = []  # copy-on-write copies made between steps: run first next step
         self._burst_due = False  # the last step filled prompts while decodes waited: their burst is next
@@ -684,6 +686,8 @@ class Scheduler:
                 outputs.extend(self._accept(slot))
                 continue
             self._record(job.context_id, slot.start, len(slot.tokens), not slot.prompt)
+            if slot.prompt:
+                self.prompt_tokens += len(slot.tokens)
             if job.status is JobStatus.FINISHED:
                 continue  # aborted while its step was in flight
             if slot.scores is not None:
@@ -855,6 +859,7 @@ class Scheduler:
         assert sp is not None
         ctx_tokens = self.tokens[job.context_id]
         job.output_ids.append(token)
+        self.generated_tokens += 1
         ctx_tokens.append(token)  # in the context; its KV is written when it is fed (next step or job)
         delta, hit_stop = job.detok.add(token) if job.detok is not None else ("", False)
         lp = None

@@ -58,6 +58,7 @@ from parrot.serve.request import Parameter, PlaceholderChunk, parse_request
 from parrot.serve.scheduler import CompletionTask, EngineView, GlobalScheduler
 from parrot.serve.serve_time import ServeTime, TaskClock
 from parrot.serve.session import Session
+from parrot.serve.stats_log import StatsLog
 from parrot.serve.tokenizers import TokenizerManager
 from parrot.serve.transforms import TransformContext, TransformError, run_transform, validate_call
 from parrot.serve.variables import SemanticVariable, SemanticVariableManager
@@ -316,6 +317,8 @@ class ParrotServeCore:
         self.engines.start_monitor(interval=self.config.monitor_interval_s, dead_after=self.dead_after)
         self._expiry = asyncio.create_task(self._expire_sessions())
         self._spawn(self._tick())
+        if self.config.stats_log_interval_s:
+            self._spawn(StatsLog(self, self.config.stats_log_interval_s).run())
 
     async def stop(self) -> None:
         if self._expiry is not None:

@@ -208,6 +208,16 @@ def test_bad_input(engine: LLMEngine) -> None:
     engine.free_future("after").result(TIMEOUT)
 
 
+def test_ping_counts_prompt_and_generated_tokens(engine: LLMEngine) -> None:
+    before = engine.ping()
+    fill(engine, "counted", prompt(2, 20))
+    assert len(gen(engine, "counted", max_tokens=5, ignore_eos=True).token_ids) == 5
+    after = engine.ping()
+    engine.free_future("counted").result(TIMEOUT)
+    # the fill's 20 tokens in prompt chunks (a generated token is fed as a decode row)
+    assert (after.prompt_tokens - before.prompt_tokens, after.generated_tokens - before.generated_tokens) == (20, 5)
+
+
 def test_no_shape_misses_after_precompile(engine: LLMEngine) -> None:
     """Every forward the tests above ran (prefill chunks, decode batches, forks) was precompiled."""
     info = engine.ping()
