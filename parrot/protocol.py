@@ -201,6 +201,8 @@ class GenerateResponse(BaseModel):
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
+    # what stopped it (vLLM's): the stop string or the `stop_token_ids` id; None for EOS, a grammar's end, length
+    stop_reason: int | str | None = None
     num_tokens: int  # tokens in the context after the generation
     logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
 
@@ -211,6 +213,7 @@ class StreamChunk(BaseModel):
     token_id: int | None = None
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the last chunk's: as GenerateResponse.stop_reason
     logprob: TokenLogprob | None = None  # with sampling.logprobs: token_id's
     # the last chunk's, with sampling.logprobs: how many of the generation's token logprobs are the answer's
     # (fewer than its tokens where a stop string cut its text: `logprobs_within`); None: all

@@ -826,7 +826,7 @@ class Scheduler:
             if job.constraint is not None:
                 job.constraint.consume(token)
             if token in job.stop_ids:
-                return self._complete(out, "stop")
+                return self._complete(out, "stop", token if token in sp.stop_token_ids else None)
             reason = self._append(job, out, token, logprob)
             forced: list[int] = []
             if reason is None and job.constraint is not None and sp.logprobs is None:
@@ -873,23 +873,27 @@ class Scheduler:
             return "length"
         return None
 
-    def _complete(self, out: JobOutput, reason: str) -> JobOutput:
-        """Finish a generate: a last chunk with the detokenizer's held-back text and the reason."""
+    def _complete(self, out: JobOutput, reason: str, stop_token: int | None = None) -> JobOutput:
+        """Finish a generate: a last chunk with the detokenizer's held-back text, the reason and what stopped it
+        (`stop_token`: one of the request's stop_token_ids; else the stop string the text was cut at, if any)."""
         job = out.job
         job.finish_reason = reason
         self.finish(job)
         tail = job.detok.flush() if job.detok is not None else ""
         text = job.detok.text if job.detok is not None else ""
+        stop_reason: int | str | None = None
+        if reason == "stop":
+            stop_reason = stop_token if stop_token is not None else job.detok.stop_hit if job.detok else None
         logprobs = kept = None
         if job.sampling.logprobs is not None:  # those of the tokens a stop string cut off are left out
             logprobs = list(job.logprobs)
             if job.detok is not None and job.detok.cut:
                 logprobs = logprobs_within(logprobs, len(text))
                 kept = len(logprobs)
-        out.chunks.append(StreamChunk(text=tail, finish_reason=reason, logprobs_kept=kept))
+        out.chunks.append(StreamChunk(text=tail, finish_reason=reason, stop_reason=stop_reason, logprobs_kept=kept))
         out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids), text=text,
-                                      finish_reason=reason, num_tokens=len(self.tokens[job.context_id]),
-                                      logprobs=logprobs)
+                                      finish_reason=reason, stop_reason=stop_reason,
+                                      num_tokens=len(self.tokens[job.context_id]), logprobs=logprobs)
         return out
 
     def fail_step(self, plan: StepPlan, err: BaseException) -> list[JobOutput]:

@@ -253,6 +253,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
         self.cut = False  # a stop string was found: `text` ends before it
+        self.stop_hit: str | None = None  # ... that one
         self._prefix = 0  # ids before this index are already reflected in `text`
         self._read = 0
 
@@ -269,9 +270,11 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         # a stop string may straddle deltas (each matcher carries what of it ended the text); earliest wins
         counts = len(self.ids) > self.min_tokens
-        hits = [old_len + end - len(m.stop) for m in self.matchers if (end := m.feed(piece, counts)) is not None]
+        hits = [(old_len + end - len(m.stop), m.stop) for m in self.matchers
+                if (end := m.feed(piece, counts)) is not None]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_hit = min(hits)
+            self.text = self.text[:at]
             self.cut = True
             return self.flush(), True
         held = max((m.matched for m in self.matchers), default=0)

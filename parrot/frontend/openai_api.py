@@ -497,18 +497,21 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                      params: list[SamplingParams], endpoint: str, start: float,
                      prompt_logprobs: int | None = None, implicit_max: bool = False) -> list[_Choice]:
         """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`).
-        `implicit_max`: the request named no max_tokens, so its default is capped at what the context leaves
-        after each prompt (as vLLM does), not refused."""
+        `implicit_max`: the request named no max_tokens, so its default is capped at what the context (and the
+        smallest KV pool) leaves after each prompt (as vLLM does), not refused."""
         # each prompt tokenized once: counted here, then scheduled with these ids (`n` choices share them);
         # on a worker thread, as a long prompt takes seconds (`encode_pieces` lets go of the GIL meanwhile)
         tokens = await asyncio.to_thread(lambda: [core.prompt_tokens(pieces) for pieces, _ in pieces_list])
         limit = core.engines.max_context_len()
+        pool = core.engines.min_kv_tokens()
         per_prompt = [params] * len(tokens)
         if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
             for p, ids in enumerate(tokens):
                 n_prompt = sum(len(piece) for piece in ids)
                 room = limit - n_prompt
+                if implicit_max and pool is not None:
+                    room = min(room, pool - n_prompt)
                 if implicit_max and max(1, params[0].min_tokens) <= room < params[0].max_tokens:
                     per_prompt[p] = [sp.model_copy(update={"max_tokens": room}) for sp in params]
                 elif n_prompt + params[0].max_tokens > limit:
@@ -581,19 +584,19 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                     echoed = prompt_logprobs(c)
                     logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
                 out.append({"index": c.index, "text": prefix + r.text, "logprobs": logprobs,
-                            "finish_reason": r.finish_reason})
+                            "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
             return {**base, "choices": out, "usage": _usage(choices, body.n)}
 
         events = _Events(choices, core)
         offsets = {c.index: 0 for c in choices}
 
-        def chunk(c: _Choice, text: str, finish: str | None) -> str:
+        def chunk(c: _Choice, text: str, finish: str | None, stop: int | str | None = None) -> str:
             logprobs = None
             if want_logprobs:
                 logprobs = completion_logprobs(c.take_logprobs(), top_n, offsets[c.index])
             offsets[c.index] += len(text)
             return _sse({**base, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish}]})
+                                             "finish_reason": finish, **({"stop_reason": stop} if finish else {})}]})
 
         async def gen() -> AsyncIterator[str]:
             echoed: set[int] = set()
@@ -612,7 +615,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 elif isinstance(item, str):
                     yield chunk(c, item, None)
                 else:
-                    yield chunk(c, _rest(c, item), item.finish_reason)
+                    yield chunk(c, _rest(c, item), item.finish_reason, item.stop_reason)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(choices, body.n)})
 
@@ -646,7 +649,9 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                                   "generation prompt (add_generation_prompt true)", param="tool_choice")
             extra["json_schema"] = schema
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
-        params = samplings(body, body.max_completion_tokens or body.max_tokens or 128, extra)
+        # left out: the rest of the context (OpenAI's and vLLM's default; `submit` caps it per prompt)
+        implicit = core.engines.max_context_len() or core.default_max_tokens
+        params = samplings(body, body.max_completion_tokens or body.max_tokens or implicit, extra)
         await validate_constraint(body, params, tools=schema is not None)
         choices = await submit([(pieces, shared)], body, params, "chat", start,
                                implicit_max=body.max_completion_tokens is None and body.max_tokens is None)
@@ -667,18 +672,19 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 if legacy:
                     message, finish = legacy_functions.message(message, finish)
                 out.append({"index": c.index, "message": message, "logprobs": logprobs_of(c.result.logprobs or []),
-                            "finish_reason": finish})
+                            "finish_reason": finish, "stop_reason": c.result.stop_reason})
             return {**base, "choices": out, "usage": _usage(choices, body.n)}
 
         chunk = {**base, "object": "chat.completion.chunk"}
         events = _Events(choices, core)
 
-        def event(c: _Choice, delta: dict | None, finish: str | None, logprobs: list[Any] | None = None) -> str:
+        def event(c: _Choice, delta: dict | None, finish: str | None, logprobs: list[Any] | None = None,
+                  stop: int | str | None = None) -> str:
             lp = logprobs_of(logprobs) if logprobs else None
             if legacy:
                 delta, finish = legacy_functions.delta(delta) or {}, legacy_functions.finish_reason(finish)
             return _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                               "finish_reason": finish}]})
+                                               "finish_reason": finish, **({"stop_reason": stop} if finish else {})}]})
 
         async def gen() -> AsyncIterator[str]:
             for c in choices:
@@ -693,7 +699,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 closing, finish = answer.close(item.text, item.finish_reason)
                 for delta in deltas + closing:
                     yield event(c, delta, None, c.take_logprobs())
-                yield event(c, {}, finish, c.take_logprobs())
+                yield event(c, {}, finish, c.take_logprobs(), item.stop_reason)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield _sse({**chunk, "choices": [], "usage": _usage(choices, body.n)})
 

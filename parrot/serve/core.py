@@ -112,7 +112,8 @@ class _TaskRecord:
     def on_logprob(self, position: int, logprob: TokenLogprob) -> None: ...
     def on_logprobs_kept(self, kept: int) -> None: ...
     def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None: ...
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None: ...
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str,
+             stop_reason: int | str | None = None) -> None: ...
     def failed(self, reason: str, error: ParrotError | None = None) -> None: ...
 
 
@@ -127,7 +128,8 @@ class _ChainRecord(_TaskRecord):
     def on_text(self, delta: str) -> None:
         self.chain.output_var.append_stream(delta)
 
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str,
+             stop_reason: int | str | None = None) -> None:
         field = self.sampling.constraint
         if field is not None and finish == "length":  # a typed output must be whole
             self.chain.output_var.fail_if_pending(
@@ -175,6 +177,7 @@ class CompletionResult:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
     prompt_logprobs: list[TokenLogprob] | None = None  # with prompt_logprobs: one per prompt token
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (GenerateResponse's)
 
 
 @dataclass(eq=False)
@@ -241,12 +244,13 @@ class _PlainRecord(_TaskRecord):
             self._starts.append(self._end)
             self._end += len(self._decoder.decode(bytes(logprob.bytes)))
 
-    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str) -> None:
+    def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str,
+             stop_reason: int | str | None = None) -> None:
         kept = len(token_ids) if self.logprobs_kept is None else min(self.logprobs_kept, len(token_ids))
         self._send_logprobs(min(kept, len(self.logprobs)))
         logprobs = self.logprobs[:kept] if self.sampling.logprobs is not None else None
         self.queue.put_nowait(CompletionResult(text, token_ids, finish, prompt_tokens, cached_tokens, logprobs,
-                                               self.prompt_items))
+                                               self.prompt_items, stop_reason))
 
     def failed(self, reason: str, error: ParrotError | None = None) -> None:
         if self.cancelled:
@@ -734,7 +738,7 @@ class ParrotServeCore:
             gen_id = self.contexts.new_id(gen_owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling,
                                   waited_s=rec.waited(), priority=rec.priority)
-            text, ids, finish = "", [], "stop"
+            text, ids, finish, stop_reason = "", [], "stop", None
             timer = (self.request_timer("semantic_call", rec.created)
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
             t_first: float | None = None
@@ -757,7 +761,8 @@ class ParrotServeCore:
                     if chunk.text and timer is not None:
                         timer.delta()
                     text += chunk.text
-                    finish = chunk.finish_reason or finish
+                    if chunk.finish_reason is not None:
+                        finish, stop_reason = chunk.finish_reason, chunk.stop_reason
                     rec.deliver(text)
             except ParrotError:
                 if timer is not None:
@@ -773,7 +778,7 @@ class ParrotServeCore:
                 stats = _generation_stats(rec, len(task.tokens), cached, len(ids), t_first)
                 rec.session.add_generation(stats)
                 rec.note(**stats)
-            rec.done(text, ids, len(task.tokens), cached, finish)
+            rec.done(text, ids, len(task.tokens), cached, finish, stop_reason)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
         except EngineUnavailableError as exc:

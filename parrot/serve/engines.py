@@ -564,6 +564,12 @@ class EngineManager:
             limits = [e.client.max_context_len for e in self._entries.values()]
         return min(limits) if limits else None
 
+    def min_kv_tokens(self) -> int | None:
+        """The fewest tokens a live engine's whole KV pool holds (from its latest runtime info); None unknown."""
+        pools = [info.total_pages * info.page_size for e in self.live_engines()
+                 if (info := self.runtime(e.name)) is not None]
+        return min(pools) if pools else None
+
     def runtime(self, name: str) -> RuntimeInfo | None:
         """The latest runtime info (heartbeat or ping) of an engine; None before the first."""
         return self._entry(name).runtime

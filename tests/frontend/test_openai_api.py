@@ -189,7 +189,28 @@ def test_stop(client: openai.OpenAI) -> None:
     r = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stop=[stop, "@@@"],
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == full[:full.index(stop)]
-    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+    # what stopped it, whole and streamed: the stop string, a stop token id (the first token generated), nothing
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    first_id = httpx.post(f"{root}/tokenize", json={"prompt": full[0]}).json()["tokens"][0]
+    for extra, text, reason in (({"stop": [stop, "@@@"]}, full[:full.index(stop)], stop),
+                                ({"extra_body": {"ignore_eos": True, "stop_token_ids": [first_id]}}, "", first_id),
+                                ({}, full, None)):
+        for stream in (False, True):
+            kw = {"extra_body": {"ignore_eos": True}, **extra}
+            got = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stream=stream,
+                                            **kw)
+            last = list(got)[-1].choices[0] if stream else got.choices[0]
+            assert last.model_extra["stop_reason"] == reason and (stream or last.text == text), (extra, stream)
+    a = httpx.post(f"{root}/tokenize", json={"prompt": "A"}).json()["tokens"][0]
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 8,
+           "logit_bias": {str(a): 100}}  # "AAAAAAAA"
+    for stream in (False, True):
+        for extra, reason in (({"stop": ["AAA"]}, "AAA"), ({"extra_body": {"stop_token_ids": [a]}}, a), ({}, None)):
+            got = client.chat.completions.create(**ask, **extra, stream=stream)
+            last = list(got)[-1].choices[0] if stream else got.choices[0]
+            assert last.model_extra["stop_reason"] == reason, (extra, stream)
+            assert last.finish_reason == ("length" if reason is None else "stop")
 
 
 def test_repeated_system_prompt_is_cached(client: openai.OpenAI) -> None:
@@ -274,13 +295,30 @@ def test_bad_input(client: openai.OpenAI, server) -> None:
     assert e.code == "context_length_exceeded" and e.param == "prompt" and "600 tokens" in e.message
     e = bad(openai.BadRequestError, comp, model="tiny", prompt=[[65], [65] * 510], max_tokens=4, stream=True)
     assert e.code == "context_length_exceeded" and e.param == "max_tokens"
-    # no max_tokens named: the default (16 / 128) is capped at what the context leaves, as vLLM does
+    # no max_tokens named: the default (16 for completions; a chat's is the rest of the context, as OpenAI's and
+    # vLLM's) is capped at what the context leaves, as vLLM does
     r = comp(model="tiny", prompt=[65] * 509, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
-    r = chat(model="tiny", messages=[{"role": "user", "content": "x" * 440}], extra_body={"ignore_eos": True})
-    assert r.usage.prompt_tokens + r.usage.completion_tokens == 512 and r.choices[0].finish_reason == "length"
+    for size in (440, 40):
+        r = chat(model="tiny", messages=[{"role": "user", "content": "x" * size}], extra_body={"ignore_eos": True})
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 512 and r.choices[0].finish_reason == "length"
     e = bad(openai.BadRequestError, comp, model="tiny", prompt=[65] * 512)  # no room for one token
     assert e.code == "context_length_exceeded" and e.param == "prompt"
+
+
+def test_a_chats_default_length_fits_the_smallest_kv_pool() -> None:
+    """Where the KV pool holds fewer tokens than the context, a chat that names no max_tokens gets what the pool
+    leaves (not a refusal as larger than the cache)."""
+    engine = LLMEngine(tiny_model(), tiny_engine_config(kv_pages=1 + 12)).start(precompile=False)  # 192 tokens
+    try:
+        with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, core), openai.OpenAI(
+                base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            core.engines.live_engines()  # the runtime info comes with the first ping, at registration
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 40}],
+                                               extra_body={"ignore_eos": True})
+            assert r.usage.prompt_tokens + r.usage.completion_tokens == 192 and r.choices[0].finish_reason == "length"
+    finally:
+        engine.shutdown()
 
 
 # ---- the real default model -----------------------------------------------------------------------
