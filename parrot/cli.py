@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -15,6 +17,9 @@ from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.interrupts import exit_with_parent, remember_sigint, sigterm_as_interrupt, stop_if_interrupted
 from parrot.logs import configure as configure_logs
+
+if TYPE_CHECKING:
+    from parrot.serve.core import ParrotServeCore
 
 log = logging.getLogger("parrot.serve")
 
@@ -306,20 +311,49 @@ def http_server(app: object, host: str, port: int):  # noqa: ANN201 (a uvicorn.S
     return server
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, taken before the model loads (as vLLM binds its port first): a port in use or
+    a host that is not this machine's fails at once with a clear error. uvicorn listens on it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        raise ParrotError(f"cannot listen on {host}:{port}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ParrotError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """The serve core on --port with its engines: one embedded in this process (default), or
-    --engines N engine processes that register themselves and send heartbeats."""
-    from parrot.frontend.http_api import create_app
+    --engines N engine processes that register themselves and send heartbeats. Its port is taken first."""
     from parrot.serve.core import ParrotServeCore
-    from parrot.serve.engine_processes import EngineProcesses, PortsInUseError
-    from parrot.serve.engines import LocalEngineClient
 
     core = ParrotServeCore(config=serve_config_from_args(args))
-    engine_cmds: list[tuple[str, int, list[str]]] = []
-    engine = None
     cfg = engine_config_from_args(args)
     if _join_cluster(args, cfg):
         return 0
+    sock = listening_socket(args.host, args.port)
+    try:
+        return _serve_on(sock, args, core, cfg)
+    finally:
+        sock.close()
+
+
+def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCore, cfg: EngineConfig) -> int:
+    """The rest of `cmd_serve` on its taken port: the engine(s), then uvicorn on `sock` until it stops."""
+    from parrot.frontend.http_api import create_app
+    from parrot.serve.engine_processes import EngineProcesses, PortsInUseError
+    from parrot.serve.engines import LocalEngineClient
+
+    engine_cmds: list[tuple[str, int, list[str]]] = []
+    engine = None
     if args.engines == 0:
         from parrot.engine.engine import LLMEngine
         from parrot.engine.loader import load_model
@@ -396,7 +430,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         stop_if_interrupted()
         with sigterm_as_interrupt():
-            http_server(create_app(core), args.host, args.port).run()
+            http_server(create_app(core), args.host, args.port).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:

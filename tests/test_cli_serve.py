@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,12 +51,15 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         def __init__(self, app: object) -> None:
             apps.append(app)
 
-        def run(self) -> None: ...
+        def run(self, sockets: list | None = None) -> None:
+            assert sockets and sockets[0].getsockname()[1] == port  # the port taken before anything loaded
 
     monkeypatch.setattr(cli, "http_server", lambda app, host, port: FakeServer(app))
     monkeypatch.setattr(tokenizers.TokenizerManager, "get", lambda self, model: None)
     monkeypatch.delenv("PARROT_API_KEY", raising=False)
-    args = cli.build_parser().parse_args(["serve", "--engines", "2", "--engine-base-port", str(free_ports(2)),
+    port = free_port()
+    args = cli.build_parser().parse_args(["serve", "--port", str(port), "--engines", "2",
+                                          "--engine-base-port", str(free_ports(2)),
                                           "--compilation-cache-dir", "/tmp/cc",
                                           "--log-format", "json", "--api-key", "k3y", "--max-sessions", "5",
                                           "--speculative-tokens", "3", "--speculative-ngram", "1", "4",
@@ -75,6 +79,24 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
     assert config.api_key == "k3y" and config.max_sessions == 5
     monkeypatch.setenv("PARROT_API_KEY", "from-env")
     assert cli.serve_config_from_args(cli.build_parser().parse_args(["serve"])).api_key == "from-env"
+
+
+def test_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import parrot.engine.loader as loader
+
+    def no_load(*args: object, **kw: object) -> None:
+        raise AssertionError("the model loaded before the port was taken")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert cli.main(["serve", "--host", "999.1.1.1", "--port", str(free_port())]) == 2
+    assert "cannot listen on 999.1.1.1" in capsys.readouterr().err
 
 
 def test_the_server_says_where_it_listens(caplog: pytest.LogCaptureFixture) -> None:
