@@ -66,6 +66,15 @@ def grammar_text(params: SamplingParams) -> str | None:
     return None
 
 
+def matcher_error(error: str) -> str:
+    """llguidance's error in a line: its reason without the matcher's state dump that follows it, the reason of
+    a grammar no text satisfies (a regex of an empty class, a schema or rule defined only by itself) spelled out."""
+    reason = error.strip().split("\n<state>", 1)[0].strip() or "the matcher failed"
+    if reason == "NoExtensionBias":
+        return "no output satisfies it (the matcher allows no first token)"
+    return reason
+
+
 class Grammars:
     """Compiles constraints against one tokenizer and vocabulary (the model's logits width)."""
 
@@ -130,7 +139,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         matcher.compute_bitmask()  # the first mask builds most lexer states: here, not in an engine step
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid {params.constraint}: {matcher.get_error().strip()}")
+            raise InvalidRequestError(f"invalid {params.constraint}: {matcher_error(matcher.get_error())}")
         self.compiles += 1
         return Constraint(matcher, self, grammar)
 

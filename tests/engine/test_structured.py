@@ -98,14 +98,17 @@ def test_rows_in_one_state_share_a_mask_and_others_get_their_own() -> None:
     ({"grammar": "start: missing_rule"}, "unknown name"),
     ({"json_schema": {"type": "no-such-type"}}, "Invalid type"),
     ({"json_schema": {"type": "string", "format": "no-such-format"}}, "Unknown format"),
+    # no output satisfies these: said in a line, not the matcher's state dump
+    ({"regex": "[^\\x00-\\x{10FFFF}]"}, "no output satisfies it"), ({"json_schema": {"$ref": "#"}}, "no output"),
+    ({"grammar": "start: start"}, "no output satisfies it"),
 ])
 def test_invalid_constraints_fail_at_submit(engine: LLMEngine, sampling: dict, message: str) -> None:
     """The matcher's message, raised by the submit itself: the context does not even exist, so no engine
     work ran (that would have failed with not_found)."""
     req = GenerateRequest(context_id="never-created", sampling=SamplingParams(**sampling))
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as info:
         engine.generate_future(req)
-    assert engine.alive
+    assert "<state>" not in str(info.value) and engine.alive
 
 
 def test_compiling_has_a_time_limit() -> None:
