@@ -292,12 +292,13 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ParrotError(f"invalid serve settings: {exc}") from exc
 
 
-def http_server(app: object, host: str, port: int):  # noqa: ANN201 (a uvicorn.Server)
-    """The HTTP server of `parrot serve`: uvicorn with its own logs at warnings, and one line of ours once the
-    socket listens: where to send requests, and that shapes may still be compiling (/health)."""
+def http_server(app: object, host: str, port: int, log_level: str = "warning"):  # noqa: ANN201 (a uvicorn.Server)
+    """The HTTP server of `parrot serve`: uvicorn with its own logs from `log_level` (info: a line per request,
+    uvicorn's access log), and one line of ours once the socket listens: where to send requests, and that shapes
+    may still be compiling (/health)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     startup = server.startup
 
     async def startup_then_say(sockets: list | None = None) -> None:
@@ -430,7 +431,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     try:
         stop_if_interrupted()
         with sigterm_as_interrupt():
-            http_server(create_app(core), args.host, args.port).run(sockets=[sock])
+            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:
@@ -557,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")
+    v.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default="warning", help="uvicorn's own logs (default warning; info adds its access log, a line per "
+                                           "request)")
     v.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic log line of throughput, load, KV cache use and prefix cache hits (default: one "
                         f"every {ServeConfig.stats_log_interval_s:g} s while there is work, as vLLM's)")
