@@ -69,10 +69,10 @@ from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionReq
 from parrot.frontend.openai_tools import (
     ToolAnswer,
     ToolError,
-    constraint_schema,
     forced_prefix,
     parse_tool_choice,
     parse_tools,
+    tool_constraint,
 )
 from parrot.protocol import SamplingParams
 from parrot.serve import constraints
@@ -638,25 +638,25 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         # on a worker thread: a long chat's template renders take a while, and other clients are served meanwhile
         tools, choice, pieces, shared = await asyncio.to_thread(prompt)
         extra = body.logprob_fields()
-        schema = constraint_schema(choice, tools)
-        if schema is not None:
+        parallel = body.parallel_tool_calls is not False and not legacy
+        constrained = tool_constraint(choice, tools, parallel)
+        if constrained is not None:
             if body.constraint() is not None:
                 raise OpenAIError(400, f"tool_choice {choice.mode!r} constrains the answer to a tool call: it cannot "
                                   "be combined with response_format or another output constraint", param="tool_choice")
-            require("json_schema", "tool_choice", f"tool_choice {choice.mode!r} (constrained tool calls)")
+            require(constrained[0], "tool_choice", f"tool_choice {choice.mode!r} (constrained tool calls)")
             if not body.add_generation_prompt:  # the call opens after the generation prompt
                 raise OpenAIError(400, f"tool_choice {choice.mode!r} opens the answer with a tool call: it needs the "
                                   "generation prompt (add_generation_prompt true)", param="tool_choice")
-            extra["json_schema"] = schema
+            extra[constrained[0]] = constrained[1]
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         # left out: the rest of the context (OpenAI's and vLLM's default; `submit` caps it per prompt)
         implicit = core.engines.max_context_len() or core.default_max_tokens
         params = samplings(body, body.max_completion_tokens or body.max_tokens or implicit, extra)
-        await validate_constraint(body, params, tools=schema is not None)
+        await validate_constraint(body, params, tools=constrained is not None)
         choices = await submit([(pieces, shared)], body, params, "chat", start,
                                implicit_max=body.max_completion_tokens is None and body.max_tokens is None)
-        answers = {c.index: ToolAnswer(choice, tools, body.parallel_tool_calls is not False and not legacy)
-                   for c in choices}
+        answers = {c.index: ToolAnswer(choice, tools, parallel) for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": answered_as(body.model),
                 "system_fingerprint": None}

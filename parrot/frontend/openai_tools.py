@@ -5,8 +5,9 @@
   message. Either way the model is asked to answer a call as
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 - `tool_choice`: "none" (tools are left out of the prompt, nothing is parsed), "auto" (the default with
-  tools: the model's text is parsed for tool calls), "required" (the answer is constrained to one call
-  object of one of the tools: a JSON schema built from their parameter schemas), or a named function (the
+  tools: the model's text is parsed for tool calls), "required" (the answer is constrained to call objects of
+  the tools: a JSON schema built from their parameter schemas; one or more, each in its `<tool_call>` block,
+  unless parallel_tool_calls is false), or a named function (the
   prompt ends with that call's opening, `<tool_call>\\n{"name": "NAME", "arguments": `, and the answer is
   constrained by the function's parameter schema). Constrained arguments are always valid JSON.
 - Earlier turns: assistant messages with `tool_calls` and `tool` messages are rendered by a template that
@@ -187,6 +188,32 @@ def constraint_schema(choice: ToolChoice, tools: list[ToolDef]) -> dict[str, Any
                   "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
     return None
+
+
+SEPARATOR = f"\n{CLOSE}\n{OPEN}\n"  # between calls of a "required" answer with parallel calls
+
+
+def required_calls_grammar(tools: list[ToolDef]) -> str:
+    """"required" with parallel calls (a Lark grammar for llguidance): one or more call objects of
+    `constraint_schema`, each in a `<tool_call>` block of its own, as Hermes-style models write several calls
+    (the first block's opening is the forced prefix); vLLM's is a JSON array of calls, at least one."""
+    # compact JSON as the engine's json_schema constraints take it (engine/structured.py JSON_OPTIONS): inline
+    # %json would take any whitespace between tokens
+    schema = {**constraint_schema(ToolChoice("required"), tools),  # type: ignore[dict-item]
+              "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    return (f"start: call (SEP call)* END?\nSEP: {json.dumps(SEPARATOR)}\nEND: {json.dumps(chr(10) + CLOSE)}\n"
+            f"call: %json {json.dumps(schema)}")
+
+
+def tool_constraint(choice: ToolChoice, tools: list[ToolDef], parallel: bool) -> tuple[str, Any] | None:
+    """(SamplingParams field, value) constraining the answer of a named or "required" tool_choice (with
+    `parallel`, "required" takes one or more calls: `required_calls_grammar`); None for "auto" and "none"."""
+    schema = constraint_schema(choice, tools)
+    if schema is None:
+        return None
+    if choice.mode == "required" and parallel:
+        return "grammar", required_calls_grammar(tools)
+    return "json_schema", schema
 
 
 # ---- the answer ------------------------------------------------------------------------------------
@@ -375,10 +402,52 @@ def call_delta(index: int, call: ToolCall) -> dict[str, Any]:
 _CALL_HEAD_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
+_NEXT_CALL_RE = re.compile(r"\s*\}\s*" + re.escape(CLOSE) + r"\s*" + re.escape(OPEN))  # a call's end, the next's start
+
+
 class RequiredCallStream:
-    """Reads a "required" answer, one call object `{"name": N, "arguments": {...}}` (keys in that order, as
-    the constraint schema lists them), as it is generated: the name once it is complete, then the
-    arguments' own text as it comes (a JSON scanner finds where the arguments object ends)."""
+    """Reads a "required" answer as it is generated: call objects (`CallReader`), one, or several apart by
+    `SEPARATOR` (parallel calls). `feed` gives (call index, its name when it became complete, new argument
+    text) events."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+        self.readers = [CallReader(names)]
+        self.between = ""  # text after the last call's arguments, before the next call's object
+
+    def feed(self, delta: str) -> list[tuple[int, str | None, str]]:
+        events: list[tuple[int, str | None, str]] = []
+        while delta:
+            reader = self.readers[-1]
+            if reader.args_end is None:
+                name, args = reader.feed(delta)
+                if name is not None or args:
+                    events.append((len(self.readers) - 1, name, args))
+                if reader.args_end is None:
+                    break
+                delta, reader.text = reader.text[reader.args_end:], reader.text[:reader.args_end]
+            self.between += delta
+            found = _NEXT_CALL_RE.match(self.between)
+            if found is None:
+                break
+            delta, self.between = self.between[found.end():], ""
+            self.readers.append(CallReader(self.names))
+        return events
+
+    def calls(self, ids: list[str]) -> list[ToolCall]:
+        """The calls whose names are complete and known (`CallReader.call`), the i-th with ids[i] if given."""
+        out = []
+        for i, reader in enumerate(self.readers):
+            call = reader.call(ids[i] if i < len(ids) else new_call_id())
+            if call is not None:
+                out.append(call)
+        return out
+
+
+class CallReader:
+    """Reads one call object `{"name": N, "arguments": {...}}` (keys in that order, as the constraint schema
+    lists them) as it is generated: the name once it is complete, then the arguments' own text as it comes (a
+    JSON scanner finds where the arguments object ends)."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
@@ -441,7 +510,8 @@ class RequiredCallStream:
 class ToolAnswer:
     """Shapes one choice's answer by `tool_choice`: the message of a whole answer, or the `delta`s of a
     streamed one. "none": content only. "named": the text is the call's arguments. "required": the text is
-    one call object. "auto": text with `<tool_call>` blocks; `parallel` False keeps the first call only."""
+    one or more call objects (`RequiredCallStream`). "auto": text with `<tool_call>` blocks; `parallel` False
+    keeps the first call only."""
 
     def __init__(self, choice: ToolChoice, tools: list[ToolDef], parallel: bool = True) -> None:
         self.choice = choice
@@ -471,9 +541,9 @@ class ToolAnswer:
         elif mode == "required":
             reader = RequiredCallStream(self.names)
             reader.feed(text)
-            call = reader.call(self.named_id)
-            if call is not None:
-                content, calls = None, [call]
+            calls = reader.calls([self.named_id])
+            if calls:
+                content = None
         elif mode == "auto":
             content, calls = parse_tool_calls(text, self.names)
             if not self.parallel:
@@ -500,16 +570,17 @@ class ToolAnswer:
             return [{"content": delta}]
         if mode == "named":
             return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}]
-        if mode == "required":  # the call's id and name once the name is complete, then its arguments
+        if mode == "required":  # each call's id and name once the name is complete, then its arguments
             assert self.required is not None
-            name, args = self.required.feed(delta)
             out: list[dict[str, Any]] = []
-            if name is not None and name in self.names:
-                self.streamed_calls = 1
-                out.append({"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
-                                            "function": {"name": name, "arguments": ""}}]})
-            if args and self.streamed_calls:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": args}}]})
+            for index, name, args in self.required.feed(delta):
+                if name is not None and name in self.names and index == self.streamed_calls:
+                    call_id = self.named_id if index == 0 else new_call_id()
+                    self.streamed_calls += 1
+                    out.append({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                                "function": {"name": name, "arguments": ""}}]})
+                if args and index < self.streamed_calls:
+                    out.append({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
             return out
         assert self.auto is not None
         return self._auto_deltas(self.auto.feed(delta))

@@ -412,15 +412,34 @@ def test_named_tool_choice_gives_a_valid_call(client: openai.OpenAI) -> None:
 
 
 def test_required_none_auto_and_parallel(client: openai.OpenAI) -> None:
-    r = chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=4)
+    one = {"tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 100, "temperature": 1.0, "seed": 4,
+           "parallel_tool_calls": False}
+    r = chat(client, **one)
     [call] = r.choices[0].message.tool_calls
     assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments), dict)
-    stream = list(chat(client, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=4,
-                       stream=True))
+    stream = list(chat(client, **one, stream=True))
     deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].function.name == call.function.name and deltas[0].id.startswith("call_")
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert stream[-1].choices[0].finish_reason == "tool_calls"
+    # parallel calls (the default): one or more, each in its block, the same whole and streamed
+    counts = []
+    for seed in (4, 1):
+        many = {**one, "parallel_tool_calls": True, "seed": seed, "max_tokens": 160}
+        r = chat(client, **many)
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+        whole = calls if finish == "tool_calls" else calls[:-1]  # max_tokens may cut the last one
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in whole)
+        stream = list(chat(client, **many, stream=True))
+        deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.index, d.function.name) for d in deltas if d.id] == [(i, c.function.name)
+                                                                        for i, c in enumerate(calls)]
+        assert ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in range(len(calls))] == [
+            c.function.arguments for c in calls]
+        assert stream[-1].choices[0].finish_reason == finish
+        counts.append(len(calls))
+    assert counts == [1, 2]  # these seeds' answers: one call, and two
     r = chat(client, tools=[WEATHER], tool_choice="none", logit_bias={str(A): 100}, max_tokens=3)
     assert r.choices[0].message.content == "AAA" and not r.choices[0].message.tool_calls
     r = chat(client, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False, logit_bias={str(A): 100},

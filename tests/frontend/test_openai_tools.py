@@ -7,6 +7,7 @@ import json
 import pytest
 
 from parrot.frontend.openai_tools import (
+    SEPARATOR,
     AutoToolStream,
     ToolAnswer,
     ToolChoice,
@@ -18,6 +19,7 @@ from parrot.frontend.openai_tools import (
     parse_tool_choice,
     parse_tools,
     template_supports_tools,
+    tool_constraint,
 )
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -60,6 +62,22 @@ def test_bad_tool_choice(choice) -> None:  # noqa: ANN001
     assert info.value.param == "tool_choice"
     with pytest.raises(ToolError, match="needs tools"):
         parse_tool_choice("required", [])
+
+
+def test_required_takes_one_or_more_calls_where_calls_may_be_parallel() -> None:
+    """"required" with parallel calls: a grammar of one or more call objects in their blocks (llguidance takes
+    it); without: the one call object's schema."""
+    import llguidance
+
+    tools = parse_tools([WEATHER, TIME])
+    field, grammar = tool_constraint(ToolChoice("required"), tools, parallel=True)
+    assert field == "grammar" and "%json" in grammar and not llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert tool_constraint(ToolChoice("required"), tools, parallel=False) == (
+        "json_schema", constraint_schema(ToolChoice("required"), tools))
+    named = ToolChoice("named", "get_time")
+    assert tool_constraint(named, tools, parallel=True) == ("json_schema", constraint_schema(named, tools))
+    assert tool_constraint(ToolChoice("auto"), tools, parallel=True) is None
 
 
 def test_constraint_schemas_and_prefixes() -> None:
@@ -189,6 +207,23 @@ def test_tool_answer_messages_and_deltas() -> None:
     assert finish == "length" and msg["tool_calls"][0]["function"]["arguments"] == '{"x'
     assert ToolAnswer(ToolChoice("required"), tools).message('{"na', "length") == (
         {"role": "assistant", "content": '{"na'}, "length")
+
+    # parallel calls of "required": blocks apart by SEPARATOR, whole and streamed a character at a time
+    two = '{"name": "get_time", "arguments": {}}' + SEPARATOR + '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for text, finish in ((two + "\n</tool_call>", "stop"), (two, "stop"), (two[:-4], "length")):
+        msg, said = ToolAnswer(ToolChoice("required"), tools).message(text, finish)
+        assert said == ("tool_calls" if finish == "stop" else "length") and msg["content"] is None
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
+        oslo = '{"city": "Oslo"}' if finish == "stop" else '{"city": "Osl'
+        assert calls == [("get_time", "{}"), ("get_weather", oslo)]
+        assert len({c["id"] for c in msg["tool_calls"]}) == 2
+        streamed = ToolAnswer(ToolChoice("required"), tools)
+        deltas = [tc for ch in text for d in streamed.feed(ch) for tc in d["tool_calls"]]
+        heads = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["function"]["name"]) for d in heads] == [(0, "get_time"), (1, "get_weather")]
+        assert [("".join(d["function"]["arguments"] for d in deltas if d["index"] == i)) for i in (0, 1)] == [
+            a for _, a in calls]
+        assert streamed.close(text, finish) == ([], said)
 
     auto = ToolAnswer(ToolChoice("auto"), tools, parallel=False)
     text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
