@@ -226,6 +226,12 @@ def _choice(index: int, text: str, finish: str | None, tools: list[list[str]], l
             "logprobs": logprobs if asked else None}
 
 
+def _finish(c: Any) -> str | None:
+    """A choice's finish_reason, with its stop_reason (the stop string or token id) where one is given."""
+    stop = (c.model_extra or {}).get("stop_reason")
+    return c.finish_reason if stop is None or c.finish_reason is None else f"{c.finish_reason} ({stop!r})"
+
+
 def chat_choices(response: Any, asked_logprobs: bool) -> list[Choice]:
     """A chat completion's choices, normalized."""
     out = []
@@ -234,7 +240,7 @@ def chat_choices(response: Any, asked_logprobs: bool) -> list[Choice]:
         tools = [[t.function.name, t.function.arguments] for t in (m.tool_calls or [])]
         if m.function_call is not None:
             tools.append([m.function_call.name, m.function_call.arguments])
-        out.append(_choice(c.index, m.content or "", c.finish_reason, tools,
+        out.append(_choice(c.index, m.content or "", _finish(c), tools,
                            _chat_logprobs(c.logprobs.content if c.logprobs else None), asked_logprobs))
     return out
 
@@ -259,14 +265,14 @@ def chat_stream_choices(chunks: Iterable[Any], asked_logprobs: bool) -> list[Cho
             if c.logprobs is not None:
                 a["logprobs"] += _chat_logprobs(c.logprobs.content)
             if c.finish_reason is not None:
-                a["finish"] = c.finish_reason
+                a["finish"] = _finish(c)
     return [_choice(i, a["text"], a["finish"], [a["tools"][k] for k in sorted(a["tools"])], a["logprobs"],
                     asked_logprobs) for i, a in sorted(acc.items())]
 
 
 def completion_choices(response: Any, asked_logprobs: bool) -> list[Choice]:
     """A completion's choices, normalized."""
-    return [_choice(c.index, c.text, c.finish_reason, [], _completion_logprobs(c.logprobs), asked_logprobs)
+    return [_choice(c.index, c.text, _finish(c), [], _completion_logprobs(c.logprobs), asked_logprobs)
             for c in sorted(response.choices, key=lambda c: c.index)]
 
 
@@ -279,7 +285,7 @@ def completion_stream_choices(chunks: Iterable[Any], asked_logprobs: bool) -> li
             a["text"] += c.text or ""
             a["logprobs"] += _completion_logprobs(c.logprobs)
             if c.finish_reason is not None:
-                a["finish"] = c.finish_reason
+                a["finish"] = _finish(c)
     return [_choice(i, a["text"], a["finish"], [], a["logprobs"], asked_logprobs) for i, a in sorted(acc.items())]
 
 
