@@ -324,6 +324,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(2048)  # at once: two sockets bound with SO_REUSEADDR may share an address until one listens
     except OSError as exc:
         sock.close()
         raise ParrotError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
@@ -550,11 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "still follows cached prefixes unless --no-prefix-sharing")
     d = ServeConfig()
     v.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /ui (default: "
-                        "$PARROT_API_KEY; session tokens then go in X-Session-Token)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and /ui "
+                        "(default: $PARROT_API_KEY; session tokens then go in X-Session-Token)")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names the OpenAI API serves the model under (the first is its id in /v1/models and in "
-                        "answers; default: --model as given); requests may still name any model")
+                   help="the names the OpenAI API serves the model under, each a card in /v1/models; an answer names "
+                        "the request's model where it is one of them, else the first (default: --model as given); "
+                        "requests may still name any model")
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")

@@ -270,7 +270,7 @@ class ServeConfig:
             raise ValueError("min_prefix_cut_tokens must not be negative")
         if self.prefix_tail_checkpoint_tokens < 0:
             raise ValueError("prefix_tail_checkpoint_tokens must not be negative")
-        self.served_model_names = tuple(self.served_model_names)
+        self.served_model_names = tuple(dict.fromkeys(self.served_model_names))  # each name once
         self.allowed_origins = tuple(self.allowed_origins)
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("served model names must not be empty")

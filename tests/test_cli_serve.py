@@ -22,7 +22,7 @@ from fastapi import FastAPI
 
 from parrot import cli
 from parrot.engine.model_files import default_model_path
-from parrot.errors import ModelLoadError
+from parrot.errors import ModelLoadError, ParrotError
 from parrot.serve import tokenizers
 from tests.servers import free_port, free_ports
 
@@ -97,6 +97,15 @@ def test_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads(monkeypatc
         assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert cli.main(["serve", "--host", "999.1.1.1", "--port", str(free_port())]) == 2
     assert "cannot listen on 999.1.1.1" in capsys.readouterr().err
+    # two servers started together: the second fails (its socket bound with SO_REUSEADDR while the first's had
+    # not listened yet shared the address, and never listened)
+    port = free_port()
+    first = cli.listening_socket("127.0.0.1", port)
+    try:
+        with pytest.raises(ParrotError, match="cannot listen"):
+            cli.listening_socket("127.0.0.1", port)
+    finally:
+        first.close()
 
 
 def test_the_server_says_where_it_listens(caplog: pytest.LogCaptureFixture) -> None:

@@ -93,6 +93,11 @@ class LLMEngine:
         self.runner.mirror = mirror
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
+        pool_tokens = self.kv.total_pages * self.kv.page_size
+        if pool_tokens < self.runner.max_len:
+            log.warning("the KV cache holds %d tokens, fewer than the model's context of %d: longer sequences are "
+                        "refused (raise --kv-memory-mb, or lower --max-model-len to match)", pool_tokens,
+                        self.runner.max_len)
         bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
         if bursts is None:
             bursts = auto_decode_bursts(self.cfg) if self.runner.multi_step > 1 else 0
@@ -193,8 +198,10 @@ class LLMEngine:
             if job.sampling.seed is None:
                 job.sampling = job.sampling.model_copy(update={"seed": int(self._rng.integers(2**31))})
             stops = set(job.sampling.stop_token_ids)
+            job.named_stop_ids = frozenset(stops)
             if not job.sampling.ignore_eos:
                 stops |= self.tokenizer.stop_token_ids
+                job.named_stop_ids -= self.tokenizer.stop_token_ids
             job.stop_ids = frozenset(stops)
             job.detok = IncrementalDetokenizer(self.tokenizer, job.sampling.stop, job.sampling.min_tokens)
         self._call(lambda: self.scheduler.add(job))

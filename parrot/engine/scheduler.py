@@ -826,7 +826,7 @@ class Scheduler:
             if job.constraint is not None:
                 job.constraint.consume(token)
             if token in job.stop_ids:
-                return self._complete(out, "stop", token if token in sp.stop_token_ids else None)
+                return self._complete(out, "stop", token if token in job.named_stop_ids else None)
             reason = self._append(job, out, token, logprob)
             forced: list[int] = []
             if reason is None and job.constraint is not None and sp.logprobs is None:

@@ -51,6 +51,9 @@ class Job:
     output_ids: list[int] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None
     stop_ids: frozenset[int] = frozenset()
+    # those of stop_ids a stop names as its stop_reason: the request's stop_token_ids but the model's EOS (an end
+    # of the model's own, as vLLM reports it; EOS counts as named where ignore_eos is set)
+    named_stop_ids: frozenset[int] = frozenset()
     finish_reason: str | None = None
     preemptions: int = 0
     constraint: Constraint | None = None  # the grammar the output follows (compiled at submit)

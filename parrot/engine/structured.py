@@ -71,7 +71,7 @@ def matcher_error(error: str) -> str:
     a grammar no text satisfies (a regex of an empty class, a schema or rule defined only by itself) spelled out."""
     reason = error.strip().split("\n<state>", 1)[0].strip() or "the matcher failed"
     if reason == "NoExtensionBias":
-        return "no output satisfies it (the matcher allows no first token)"
+        return "no output satisfies it"
     return reason
 
 

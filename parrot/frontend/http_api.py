@@ -73,7 +73,8 @@ _STATUS: list[tuple[type[Exception], int]] = [
 _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                  405: "method_not_allowed", 408: "timeout", 409: "conflict", 413: "body_too_large",
                  422: "invalid_request", 429: "rate_limited"}
-UNGUARDED = ("/health", "/metrics", "/ui")  # open without the API key (/ui: the static page and its assets)
+# open without the API key (/ui: the static page and its assets; /version: the server's version, as vLLM's)
+UNGUARDED = ("/health", "/metrics", "/ui", "/version")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
 REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call",
               "/v1/engine")  # the engines' registration and heartbeats (docs/deployment.md)

@@ -138,6 +138,13 @@ def rendered_pieces(render: Callable, msgs: list[dict], generation_prompt: bool 
         raise OpenAIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from exc
 
 
+def check_forced_call(choice: Any, generation_prompt: bool) -> None:
+    """A tool_choice that forces a call opens the answer after the generation prompt: without it, a 400."""
+    if choice.mode in ("named", "required") and not generation_prompt:
+        raise OpenAIError(400, f"tool_choice {choice.mode!r} opens the answer with a tool call: it needs the "
+                          "generation prompt (add_generation_prompt true)", param="tool_choice")
+
+
 def continued_final_message(render: Callable[[list[dict[str, Any]], bool], str], msgs: list[dict]) -> str:
     """vLLM's (and Hugging Face's) `continue_final_message`: the chat rendered without a generation prompt and cut
     right after the final message's content, so that the model goes on with that message (a prefilled answer)."""
@@ -507,18 +514,25 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         per_prompt = [params] * len(tokens)
         if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
+            # a sequence must fit the context and the smallest engine's whole KV pool (`pool`, where known)
+            most = limit if pool is None else min(limit, pool)
+            held = f"this model's maximum context length is {limit} tokens" + (
+                f" and the KV cache holds {pool}" if most < limit else "")
             for p, ids in enumerate(tokens):
                 n_prompt = sum(len(piece) for piece in ids)
-                room = limit - n_prompt
-                if implicit_max and pool is not None:
-                    room = min(room, pool - n_prompt)
-                if implicit_max and max(1, params[0].min_tokens) <= room < params[0].max_tokens:
+                room = most - n_prompt
+                least = max(1, params[0].min_tokens)
+                if implicit_max and least <= room < params[0].max_tokens:
                     per_prompt[p] = [sp.model_copy(update={"max_tokens": room}) for sp in params]
-                elif n_prompt + params[0].max_tokens > limit:
+                elif implicit_max and room < least:  # the default asked for nothing: say what the prompt leaves
+                    raise OpenAIError(400, f"{held}; the {param} has {n_prompt} tokens, which leaves room for "
+                                      f"{max(room, 0)} generated tokens" + (f" (min_tokens is {least})" if least > 1
+                                                                            else ""),
+                                      param=param, code="context_length_exceeded")
+                elif n_prompt + params[0].max_tokens > most:
                     raise OpenAIError(
-                        400, f"this model's maximum context length is {limit} tokens; the {param} has "
-                        f"{n_prompt} tokens and max_tokens is {params[0].max_tokens}",
-                        param=param if n_prompt >= limit else "max_tokens", code="context_length_exceeded")
+                        400, f"{held}; the {param} has {n_prompt} tokens and max_tokens is {params[0].max_tokens}",
+                        param=param if n_prompt >= most else "max_tokens", code="context_length_exceeded")
         choices: list[_Choice] = []
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
@@ -645,9 +659,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 raise OpenAIError(400, f"tool_choice {choice.mode!r} constrains the answer to a tool call: it cannot "
                                   "be combined with response_format or another output constraint", param="tool_choice")
             require(constrained[0], "tool_choice", f"tool_choice {choice.mode!r} (constrained tool calls)")
-            if not body.add_generation_prompt:  # the call opens after the generation prompt
-                raise OpenAIError(400, f"tool_choice {choice.mode!r} opens the answer with a tool call: it needs the "
-                                  "generation prompt (add_generation_prompt true)", param="tool_choice")
+            check_forced_call(choice, body.add_generation_prompt)
             extra[constrained[0]] = constrained[1]
             pieces = [*pieces[:-1], pieces[-1] + forced_prefix(choice)]
         # left out: the rest of the context (OpenAI's and vLLM's default; `submit` caps it per prompt)

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from parrot.frontend.openai_api import chat_input, rendered_pieces
+from parrot.frontend.openai_api import chat_input, check_forced_call, rendered_pieces
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute
 from parrot.frontend.openai_requests import ChatTemplateOptions, refuse_extensions
 from parrot.frontend.openai_tools import forced_prefix
@@ -58,7 +58,6 @@ class TokenizeRequest(ChatTemplateOptions):
 
     def check(self) -> None:
         refuse_extensions(self.model_extra, _REFUSED)
-        self.check_template_options()
         given = self.model_fields_set
         if self.prompt is None and self.messages is None:
             raise OpenAIError(400, "give a prompt (text) or messages (a chat)", param="prompt")
@@ -69,6 +68,7 @@ class TokenizeRequest(ChatTemplateOptions):
                 if name in given and getattr(self, name) is not None:
                     raise OpenAIError(400, f"{name} is a chat field: give it with messages, not with a prompt",
                                       param=name)
+        self.check_template_options()
 
 
 class DetokenizeRequest(BaseModel):
@@ -98,6 +98,7 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
         tok = core.tokenizers.get(core.model)
         _, choice, render, msgs = chat_input(tok, body.messages, body.tools, body.tool_choice, body.functions,
                                              body.function_call, body.chat_template_kwargs)
+        check_forced_call(choice, body.add_generation_prompt)
         pieces, _ = rendered_pieces(render, msgs, body.add_generation_prompt, body.continue_final_message)
         if not body.add_generation_prompt:
             return pieces

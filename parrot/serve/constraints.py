@@ -3,7 +3,9 @@
 A request's `json_schema`, `regex`, `choice` or `grammar` (SamplingParams) is turned into an llguidance
 grammar and validated by llguidance (`LLMatcher.validate_grammar`, no tokenizer needed) on a worker
 thread with a time limit, so an invalid schema, regex or grammar, or a schema feature the matcher does
-not support, is a 400 with the matcher's message, and a pathological one cannot stall the server. The
+not support, is a 400 with the matcher's message, and a pathological one cannot stall the server. One that
+no output satisfies (a regex of an empty class, a schema or rule defined only by itself) is found by a
+matcher over a byte-level vocabulary and refused as well. The
 engines compile the same grammar against their vocabulary when the generate arrives (and would refuse
 it there too). Results are cached, so a schema used again costs nothing.
 """
@@ -14,7 +16,10 @@ import asyncio
 import concurrent.futures
 import functools
 import json
+from typing import Any
 
+from parrot.engine.structured import matcher_error
+from parrot.engine.tokenizer import Tokenizer
 from parrot.errors import InvalidRequestError
 from parrot.protocol import SamplingParams
 
@@ -48,9 +53,27 @@ def _problem(field: str, value_json: str) -> str | None:
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(value)
         message = llguidance.LLMatcher.validate_grammar(grammar)
+        if not message:  # well formed: does any output satisfy it (a byte-level vocabulary tells)
+            matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+            matcher.compute_bitmask()
+            if matcher.is_error():
+                message = matcher_error(matcher.get_error())
     except (ValueError, TypeError, RuntimeError) as exc:
         message = str(exc)
     return f"invalid {field}: {message.strip()}" if message else None
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    """llguidance's view of a vocabulary of the 256 bytes and an end token: any text can be spelled in it, so a
+    grammar it allows no token of admits no output in any model's vocabulary."""
+    import llguidance
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|end|>"]
+    vocab = Tokenizer.from_gguf_metadata(tokens, [], [1] * 256 + [3], None, bos_token_id=None, eos_token_id=256,
+                                         chat_template=None)
+    return llguidance.LLTokenizer(vocab.to_json(), n_vocab=257, eos_token=[256])
 
 
 def check(params: SamplingParams) -> None:

@@ -141,7 +141,7 @@ def test_stop_token_ends_a_generate() -> None:
     assert result.finish_reason == "stop" and result.token_ids == [] and result.stop_reason is None  # as EOS
     s.add(_fill("b", 10))
     job = Job(JobKind.GENERATE, "b", None, sampling=SamplingParams(max_tokens=50, stop_token_ids=[TOKEN]))
-    job.stop_ids = frozenset({TOKEN})
+    job.stop_ids = job.named_stop_ids = frozenset({TOKEN})
     s.add(job)
     result = _results(_drive(s))["b"]
     assert result.finish_reason == "stop" and result.stop_reason == TOKEN  # one the request named

@@ -168,6 +168,7 @@ def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) ->
     with serve(engine, api_key=key) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
         assert c.get("/health").status_code == 200
         assert c.get("/metrics").status_code == 200
+        assert c.get("/version").json()["version"]  # as vLLM: the version is no secret
         for method, path in [("POST", "/v1/session"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
                              ("POST", "/v1/engine/register"), ("GET", "/v1/semantic_var/x")]:
             r = c.request(method, path, json={})

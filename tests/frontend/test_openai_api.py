@@ -317,6 +317,19 @@ def test_a_chats_default_length_fits_the_smallest_kv_pool() -> None:
             r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 40}],
                                                extra_body={"ignore_eos": True})
             assert r.usage.prompt_tokens + r.usage.completion_tokens == 192 and r.choices[0].finish_reason == "length"
+            # past the pool, within the context: the same 400 as past the context, naming the pool
+            for kw, param in (({"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+                              ({"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 300}, "max_tokens"),
+                              ({"messages": [{"role": "user", "content": "x" * 40}], "extra_body": {
+                                  "min_tokens": 180}}, "messages")):
+                with pytest.raises(openai.BadRequestError) as info:
+                    client.chat.completions.create(model="tiny", **kw)
+                e = info.value
+                assert e.code == "context_length_exceeded" and e.param == param, (kw, e.message)
+                assert "the KV cache holds 192" in e.message and "max_tokens is 512" not in e.message, e.message
+            with pytest.raises(openai.BadRequestError) as info:
+                client.completions.create(model="tiny", prompt=[65] * 100, max_tokens=150)
+            assert info.value.param == "max_tokens" and "KV cache holds 192" in info.value.message
     finally:
         engine.shutdown()
 

@@ -561,6 +561,12 @@ def test_malformed_messages_and_constraints_name_their_parameter(client: openai.
     cases = [({"messages": [{"content": "hi"}]}, "messages.0.role", "is required"),
              ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "needs"),
              ({"messages": MSGS, "guided_regex": "("}, "guided_regex", "regex"),
+             # constraints no output satisfies: refused up front, naming the field, in a line
+             ({"messages": MSGS, "guided_regex": "a[^\\s\\S]b"}, "guided_regex", "no output satisfies it"),
+             ({"messages": MSGS, "structured_outputs": {"grammar": "start: start"}}, "structured_outputs.grammar",
+              "no output satisfies it"),
+             ({"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+                 "name": "a", "schema": {"$ref": "#"}}}}, "response_format", "no output satisfies it"),
              ({"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
                  "name": "a", "schema": {"type": "string", "format": "bogusformat"}}}}, "response_format", "format"),
              ({"messages": [*MSGS, {"role": "tool", "tool_call_id": "call_zzz", "content": "5"}]},

@@ -224,6 +224,9 @@ def test_bad_input(http: httpx.Client) -> None:
          "continue_final_message", "final message with text"),
         ("/tokenize", {"messages": msg, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
          "cannot set messages"),
+        ("/tokenize", {"messages": msg, "tools": [WEATHER], "tool_choice": "required", "add_generation_prompt": False},
+         "tool_choice", "needs the generation prompt"),  # as the chat route refuses it
+        ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message", "chat field"),
         ("/tokenize", {"messages": msg, "chat_template": "{{ x }}"}, "chat_template", "not supported"),
         ("/tokenize", {"prompt": "hi", "add_generation_prompt": True}, "add_generation_prompt", "chat field"),
         ("/tokenize", {"prompt": "hi", "tools": [WEATHER]}, "tools", "chat field"),
