@@ -202,6 +202,12 @@ def test_stop(client: openai.OpenAI) -> None:
                                             **kw)
             last = list(got)[-1].choices[0] if stream else got.choices[0]
             assert last.model_extra["stop_reason"] == reason and (stream or last.text == text), (extra, stream)
+    # the model's EOS (257 for the tiny tokenizer) is the model's own end: no stop_reason, even where the request
+    # names it among stop_token_ids (as vLLM checks EOS first); with ignore_eos only the request's id stops it
+    eos = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "logit_bias": {"257": 100}}
+    for extra, reason in (({"stop_token_ids": [257]}, None), ({"stop_token_ids": [257], "ignore_eos": True}, 257)):
+        got = client.completions.create(**eos, extra_body=extra).choices[0]
+        assert (got.finish_reason, got.model_extra["stop_reason"]) == ("stop", reason), extra
     a = httpx.post(f"{root}/tokenize", json={"prompt": "A"}).json()["tokens"][0]
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 8,
            "logit_bias": {str(a): 100}}  # "AAAAAAAA"
