@@ -121,6 +121,9 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._dead: BaseException | None = None
+        self._closed = False  # the loop has ended: nothing more may enter its inbox (`_call`)
+        self._inbox_lock = threading.Lock()
+        self._applying: list[Job] = []  # the jobs of the step being applied: a crash there still answers them
         self._rng = np.random.default_rng()
         self.steps = 0
         self.warmup_s: float | None = None  # start() to every shape compiled
@@ -207,7 +210,10 @@ class LLMEngine:
         self._call(lambda: self.scheduler.add(job))
 
     def _call(self, fn: Callable[[], None]) -> None:
-        self._inbox.put(fn)
+        with self._inbox_lock:  # against the loop's last drain: what comes after it would never run
+            if self._closed:
+                raise EngineDeadError(f"the engine is not running ({self._dead or 'shut down'})")
+            self._inbox.put(fn)
         self._wake.set()
 
     def fill_future(self, req: FillRequest) -> concurrent.futures.Future:
@@ -406,13 +412,19 @@ class LLMEngine:
                     continue
                 self.step()
         except BaseException as exc:  # a crash must not leave callers waiting forever
+            self._dead = exc  # first: a submit that checks it now is refused
             log.exception("engine loop crashed")
-            self._dead = exc
         finally:
+            with self._inbox_lock:
+                self._closed = True
             self._drain()
             err = EngineDeadError(f"the engine stopped ({self._dead or 'shut down'})")
-            for job in [*self.scheduler.running, *self.scheduler.waiting]:
+            s = self.scheduler
+            for job in [*self._applying, *s.running, *s.waiting]:  # each answered once (`_finish`)
                 _finish(job, None, err)
+            s.running.clear()
+            s.waiting.clear()
+            s.busy.clear()
 
     def _drain(self) -> None:
         while True:
@@ -455,6 +467,7 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - as above
                 self._deliver(self.scheduler.fail_step(ahead, _step_failed(exc)))
                 ahead = None
+        self._applying = [slot.job for slot in plan.slots]  # a job may finish, and leave `running`, in `update`
         try:
             sampled = self.runner.collect(launched)
         except ParrotError as err:
@@ -462,6 +475,7 @@ class LLMEngine:
         else:
             outputs = self.scheduler.update(plan, sampled, ahead)
         self._deliver(outputs)
+        self._applying = []
         if not plan.empty:  # a multi-step plan counts as its steps, its times shared among them
             self.steps += plan.steps
             self.ahead_steps += ahead is not None
@@ -501,10 +515,12 @@ def _emit(job: Job, chunk: StreamChunk) -> None:
 
 
 def _finish(job: Job, result: object | None, err: BaseException | None = None) -> None:
-    if job.on_done is None:
+    """Answer the job's caller, once: later calls (a crash's cleanup after its result) do nothing."""
+    on_done, job.on_done = job.on_done, None
+    if on_done is None:
         return
     try:
-        job.on_done(result, err)
+        on_done(result, err)
     except Exception:
         log.warning("completion listener of job %d failed", job.job_id, exc_info=True)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from parrot.engine.engine import LLMEngine
+from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
 from parrot.errors import ConflictError, GenerationFailedError, InvalidRequestError, NotFoundError
@@ -617,3 +617,51 @@ def test_a_step_that_cannot_be_launched_fails_its_jobs_and_the_engine_serves_on(
     assert len(gen(engine, "poison", max_tokens=2, ignore_eos=True).token_ids) == 2  # its context is intact
     for ctx in ("poison", "bystander"):
         engine.free_future(ctx).result(TIMEOUT)
+
+
+def test_a_crash_applying_a_step_answers_the_jobs_that_finished_in_it() -> None:
+    """The loop dies inside `Scheduler.update` after jobs of the step finished there (they left `running`): their
+    callers get EngineDeadError instead of waiting forever, and /ping shows nothing left running."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        fill(eng, "a", prompt(1))
+        update = eng.scheduler.update
+
+        def crash_after_finishing(*args: object, **kw: object) -> list:
+            outputs = update(*args, **kw)
+            if any(o.finished for o in outputs):
+                raise RuntimeError("injected: a bug after some jobs of the step finished")
+            return outputs
+
+        eng.scheduler.update = crash_after_finishing  # type: ignore[method-assign]
+        fut = eng.generate_future(GenerateRequest(context_id="a", sampling=SamplingParams(max_tokens=1)))
+        with pytest.raises(EngineDeadError, match="injected"):
+            fut.result(TIMEOUT)
+        assert not eng.alive and (eng.ping().running, eng.ping().waiting) == (0, 0)
+        with pytest.raises(EngineDeadError):
+            eng.fill_future(FillRequest(context_id="b", token_ids=prompt(2)))
+    finally:
+        eng.shutdown()
+
+
+def test_work_submitted_as_the_loop_dies_is_refused_not_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A submit that passed the engine's liveness check just before the loop ended is refused when it queues (the
+    loop's last drain is behind it): an explicit error, never a future that no one will settle."""
+    import parrot.engine.engine as engine_module
+
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    fill(eng, "a", prompt(1))
+    real_check = engine_module.check_sampling
+
+    def loop_ends_meanwhile(*args: object) -> None:
+        real_check(*args)
+        eng._stop = True
+        eng._wake.set()
+        eng._thread.join(TIMEOUT)  # the loop has ended, its last drain done
+
+    monkeypatch.setattr(engine_module, "check_sampling", loop_ends_meanwhile)
+    try:
+        with pytest.raises(EngineDeadError):
+            eng.generate_future(GenerateRequest(context_id="a", sampling=SamplingParams(max_tokens=2)))
+    finally:
+        eng.shutdown()
