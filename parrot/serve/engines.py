@@ -92,6 +92,9 @@ class EngineClient(abc.ABC):
     # order, so a primitive forking a context may be sent before the fill making it is done (the engine runs
     # primitives on one context in order). False (HTTP: requests may overtake each other): await each fill.
     ordered: bool = False
+    # what the engine reported when its client was made, if it did: the manager's runtime info until the first
+    # ping or heartbeat (so /health says warming_up, not ok, for an engine that has just started)
+    initial_runtime: RuntimeInfo | None = None
 
     @abc.abstractmethod
     async def fill(self, req: FillRequest) -> FillResponse: ...
@@ -166,7 +169,7 @@ class LocalEngineClient(EngineClient):
         self.engine = engine
         self.name = name
         self.url = None
-        info = engine.ping()
+        info = self.initial_runtime = engine.ping()
         self.model = info.model
         self.max_context_len = info.max_context_len
         self.max_batch_size = info.max_batch_size or getattr(getattr(engine, "cfg", None), "max_batch_size", None)
@@ -478,7 +481,8 @@ class EngineManager:
         now = time.monotonic()
         old = self._entries.get(client.name)
         self._incarnations += 1
-        self._entries[client.name] = _Entry(client, heartbeats, self._incarnations, now)
+        self._entries[client.name] = _Entry(client, heartbeats, self._incarnations, now,
+                                            runtime=client.initial_runtime)
         if old is not None:
             if old.client is not client:
                 self._spawn(old.client.close())
