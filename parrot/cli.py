@@ -264,15 +264,19 @@ def cmd_engine(args: argparse.Namespace) -> int:
         exit_with_parent(args.exit_with_parent)
     if _join_cluster(args, cfg):
         return 0
-    model = args.model
-    if args.load_format == "dummy":
-        from parrot.engine.loader import load_model
+    sock = listening_socket(args.host, args.port)  # before the model loads, as `parrot serve` takes its port
+    try:
+        model = args.model
+        if args.load_format == "dummy":
+            from parrot.engine.loader import load_model
 
-        model = load_model(args.model, load_format="dummy", dtype=_weight_dtype(args))
-    with sigterm_as_interrupt():
-        run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
-                          advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
-                          mirror=_mirror(args))
+            model = load_model(args.model, load_format="dummy", dtype=_weight_dtype(args))
+        with sigterm_as_interrupt():
+            run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
+                              advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
+                              mirror=_mirror(args), sock=sock)
+    finally:
+        sock.close()
     return 0
 
 

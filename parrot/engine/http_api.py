@@ -346,8 +346,9 @@ class EngineServer:
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 9100, *,
                  serve_core_url: str | None = None, name: str | None = None, advertise_url: str | None = None,
                  heartbeat_interval: float = 1.0, log_level: str = "info",
-                 serve_core_api_key: str | None = None) -> None:
+                 serve_core_api_key: str | None = None, sock: socket.socket | None = None) -> None:
         self.engine = engine
+        self.sock = sock  # bound to host:port by the caller (uvicorn listens on it), or None: uvicorn binds
         self.host, self.port = host, port
         self.serve_core_url = serve_core_url
         self.serve_core_api_key = serve_core_api_key
@@ -380,7 +381,7 @@ class EngineServer:
 
     async def serve(self) -> None:
         link: asyncio.Task[None] | None = None
-        serving = asyncio.create_task(self.server.serve())
+        serving = asyncio.create_task(self.server.serve(sockets=[self.sock] if self.sock is not None else None))
         try:
             if self.serve_core_url:
                 while not self.server.started and not serving.done():
@@ -417,9 +418,10 @@ class EngineServer:
 def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 9100, cfg: EngineConfig | None = None,
                       serve_core_url: str | None = None, *, name: str | None = None,
                       advertise_url: str | None = None, serve_core_api_key: str | None = None,
-                      mirror: Mirror | None = None) -> None:
+                      mirror: Mirror | None = None, sock: socket.socket | None = None) -> None:
     """Load `model` (a name/path for `load_model`, or an already LoadedModel), start an LLMEngine (precompiling
-    per `cfg.precompile`) and serve it until interrupted (`mirror`: see LLMEngine)."""
+    per `cfg.precompile`) and serve it until interrupted (`mirror`: see LLMEngine; `sock`: a socket already
+    bound to host:port, taken before the model loaded)."""
     from parrot.engine.loader import LoadedModel, load_model
 
     cfg = cfg or EngineConfig()
@@ -428,7 +430,7 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
     engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None, mirror=mirror)
     engine.start(wait=False)  # answers at once; shapes compile in the background, most needed first
     server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
-                          serve_core_api_key=serve_core_api_key)
+                          serve_core_api_key=serve_core_api_key, sock=sock)
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
     try:
         stop_if_interrupted()

@@ -464,10 +464,11 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         return requested if requested in served else served[0]
 
     def model_card(name: str) -> dict:
-        """vLLM's model card: its `root` (the model as given to the server), `max_model_len` (the longest context
-        of the registered engines), and the sampling defaults in use."""
+        """vLLM's model card: its `root` (the model as given to the server), `max_model_len` (the most tokens a
+        sequence may hold: the shortest engine's context, or its KV pool where smaller), and the sampling
+        defaults in use."""
         return {"id": name, "object": "model", "created": CREATED, "owned_by": "parrot", "root": core.model,
-                "parent": None, "max_model_len": core.engines.max_context_len(live_only=False),
+                "parent": None, "max_model_len": core.engines.max_sequence_len(live_only=False),
                 "sampling_defaults": defaults().to_json()}
 
     @router.get("/version")

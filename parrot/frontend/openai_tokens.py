@@ -116,7 +116,7 @@ def token_routes(core: ParrotServeCore) -> APIRouter:
         if body.return_token_strs:
             vocab = core.tokenizers.get(core.model).backend
             strs = [vocab.id_to_token(t) for t in ids]
-        return {"count": len(ids), "max_model_len": core.engines.max_context_len(live_only=False), "tokens": ids,
+        return {"count": len(ids), "max_model_len": core.engines.max_sequence_len(live_only=False), "tokens": ids,
                 "token_strs": strs}
 
     def detokenize(body: DetokenizeRequest) -> dict[str, str]:

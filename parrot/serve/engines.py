@@ -568,6 +568,12 @@ class EngineManager:
             limits = [e.client.max_context_len for e in self._entries.values()]
         return min(limits) if limits else None
 
+    def max_sequence_len(self, live_only: bool = True) -> int | None:
+        """The most tokens a sequence may hold: `max_context_len`, or fewer where a live engine's whole KV pool
+        holds fewer (`min_kv_tokens`); what the OpenAI API reports as max_model_len."""
+        limit, pool = self.max_context_len(live_only), self.min_kv_tokens()
+        return limit if limit is None or pool is None else min(limit, pool)
+
     def min_kv_tokens(self) -> int | None:
         """The fewest tokens a live engine's whole KV pool holds (from its latest runtime info); None unknown."""
         pools = [info.total_pages * info.page_size for e in self.live_engines()

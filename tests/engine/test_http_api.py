@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -694,8 +695,14 @@ def test_a_max_model_len_past_the_models_context_is_refused() -> None:
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["engine", "--max-num-batched-tokens", "4096"]) == 2
     assert "max_num_batched_tokens" in capsys.readouterr().err
-    assert main(["engine", "--model", "/no/such/model.gguf", "--disable-precompile", "--port", "1"]) == 2
+    assert main(["engine", "--model", "/no/such/model.gguf", "--disable-precompile", "--port", str(free_port())]) == 2
     assert "does not exist" in capsys.readouterr().err
+    with socket.socket() as taken:  # its port is taken before the model loads: a port in use fails at once
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["engine", "--model", "/no/such/model.gguf", "--port", str(port)]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
 @pytest.mark.model

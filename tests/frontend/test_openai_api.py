@@ -323,6 +323,7 @@ def test_a_chats_default_length_fits_the_smallest_kv_pool() -> None:
             r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 40}],
                                                extra_body={"ignore_eos": True})
             assert r.usage.prompt_tokens + r.usage.completion_tokens == 192 and r.choices[0].finish_reason == "length"
+            assert client.models.retrieve("tiny").model_extra["max_model_len"] == 192  # what a sequence may hold
             # past the pool, within the context: the same 400 as past the context, naming the pool
             for kw, param in (({"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
                               ({"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 300}, "max_tokens"),
