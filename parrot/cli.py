@@ -332,7 +332,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ParrotError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
     return sock
 
 

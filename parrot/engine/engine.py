@@ -417,7 +417,12 @@ class LLMEngine:
         finally:
             with self._inbox_lock:
                 self._closed = True
-            self._drain()
+            while True:  # what was queued before the close runs; one that raises must not skip the rest
+                try:
+                    self._drain()
+                    break
+                except Exception:
+                    log.exception("a queued call failed as the engine stopped")
             err = EngineDeadError(f"the engine stopped ({self._dead or 'shut down'})")
             s = self.scheduler
             for job in [*self._applying, *s.running, *s.waiting]:  # each answered once (`_finish`)
