@@ -511,14 +511,12 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         # on a worker thread, as a long prompt takes seconds (`encode_pieces` lets go of the GIL meanwhile)
         tokens = await asyncio.to_thread(lambda: [core.prompt_tokens(pieces) for pieces, _ in pieces_list])
         limit = core.engines.max_context_len()
-        pool = core.engines.min_kv_tokens()
         per_prompt = [params] * len(tokens)
         if limit is not None:  # a clear 400 up front rather than an engine error later (or inside a stream)
             param = "messages" if endpoint == "chat" else "prompt"
-            # a sequence must fit the context and the smallest engine's whole KV pool (`pool`, where known)
-            most = limit if pool is None else min(limit, pool)
+            most = core.engines.max_sequence_len() or limit  # the context, or the smallest engine's whole KV pool
             held = f"this model's maximum context length is {limit} tokens" + (
-                f" and the KV cache holds {pool}" if most < limit else "")
+                f" and the KV cache holds {most}" if most < limit else "")
             for p, ids in enumerate(tokens):
                 n_prompt = sum(len(piece) for piece in ids)
                 room = most - n_prompt

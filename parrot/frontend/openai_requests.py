@@ -62,8 +62,7 @@ def refuse_extensions(extra: dict[str, Any] | None, names: Iterable[str] = REFUS
     for name in sorted(set(extra or {}) & set(names)):
         value = (extra or {})[name]
         neutral = NEUTRAL_VALUES.get(name, ())
-        if value is None or any(type(value) is type(v) or isinstance(v, float) and isinstance(value, int)
-                                for v in neutral if value == v):
+        if value is None or value in neutral:
             continue
         what = REFUSED_EXTENSIONS[name]
         raise unsupported(name, f"{what} other than {json.dumps(neutral[0])}" if neutral else what)

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from parrot.engine.structured import JSON_OPTIONS
 from parrot.frontend.strict_schema import strict_schema
 
 MAX_TOOLS = 128
@@ -197,10 +198,8 @@ def required_calls_grammar(tools: list[ToolDef]) -> str:
     """"required" with parallel calls (a Lark grammar for llguidance): one or more call objects of
     `constraint_schema`, each in a `<tool_call>` block of its own, as Hermes-style models write several calls
     (the first block's opening is the forced prefix); vLLM's is a JSON array of calls, at least one."""
-    # compact JSON as the engine's json_schema constraints take it (engine/structured.py JSON_OPTIONS): inline
-    # %json would take any whitespace between tokens
-    schema = {**constraint_schema(ToolChoice("required"), tools),  # type: ignore[dict-item]
-              "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    # compact JSON as the engine's json_schema constraints take it: inline %json would take any whitespace
+    schema = {**constraint_schema(ToolChoice("required"), tools), "x-guidance": JSON_OPTIONS}  # type: ignore[dict-item]
     return (f"start: call (SEP call)* END?\nSEP: {json.dumps(SEPARATOR)}\nEND: {json.dumps(chr(10) + CLOSE)}\n"
             f"call: %json {json.dumps(schema)}")
 

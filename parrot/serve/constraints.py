@@ -65,15 +65,12 @@ def _problem(field: str, value_json: str) -> str | None:
 
 @functools.cache
 def _byte_tokenizer() -> Any:
-    """llguidance's view of a vocabulary of the 256 bytes and an end token: any text can be spelled in it, so a
-    grammar it allows no token of admits no output in any model's vocabulary."""
+    """llguidance's view of the byte-level vocabulary (`Tokenizer.byte_level`): any text can be spelled in it, so
+    a grammar it allows no token of admits no output in any model's vocabulary."""
     import llguidance
-    from tokenizers import pre_tokenizers
 
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|end|>"]
-    vocab = Tokenizer.from_gguf_metadata(tokens, [], [1] * 256 + [3], None, bos_token_id=None, eos_token_id=256,
-                                         chat_template=None)
-    return llguidance.LLTokenizer(vocab.to_json(), n_vocab=257, eos_token=[256])
+    vocab = Tokenizer.byte_level()
+    return llguidance.LLTokenizer(vocab.to_json(), n_vocab=vocab.vocab_size, eos_token=sorted(vocab.stop_token_ids))
 
 
 def check(params: SamplingParams) -> None:

@@ -16,8 +16,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parrot.protocol import RuntimeInfo
+
+if TYPE_CHECKING:
+    from parrot.serve.core import ParrotServeCore
 
 log = logging.getLogger("parrot.stats")
 
@@ -50,7 +54,7 @@ class Totals:
 class StatsLog:
     """Computes the line from successive snapshots (`line`), and writes it every `interval_s` (`run`)."""
 
-    def __init__(self, core: object, interval_s: float = 10.0) -> None:
+    def __init__(self, core: ParrotServeCore, interval_s: float = 10.0) -> None:
         self.core = core
         self.interval_s = interval_s
         self._last: Totals | None = None
@@ -60,9 +64,8 @@ class StatsLog:
     def snapshot(self) -> tuple[Totals, int, float]:
         """(the live engines' totals, tasks queued in the core, the prefix cache hit rate)."""
         core = self.core
-        infos = [info for c in core.engines.live_engines()  # type: ignore[attr-defined]
-                 if (info := core.engines.runtime(c.name)) is not None]  # type: ignore[attr-defined]
-        return Totals.of(infos), len(core.scheduler.queue), core.contexts.hit_rate  # type: ignore[attr-defined]
+        infos = [info for c in core.engines.live_engines() if (info := core.engines.runtime(c.name)) is not None]
+        return Totals.of(infos), len(core.scheduler.queue), core.contexts.hit_rate
 
     def line(self, now: float | None = None) -> str | None:
         """The line for the interval since the last call, or None where there is nothing to say (idle, and
