@@ -34,6 +34,8 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64, description="per-request seed, 64 bits; None = random")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included in the output)")
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = Field(False, description="the stop string (or the text of the stop_token_ids "
+                                             "token) that ended the output is kept at its end, as in vLLM")
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids are suppressed until this many tokens")
     # penalties: presence / frequency over the generated tokens (OpenAI), repetition over prompt + generated

@@ -206,7 +206,8 @@ class LLMEngine:
                 stops |= self.tokenizer.stop_token_ids
                 job.named_stop_ids -= self.tokenizer.stop_token_ids
             job.stop_ids = frozenset(stops)
-            job.detok = IncrementalDetokenizer(self.tokenizer, job.sampling.stop, job.sampling.min_tokens)
+            job.detok = IncrementalDetokenizer(self.tokenizer, job.sampling.stop, job.sampling.min_tokens,
+                                               job.sampling.include_stop_str_in_output)
         self._call(lambda: self.scheduler.add(job))
 
     def _call(self, fn: Callable[[], None]) -> None:

@@ -826,7 +826,10 @@ class Scheduler:
             if job.constraint is not None:
                 job.constraint.consume(token)
             if token in job.stop_ids:
-                return self._complete(out, "stop", token if token in job.named_stop_ids else None)
+                named = token if token in job.named_stop_ids else None
+                if named is not None and sp.include_stop_str_in_output:  # the token's text ends the output
+                    self._append(job, out, token, logprob)
+                return self._complete(out, "stop", named)
             reason = self._append(job, out, token, logprob)
             forced: list[int] = []
             if reason is None and job.constraint is not None and sp.logprobs is None:

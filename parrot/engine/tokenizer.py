@@ -243,12 +243,15 @@ class IncrementalDetokenizer:
     and finds stop strings as they appear. Text that could be the start of a stop string is held back
     until it is resolved, so the streamed deltas always concatenate to the final text."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False) -> None:
         """`min_tokens`: a stop string counts only where it ends in the text of a token after that many (vLLM's
-        min_tokens holds stop strings back as it holds EOS)."""
+        min_tokens holds stop strings back as it holds EOS). `include_stop`: the text is cut just after the stop
+        string found, not before it (vLLM's include_stop_str_in_output)."""
         self.tokenizer = tokenizer
         self.matchers = [StopMatcher(s) for s in stop]
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
@@ -274,7 +277,7 @@ class IncrementalDetokenizer:
                 if (end := m.feed(piece, counts)) is not None]
         if hits:
             at, self.stop_hit = min(hits)
-            self.text = self.text[:at]
+            self.text = self.text[:at + len(self.stop_hit) if self.include_stop else at]
             self.cut = True
             return self.flush(), True
         held = max((m.matched for m in self.matchers), default=0)

@@ -251,11 +251,13 @@ def _windowed_ends(render: Callable[[list[dict[str, str]], bool], str], messages
 
 # ---- running choices ----------------------------------------------------------------------------
 class _Choice:
-    def __init__(self, index: int, queue: asyncio.Queue, timer: RequestTimer | None) -> None:
+    def __init__(self, index: int, queue: asyncio.Queue, timer: RequestTimer | None, prompt_tokens: int = 0) -> None:
         self.index = index
         self.queue = queue
         self.timer = timer
+        self.prompt_tokens = prompt_tokens
         self.text = ""
+        self.tokens = 0  # tokens generated up to the end of `text`
         self.result: CompletionResult | None = None
         self.pending_logprobs: list[Any] = []  # token logprobs not sent with a delta yet
         self.prompt_logprobs: list[Any] | None = None  # the prompt's token logprobs (echo with logprobs)
@@ -304,6 +306,7 @@ class _Events:
                 if choice.timer is not None:
                     choice.timer.delta()
                 choice.text += item
+                choice.tokens = getattr(item, "tokens", choice.tokens)
                 return choice, item
             self.remaining -= 1
             if isinstance(item, BaseException):
@@ -311,6 +314,7 @@ class _Events:
                     choice.timer.fail()
                 raise item
             choice.result = item
+            choice.tokens = len(item.token_ids)
             if choice.timer is not None:
                 choice.timer.finish(item.prompt_tokens, len(item.token_ids), item.finish_reason)
             return choice, item
@@ -418,6 +422,11 @@ def _usage(choices: list[_Choice], n: int) -> dict:
     completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
+
+
+def _usage_so_far(c: _Choice) -> dict:
+    """One choice's usage up to now (vLLM's continuous usage statistics, in each chunk)."""
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.tokens, "total_tokens": c.prompt_tokens + c.tokens}
 
 
 def _sse(obj: dict) -> str:
@@ -538,7 +547,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
                                       tokens=tokens[p], arrived=start)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
-                choices.append(_Choice(p * body.n + i, queue, timer))
+                choices.append(_Choice(p * body.n + i, queue, timer, sum(map(len, tokens[p]))))
         return choices
 
     async def stream_response(events: _Events, gen: AsyncIterator[str], request: Request) -> StreamingResponse:
@@ -602,6 +611,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
         events = _Events(choices, core)
         offsets = {c.index: 0 for c in choices}
+        live_usage = body.usage_in_chunks()
 
         def chunk(c: _Choice, text: str, finish: str | None, stop: int | str | None = None) -> str:
             logprobs = None
@@ -609,7 +619,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                 logprobs = completion_logprobs(c.take_logprobs(), top_n, offsets[c.index])
             offsets[c.index] += len(text)
             return _sse({**base, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish, **({"stop_reason": stop} if finish else {})}]})
+                                             "finish_reason": finish, **({"stop_reason": stop} if finish else {})}],
+                         **({"usage": _usage_so_far(c)} if live_usage else {})})
 
         async def gen() -> AsyncIterator[str]:
             echoed: set[int] = set()
@@ -619,7 +630,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                     prompt = texts[c.index // body.n]
                     offsets[c.index] += len(prompt)
                     yield _sse({**base, "choices": [{"index": c.index, "text": prompt,
-                                                     "logprobs": prompt_logprobs(c), "finish_reason": None}]})
+                                                     "logprobs": prompt_logprobs(c), "finish_reason": None}],
+                                **({"usage": _usage_so_far(c)} if live_usage else {})})
                 if prompt_only:  # nothing generated to show: the end
                     c.take_logprobs()
                     if isinstance(item, CompletionResult):
@@ -688,6 +700,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
         chunk = {**base, "object": "chat.completion.chunk"}
         events = _Events(choices, core)
+        live_usage = body.usage_in_chunks()
 
         def event(c: _Choice, delta: dict | None, finish: str | None, logprobs: list[Any] | None = None,
                   stop: int | str | None = None) -> str:
@@ -695,7 +708,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
             if legacy:
                 delta, finish = legacy_functions.delta(delta) or {}, legacy_functions.finish_reason(finish)
             return _sse({**chunk, "choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                               "finish_reason": finish, **({"stop_reason": stop} if finish else {})}]})
+                                               "finish_reason": finish, **({"stop_reason": stop} if finish else {})}],
+                         **({"usage": _usage_so_far(c)} if live_usage else {})})
 
         async def gen() -> AsyncIterator[str]:
             for c in choices:

@@ -37,7 +37,7 @@ REFUSED_EXTENSIONS = {
     "guided_whitespace_pattern": "guided_whitespace_pattern",
     "use_beam_search": "beam search", "length_penalty": "length_penalty", "bad_words": "bad_words",
     "allowed_token_ids": "allowed_token_ids", "logits_processors": "logits_processors",
-    "include_stop_str_in_output": "include_stop_str_in_output", "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
     "truncate_prompt_tokens": "truncate_prompt_tokens", "return_tokens_as_token_ids": "return_tokens_as_token_ids",
     "prompt_logprobs": "prompt_logprobs (on /v1/completions, echo with logprobs gives the prompt's)",
@@ -50,7 +50,7 @@ REFUSED_EXTENSIONS = {
 }
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],), "logits_processors": ([],),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,), "return_token_ids": (False,), "documents": ([],),
     "mm_processor_kwargs": ({},), "typical_p": (1.0,), "tfs_z": (1.0,), "mirostat": (0,), "dry_multiplier": (0.0,),
     "xtc_probability": (0.0,), "n_probs": (0,),
@@ -104,7 +104,7 @@ def _schema_value(value: Any, param: str) -> dict[str, Any]:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's usage in every chunk: refused when true (`check_common`)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk too
 
 
 class JsonSchemaFormat(BaseModel):
@@ -139,6 +139,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate max_tokens tokens regardless of EOS
+    include_stop_str_in_output: bool = False  # extension (vLLM): the stop string (or stop token's text) kept
     min_tokens: int | None = Field(None, ge=0, description="extension")
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -164,13 +165,10 @@ class SamplingRequest(BaseModel):
     metadata: dict[str, str] | None = None
 
     _null_n = field_validator("n", mode="before")(_null_is(1))
-    _null_flags = field_validator("stream", "ignore_eos", mode="before")(_null_is(False))
+    _null_flags = field_validator("stream", "ignore_eos", "include_stop_str_in_output", mode="before")(_null_is(False))
 
     def check_common(self) -> None:
         refuse_extensions(self.model_extra)
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise unsupported("stream_options.continuous_usage_stats", "stream_options.continuous_usage_stats "
-                              "(usage comes in the last chunk, with include_usage)")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if self.service_tier not in (None, "auto", "default"):
@@ -179,6 +177,12 @@ class SamplingRequest(BaseModel):
             raise unsupported("store", "store (stored completions)")
         if self.metadata:
             raise unsupported("metadata", "metadata (it goes with store)")
+
+    def usage_in_chunks(self) -> bool:
+        """vLLM's continuous usage statistics: every streamed chunk carries its choice's usage so far (with
+        include_usage, as vLLM takes it)."""
+        o = self.stream_options
+        return o is not None and o.include_usage and o.continuous_usage_stats
 
     def stops(self) -> list[str]:
         """`stop` as a list (their number, emptiness and length are `SamplingParams`'s checks)."""
@@ -248,6 +252,7 @@ class SamplingRequest(BaseModel):
             "top_p": self.top_p if self.top_p is not None else d.get("top_p", 1.0),
             "top_k": max(0, self.top_k) if self.top_k is not None else int(d.get("top_k", 0)),
             "stop": self.stops(), "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
         }
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)

@@ -99,16 +99,16 @@ class _TaskRecord:
         after the app started (app-FIFO), as requests deeper in a DAG do in the scheduler."""
         return max(0.0, time.perf_counter() - (self.app_started or self.created))
 
-    def deliver(self, text: str) -> None:
-        """`text` is everything generated so far in this attempt; pass on what is new."""
+    def deliver(self, text: str, tokens: int = 0) -> None:
+        """`text` is everything generated so far in this attempt, from `tokens` tokens; pass on what is new."""
         if len(text) > len(self.streamed) and text.startswith(self.streamed):
-            self.on_text(text[len(self.streamed):])
+            self.on_text(text[len(self.streamed):], tokens)
             self.streamed = text
 
     def note(self, **info: Any) -> None:
         """Record how the task ran (engine, times, tokens), for inspection."""
 
-    def on_text(self, delta: str) -> None: ...
+    def on_text(self, delta: str, tokens: int = 0) -> None: ...
     def on_logprob(self, position: int, logprob: TokenLogprob) -> None: ...
     def on_logprobs_kept(self, kept: int) -> None: ...
     def on_prompt_logprobs(self, items: list[TokenLogprob]) -> None: ...
@@ -125,7 +125,7 @@ class _ChainRecord(_TaskRecord):
     def note(self, **info: Any) -> None:
         self.chain.run.update(info)
 
-    def on_text(self, delta: str) -> None:
+    def on_text(self, delta: str, tokens: int = 0) -> None:
         self.chain.output_var.append_stream(delta)
 
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str,
@@ -180,6 +180,18 @@ class CompletionResult:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (GenerateResponse's)
 
 
+class TextDelta(str):
+    """Queue item of a plain completion: text that follows what came before, and how many tokens had been
+    generated when it was (vLLM's continuous usage statistics)."""
+
+    tokens: int
+
+    def __new__(cls, text: str, tokens: int = 0) -> TextDelta:
+        delta = super().__new__(cls, text)
+        delta.tokens = tokens
+        return delta
+
+
 @dataclass(eq=False)
 class TokenLogprobs:
     """Queue item of a plain completion with sampling.logprobs: the logprobs of tokens whose text comes next."""
@@ -217,15 +229,16 @@ class _PlainRecord(_TaskRecord):
             self.queue.put_nowait(TokenLogprobs(self.logprobs[self._sent_logprobs:upto]))
             self._sent_logprobs = upto
 
-    def on_text(self, delta: str) -> None:
-        """`delta` follows the text streamed so far: the logprobs of the tokens starting in it go first (a
-        token whose text is held back, e.g. what may begin a stop string, waits for its text)."""
+    def on_text(self, delta: str, tokens: int = 0) -> None:
+        """`delta` follows the text streamed so far, and `tokens` were generated up to its end: the logprobs of the
+        tokens starting in it go first (a token whose text is held back, e.g. what may begin a stop string, waits
+        for its text)."""
         end = len(self.streamed) + len(delta)
         upto = self._sent_logprobs
         while upto < len(self._starts) and self._starts[upto] < end:
             upto += 1
         self._send_logprobs(upto)
-        self.queue.put_nowait(delta)
+        self.queue.put_nowait(TextDelta(delta, tokens))
 
     def on_logprobs_kept(self, kept: int) -> None:
         self.logprobs_kept = kept
@@ -763,7 +776,7 @@ class ParrotServeCore:
                     text += chunk.text
                     if chunk.finish_reason is not None:
                         finish, stop_reason = chunk.finish_reason, chunk.stop_reason
-                    rec.deliver(text)
+                    rec.deliver(text, len(ids))
             except ParrotError:
                 if timer is not None:
                     timer.fail()

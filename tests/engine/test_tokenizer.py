@@ -249,3 +249,19 @@ def test_a_long_stop_string_costs_each_piece_its_own_length() -> None:
         assert m.feed("ab") is None
     assert m.matched == len(stop) - 2  # all but its last "ac" ends the text: held back
     assert m.feed("ac") == 2
+
+
+@pytest.mark.parametrize(("text", "stop"), [("Hello world, STOP here", "d, ST"), ("Hello world, STOP here", "world"),
+                                            ("party 🦜🎉 time", "🎉 t"), ("aaaaab", "aab")])
+def test_stop_string_kept_at_the_end_when_asked(tok: Tokenizer, text: str, stop: str) -> None:
+    """vLLM's include_stop_str_in_output: the text is cut just after the stop string, and the deltas still
+    make it up."""
+    detok = IncrementalDetokenizer(tok, [stop], include_stop=True)
+    deltas = []
+    for token in tok.encode(text):
+        delta, hit = detok.add(token)
+        deltas.append(delta)
+        if hit:
+            break
+    assert hit and detok.stop_hit == stop
+    assert detok.text == text[:text.find(stop) + len(stop)] == "".join(deltas)

@@ -152,6 +152,26 @@ def test_extensions_min_tokens_ignore_eos_stop_token_ids(client: openai.OpenAI) 
     refused(comp, "min_tokens", client=client, max_tokens=2, extra={"min_tokens": 5})
 
 
+def test_extension_include_stop_str_in_output(client: openai.OpenAI) -> None:
+    """vLLM's include_stop_str_in_output: the stop string ends the text (its tokens' logprobs with it), and a
+    stop_token_ids token counts as generated, its text kept."""
+    regex = {"guided_regex": "AABAAAAA", "include_stop_str_in_output": True}
+    r = comp(client, extra=regex, logprobs=0, max_tokens=8, stop=["BA"])
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == ("AABA", "stop", "BA")
+    assert c.logprobs.tokens == ["A", "A", "B", "A"]
+    streamed = list(comp(client, extra=regex, max_tokens=8, stop=["BA"], stream=True))
+    assert "".join(k.choices[0].text for k in streamed) == "AABA"
+    m = chat(client, max_tokens=8, stop=["ABA"], extra_body=regex).choices[0]
+    assert m.message.content == "AABA" and m.finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0, logit_bias={str(A): 100},
+                                  extra_body={"stop_token_ids": [A], "include_stop_str_in_output": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("A", "stop", 1)
+    assert r.choices[0].model_extra["stop_reason"] == A
+    r = comp(client, extra={**regex, "include_stop_str_in_output": None}, max_tokens=8, stop=["BA"])
+    assert r.choices[0].text == "AA"  # null: the default
+
+
 def test_max_tokens_n_stop_and_model(client: openai.OpenAI) -> None:
     r = comp(client, max_tokens=5, n=3, temperature=1.0, seed=1, model="any-name")
     assert r.model == "tiny" and [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 15
@@ -175,6 +195,24 @@ def test_stream_and_stream_options(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "A" * 8
     assert all(c.usage is None for c in chunks)
     refused(comp, "stream_options", client=client, stream_options={"include_usage": True})
+
+
+def test_stream_options_continuous_usage_stats(client: openai.OpenAI) -> None:
+    """vLLM's continuous usage statistics: every chunk carries its choice's usage so far; the last chunk the
+    request's."""
+    live = {"include_usage": True, "continuous_usage_stats": True}
+    for create, text_of in ((comp, lambda k: k.choices[0].text), (chat, lambda k: k.choices[0].delta.content or "")):
+        chunks = list(create(client, logit_bias={str(A): 100}, stream=True, stream_options=live, max_tokens=6))
+        *each, total = chunks
+        assert all(k.choices and k.usage is not None for k in each) and not total.choices
+        assert {k.usage.prompt_tokens for k in each} == {total.usage.prompt_tokens} and total.usage.prompt_tokens > 0
+        done = [k.usage.completion_tokens for k in each]
+        assert done == sorted(done) and done[-1] == total.usage.completion_tokens == 6
+        assert all(k.usage.total_tokens == k.usage.prompt_tokens + k.usage.completion_tokens for k in chunks)
+        assert "".join(map(text_of, each)) == "A" * 6
+    # without include_usage it has no effect (as in vLLM)
+    chunks = list(comp(client, stream=True, stream_options={"continuous_usage_stats": True}, max_tokens=3))
+    assert all(k.usage is None for k in chunks)
 
 
 def test_accepted_without_effect_on_the_output(client: openai.OpenAI) -> None:
@@ -203,7 +241,7 @@ def test_completion_refused(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("name", ["ebnf", "guided_decoding_backend", "use_beam_search", "bad_words",
-                                  "allowed_token_ids", "include_stop_str_in_output", "chat_template"])
+                                  "allowed_token_ids", "chat_template"])
 def test_unimplemented_extensions_refused(client: openai.OpenAI, name: str) -> None:
     refused(comp, name, client=client, extra={name: "x"})
 

@@ -52,9 +52,7 @@ def test_penalties_bias_and_extensions_pass_through() -> None:
     ({"use_beam_search": True}, "use_beam_search"), ({"service_tier": "flex"}, "service_tier"),
     ({"skip_special_tokens": False}, "skip_special_tokens"), ({"length_penalty": 0.5}, "length_penalty"),
     ({"typical_p": 0.2}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"prompt_logprobs": 2}, "prompt_logprobs"),
-    ({"return_token_ids": True}, "return_token_ids"), ({"include_stop_str_in_output": True},
-                                                       "include_stop_str_in_output"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"return_token_ids": True}, "return_token_ids"),
     ({"continue_final_message": True}, "continue_final_message"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
 ])
