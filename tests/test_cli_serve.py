@@ -24,6 +24,7 @@ from parrot import cli
 from parrot.engine.model_files import default_model_path
 from parrot.errors import ModelLoadError, ParrotError
 from parrot.serve import tokenizers
+from tests.conftest import tiny_tokenizer
 from tests.servers import free_port, free_ports
 
 
@@ -54,8 +55,12 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         def run(self, sockets: list | None = None) -> None:
             assert sockets and sockets[0].getsockname()[1] == port  # the port taken before anything loaded
 
-    monkeypatch.setattr(cli, "http_server", lambda app, host, port, log_level: FakeServer(app))
-    monkeypatch.setattr(tokenizers.TokenizerManager, "get", lambda self, model: None)
+    monkeypatch.setattr(cli, "http_server", lambda app, host, port, log_level, root_path="": FakeServer(app))
+    registered: dict[str, object] = {}
+    monkeypatch.setattr(tokenizers.TokenizerManager, "get",
+                        lambda self, model: registered.get(model, tiny_tokenizer()))
+    monkeypatch.setattr(tokenizers.TokenizerManager, "register",
+                        lambda self, model, tok: registered.update({model: tok}))
     monkeypatch.delenv("PARROT_API_KEY", raising=False)
     port = free_port()
     args = cli.build_parser().parse_args(["serve", "--port", str(port), "--engines", "2",
@@ -63,14 +68,18 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
                                           "--compilation-cache-dir", "/tmp/cc",
                                           "--log-format", "json", "--api-key", "k3y", "--max-sessions", "5",
                                           "--speculative-tokens", "3", "--speculative-ngram", "1", "4",
-                                          "--kv-dtype", "bf16", "--v-dtype", "fp8", "--weights", "q8_0"])
+                                          "--kv-cache-dtype", "bfloat16", "--v-dtype", "fp8_e4m3", "--dtype", "Q8_0",
+                                          "--seed", "7", "--chat-template", "{{ messages[0]['content'] }}!"])
     assert cli.cmd_serve(args) == 0
     assert len(started) == 2 and len(apps) == 1
+    # the chats are rendered with the template given (the serve core renders them, not the engines)
+    assert registered["smollm2"].apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
     for i, (cmd, env) in enumerate(started):
         engine_args = cli.build_parser().parse_args(cmd[cmd.index("engine"):])  # the engine's own command line
         engine = cli.engine_config_from_args(engine_args)
         assert (engine.speculative_tokens, engine.speculative_min_ngram, engine.speculative_ngram) == (3, 1, 4)
         assert (engine.kv_dtype, engine.v_dtype, engine.weights) == ("bf16", "fp8", "q8_0")
+        assert engine.seed == 7 + i  # each engine draws its own seeds
         assert cmd[cmd.index("--compilation-cache-dir") + 1] == "/tmp/cc"
         assert cmd[cmd.index("--log-format") + 1] == "json"
         assert cmd[cmd.index("--name") + 1] == f"engine-{i}"
@@ -272,3 +281,43 @@ def test_the_engine_processes_end_with_the_serve_core(sig: signal.Signals, tmp_p
                 _ends_within(child, 30)  # killed if not: no test leaves an engine behind
     if sig == signal.SIGTERM:
         assert proc.returncode == 0, log_path.read_text()[-3000:]
+
+
+def test_behind_a_proxy_prefix_and_the_ping_route() -> None:
+    """--root-path: the proxy strips its prefix; the open routes stay open (/health, and /ping as SageMaker and
+    vLLM name it, GET or POST), the others guarded, errors in each API's shape, the page's assets relative."""
+    from parrot.config import ServeConfig
+    from parrot.engine.engine import LLMEngine
+    from parrot.frontend.http_api import create_app
+    from tests.conftest import tiny_engine_config, tiny_model
+    from tests.servers import make_core
+
+    model = tiny_model()
+    engine = LLMEngine(model, tiny_engine_config()).start(precompile=False)
+    core = make_core(engine, "tiny", model.tokenizer, config=ServeConfig(model="tiny", api_key="k"))
+    port = free_port()
+    server = cli.http_server(create_app(core), "127.0.0.1", port, root_path="/parrot")
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        import httpx
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            deadline = time.monotonic() + 60
+            while not server.started:
+                assert time.monotonic() < deadline and thread.is_alive()
+                time.sleep(0.05)
+            for r in (c.get("/health"), c.get("/ping"), c.post("/ping")):
+                assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "tiny"
+            missing = c.get("/v1/nothing", headers={"Authorization": "Bearer k"})
+            assert missing.status_code == 404 and "error" in missing.json()  # the OpenAI shape under /v1/
+            page = c.get("/ui")
+            assert page.status_code == 200 and 'src="ui/ui.js"' in page.text
+            spec = c.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+            assert spec["servers"] == [{"url": "/parrot"}]  # the docs page calls the API through the proxy
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()

@@ -124,7 +124,7 @@ class LLMEngine:
         self._closed = False  # the loop has ended: nothing more may enter its inbox (`_call`)
         self._inbox_lock = threading.Lock()
         self._applying: list[Job] = []  # the jobs of the step being applied: a crash there still answers them
-        self._rng = np.random.default_rng()
+        self._rng = np.random.default_rng(self.cfg.seed)  # the seeds of requests that give none
         self.steps = 0
         self.warmup_s: float | None = None  # start() to every shape compiled
         self.warm_process_uptime_s: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Sequence
@@ -123,6 +124,12 @@ class Tokenizer:
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with `template` instead of the model's own (`--chat-template`)."""
+        other = copy.copy(self)
+        other.chat_template, other._template = template, None
+        return other
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.sandbox
 from pydantic import BaseModel, ConfigDict
 
-from parrot.errors import InvalidRequestError
+from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend.openai_tools import (
     ToolChoice,
     ToolDef,
@@ -147,6 +148,26 @@ def _compiled(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)  # as HF
     return env.from_string(template)
+
+
+def load_chat_template(given: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: a file's path, or the template itself (text
+    with Jinja syntax in it). Raises ParrotError for a missing file or a template that does not compile."""
+    path = Path(given).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ParrotError(f"cannot read the chat template {given!r}: {exc}") from None
+    elif any(mark in given for mark in ("{{", "{%")):
+        text = given
+    else:
+        raise ParrotError(f"chat template {given!r}: no such file, nor a template (no '{{{{' or '{{%' in it)")
+    try:
+        _compiled(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ParrotError(f"the chat template does not compile: {exc.message} (line {exc.lineno})") from None
+    return text
 
 
 # the variables a chat template is given by the server itself: not a request's `chat_template_kwargs`

@@ -74,7 +74,7 @@ _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 
                  405: "method_not_allowed", 408: "timeout", 409: "conflict", 413: "body_too_large",
                  422: "invalid_request", 429: "rate_limited"}
 # open without the API key (/ui: the static page and its assets; /version: the server's version, as vLLM's)
-UNGUARDED = ("/health", "/metrics", "/ui", "/version")
+UNGUARDED = ("/health", "/ping", "/metrics", "/ui", "/version")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
 REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call",
               "/v1/engine")  # the engines' registration and heartbeats (docs/deployment.md)
@@ -82,6 +82,13 @@ REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_c
 
 def error_body(detail: str, code: str) -> dict[str, str]:
     return {"detail": detail, "code": code}
+
+
+def route_path(scope: Scope) -> str:
+    """The path the routes see: the request's, less the server's `root_path` (`--root-path`: a proxy's prefix)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def _open_path(path: str) -> bool:
@@ -141,7 +148,7 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
+        path = route_path(scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal: JSONResponse | None = None
         if self.api_key is not None and not _open_path(path):
@@ -248,7 +255,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # also the app's own 404 / 405 for paths and methods no route has: in the OpenAI shape under /v1/ but
         # the REST API's paths
-        return error_response(request.url.path, exc.status_code, str(exc.detail),
+        return error_response(route_path(request.scope), exc.status_code, str(exc.detail),
                               _STATUS_CODES.get(exc.status_code, "error"), headers=exc.headers)
 
     def session_of(session_id: str, authorization: str | None, session_token: str | None = None) -> Session:
@@ -325,6 +332,8 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/health", response_model=None)
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=None,
+                   include_in_schema=False)  # SageMaker's (and vLLM's) name for it
     async def health() -> dict | JSONResponse:
         engines = [e.name for e in core.engines.live_engines()]
         # every engine stopped for good (the one inside this process): nothing here can serve again, so the

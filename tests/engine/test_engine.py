@@ -168,6 +168,21 @@ def test_seeded_sampling_is_reproducible(engine: LLMEngine) -> None:
     assert outs[0] != outs[2]
 
 
+def test_an_engine_seed_decides_the_draws_of_requests_without_one() -> None:
+    """EngineConfig.seed (--seed): two engines started with the same seed sample the same outputs for the same
+    unseeded requests in the same order; another seed, others."""
+    outs = []
+    for seed in (11, 11, 12):
+        eng = LLMEngine(tiny_model(), tiny_engine_config(seed=seed)).start(precompile=False)
+        try:
+            fill(eng, "s", prompt(4, 15))
+            outs.append([gen(eng, "s", max_tokens=12, ignore_eos=True, temperature=1.0).token_ids for _ in range(2)])
+        finally:
+            eng.shutdown()
+    assert outs[0] == outs[1] and outs[0][0] != outs[0][1]
+    assert outs[0] != outs[2]
+
+
 def test_streaming_matches_result(engine: LLMEngine) -> None:
     chunks = []
     fill(engine, "st", prompt(9, 10))

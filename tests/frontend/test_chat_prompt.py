@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
+from parrot.errors import ParrotError
+from parrot.frontend.chat_prompt import ChatMessage, load_chat_template, renderer, template_messages
 from parrot.frontend.openai_tools import ToolChoice, ToolError, parse_tools
 from tests.conftest import tiny_tokenizer
 
@@ -71,3 +72,21 @@ def test_bad_messages(raw, param) -> None:  # noqa: ANN001
     with pytest.raises(ToolError) as info:
         template_messages(_messages(raw), [], ToolChoice("none"), False)
     assert info.value.param == param
+
+
+def test_a_chat_template_given_as_a_file_or_as_text(tmp_path) -> None:  # noqa: ANN001
+    """vLLM's --chat-template: a file's path or the template itself; a missing file or a template that does not
+    compile is a clear error before anything loads; the tokenizer then renders chats with it."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template, encoding="utf-8")
+    assert load_chat_template(str(path)) == load_chat_template(template) == template
+    with pytest.raises(ParrotError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ParrotError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")
+    tok = tiny_tokenizer()
+    own = tok.chat_template
+    mine = tok.with_chat_template(template)
+    assert mine.apply_chat_template([{"role": "user", "content": "hi"}]) == "[user] hi\n"
+    assert tok.chat_template == own and mine.backend is tok.backend  # the original is unchanged

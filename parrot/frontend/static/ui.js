@@ -7,6 +7,8 @@ const POLL_MS = 500, IDLE_POLL_MS = 2000;
 const LINE_CHARS = 34;  // characters of 11px text that fit in a call box
 const CALL_W = 220, CALL_H = 78, VAR_W = 150, VAR_H = 30, COL_GAP = 56, ROW_GAP = 14, PAD = 20;
 
+// the server's path prefix behind a proxy (parrot serve --root-path): where this script was loaded from, less /ui/ui.js
+const ROOT = new URL(document.currentScript.src).pathname.replace(/\/ui\/ui\.js$/, "");
 const $ = (id) => document.getElementById(id);
 const state = { session: null, token: null, key: null, lastText: null, graph: null, selected: null, timer: null,
   run: 0 };  // run: bumped when the fragment changes, so answers for an older view are dropped
@@ -73,7 +75,7 @@ function authHeaders() {
 }
 
 async function getJSON(path) {
-  const r = await fetch(path, { headers: authHeaders(), cache: "no-store" });
+  const r = await fetch(ROOT + path, { headers: authHeaders(), cache: "no-store" });
   const text = await r.text();
   let body = null;
   try { body = JSON.parse(text); } catch (_) { /* not JSON */ }
