@@ -219,10 +219,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     max_tokens = args.max_num_batched_tokens or min(base.max_num_batched_tokens, max(token_buckets))
     max_batch = args.max_batch_size or min(base.max_batch_size, max(bs_buckets))
     kv_buckets = base.kv_buckets
-    if args.max_model_len is not None:
-        if args.max_model_len <= 0 or args.max_model_len % base.page_size:
-            raise ParrotError(f"--max-model-len must be a positive multiple of the page size {base.page_size}")
-        kv_buckets = [b for b in kv_buckets if b < args.max_model_len] + [args.max_model_len]
+    if args.max_model_len is not None:  # any length: the buckets end at the whole pages it takes
+        width = -(-args.max_model_len // base.page_size) * base.page_size
+        kv_buckets = [b for b in kv_buckets if b < width] + [width]
     if max_batch > max(bs_buckets):
         raise ParrotError(f"--max-batch-size {max_batch} exceeds the largest batch padding {max(bs_buckets)}; "
                           "add it to --precompile-bs-paddings")
@@ -237,6 +236,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           layers_per_call=(EngineConfig.layers_per_call if args.layers_per_call is None
                                            else args.layers_per_call or None),
                           decode_attention=args.decode_attention, gc_freeze=not args.no_gc_freeze, seed=args.seed,
+                          max_model_len=args.max_model_len,
                           explicit=tuple(
                               name for name, given in (
                                   ("max_batch_size", args.max_batch_size), ("bs_buckets", args.precompile_bs_paddings),
@@ -517,7 +517,7 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--precompile-bs-paddings", type=POSITIVE, nargs="+", metavar="N",
                    help="decode batch-size padding buckets (default: 1 2 4 ... 64)")
     e.add_argument("--max-model-len", type=POSITIVE, default=None, metavar="N",
-                   help="longest sequence (prompt + output) in tokens, a multiple of 16 up to the model's context; "
+                   help="longest sequence (prompt + output) in tokens, any length up to the model's context; "
                         "fewer attention shapes to compile (default: the model's context, at most 8192)")
     e.add_argument("--disable-precompile", action="store_true",
                    help="compile shapes lazily at serve time instead of before listening")

@@ -44,6 +44,10 @@ class EngineConfig:
     bs_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])  # decode batches
     prefill_bs_buckets: list[int] = field(default_factory=lambda: [1, 4])  # fills batched in one prefill step
     kv_buckets: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 4096, 8192])
+    # the longest sequence (prompt + output) in tokens, any number up to the model's context (vLLM's
+    # --max-model-len); None: the model's context, or the last kv bucket where shorter. Shapes are as wide as
+    # the whole pages it takes
+    max_model_len: int | None = None
     # shared-prefix (cascade) decode attention: forks of one context read the shared pages once
     shared_prefix_attention: bool = True
     cascade_suffix_buckets: list[int] = field(default_factory=lambda: [256])  # own-KV lengths of forks
@@ -155,6 +159,8 @@ class EngineConfig:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError("kv_memory_mb must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
         if self.seed is not None and self.seed < 0:
             raise ValueError("seed must be a non-negative integer")
         if self.speculative_tokens < 0:

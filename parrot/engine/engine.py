@@ -94,17 +94,17 @@ class LLMEngine:
         procinfo.release_free_memory()  # the host copies made while building the weights
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         pool_tokens = self.kv.total_pages * self.kv.page_size
-        if pool_tokens < self.runner.max_len:
+        if pool_tokens < self.runner.seq_limit:
             log.warning("the KV cache holds %d tokens, fewer than the model's context of %d: longer sequences are "
                         "refused (raise --kv-memory-mb, or lower --max-model-len to match)", pool_tokens,
-                        self.runner.max_len)
+                        self.runner.seq_limit)
         bursts = self.cfg.decode_bursts  # unset: on where the runner decodes several steps a call
         if bursts is None:
             bursts = auto_decode_bursts(self.cfg) if self.runner.multi_step > 1 else 0
         hold = self.cfg.throughput_hold_ms  # unset: on where decode bursts run
         if hold is None:
             hold = AUTO_THROUGHPUT_HOLD_MS if bursts else 0
-        self.scheduler = Scheduler(self.kv, self.cfg, self.runner.max_len,
+        self.scheduler = Scheduler(self.kv, self.cfg, self.runner.seq_limit,
                                    attention_in_place=self.runner.prefill_in_place, decode_bursts=bursts,
                                    throughput_hold_ms=hold,
                                    spec_costs=SPEC_COSTS_CPU if device_memory().platform == "cpu"
@@ -332,7 +332,7 @@ class LLMEngine:
         s = self.scheduler
         compiled, total = self.runner.compile_status()
         return RuntimeInfo(
-            model=self.name, max_context_len=self.runner.max_len, page_size=self.kv.page_size,
+            model=self.name, max_context_len=self.runner.seq_limit, page_size=self.kv.page_size,
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,

@@ -252,10 +252,13 @@ class ModelRunner:
         self.dtype = decode_dtype
         self.prefill_dtype = prefill_dtype
         self.page_size = ecfg.page_size
-        if "kv_buckets" in ecfg.explicit and ecfg.kv_buckets[-1] > cfg.max_position:  # a max_model_len asked for
-            raise ModelLoadError(f"max_model_len {ecfg.kv_buckets[-1]} is longer than the model's context "
+        asked = ecfg.max_model_len or (ecfg.kv_buckets[-1] if "kv_buckets" in ecfg.explicit else None)
+        if asked is not None and asked > cfg.max_position:  # a max_model_len asked for
+            raise ModelLoadError(f"max_model_len {asked} is longer than the model's context "
                                  f"({cfg.max_position} tokens)")
-        self.max_len = min(cfg.max_position, ecfg.kv_buckets[-1])  # a multiple of page_size (ShapeBook checks)
+        # the longest sequence, and the shapes' attended width: the whole pages that takes
+        self.seq_limit = min(cfg.max_position, ecfg.kv_buckets[-1], ecfg.max_model_len or cfg.max_position)
+        self.max_len = -(-self.seq_limit // ecfg.page_size) * ecfg.page_size
         weights, self.weights_mode = resolve_weights(weights, ecfg.weights)
         if self.weights_mode == "float" and kernels.available():  # `auto` on float weights, or f32 / bf16
             log.info("float weights on a CPU run through XLA's float products, whose sums' order follows the "

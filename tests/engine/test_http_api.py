@@ -31,8 +31,16 @@ from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.http_api import EngineServer, serve_core_link
 from parrot.engine.kv_cache import OutOfPages
 from parrot.engine.loader import default_model_path
-from parrot.errors import ConflictError, ModelLoadError, ParrotError
-from parrot.protocol import EngineRegistration, GenerateResponse, RuntimeInfo, StreamChunk
+from parrot.errors import ConflictError, InvalidRequestError, ModelLoadError, ParrotError
+from parrot.protocol import (
+    EngineRegistration,
+    FillRequest,
+    GenerateRequest,
+    GenerateResponse,
+    RuntimeInfo,
+    SamplingParams,
+    StreamChunk,
+)
 from tests.conftest import grammar_rejects, tiny_engine_config, tiny_model
 from tests.servers import free_port
 
@@ -659,8 +667,8 @@ def test_cli_engine_config() -> None:
     assert cfg.kv_buckets == [256, 512, 1024, 2048]
     cfg = engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1536"]))
     assert cfg.kv_buckets == [256, 512, 1024, 1536]
-    with pytest.raises(ParrotError, match="multiple of the page size"):
-        engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1000"]))
+    cfg = engine_config_from_args(build_parser().parse_args(["engine", "--max-model-len", "1000"]))  # any length
+    assert cfg.kv_buckets == [256, 512, 1008] and cfg.max_model_len == 1000  # the shapes: whole pages
     assert engine_config_from_args(build_parser().parse_args(["serve"])).throughput_hold_ms is None  # auto
     assert engine_config_from_args(build_parser().parse_args(["serve"])).gc_freeze  # servers freeze, once warm
     assert not engine_config_from_args(build_parser().parse_args(["engine", "--no-gc-freeze"])).gc_freeze
@@ -683,6 +691,24 @@ def test_cli_numbers_out_of_range_are_usage_errors(argv: list[str], capsys: pyte
         build_parser().parse_args(["serve", *argv])
     err = capsys.readouterr().err
     assert info.value.code == 2 and argv[0] in err and "out of range" in err, err
+
+
+def test_a_max_model_len_of_any_length_is_what_a_sequence_may_hold() -> None:
+    """vLLM takes any --max-model-len: a sequence holds that many tokens, its shapes the whole pages they take."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(max_model_len=300, kv_buckets=[256, 304])).start(precompile=False)
+    try:
+        assert eng.ping().max_context_len == 300 and eng.runner.max_len == 304
+        eng.fill_future(FillRequest(context_id="m", token_ids=[5] * 290)).result(120)
+        with pytest.raises(InvalidRequestError, match="maximum length 300"):
+            eng.generate_future(GenerateRequest(context_id="m", sampling=SamplingParams(
+                max_tokens=11, ignore_eos=True))).result(120)
+        out = eng.generate_future(GenerateRequest(context_id="m", sampling=SamplingParams(
+            max_tokens=10, ignore_eos=True))).result(120)
+        assert (len(out.token_ids), out.num_tokens, out.finish_reason) == (10, 300, "length")
+        with pytest.raises(InvalidRequestError, match="maximum length 300"):
+            eng.fill_future(FillRequest(context_id="m2", token_ids=[5] * 301)).result(120)
+    finally:
+        eng.shutdown()
 
 
 def test_a_max_model_len_past_the_models_context_is_refused() -> None:
