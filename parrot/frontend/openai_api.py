@@ -1,5 +1,6 @@
 """OpenAI-compatible API over the serve core: `GET /v1/models`, `POST /v1/completions`,
-`POST /v1/chat/completions` (JSON or SSE streaming).
+`POST /v1/chat/completions` (JSON or SSE streaming), and `POST /v1/responses` over the chat route
+(`openai_responses.py`).
 
 Every request runs through `ParrotServeCore.complete`, i.e. the same GlobalScheduler and ContextManager
 as semantic calls, so plain OpenAI clients get prefix sharing:
@@ -66,6 +67,7 @@ from parrot.frontend.metrics import ParrotMetrics, RequestTimer
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, error_path, from_exception, unsupported
 from parrot.frontend.openai_logprobs import chat_logprobs, completion_logprobs
 from parrot.frontend.openai_requests import ChatCompletionRequest, CompletionRequest, SamplingRequest, require
+from parrot.frontend.openai_responses import responses_routes
 from parrot.frontend.openai_tools import (
     ToolAnswer,
     ToolError,
@@ -413,6 +415,10 @@ class _EventStream(StreamingResponse):
         finally:
             self._on_close()
 
+    def close(self) -> None:
+        """Run `on_close` now (a stream relaying this one ended: `openai_responses`)."""
+        self._on_close()
+
 
 def _usage(choices: list[_Choice], n: int) -> dict:
     """prompt tokens count once per prompt (the first choice of each), completion tokens for every choice."""
@@ -730,6 +736,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
         return await stream_response(events, gen(), request)
 
+    router.include_router(responses_routes(chat_completions, answered_as))  # /v1/responses, over the chat route
     return router
 
 

@@ -205,12 +205,15 @@ def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) ->
 
 
 # ---- cancellation -------------------------------------------------------------------------------------
-def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine) -> None:
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 400}),  # relayed from the chat route's stream
+])
+def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine, path: str, body: dict) -> None:
     with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
         before = engine.ping()
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400,
-                "ignore_eos": True, "stream": True}
-        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        body = {"model": "tiny", **body, "ignore_eos": True, "stream": True}
+        with c.stream("POST", path, json=body) as r:
             lines = r.iter_lines()
             got = 0
             for line in lines:
