@@ -311,19 +311,22 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def http_server(app: object, host: str, port: int, log_level: str = "warning",  # noqa: ANN201 (a uvicorn.Server)
-                root_path: str = ""):
+                root_path: str = "", ssl: tuple[str, str] | None = None):
     """The HTTP server of `parrot serve`: uvicorn with its own logs from `log_level` (info: a line per request,
-    uvicorn's access log), behind a proxy's `root_path` if given, and one line of ours once the socket listens:
-    where to send requests, and that shapes may still be compiling (/health)."""
+    uvicorn's access log), behind a proxy's `root_path` if given, over TLS with `ssl` (key file, certificate
+    file), and one line of ours once the socket listens: where to send requests, and that shapes may still be
+    compiling (/health)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path))
+    keyfile, certfile = ssl or (None, None)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path,
+                                           ssl_keyfile=keyfile, ssl_certfile=certfile))
     startup = server.startup
 
     async def startup_then_say(sockets: list | None = None) -> None:
         await startup(sockets=sockets)
         if server.started:
-            url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+            url = f"{'https' if ssl else 'http'}://{'[' + host + ']' if ':' in host else host}:{port}"
             log.info("listening on %s: the OpenAI API at %s/v1, Parrot's sessions at %s/v1/session, the live view "
                      "at %s/ui; %s/health says \"ok\" once every shape is compiled", url, url, url, url, url)
 
@@ -350,6 +353,25 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _tls(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(key file, certificate file) of `--ssl-keyfile` / `--ssl-certfile`, checked; None without them."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        return None
+    if args.ssl_keyfile is None or args.ssl_certfile is None:
+        raise ParrotError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    if args.engines:
+        raise ParrotError("--ssl-keyfile with --engines N: the engine processes register over the core's port; "
+                          "give TLS at a proxy in front of it instead")
+    import ssl
+
+    try:  # read now: a wrong path or a key that does not match fails before the model loads
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ParrotError(f"cannot use the TLS key and certificate ({args.ssl_keyfile}, {args.ssl_certfile}): "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
+    return args.ssl_keyfile, args.ssl_certfile
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """The serve core on --port with its engines: one embedded in this process (default), or
     --engines N engine processes that register themselves and send heartbeats. Its port is taken first."""
@@ -357,6 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     core = ParrotServeCore(config=serve_config_from_args(args))
     cfg = engine_config_from_args(args)
+    _tls(args)  # checked before anything loads
     if args.chat_template is not None:  # read and compiled now: a bad one fails before the model loads
         from parrot.frontend.chat_prompt import load_chat_template
 
@@ -457,8 +480,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     try:
         stop_if_interrupted()
         with sigterm_as_interrupt():
-            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level,
-                        args.root_path).run(sockets=[sock])
+            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path,
+                        _tls(args)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:
@@ -593,6 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--root-path", default="", metavar="PATH",
                    help="the path prefix a proxy serves this server under (e.g. /parrot), as vLLM's --root-path: "
                         "requests may come with or without it")
+    v.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key (PEM), "
+                   "with --ssl-certfile, as vLLM's (one process: with --engines N, give TLS at a proxy)")
+    v.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (chain) of --ssl-keyfile")
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,7 +56,7 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         def run(self, sockets: list | None = None) -> None:
             assert sockets and sockets[0].getsockname()[1] == port  # the port taken before anything loaded
 
-    monkeypatch.setattr(cli, "http_server", lambda app, host, port, log_level, root_path="": FakeServer(app))
+    monkeypatch.setattr(cli, "http_server", lambda app, host, port, *more: FakeServer(app))
     registered: dict[str, object] = {}
     monkeypatch.setattr(tokenizers.TokenizerManager, "get",
                         lambda self, model: registered.get(model, tiny_tokenizer()))
@@ -321,3 +322,44 @@ def test_behind_a_proxy_prefix_and_the_ping_route() -> None:
         server.should_exit = True
         thread.join(30)
         engine.shutdown()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_https_with_a_key_and_certificate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--ssl-keyfile / --ssl-certfile: the server speaks TLS; a missing or mismatched file, one without the other,
+    or TLS with engine processes is a clear error before anything loads."""
+    import httpx
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    args = cli.build_parser().parse_args(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
+    assert cli._tls(args) == (str(key), str(cert))
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+    port = free_port()
+    server = cli.http_server(app, "127.0.0.1", port, ssl=(str(key), str(cert)))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        import ssl
+
+        trusted = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted).json() == {"status": "ok"}
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # plain HTTP is not answered
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    port = str(free_port())
+    for argv, said in ((["--ssl-keyfile", str(key)], "both --ssl-keyfile and --ssl-certfile"),
+                       (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot use the TLS key"),
+                       (["--ssl-keyfile", str(tmp_path / "no"), "--ssl-certfile", str(cert)], "cannot use the TLS key"),
+                       (["--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--engines", "2"], "at a proxy")):
+        assert cli.main(["serve", "--port", port, *argv]) == 2
+        assert said in capsys.readouterr().err
