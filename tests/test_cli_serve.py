@@ -325,15 +325,11 @@ def test_behind_a_proxy_prefix_and_the_ping_route() -> None:
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
-def test_https_with_a_key_and_certificate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--ssl-keyfile / --ssl-certfile: the server speaks TLS; a missing or mismatched file, one without the other,
-    or TLS with engine processes is a clear error before anything loads."""
+def test_https_with_a_key_and_certificate(tmp_path: Path) -> None:
+    """--ssl-keyfile / --ssl-certfile: the server speaks TLS."""
     import httpx
 
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    key, cert = _certificate(tmp_path)
     args = cli.build_parser().parse_args(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)])
     assert cli._tls(args) == (str(key), str(cert))
     app = FastAPI()
@@ -356,6 +352,21 @@ def test_https_with_a_key_and_certificate(tmp_path: Path, capsys: pytest.Capture
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def _certificate(where: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key: (key file, certificate file)."""
+    key, cert = where / "key.pem", where / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_bad_tls_settings_fail_before_anything_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing or mismatched file, one without the other, or TLS with engine processes: a clear error."""
+    key, cert = _certificate(tmp_path)
     port = str(free_port())
     for argv, said in ((["--ssl-keyfile", str(key)], "both --ssl-keyfile and --ssl-certfile"),
                        (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot use the TLS key"),
