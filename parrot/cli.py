@@ -311,11 +311,13 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 
 def http_server(app: object, host: str, port: int, log_level: str = "warning",  # noqa: ANN201 (a uvicorn.Server)
-                root_path: str = "", ssl: tuple[str, str] | None = None):
+                root_path: str = "", ssl: tuple[str, str] | None = None,
+                on_shutdown: Callable[[], object] | None = None):
     """The HTTP server of `parrot serve`: uvicorn with its own logs from `log_level` (info: a line per request,
     uvicorn's access log), behind a proxy's `root_path` if given, over TLS with `ssl` (key file, certificate
     file), and one line of ours once the socket listens: where to send requests, and that shapes may still be
-    compiling (/health)."""
+    compiling (/health). `on_shutdown` runs (on the server's loop) as a graceful shutdown begins, before the
+    requests under way are waited for: `ParrotServeCore.drain`."""
     import uvicorn
 
     keyfile, certfile = ssl or (None, None)
@@ -331,6 +333,14 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
                      "at %s/ui; %s/health says \"ok\" once every shape is compiled", url, url, url, url, url)
 
     server.startup = startup_then_say  # type: ignore[method-assign]
+    shutdown = server.shutdown
+
+    async def drain_then_shut_down(sockets: list | None = None) -> None:
+        if on_shutdown is not None:
+            on_shutdown()
+        await shutdown(sockets=sockets)
+
+    server.shutdown = drain_then_shut_down  # type: ignore[method-assign]
     return server
 
 
@@ -481,7 +491,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
         stop_if_interrupted()
         with sigterm_as_interrupt():
             http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path,
-                        _tls(args)).run(sockets=[sock])
+                        _tls(args), on_shutdown=core.drain).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:

@@ -87,7 +87,8 @@ class Output:
         """The call's `sampling_config`: None when nothing was set, so the server's defaults apply."""
         if not self.sampling:
             return None
-        return SamplingParams(**self.sampling).model_dump(exclude_none=True)
+        # only what was set: a server of another version takes it (the defaults are its own)
+        return SamplingParams(**self.sampling).model_dump(exclude_none=True, exclude_unset=True)
 
 
 def _vm(vm: VirtualMachine | None) -> VirtualMachine:

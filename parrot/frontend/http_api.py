@@ -15,12 +15,14 @@ session, queued completions) is 429 with `Retry-After`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +63,7 @@ from parrot.serve.transforms import TransformError
 from parrot.serve.variables import VariableFailedError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 8 * 2**20
 Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>" (or the API key)
@@ -206,6 +209,24 @@ class _Guard:
             await too_large()(scope, receive, send)
 
 
+async def while_connected(request: Request, work: Awaitable[T], poll: float = 0.5) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled and the answer is a 499
+    that nobody reads."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise StarletteHTTPException(499, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+    return await task
+
+
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -295,10 +316,13 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         return {"var_id": var_id}
 
     @app.get("/v1/semantic_var/{var_id}", response_model=SemanticVarContent)
-    async def get_var(var_id: str, session_id: str, authorization: Auth = None, xst: SessionToken = None,
-                      criteria: Criterion = "latency",
+    async def get_var(var_id: str, session_id: str, request: Request, authorization: Auth = None,
+                      xst: SessionToken = None, criteria: Criterion = "latency",
                       timeout: Annotated[float | None, Query(gt=0, le=3600)] = None) -> SemanticVarContent:
-        content = await core.get_var(session_of(session_id, authorization, xst), var_id, criteria, timeout)
+        # a reader that leaves stops reading (as a stream's does): it no longer holds its session open, or keeps
+        # a generation nobody else needs running
+        content = await while_connected(request, core.get_var(session_of(session_id, authorization, xst), var_id,
+                                                              criteria, timeout))
         return SemanticVarContent(var_id=var_id, content=content)
 
     @app.get("/v1/semantic_var/{var_id}/stream")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from parrot.config import ServeConfig
 from parrot.errors import (
     AbortedError,
+    ConflictError,
     EngineOverloadedError,
     EngineUnavailableError,
     GenerationFailedError,
@@ -337,6 +338,19 @@ class ParrotServeCore:
         if self.config.stats_log_interval_s:
             self._spawn(StatsLog(self, self.config.stats_log_interval_s).run())
 
+    def drain(self) -> int:
+        """The server is stopping: no request can set a variable any more, so each pending one that nothing
+        produces fails now ("the server is shutting down"), and with it what waits on it; what can still be
+        computed is. Readers of such variables (long-polls, streams) get their answer instead of holding the
+        shutdown open. Returns how many variables it failed."""
+        failed = 0
+        for session in list(self.sessions.values()):
+            for var in self.vars.session_variables(session.session_id):
+                if var.is_pending and var.producer is None:
+                    failed += var.fail_if_pending("the server is shutting down: nothing can set this variable now")
+            self._progress(session)
+        return failed
+
     async def stop(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
@@ -562,7 +576,7 @@ class ParrotServeCore:
             if p.var_id is not None:
                 var = self.vars.get(p.var_id, session.session_id)
                 if p.is_output and not var.is_pending:
-                    raise InvalidRequestError(f"output variable {p.var_id} is already set")
+                    raise ConflictError(f"output variable {p.var_id} is already {var.state.value}")
             else:
                 var = self.create_var(session, p.name, p.value)
             cfg = p.sampling_config or {}
@@ -661,6 +675,11 @@ class ParrotServeCore:
                 return
             token_pieces = self.tokenizers.encode_pieces(self.model, pieces)
         tokens = [t for piece in token_pieces for t in piece]
+        if not tokens:  # e.g. its only input an earlier output that came back empty: nothing to continue
+            chain.output_var.fail_if_pending("the prompt is empty: its template and inputs rendered no text (an "
+                                             "input that came back empty, say); the model needs a prompt")
+            session.executor.finished(chain)
+            return
         boundaries, n = [], 0
         for piece in token_pieces:
             n += len(piece)
@@ -833,6 +852,9 @@ class ParrotServeCore:
         except asyncio.CancelledError as exc:
             rec.failed(str(exc) or type(exc).__name__)
             raise
+        except Exception as exc:  # a fault of the serve layer: this task fails explicitly, its readers do not hang
+            log.exception("task %s failed on an internal error", task.task_id)
+            rec.failed(f"internal error: {type(exc).__name__}: {exc}")
         finally:
             if task.engine == engine:
                 self.scheduler.finished(task)

@@ -42,7 +42,7 @@ class GraphExecutor:
     native_history: list[NativeNode] = field(default_factory=list)  # every native call added, run ones too
 
     def add_request(self, chain: RequestChain, output_criteria: Criterion | None) -> None:
-        self.graph.insert(chain)
+        self.graph.insert(chain, via=self._computed_from)  # a cycle through native calls is refused too
         self.history.extend(chain.chains)
         if output_criteria is not None:
             for var in chain.output_vars:
@@ -53,6 +53,11 @@ class GraphExecutor:
             self._native_of[var.id] = node
         self.natives.append(node)
         self.native_history.append(node)
+
+    def _computed_from(self, var_id: str) -> list[str]:
+        """The variables native calls not run yet compute from variable `var_id`."""
+        return [out.id for n in self.natives if not n.done and any(v.id == var_id for v in n.inputs.values())
+                for out in n.outputs.values()]
 
     def _retire(self, done: list[NativeNode]) -> None:
         """Run (or failed) native calls leave the pending list (the history keeps them for the live view)."""

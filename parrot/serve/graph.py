@@ -14,7 +14,7 @@ into a variable that already has a producer or a value, is refused and leaves th
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,10 +162,11 @@ class ComputeGraph:
             return list(self._vars.values())
 
     # -- insertion ------------------------------------------------------------------------------------
-    def insert(self, request_chain: RequestChain) -> None:
+    def insert(self, request_chain: RequestChain, via: Callable[[str], Iterable[str]] | None = None) -> None:
         """Add a request's chains and their edges. Raises `ConflictError` if an output variable already
-        has a producer or a value, `InvalidRequestError` if the request would close a cycle; the graph is
-        unchanged then."""
+        has a producer or a value, `InvalidRequestError` if the request would close a cycle, also one through
+        calls outside this graph: `via(var_id)` gives the variables computed from that one by them (native
+        calls not run yet); the graph is unchanged then."""
         new = request_chain.chains
         with self._lock:
             outputs: dict[str, CompletionChain] = {}
@@ -178,7 +179,7 @@ class ComputeGraph:
                 if var.id in self._producer or var.id in outputs:
                     raise ConflictError(f"output variable {var.name!r} ({var.id}) already has a producer")
                 outputs[var.id] = chain
-            self._check_acyclic(new, outputs)
+            self._check_acyclic(new, outputs, via)
             for chain in new:
                 self._chains[chain.id] = chain
                 out = chain.output_var
@@ -190,16 +191,27 @@ class ComputeGraph:
                     self._vars.setdefault(var.id, var)
                     self._consumers.setdefault(var.id, {})[chain.id] = chain
 
-    def _check_acyclic(self, new: Sequence[CompletionChain], new_outputs: dict[str, CompletionChain]) -> None:
-        """A cycle through the new chains exists iff some new chain reaches itself; the old graph is a DAG."""
+    def _check_acyclic(self, new: Sequence[CompletionChain], new_outputs: dict[str, CompletionChain],
+                       via: Callable[[str], Iterable[str]] | None = None) -> None:
+        """A cycle through the new chains exists iff some new chain reaches itself; the old graph is a DAG (and
+        the calls of `via` make only new variables from existing ones: no cycle among themselves)."""
         new_consumers: dict[str, list[CompletionChain]] = {}
         for chain in new:
             for var in chain.dependency_vars:
                 new_consumers.setdefault(var.id, []).append(chain)
 
         def successors(chain: CompletionChain) -> list[CompletionChain]:
-            vid = chain.output_var.id
-            return [*self._consumers.get(vid, {}).values(), *new_consumers.get(vid, [])]
+            """The chains reading the chain's output, directly or through `via`'s calls."""
+            out: list[CompletionChain] = []
+            todo, seen = [chain.output_var.id], {chain.output_var.id}
+            while todo:
+                vid = todo.pop()
+                out += [*self._consumers.get(vid, {}).values(), *new_consumers.get(vid, [])]
+                for nxt in via(vid) if via is not None else ():
+                    if nxt not in seen:
+                        seen.add(nxt)
+                        todo.append(nxt)
+            return out
 
         white, grey, black = 0, 1, 2
         color: dict[int, int] = {}

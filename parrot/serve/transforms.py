@@ -270,19 +270,23 @@ def _regex_extract(
     return [value]
 
 
+def _pieces(n: int) -> str:
+    return "1 piece" if n == 1 else f"{n} pieces"
+
+
 def _split(p: SplitParams, x: Mapping[str, str], call: TransformCall, ctx: TransformContext) -> list[str]:
     pieces = x[TEXT].split(p.sep, -1 if p.maxsplit is None else p.maxsplit)
     if p.index is not None:
         if -len(pieces) <= p.index < len(pieces):
             return [pieces[p.index]]
         if p.default is None:
-            raise TransformError(f"split: piece {p.index} does not exist (the input has {len(pieces)} pieces)")
+            raise TransformError(f"split: piece {p.index} does not exist (the input has {_pieces(len(pieces))})")
         return [p.default]
     assert p.maxsplit is not None
     want = p.maxsplit + 1
     if len(pieces) < want:
         if p.default is None:
-            raise TransformError(f"split: the input has {len(pieces)} pieces, {want} outputs need {want}")
+            raise TransformError(f"split: the input has {_pieces(len(pieces))}, {want} outputs need {want}")
         pieces += [p.default] * (want - len(pieces))
     return pieces
 

@@ -333,3 +333,46 @@ def test_variable_stream_disconnect_cancels_unless_another_reader_needs_it(engin
         waiter.join(90)
         assert got["b"].status_code == 200, got["b"].text
         assert core.aborts == 1
+
+
+def test_a_long_poll_whose_client_left_lets_its_session_expire(engine: LLMEngine) -> None:
+    """A long-poll with no timeout on a variable set "later", whose client dies: the server stops reading for it,
+    so its session is idle again and expires (it was held open for good, and so was the server's shutdown)."""
+    with serve(engine, session_ttl_s=1.0) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        sid, auth = new_session(c)
+        var = c.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "later"}).json()["var_id"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.get(f"{url}/v1/semantic_var/{var}", params={"session_id": sid}, headers=auth, timeout=0.5)
+        wait_until(lambda: sid not in core.sessions, 10, "the session to expire once its reader left")
+
+
+def test_a_graceful_shutdown_answers_long_polls_nothing_can_end(engine: LLMEngine) -> None:
+    """SIGTERM while a connected client long-polls a variable only a request could set: the drain fails that
+    variable (no request can come now), the client gets its 424, and the server stops."""
+    from parrot import cli
+    from parrot.frontend.http_api import create_app
+    from tests.servers import free_port, make_core
+
+    core = make_core(engine, "tiny", engine.tokenizer, config=ServeConfig(model="tiny"))
+    port = free_port()
+    server = cli.http_server(create_app(core), "127.0.0.1", port, on_shutdown=core.drain)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 30, "the server to start")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            sid, auth = new_session(c)
+            var = c.post("/v1/semantic_var", headers=auth, json={"session_id": sid, "name": "x"}).json()["var_id"]
+            answers: list[httpx.Response] = []
+            poll = threading.Thread(target=lambda: answers.append(
+                c.get(f"/v1/semantic_var/{var}", params={"session_id": sid}, headers=auth)))
+            poll.start()
+            wait_until(lambda: core.sessions[sid].readers == 1, 10, "the long-poll to wait")
+            server.should_exit = True  # what SIGTERM does
+            poll.join(20)
+            assert answers and answers[0].status_code == 424 and "shutting down" in answers[0].json()["detail"]
+        thread.join(20)
+        assert not thread.is_alive(), "the server did not stop"
+    finally:
+        server.should_exit = True
+        thread.join(30)

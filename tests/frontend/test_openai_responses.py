@@ -140,3 +140,15 @@ def test_neutral_values_are_taken(client: openai.OpenAI) -> None:
     r = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False, include=[], background=False,
                                 truncation="disabled", temperature=0, extra_body=ALL_A)
     assert r.output_text == "AA" and r.store is False
+
+
+def test_malformed_bodies_are_400s_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny")  # no input
+    assert info.value.param == "input"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input=[{"type": "function_call", "call_id": "c", "name": "f"}])
+    assert info.value.param == "input.0.arguments"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input="x", max_output_tokens=0)
+    assert info.value.param == "max_output_tokens"

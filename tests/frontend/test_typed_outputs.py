@@ -78,6 +78,8 @@ def test_output_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="pydantic model"):
         P.Output(schema=int)
     assert P.Output(schema={"type": "integer"}).sampling_config()["json_schema"] == {"type": "integer"}
+    # only what the app set goes to the server (whose own defaults apply; one of another version takes it)
+    assert P.Output(max_tokens=8, stop="x").sampling_config() == {"max_tokens": 8, "stop": ["x"]}
 
 
 def test_invalid_constraint_is_a_400_at_the_call(vm: P.VirtualMachine) -> None:

@@ -8,13 +8,22 @@ from collections.abc import AsyncIterator
 import pytest
 
 from parrot.config import ServeConfig
-from parrot.errors import GenerationFailedError, InvalidRequestError, KVCacheFullError, NotFoundError, ParrotError
+from parrot.errors import (
+    ConflictError,
+    GenerationFailedError,
+    InvalidRequestError,
+    KVCacheFullError,
+    NotFoundError,
+    ParrotError,
+)
 from parrot.protocol import (
     FillRequest,
     FillResponse,
     FreeContextResponse,
     GenerateRequest,
     GenerateResponse,
+    NativeCallRequest,
+    NativeInput,
     RuntimeInfo,
     SemanticCallParameter,
     SemanticCallRequest,
@@ -409,3 +418,99 @@ def test_a_prompt_forking_a_longer_prompt_whose_fill_fails_runs_again() -> None:
     first, second = asyncio.run(run())
     assert isinstance(first, ParrotError) and "the whole cache holds 288" in str(first), first
     assert isinstance(second, CompletionResult) and second.text == "B", second
+
+
+# ---- what must never hang: an empty prompt, an internal fault, a cycle through a native call, a shutdown ------
+class _FaultyEngine(ScriptedEngine):
+    """Its stream breaks with an error no engine client should raise (a fault of the serve layer's own code)."""
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        raise RuntimeError("boom")
+        yield StreamChunk()  # an async generator
+
+
+def _call(core: ParrotServeCore, s, template: str, **inputs: str):  # noqa: ANN001, ANN202
+    params = [SemanticCallParameter(name=n, var_id=v) for n, v in inputs.items()]
+    out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template=template, parameters=[
+        *params, SemanticCallParameter(name="a", is_output=True)]))
+    return next(p.var_id for p in out.param_info if p.is_output)
+
+
+def test_an_empty_prompt_or_an_internal_fault_fails_the_call_instead_of_hanging() -> None:
+    async def run() -> None:
+        for engine, want in ((ScriptedEngine([]), "the prompt is empty"),
+                             (_FaultyEngine([]), "internal error: RuntimeError: boom")):
+            core = make_core(config=ServeConfig(model="tiny"))
+            core.engines.register(engine)
+            await core.start()
+            try:
+                s = core.create_session()
+                q = core.create_var(s, "q", None)
+                if want.startswith("the prompt"):
+                    out = _call(core, s, "{{q}}{{a}}", q=q.id)
+                    core.set_var(s, q.id, "")  # e.g. an earlier output that came back empty
+                else:
+                    out = _call(core, s, "Go {{q}} {{a}}", q=q.id)
+                    core.set_var(s, q.id, "now")
+                with pytest.raises(ParrotError, match=want):
+                    await core.get_var(s, out, "latency", 10)
+                assert s.pending_calls() == 0
+            finally:
+                await core.stop()
+
+    asyncio.run(run())
+
+
+def test_a_cycle_through_a_native_call_is_refused() -> None:
+    core = make_core()
+    s = core.create_session()
+    x = core.create_var(s, "x", None)
+    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                   inputs={"text": NativeInput(var_id=x.id)}, outputs=["output"]))
+    u = native.param_info[-1].var_id
+    with pytest.raises(InvalidRequestError, match="cycle"):  # x -> upper -> u -> this call -> x
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Say {{u}} {{x}}", parameters=[
+            SemanticCallParameter(name="u", var_id=u), SemanticCallParameter(name="x", is_output=True, var_id=x.id)]))
+    # the other order: a call y <- x first, the native u <- y, then a call x <- u closes the loop
+    y = _call(core, s, "Go {{x}} {{a}}", x=x.id)
+    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                   inputs={"text": NativeInput(var_id=y)}, outputs=["output"]))
+    with pytest.raises(InvalidRequestError, match="cycle"):
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Say {{u}} {{x}}", parameters=[
+            SemanticCallParameter(name="u", var_id=native.param_info[-1].var_id),
+            SemanticCallParameter(name="x", is_output=True, var_id=x.id)]))
+    # no cycle: a call writing a fresh variable from the native's output is taken
+    _call(core, s, "Say {{u}} {{a}}", u=u)
+
+
+def test_an_output_variable_already_set_is_a_conflict() -> None:
+    core = make_core()
+    s = core.create_session()
+    done = core.create_var(s, "done", "text")
+    with pytest.raises(ConflictError, match="already ready"):
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}", parameters=[
+            SemanticCallParameter(name="a", is_output=True, var_id=done.id)]))
+
+
+def test_drain_fails_what_nothing_can_set_and_lets_the_rest_finish() -> None:
+    """A stopping server: variables no one can set any more fail, with what waits on them, so their readers are
+    answered; calls whose inputs are all there still run."""
+    async def run() -> None:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        try:
+            s = core.create_session()
+            later = core.create_var(s, "later", None)
+            waiting = _call(core, s, "Go {{q}} {{a}}", q=later.id)
+            ready = _call(core, s, "Go {{a}}")
+            readers = [asyncio.ensure_future(core.get_var(s, v, "latency", 10)) for v in (waiting, ready)]
+            await asyncio.sleep(0)
+            assert core.drain() == 1
+            with pytest.raises(ParrotError, match="shutting down"):
+                await readers[0]
+            assert await readers[1] == "AB"
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
