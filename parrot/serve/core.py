@@ -568,6 +568,9 @@ class ParrotServeCore:
         parsed = parse_request(req.template, params)
         if not parsed.outputs:
             raise InvalidRequestError("the template has no output placeholder: nothing to generate")
+        for p in parsed.params.values():
+            if p.is_output:
+                self._check_output_sampling(p.name, p.sampling_config or {})
         self._check_pending(session)
         self._check_vars(session, len(parsed.chunks))
         request_id = f"r-{uuid.uuid4().hex[:12]}"
@@ -608,6 +611,24 @@ class ParrotServeCore:
         self._progress(session)
         return CallCreated(request_id=request_id, param_info=[
             ParamInfo(name=n, is_output=parsed.params[n].is_output, var_id=v.id) for n, v in bound.items()])
+
+    def _check_output_sampling(self, name: str, cfg: dict[str, Any]) -> None:
+        """What an output's sampling config asks for that no prompt could get, refused when the call arrives (as
+        vLLM refuses it) rather than when its output is read: more tokens than a sequence may hold, token ids
+        outside the vocabulary."""
+        most = self.engines.max_sequence_len()
+        if most is not None and cfg.get("max_tokens", 0) >= most:
+            raise InvalidRequestError(f"output {name!r}: max_tokens {cfg['max_tokens']} leaves no room for a prompt "
+                                      f"in a sequence of at most {most} tokens")
+        try:
+            vocab = self.tokenizers.get(self.model).vocab_size
+        except ParrotError:
+            return
+        ids = [*(int(t) for t in cfg.get("logit_bias") or {}), *(cfg.get("stop_token_ids") or [])]
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
+        if bad:
+            raise InvalidRequestError(f"output {name!r}: token ids {bad[:5]} are outside the vocabulary (ids 0 to "
+                                      f"{vocab - 1}) in logit_bias / stop_token_ids")
 
     def native_call(self, session: Session, req: NativeCallRequest) -> CallCreated:
         call = validate_call(req.transform, req.params, list(req.inputs), list(req.outputs))

@@ -514,3 +514,16 @@ def test_drain_fails_what_nothing_can_set_and_lets_the_rest_finish() -> None:
             await core.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("cfg", "said"), [({"max_tokens": 5000}, "leaves no room"),
+                                           ({"logit_bias": {999: 1.0}}, "outside the vocabulary"),
+                                           ({"stop_token_ids": [5, 10**6]}, "outside the vocabulary")])
+def test_what_no_prompt_could_get_is_refused_when_the_call_arrives(cfg: dict, said: str) -> None:
+    core = make_core()
+    core.engines.register(ScriptedEngine([]))  # a context of 4,096 tokens; the tiny vocabulary has 260
+    s = core.create_session()
+    with pytest.raises(InvalidRequestError, match=said):
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}", parameters=[
+            SemanticCallParameter(name="a", is_output=True, sampling_config=cfg)]))
+    assert core.vars.session_variables(s.session_id) == []  # nothing was made
