@@ -56,7 +56,7 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         def run(self, sockets: list | None = None) -> None:
             assert sockets and sockets[0].getsockname()[1] == port  # the port taken before anything loaded
 
-    monkeypatch.setattr(cli, "http_server", lambda app, host, port, *more: FakeServer(app))
+    monkeypatch.setattr(cli, "http_server", lambda app, host, port, *more, **kw: FakeServer(app))
     registered: dict[str, object] = {}
     monkeypatch.setattr(tokenizers.TokenizerManager, "get",
                         lambda self, model: registered.get(model, tiny_tokenizer()))

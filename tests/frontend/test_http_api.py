@@ -149,8 +149,11 @@ def test_auth_and_bad_input(client: httpx.Client) -> None:
 
 def test_failed_generation_fails_the_variable(client: httpx.Client) -> None:
     sid, auth = new_session(client)
-    ids = call(client, sid, auth, "x" * 50 + " {{y}}",
-               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])  # beyond the context
+    r = client.post("/v1/semantic_call", headers=auth, json={"session_id": sid, "template": "x {{y}}", "parameters": [
+        {"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}]})  # no prompt fits beside it
+    assert r.status_code == 400 and "max_tokens 5000" in r.json()["detail"]
+    ids = call(client, sid, auth, "x" * 600 + " {{y}}",  # the prompt is known once it runs: beyond the context
+               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 8}}])
     r = get(client, sid, auth, ids["y"], timeout=60)
     assert r.status_code == 424 and "maximum length" in r.json()["detail"]
     # a call reading the failed variable fails too, instead of hanging

@@ -188,8 +188,8 @@ def test_errors(vm: P.VirtualMachine) -> None:
     with pytest.raises(InvalidRequestError, match="unknown transform"):
         P.transform("eval", text="1+1")
 
-    @P.semantic_function(template="x" * 50 + " {{y}}")
-    def too_long(y: P.Output(max_tokens=5000)): ...
+    @P.semantic_function(template="x" * 600 + " {{y}}")  # beyond the context, known once the call runs
+    def too_long(y: P.Output(max_tokens=8)): ...
 
     failed = too_long()
     with pytest.raises(P.VariableFailedError, match="maximum length"):

@@ -158,8 +158,8 @@ def test_an_engine_process_shows_its_state(client: httpx.Client, server) -> None
 
 def test_failed_call_carries_its_error(client: httpx.Client) -> None:
     sid, auth = new_session(client)
-    ids = call(client, sid, auth, "x" * 50 + " {{y}}",
-               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])  # beyond the context
+    ids = call(client, sid, auth, "x" * 600 + " {{y}}",
+               [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 8}}])  # beyond the context
     dep = call(client, sid, auth, "Then {{y}} and {{z}}", [{"name": "y", "is_output": False, "var_id": ids["y"]},
                                                           {"name": "z", "is_output": True}])
     r = client.get(f"/v1/semantic_var/{dep['z']}", params={"session_id": sid, "timeout": 60}, headers=auth)
@@ -297,8 +297,8 @@ def test_the_page_draws_the_app_and_follows_it_live(browser, client: httpx.Clien
         assert page.locator("#graph g.node.variable.constant").count() > 0
         page.locator("#show-constants").uncheck()
         # a failing call shows its error, on the node and in the details
-        ids = call(client, sid, auth, "x" * 50 + " {{y}}",
-                   [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 5000}}])
+        ids = call(client, sid, auth, "x" * 600 + " {{y}}",
+                   [{"name": "y", "is_output": True, "sampling_config": {"max_tokens": 8}}])
         r = client.get(f"/v1/semantic_var/{ids['y']}", params={"session_id": sid, "timeout": 60}, headers=auth)
         assert r.status_code == 424
         failed = page.locator("#graph g.node.call[data-state='failed']")
