@@ -297,7 +297,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig for `parrot serve`: the API key from --api-key, else PARROT_API_KEY."""
     try:
-        return ServeConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()),
+        return ServeConfig(model=args.model, served_model_names=tuple(args.served_model_name or ()), seed=args.seed,
                            allowed_origins=tuple(args.allowed_origins or ()),
                            stats_log_interval_s=0.0 if args.disable_log_stats else ServeConfig.stats_log_interval_s,
                            prefix_sharing=not args.no_prefix_sharing,
@@ -448,8 +448,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
                                 ("--tensor-parallel-mode", args.tensor_parallel_mode),
                                 ("--multi-step", args.multi_step),
                                 ("--multi-step-max-batch", args.multi_step_max_batch),
-                                ("--speculative-tokens", args.speculative_tokens or None),
-                                ("--seed", None if args.seed is None else args.seed + i)):
+                                ("--speculative-tokens", args.speculative_tokens or None)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.speculative_ngram:
@@ -519,9 +518,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per log line (structured logs)")
     e.add_argument("--seed", type=NON_NEGATIVE, default=None,
-                   help="seed of the draws that give requests without a seed theirs (vLLM's --seed): the same "
-                        "requests in the same order sample the same outputs from one start to the next (default: "
-                        "random; a request's own seed always decides its output)")
+                   help="seed of the draws that give sampled requests without a seed theirs (vLLM's --seed): the "
+                        "same requests in the same order sample the same outputs from one start to the next "
+                        "(default: random; a request's own seed always decides its output). With parrot serve the "
+                        "serve core draws them, so a request re-run elsewhere repeats its tokens")
     e.add_argument("--max-batch-size", "--max-num-seqs", type=POSITIVE, default=None,
                    help=f"most sequences per step (default {EngineConfig.max_batch_size}, capped at the largest "
                         "batch padding; --max-num-seqs: vLLM's name)")

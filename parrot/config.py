@@ -258,6 +258,9 @@ class ServeConfig:
     overload_backoff_s: float = 0.5  # ... this long apart, on the least loaded engine
     free_context_retries: int = 120  # freeing a context still in use is retried this often ...
     free_context_retry_s: float = 0.5  # ... this long apart
+    # the seeds of sampled calls that give none are drawn from this (`--seed`; None: the system's entropy): the
+    # same requests in the same order sample the same outputs, and a call re-run elsewhere repeats its tokens
+    seed: int | None = None
     stats_log_interval_s: float = 10.0  # a log line of throughput and load this often while there is work; 0: none
     # native functions
     transform_timeout_s: float = 1.0  # a regular expression running longer fails its call

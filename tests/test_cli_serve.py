@@ -80,13 +80,12 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         engine = cli.engine_config_from_args(engine_args)
         assert (engine.speculative_tokens, engine.speculative_min_ngram, engine.speculative_ngram) == (3, 1, 4)
         assert (engine.kv_dtype, engine.v_dtype, engine.weights) == ("bf16", "fp8", "q8_0")
-        assert engine.seed == 7 + i  # each engine draws its own seeds
         assert cmd[cmd.index("--compilation-cache-dir") + 1] == "/tmp/cc"
         assert cmd[cmd.index("--log-format") + 1] == "json"
         assert cmd[cmd.index("--name") + 1] == f"engine-{i}"
         assert env["PARROT_API_KEY"] == "k3y"
     config = cli.serve_config_from_args(args)
-    assert config.api_key == "k3y" and config.max_sessions == 5
+    assert config.api_key == "k3y" and config.max_sessions == 5 and config.seed == 7  # the core seeds sampled calls
     monkeypatch.setenv("PARROT_API_KEY", "from-env")
     assert cli.serve_config_from_args(cli.build_parser().parse_args(["serve"])).api_key == "from-env"
 

@@ -19,6 +19,7 @@ import codecs
 import concurrent.futures
 import dataclasses
 import logging
+import random
 import time
 import uuid
 import weakref
@@ -81,6 +82,7 @@ class _TaskRecord:
     owners: list[str | None]
     owner: str  # owner of the generated context
     streamed: str = ""  # text already delivered (kept across retries on another engine)
+    diverged: bool = False  # a re-run elsewhere generated other text than what was delivered (`deliver`)
     created: float = field(default_factory=time.perf_counter)
     priority: int = 0  # engine queue priority: 0 latency-critical, 1 throughput
     overloads: int = 0  # times an engine refused it for KV space (it is retried later or elsewhere)
@@ -101,10 +103,14 @@ class _TaskRecord:
         return max(0.0, time.perf_counter() - (self.app_started or self.created))
 
     def deliver(self, text: str, tokens: int = 0) -> None:
-        """`text` is everything generated so far in this attempt, from `tokens` tokens; pass on what is new."""
+        """`text` is everything generated so far in this attempt, from `tokens` tokens; pass on what is new. A
+        re-run (its engine died) repeats the text delivered (greedy, or sampled from the seed the core gave it);
+        one that does not, on an engine that computes otherwise, is marked `diverged`."""
         if len(text) > len(self.streamed) and text.startswith(self.streamed):
             self.on_text(text[len(self.streamed):], tokens)
             self.streamed = text
+        elif not self.streamed.startswith(text):
+            self.diverged = True
 
     def note(self, **info: Any) -> None:
         """Record how the task ran (engine, times, tokens), for inspection."""
@@ -321,6 +327,7 @@ class ParrotServeCore:
         self._app_started: dict[str, float] = {}
         self._readers: dict[str, int] = {}  # var id -> clients reading it now (get / stream)
         self.aborts = 0  # generations cancelled because their clients went away
+        self._seeds = random.Random(self.config.seed)  # the seeds of sampled tasks that give none (`_seeded`)
         self.overload_retries = 0  # tasks re-queued after an engine refused them for KV space
         self.serve_time = ServeTime()  # the core's own time per task: ready -> first primitive, between primitives
         # set by the frontend's metrics: (endpoint, start) -> a timer with delta() / finish(...) / fail()
@@ -709,7 +716,7 @@ class ParrotServeCore:
         cfg = dict(chain.gen.sampling_config or {})
         cfg.setdefault("max_tokens", self.default_max_tokens)
         try:
-            sampling = SamplingParams(**cfg)
+            sampling = self._seeded(SamplingParams(**cfg))
         except Exception as exc:  # validated on the way in; a bad config fails only this output
             chain.output_var.fail_if_pending(f"invalid sampling config: {exc}")
             session.executor.finished(chain)
@@ -749,6 +756,14 @@ class ParrotServeCore:
             return
         self._submit_chain(session, chain, criterion, token_pieces, clock)
         self._dispatch()
+
+    def _seeded(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with a seed of its own where it gives none (drawn from `ServeConfig.seed`'s sequence): a
+        task re-run on another engine (its engine died) then samples the same tokens, so the text its readers
+        already have goes on where it stopped."""
+        if sampling.seed is not None or sampling.temperature == 0:
+            return sampling
+        return sampling.model_copy(update={"seed": self._seeds.getrandbits(63)})
 
     def _priority(self, criterion: Criterion) -> int:
         """Latency-critical work goes first in the engines' queues too (app-aware mode only)."""
@@ -831,6 +846,9 @@ class ParrotServeCore:
                 stats = _generation_stats(rec, len(task.tokens), cached, len(ids), t_first)
                 rec.session.add_generation(stats)
                 rec.note(**stats)
+            if rec.diverged:  # what its readers have is not this text: an explicit error, not a spliced answer
+                raise GenerationFailedError("the engine generating this stopped, and its re-run on another engine "
+                                            "did not repeat the text already sent")
             rec.done(text, ids, len(task.tokens), cached, finish, stop_reason)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
@@ -1163,7 +1181,7 @@ class ParrotServeCore:
                 # recently used); only the generated context is the completion's own
                 owners.append(None if i < shared or self.prefix_sharing else owner)
         queue: asyncio.Queue = asyncio.Queue()
-        rec = _PlainRecord(sampling, owners, owner, created=clock.ready, clock=clock, queue=queue,
+        rec = _PlainRecord(self._seeded(sampling), owners, owner, created=clock.ready, clock=clock, queue=queue,
                            priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
         task = CompletionTask(owner, flat, boundaries, criterion, payload=rec)
         self._completions[queue] = task

@@ -25,6 +25,7 @@ from parrot.protocol import (
     NativeCallRequest,
     NativeInput,
     RuntimeInfo,
+    SamplingParams,
     SemanticCallParameter,
     SemanticCallRequest,
     StreamChunk,
@@ -527,3 +528,50 @@ def test_what_no_prompt_could_get_is_refused_when_the_call_arrives(cfg: dict, sa
         core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}", parameters=[
             SemanticCallParameter(name="a", is_output=True, sampling_config=cfg)]))
     assert core.vars.session_variables(s.session_id) == []  # nothing was made
+
+
+class _SeedEngine(ScriptedEngine):
+    """Streams text made from the request's seed (as a sampled generation is); `dies_after` chunks, then its
+    stream breaks as an engine's that died; `ignores_seed`: text of its own (an engine that computes otherwise)."""
+
+    def __init__(self, name: str, dies_after: int | None = None, ignores_seed: bool = False) -> None:
+        super().__init__([])
+        self.name, self.dies_after, self.ignores_seed = name, dies_after, ignores_seed
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        seed = 7 if self.ignores_seed else req.sampling.seed
+        assert seed is not None, "the core gives every sampled task a seed"
+        for i in range(6):
+            if self.dies_after is not None and i == self.dies_after:
+                from parrot.errors import EngineUnavailableError
+
+                raise EngineUnavailableError("the engine stopped", self.name)
+            await asyncio.sleep(0.01)
+            yield StreamChunk(token_id=i, text=f"{(seed + i) % 10}", finish_reason="length" if i == 5 else None)
+
+
+@pytest.mark.parametrize("ignores_seed", [False, True])
+def test_a_sampled_task_re_run_elsewhere_goes_on_where_it_stopped_or_fails(ignores_seed: bool) -> None:
+    """Its engine dies mid-stream: the re-run on another engine samples from the seed the core gave the task, so
+    the text goes on where it stopped; one that generates other text fails the task explicitly (it was cut short
+    and spliced before: 'length', [DONE], and the text of neither run)."""
+    async def run() -> tuple[str, object]:
+        core = make_core(config=ServeConfig(model="tiny", seed=3))
+        core.engines.register(_SeedEngine("a", dies_after=2))
+        await core.start()
+        try:
+            queue = core.complete(["Go"], SamplingParams(max_tokens=6, temperature=1.0))
+            first = await queue.get()
+            core.engines.register(_SeedEngine("b", ignores_seed=ignores_seed))  # only now: "a" runs it first
+            streamed = first
+            while isinstance(item := await queue.get(), str):
+                streamed += item
+            return streamed, item
+        finally:
+            await core.stop()
+
+    streamed, result = asyncio.run(run())
+    if ignores_seed:
+        assert isinstance(result, ParrotError) and "did not repeat" in str(result)
+    else:
+        assert streamed == result.text and len(result.text) == 6 and result.finish_reason == "length"
