@@ -344,6 +344,13 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
     return server
 
 
+def local_url(host: str, port: int) -> str:
+    """The URL a process on this machine reaches a server listening on host:port at: a wildcard address is
+    reached on loopback, an IPv6 address in brackets."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound to host:port, taken before the model loads (as vLLM binds its port first): a port in use or
     a host that is not this machine's fails at once with a clear error. uvicorn listens on it."""
@@ -427,7 +434,10 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
 
             core.tokenizers.register(args.model, dummy_tokenizer(dummy_config(args.model)))
         core.tokenizers.get(args.model)  # fail fast on a bad model path
-        core_url = f"http://{args.host}:{args.port}"
+        if args.engine_base_port + args.engines - 1 > 65535:
+            raise ParrotError(f"--engines {args.engines} from --engine-base-port {args.engine_base_port} needs ports "
+                              "past 65535: give a lower base port")
+        core_url = local_url(args.host, args.port)
         for i in range(args.engines):
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
@@ -471,6 +481,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     if args.chat_template is not None:
         core.tokenizers.register(args.model, core.tokenizers.get(args.model).with_chat_template(args.chat_template))
     processes = None
+    server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, _tls(args),
+                         on_shutdown=core.drain)
     if engine_cmds:
         env = dict(os.environ)
         if core.config.api_key is not None:  # the engines register with this core: they need its key
@@ -479,6 +491,9 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
             loop = core.loop  # set once the server runs
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(core.engines.mark_dead, name, f"its process exited with code {code}")
+            if processes is not None and processes.all_refused:  # misconfigured: say so and stop, as vLLM does
+                log.error("every engine process refused its settings: stopping")
+                server.should_exit = True
 
         try:
             processes = EngineProcesses(engine_cmds, env=env, on_exit=exited).start()
@@ -489,8 +504,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     try:
         stop_if_interrupted()
         with sigterm_as_interrupt():
-            http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path,
-                        _tls(args), on_shutdown=core.drain).run(sockets=[sock])
+            server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT or SIGTERM, then raised the signal again
         pass
     finally:
@@ -499,7 +513,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
         if engine is not None:
             engine.shutdown()
     log.info("stopped")  # also where uvicorn returned without raising the signal again (one before it started)
-    return 0
+    return 2 if processes is not None and processes.all_refused else 0
 
 
 def cmd_bench(argv: list[str]) -> int:

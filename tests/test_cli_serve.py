@@ -373,3 +373,34 @@ def test_bad_tls_settings_fail_before_anything_loads(tmp_path: Path, capsys: pyt
                        (["--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--engines", "2"], "at a proxy")):
         assert cli.main(["serve", "--port", port, *argv]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_engine_processes_reach_the_core_at_a_local_url(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--host ::` or `0.0.0.0`: engines register at loopback (an IPv6 address in brackets); engine ports past 65535
+    are a usage error, not a traceback."""
+    assert cli.local_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
+    assert cli.local_url("::", 9000) == "http://[::1]:9000"
+    assert cli.local_url("fe80::1", 9) == "http://[fe80::1]:9" and cli.local_url("10.0.0.2", 9) == "http://10.0.0.2:9"
+    assert cli.main(["serve", "--port", str(free_port()), "--engines", "2", "--engine-base-port", "65535"]) == 2
+    assert "past 65535" in capsys.readouterr().err
+
+
+def test_health_is_503_once_every_engine_process_is_given_up() -> None:
+    """With --engines N, every process down for good (given up, or refused its settings): nothing can serve again,
+    so a liveness probe must see it (it said 200 "degraded" for good)."""
+    import httpx
+
+    from parrot.frontend.http_api import create_app
+    from tests.servers import make_core, running
+
+    class GivenUp:
+        all_given_up = True
+
+        def status(self) -> list[dict]:
+            return [{"name": "engine-0", "state": "given_up", "last_exit_code": 2}]
+
+    core = make_core(None, "tiny", tiny_tokenizer())
+    core.engine_processes = GivenUp()  # type: ignore[assignment]
+    with running(create_app(core)) as url:
+        r = httpx.get(f"{url}/health", timeout=30)
+    assert r.status_code == 503 and r.json()["status"] == "engine_dead" and "engine-0" in r.json()["dead"]

@@ -363,6 +363,10 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         # every engine stopped for good (the one inside this process): nothing here can serve again, so the
         # answer is a 503 (a liveness probe restarts the server), as an engine's own /health answers
         stopped = core.engines.stranded()
+        procs = core.engine_processes
+        if not stopped and not engines and procs is not None and procs.all_given_up:  # --engines N, none to come
+            stopped = {p["name"]: f"its process exited with code {p['last_exit_code']} and is not restarted"
+                       for p in procs.status()}
         if stopped:
             return JSONResponse({"status": "engine_dead", "engines": [], "dead": stopped}, status_code=503)
         warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs

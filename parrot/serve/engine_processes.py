@@ -13,7 +13,8 @@ module only owns the processes:
   after a back-off that doubles with each exit within `window_s` seconds (`backoff_s`, 2 `backoff_s`,
   ... at most `max_backoff_s`), so an engine that dies at start does not spin. An engine that exits more
   than `max_restarts` times within `window_s` seconds is left down, with an error in the log, instead of
-  being restarted in a loop;
+  being restarted in a loop; one whose first run exits with a usage error (code 2: it refused its settings,
+  e.g. a --max-model-len past the model's context) is never restarted;
 - `status()` says what each process is doing (running, restarting and when, given up; its restarts and
   last exit code): `/health` and `/metrics` show it;
 - `stop()` ends them all (SIGTERM, then SIGKILL after `grace_s`).
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+USAGE_ERROR = 2  # the exit code of a `parrot` command that refused its arguments or settings
 
 
 class PortsInUseError(RuntimeError):
@@ -74,6 +76,7 @@ class EngineProcess:
     exits: list[float] = field(default_factory=list)  # time.monotonic() of each unexpected exit
     restarts: int = 0
     given_up: bool = False
+    refused: bool = False  # its first run exited with a usage error (its settings): never restarted
     last_exit_code: int | None = None
     restart_at: float | None = None  # time.monotonic() when it is started again (after an exit)
 
@@ -142,21 +145,36 @@ class EngineProcesses:
         if (code := e.proc.poll()) is None:
             return
         e.last_exit_code = code
+        first_run = not e.exits and e.restarts == 0
+        e.exits = [t for t in e.exits if now - t < self.window_s] + [now]
+        if first_run and code == USAGE_ERROR:  # `parrot engine` refused its settings: a restart would too
+            e.given_up = e.refused = True
+            log.error("engine process %r (port %d) refused its settings (exit code %d, its error above): not "
+                      "restarting it", e.name, e.port, code)
+        elif len(e.exits) > self.max_restarts:
+            e.given_up = True
+            log.error("engine process %r (port %d) exited with code %s, %d times in %.0f s: not restarting it; "
+                      "the server runs on without it", e.name, e.port, code, len(e.exits), self.window_s)
+        else:
+            delay = min(self.backoff_s * 2 ** (len(e.exits) - 1), self.max_backoff_s)
+            e.restart_at = now + delay
+            log.error("engine process %r (port %d) exited with code %s; starting it again in %.1f s", e.name,
+                      e.port, code, delay)
         if self._on_exit is not None:
             try:
                 self._on_exit(e.name, code)
             except Exception:  # noqa: BLE001 (a callback's failure must not stop the watcher)
                 log.exception("engine process %r: the exit callback failed", e.name)
-        e.exits = [t for t in e.exits if now - t < self.window_s] + [now]
-        if len(e.exits) > self.max_restarts:
-            e.given_up = True
-            log.error("engine process %r (port %d) exited with code %s, %d times in %.0f s: not restarting it; "
-                      "the server runs on without it", e.name, e.port, code, len(e.exits), self.window_s)
-            return
-        delay = min(self.backoff_s * 2 ** (len(e.exits) - 1), self.max_backoff_s)
-        e.restart_at = now + delay
-        log.error("engine process %r (port %d) exited with code %s; starting it again in %.1f s", e.name, e.port,
-                  code, delay)
+
+    @property
+    def all_given_up(self) -> bool:
+        """Every process is down for good: none will serve again."""
+        return all(e.given_up for e in self.engines)
+
+    @property
+    def all_refused(self) -> bool:
+        """Every process refused its settings at its first start (`parrot engine` exited with a usage error)."""
+        return all(e.refused for e in self.engines)
 
     def status(self) -> list[dict[str, object]]:
         """Each process: name, port, pid, state ("running", "restarting", "given_up" or "exited": stopped

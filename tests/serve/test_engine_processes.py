@@ -168,3 +168,24 @@ def test_stop_during_a_back_off_starts_nothing_more() -> None:
     procs.stop()
     time.sleep(0.2)
     assert len(starts) == 1 and procs.status()[0]["state"] == "exited"
+
+
+def test_an_engine_that_refuses_its_settings_is_not_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    """A first run that exits with a usage error (code 2: e.g. --max-model-len past the model's context) would
+    exit so again: given up at once, and `all_refused` says the server has nothing to run."""
+    exits: list[tuple[str, int]] = []
+    exit2 = [sys.executable, "-c", "import sys; sys.exit(2)"]
+    base = free_ports(2)
+    procs = EngineProcesses([("engine-0", base, exit2), ("engine-1", base + 1, EXIT3)], poll_s=0.02,
+                            backoff_s=0.01, on_exit=lambda name, code: exits.append((name, code))).start()
+    try:
+        _until(lambda: procs.status()[0]["state"] == "given_up" and ("engine-1", 3) in exits)
+        assert procs.status()[0]["restarts"] == 0 and "refused its settings" in caplog.text
+        assert not procs.all_refused and not procs.all_given_up  # engine-1's exit 3 is restarted
+    finally:
+        procs.stop()
+    procs = EngineProcesses([("engine-0", base, exit2)], poll_s=0.02).start()
+    try:
+        _until(lambda: procs.all_refused and procs.all_given_up)
+    finally:
+        procs.stop()
