@@ -288,7 +288,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         with sigterm_as_interrupt():
             run_engine_server(model, args.host, args.port, cfg, args.serve_core, name=args.name,
                               advertise_url=args.advertise_url, serve_core_api_key=args.serve_core_api_key,
-                              mirror=_mirror(args), sock=sock)
+                              mirror=_mirror(args), sock=sock, log_level=args.uvicorn_log_level)
     finally:
         sock.close()
     return 0
@@ -322,7 +322,8 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
 
     keyfile, certfile = ssl or (None, None)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path,
-                                           ssl_keyfile=keyfile, ssl_certfile=certfile))
+                                           ssl_keyfile=keyfile, ssl_certfile=certfile,
+                                           log_config=None))  # its lines in the process's own format (text, JSON)
     startup = server.startup
 
     async def startup_then_say(sockets: list | None = None) -> None:
@@ -442,7 +443,8 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
             cmd = [sys.executable, "-m", "parrot.cli", "engine", "--host", "127.0.0.1", "--port",
                    str(args.engine_base_port + i), "--model", args.model, "--serve-core", core_url,
                    "--name", f"engine-{i}", "--exit-with-parent", str(os.getpid()),
-                   "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format]
+                   "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format,
+                   "--uvicorn-log-level", args.uvicorn_log_level]
             for flag, value in (("--kv-memory-mb", args.kv_memory_mb),
                                 ("--gpu-memory-utilization", args.gpu_memory_utilization),
                                 ("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
@@ -530,7 +532,10 @@ def cmd_bench(argv: list[str]) -> int:
 
 def _add_engine_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--log-format", choices=["text", "json"], default="text",
-                   help="json: one JSON object per log line (structured logs)")
+                   help="json: one JSON object per log line (structured logs), uvicorn's lines too")
+    e.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default="warning", help="uvicorn's own logs (default warning; info adds its access log, a line per "
+                                           "request; parrot serve passes it to its engine processes)")
     e.add_argument("--seed", type=NON_NEGATIVE, default=None,
                    help="seed of the draws that give sampled requests without a seed theirs (vLLM's --seed): the "
                         "same requests in the same order sample the same outputs from one start to the next "
@@ -646,9 +651,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages of these origins (e.g. http://localhost:3000, or '*' for any) may call the API "
                         "from a browser: CORS headers and preflights, as vLLM's --allowed-origins (default: none)")
-    v.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   default="warning", help="uvicorn's own logs (default warning; info adds its access log, a line per "
-                                           "request)")
     v.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic log line of throughput, load, KV cache use and prefix cache hits (default: one "
                         f"every {ServeConfig.stats_log_interval_s:g} s while there is work, as vLLM's)")

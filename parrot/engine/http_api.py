@@ -345,7 +345,7 @@ class EngineServer:
 
     def __init__(self, engine: LLMEngine, host: str = "127.0.0.1", port: int = 9100, *,
                  serve_core_url: str | None = None, name: str | None = None, advertise_url: str | None = None,
-                 heartbeat_interval: float = 1.0, log_level: str = "info",
+                 heartbeat_interval: float = 1.0, log_level: str = "warning",
                  serve_core_api_key: str | None = None, sock: socket.socket | None = None) -> None:
         self.engine = engine
         self.sock = sock  # bound to host:port by the caller (uvicorn listens on it), or None: uvicorn binds
@@ -355,8 +355,10 @@ class EngineServer:
         self.name = name or f"{socket.gethostname()}-{port}"
         self.heartbeat_interval = heartbeat_interval
         self.app = create_app(engine)
-        self.config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, lifespan="off",
-                                     timeout_graceful_shutdown=5)
+        # uvicorn's records go through the process's own log format (`parrot.logs`: text or JSON); a graceful
+        # stop lets the requests under way finish (each is bounded by its max_tokens)
+        self.config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, log_config=None,
+                                     lifespan="off")
         self.server = uvicorn.Server(self.config)
         self._advertise_url = advertise_url
         self._thread: threading.Thread | None = None
@@ -418,10 +420,11 @@ class EngineServer:
 def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 9100, cfg: EngineConfig | None = None,
                       serve_core_url: str | None = None, *, name: str | None = None,
                       advertise_url: str | None = None, serve_core_api_key: str | None = None,
-                      mirror: Mirror | None = None, sock: socket.socket | None = None) -> None:
+                      mirror: Mirror | None = None, sock: socket.socket | None = None,
+                      log_level: str = "warning") -> None:
     """Load `model` (a name/path for `load_model`, or an already LoadedModel), start an LLMEngine (precompiling
     per `cfg.precompile`) and serve it until interrupted (`mirror`: see LLMEngine; `sock`: a socket already
-    bound to host:port, taken before the model loaded)."""
+    bound to host:port, taken before the model loaded; `log_level`: uvicorn's, info adds a line per request)."""
     from parrot.engine.loader import LoadedModel, load_model
 
     cfg = cfg or EngineConfig()
@@ -430,7 +433,7 @@ def run_engine_server(model: str | Any, host: str = "127.0.0.1", port: int = 910
     engine = LLMEngine(loaded, cfg, name=str(model) if isinstance(model, str) else None, mirror=mirror)
     engine.start(wait=False)  # answers at once; shapes compile in the background, most needed first
     server = EngineServer(engine, host, port, serve_core_url=serve_core_url, name=name, advertise_url=advertise_url,
-                          serve_core_api_key=serve_core_api_key, sock=sock)
+                          serve_core_api_key=serve_core_api_key, sock=sock, log_level=log_level)
     log.info("engine %r serving %s at %s", server.name, engine.name, server.url)
     try:
         stop_if_interrupted()

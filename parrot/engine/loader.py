@@ -150,7 +150,7 @@ def _load_gguf(path: Path, progress: bool) -> LoadedModel:
     # numpy's dequantizing kernels release the GIL: one thread per core
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         done = tqdm(pool.map(convert, expected), total=len(expected), desc=f"loading {path.name}", unit="tensor",
-                    disable=not progress)
+                    disable=None if progress else True)
         weights = dict(zip(expected, done, strict=True))
     tokenizer = gguf_tokenizer(reader, path)
     return LoadedModel(cfg, weights, tokenizer, str(path))
@@ -259,7 +259,7 @@ def _load_hf_weights(path: Path, cfg: LlamaConfig, progress: bool) -> LoadedMode
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors files")
     raw: dict[str, np.ndarray] = {}
-    for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress):
+    for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=None if progress else True):
         raw |= read_safetensors(f)
     hf_names = {
         "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",

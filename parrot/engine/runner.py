@@ -1130,7 +1130,7 @@ class ModelRunner:
         self.compiler.submit(todo)
         self.precompiled = True
         if wait:
-            with tqdm(total=len(todo), desc="precompiling", unit="shape", disable=not progress) as bar:
+            with tqdm(total=len(todo), desc="precompiling", unit="shape", disable=None if progress else True) as bar:
                 self.compiler.wait(todo, on_done=lambda: bar.update(1))
 
     def compile_status(self) -> tuple[int, int]:
