@@ -310,6 +310,8 @@ class EngineHeartbeat(BaseModel):
 
     name: str = Field(min_length=1, max_length=256)
     runtime: RuntimeInfo
+    # the URL it registered with: a heartbeat under a name another engine registered since is refused (409)
+    url: str | None = Field(None, max_length=2048)
 
 
 # ---- Parrot REST API (frontend <-> serve core): sessions, semantic variables, calls ----------------

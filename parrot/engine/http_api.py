@@ -293,7 +293,8 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
                           interval: float = 1.0, timeout: float = 5.0, api_key: str | None = None) -> None:
     """Register with the serve core, then send a heartbeat every `interval` seconds, forever (cancel the task
     to stop). Any failure (unreachable, timeout, non-2xx) is logged and retried after `interval`; a
-    heartbeat answered 404 (the serve core forgot us, e.g. it restarted) registers again."""
+    heartbeat answered 404 (the serve core forgot us, e.g. it restarted) registers again; one answered 409
+    (another engine registered under this name since) ends the link, with an error in the log."""
     base = serve_core_url.rstrip("/")
     registered = False
     failing = False  # log the first failure of a streak as a warning, the rest at debug level
@@ -308,8 +309,12 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
                     log.info("registered engine %r at %s with the serve core %s", registration.name,
                              registration.url, base)
                 else:
-                    beat = EngineHeartbeat(name=registration.name, runtime=runtime())
+                    beat = EngineHeartbeat(name=registration.name, runtime=runtime(), url=registration.url)
                     r = await client.post(f"{base}/v1/engine/heartbeat", json=beat.model_dump(mode="json"))
+                    if r.status_code == 409:  # another engine registered under this name since: it is that one
+                        log.error("the serve core %s no longer uses this engine: %s; this engine stops its "
+                                  "heartbeats (give each engine its own --name)", base, _detail(r))
+                        return
                     if r.status_code == 404:
                         log.warning("the serve core %s does not know engine %r; registering again", base,
                                     registration.name)
@@ -328,6 +333,13 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
                         "cannot %s the serve core %s (%s); retrying every %.1fs", what, base, msg, interval)
                 failing = True
             await asyncio.sleep(interval)
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("detail", r.text[:200]))
+    except ValueError:
+        return r.text[:200]
 
 
 def _describe_http_error(exc: Exception) -> str:

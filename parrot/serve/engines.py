@@ -519,6 +519,9 @@ class EngineManager:
         """Record a heartbeat. Unknown engine: NotFoundError (the engine registers again on the 404). A dead
         engine is live again once it also answers a ping (a heartbeat alone does not prove its loop runs)."""
         entry = self._entry(hb.name)
+        if hb.url is not None and entry.client.url is not None and hb.url.rstrip("/") != entry.client.url.rstrip("/"):
+            raise ConflictError(f"engine name {hb.name!r} is registered to the engine at {entry.client.url} now (a "
+                                f"later registration under the same name); this engine at {hb.url} is not used")
         entry.runtime = hb.runtime
         entry.last_seen = time.monotonic()
         if not entry.live:
@@ -700,6 +703,8 @@ def engine_routes(manager: EngineManager, prefix: str = "/v1/engine") -> APIRout
             await manager.heartbeat(hb)
         except NotFoundError as exc:
             raise HTTPException(404, str(exc)) from exc
+        except ConflictError as exc:
+            raise HTTPException(409, str(exc)) from exc
         return {"status": "ok"}
 
     return router

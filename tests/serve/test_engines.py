@@ -522,3 +522,32 @@ def test_manager_pings_a_local_engine() -> None:
         asyncio.run(main())
     finally:
         eng.shutdown()
+
+
+def test_an_engine_replaced_under_its_name_stops_keeping_the_name_alive(caplog: pytest.LogCaptureFixture) -> None:
+    """Two engines given one --name: the later registration wins, and the earlier engine's heartbeats, which kept
+    the name live after the later one died, are refused (409): its link ends, with an error in its log."""
+    from parrot.engine.http_api import serve_core_link
+
+    async def main() -> None:
+        mgr = EngineManager()
+        async with ServeCore(mgr) as core:
+            first = EngineRegistration(name="e", url="http://127.0.0.1:1", model="m", max_context_len=64)
+            second = first.model_copy(update={"url": "http://127.0.0.1:2"})
+            with caplog.at_level(logging.ERROR, logger="parrot.engine.http_api"):
+                old = asyncio.create_task(serve_core_link(core.url, first, runtime_info, interval=0.05))
+                await wait_for(lambda: any(e.name == "e" for e in mgr.status()) and mgr.runtime("e") is not None, 10,
+                               "the first registration")
+                new = asyncio.create_task(serve_core_link(core.url, second, runtime_info, interval=0.05))
+                await wait_for(lambda: old.done(), 10, "the replaced engine's link to end")
+            assert mgr.get("e").url == "http://127.0.0.1:2" and "stops its heartbeats" in caplog.text
+            await asyncio.sleep(0.2)
+            assert not new.done()  # the current one goes on
+            new.cancel()
+            # a heartbeat without a URL (an engine of an earlier version) is taken as before
+            await mgr.heartbeat(EngineHeartbeat(name="e", runtime=runtime_info()))
+            with pytest.raises(ConflictError):
+                await mgr.heartbeat(EngineHeartbeat(name="e", runtime=runtime_info(), url="http://127.0.0.1:1"))
+        await mgr.close()
+
+    asyncio.run(main())
