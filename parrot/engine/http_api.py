@@ -313,7 +313,7 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
                     r = await client.post(f"{base}/v1/engine/heartbeat", json=beat.model_dump(mode="json"))
                     if r.status_code == 409:  # another engine registered under this name since: it is that one
                         log.error("the serve core %s no longer uses this engine: %s; this engine stops its "
-                                  "heartbeats (give each engine its own --name)", base, _detail(r))
+                                  "heartbeats (give each engine its own --name)", base, _answer_detail(r))
                         return
                     if r.status_code == 404:
                         log.warning("the serve core %s does not know engine %r; registering again", base,
@@ -335,7 +335,7 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
             await asyncio.sleep(interval)
 
 
-def _detail(r: httpx.Response) -> str:
+def _answer_detail(r: httpx.Response) -> str:
     try:
         return str(r.json().get("detail", r.text[:200]))
     except ValueError:

@@ -839,7 +839,12 @@ class ParrotServeCore:
             finally:
                 self.serve_time.done(rec.clock)
                 parent.in_use -= 1
-                rec.running_on = None
+                if rec.running_on == (client, gen_id):  # (a re-run elsewhere may have its own by now)
+                    rec.running_on = None
+            if task.engine != engine:  # its engine was taken for dead meanwhile (e.g. a draining engine) and the
+                # task re-dispatched: that run answers (it repeats this text), this one ends here, once
+                log.info("task %s finished on %s after it was re-dispatched; the re-run answers", task.task_id, engine)
+                return
             generated = True
             self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
             if isinstance(rec, _ChainRecord):
