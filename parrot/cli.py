@@ -270,10 +270,23 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
 
+def _http_url(url: str) -> bool:
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host)
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
     cfg = engine_config_from_args(args)
+    for flag, url in (("--serve-core", args.serve_core), ("--advertise-url", args.advertise_url)):
+        if url is not None and not _http_url(url):
+            raise ParrotError(f"{flag} {url!r} is not an http:// or https:// URL with a host")
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
     if _join_cluster(args, cfg):

@@ -41,6 +41,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_process_up{engine} / parrot:engine_process_restarts_total{engine}   the engine processes
                                          `parrot serve --engines N` started: running (1) or not, restarts
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
+  parrot:engine_deaths_total{engine}     times each engine was taken for dead
+  parrot:redispatched_tasks_total        unfinished tasks of dead engines run again on the others
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
                                          ready -> its first engine primitive sent
   parrot:serve_between_primitives_seconds   one primitive of a task done -> its next one sent
@@ -128,6 +130,14 @@ class _CoreCollector(Collector):
                                   "away.", value=core.aborts)
         yield CounterMetricFamily("parrot:overload_retries", "Tasks re-queued after an engine had no KV space.",
                                   value=core.overload_retries)
+        yield CounterMetricFamily("parrot:redispatched_tasks", "Unfinished tasks of dead engines run again elsewhere.",
+                                  value=core.redispatched)
+        deaths = CounterMetricFamily("parrot:engine_deaths", "Times the engine was taken for dead (it stopped "
+                                     "answering, its process exited, a request failed as engine_unavailable).",
+                                     labels=["engine"])
+        for name, n in sorted(core.engine_deaths.items()):
+            deaths.add_metric([name], n)
+        yield deaths
         engine_aborts = CounterMetricFamily("parrot:engine_aborts", "Primitives the engine aborted.",
                                             labels=["engine"])
         for client in live:

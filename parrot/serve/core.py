@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -327,6 +328,8 @@ class ParrotServeCore:
         self._app_started: dict[str, float] = {}
         self._readers: dict[str, int] = {}  # var id -> clients reading it now (get / stream)
         self.aborts = 0  # generations cancelled because their clients went away
+        self.engine_deaths: collections.Counter[str] = collections.Counter()  # live -> dead, by engine
+        self.redispatched = 0  # unfinished tasks of dead engines queued again for the others
         self._seeds = random.Random(self.config.seed)  # the seeds of sampled tasks that give none (`_seeded`)
         self.overload_retries = 0  # tasks re-queued after an engine refused them for KV space
         self.serve_time = ServeTime()  # the core's own time per task: ready -> first primitive, between primitives
@@ -1244,12 +1247,14 @@ class ParrotServeCore:
 
     # ---- engine failure -----------------------------------------------------------------------
     async def _on_engine_dead(self, name: str) -> None:
+        self.engine_deaths[name] += 1  # once per death (the manager calls back once per live -> dead)
         self._engine_gone(name)
 
     def _engine_gone(self, name: str) -> None:
         """Forget the engine's contexts and run its unfinished tasks elsewhere."""
         self.contexts.release_engine(name)
         requeued = self.scheduler.engine_dead(name)
+        self.redispatched += len(requeued)
         if requeued:
             log.warning("re-dispatching %d task(s) of dead engine %s", len(requeued), name)
         self._dispatch()

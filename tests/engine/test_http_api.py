@@ -719,6 +719,8 @@ def test_a_max_model_len_past_the_models_context_is_refused() -> None:
 
 
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["engine", "--serve-core", "notaurl", "--port", str(free_port())]) == 2  # not retried for ever
+    assert "is not an http:// or https:// URL" in capsys.readouterr().err
     assert main(["engine", "--max-num-batched-tokens", "4096"]) == 2
     assert "max_num_batched_tokens" in capsys.readouterr().err
     assert main(["engine", "--model", "/no/such/model.gguf", "--disable-precompile", "--port", str(free_port())]) == 2

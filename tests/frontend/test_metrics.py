@@ -184,6 +184,10 @@ def test_engine_processes_show_in_health_and_metrics(server) -> None:
         assert value(families, "parrot:engine_process_up", engine="engine-1") == 0
         assert value(families, "parrot:engine_process_restarts", "parrot:engine_process_restarts_total",
                      engine="engine-1") == 1
+        core.engine_deaths["engine-1"] += 2  # what the core counts as engines die (tests/serve/test_core.py)
+        families = scrape(url)
+        assert value(families, "parrot:engine_deaths", "parrot:engine_deaths_total", engine="engine-1") == 2
+        assert value(families, "parrot:redispatched_tasks", "parrot:redispatched_tasks_total") == core.redispatched
     finally:
         core.engine_processes = None
         procs.stop()

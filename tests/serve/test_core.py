@@ -566,6 +566,7 @@ def test_a_sampled_task_re_run_elsewhere_goes_on_where_it_stopped_or_fails(ignor
             streamed = first
             while isinstance(item := await queue.get(), str):
                 streamed += item
+            assert core.engine_deaths == {"a": 1} and core.redispatched == 1  # parrot:engine_deaths_total, ...
             return streamed, item
         finally:
             await core.stop()
