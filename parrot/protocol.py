@@ -303,6 +303,8 @@ class EngineRegistration(BaseModel):
     model: str
     max_context_len: int = Field(ge=1)
     max_batch_size: int | None = Field(None, ge=1, description="sequences per step: the serve core's capacity model")
+    runtime: RuntimeInfo | None = Field(None, description="its state as it registers (warm-up progress included), "
+                                                          "until its first heartbeat")
 
 
 class EngineHeartbeat(BaseModel):

@@ -303,7 +303,8 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
         while True:
             try:
                 if not registered:
-                    r = await client.post(f"{base}/v1/engine/register", json=registration.model_dump(mode="json"))
+                    now = registration.model_copy(update={"runtime": runtime()})  # its warm-up so far, at once
+                    r = await client.post(f"{base}/v1/engine/register", json=now.model_dump(mode="json"))
                     r.raise_for_status()
                     registered = True
                     log.info("registered engine %r at %s with the serve core %s", registration.name,

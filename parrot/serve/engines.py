@@ -497,6 +497,8 @@ class EngineManager:
         """A `parrot engine` announced itself: a new HttpEngineClient for it, replacing any under its name."""
         client = HttpEngineClient.from_registration(reg, **self.client_kwargs)
         self.register(client, heartbeats=True)
+        if reg.runtime is not None:  # until its first heartbeat: /health says warming_up from the start
+            self._entries[reg.name].runtime = reg.runtime
         return client
 
     async def unregister(self, name: str) -> None:

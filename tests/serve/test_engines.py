@@ -551,3 +551,16 @@ def test_an_engine_replaced_under_its_name_stops_keeping_the_name_alive(caplog: 
         await mgr.close()
 
     asyncio.run(main())
+
+
+def test_a_registration_brings_the_engines_warm_up_at_once() -> None:
+    """/health says warming_up from an engine's registration on, not "ok" until its first heartbeat."""
+    async def main() -> None:
+        mgr = EngineManager()
+        warming = runtime_info(compiled_shapes=3, total_shapes=40)
+        mgr.register_remote(EngineRegistration(name="w", url="http://127.0.0.1:1", model="m", max_context_len=64,
+                                               runtime=warming))
+        assert mgr.runtime("w") == warming
+        await mgr.close()
+
+    asyncio.run(main())
