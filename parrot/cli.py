@@ -527,6 +527,9 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
             processes.stop()
         if engine is not None:
             engine.shutdown()
+    if getattr(server, "force_exit", False):  # a second Ctrl-C: uvicorn did not wait
+        log.warning("stopped at once (a second interrupt): the requests under way were cut off")
+        return 130
     log.info("stopped")  # also where uvicorn returned without raising the signal again (one before it started)
     return 2 if processes is not None and processes.all_refused else 0
 

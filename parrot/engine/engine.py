@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -310,10 +311,13 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
         constraint = await self.compile_constraint(req)
-        fut = self.generate_future(req, on_chunk=lambda c: loop.call_soon_threadsafe(q.put_nowait, c),
-                                   constraint=constraint)
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(q.put_nowait, f.exception() if f.exception() else None))
+
+        def put(item: StreamChunk | BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the reader's loop closed (a server stopped at once): no reader
+                loop.call_soon_threadsafe(q.put_nowait, item)
+
+        fut = self.generate_future(req, on_chunk=put, constraint=constraint)
+        fut.add_done_callback(lambda f: put(f.exception() if f.exception() else None))
         while True:
             item = await q.get()
             if item is None:
