@@ -15,14 +15,12 @@ session, queued completions) is 429 with `Retry-After`.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 from fastapi import FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +39,7 @@ from parrot.errors import (
     RateLimitError,
     code_of,
 )
+from parrot.frontend.disconnects import while_connected
 from parrot.frontend.openai_api import frontend_routes
 from parrot.frontend.openai_tokens import TOKEN_PATHS, token_routes
 from parrot.frontend.ui import ui_routes
@@ -63,7 +62,6 @@ from parrot.serve.transforms import TransformError
 from parrot.serve.variables import VariableFailedError
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MAX_BODY_BYTES = 8 * 2**20
 Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>" (or the API key)
@@ -209,24 +207,6 @@ class _Guard:
             await too_large()(scope, receive, send)
 
 
-async def while_connected(request: Request, work: Awaitable[T], poll: float = 0.5) -> T:
-    """`work`'s result, unless the client disconnects first: then `work` is cancelled and the answer is a 499
-    that nobody reads."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=poll)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise StarletteHTTPException(499, "the client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
-    return await task
-
-
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -322,7 +302,8 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         # a reader that leaves stops reading (as a stream's does): it no longer holds its session open, or keeps
         # a generation nobody else needs running
         content = await while_connected(request, core.get_var(session_of(session_id, authorization, xst), var_id,
-                                                              criteria, timeout))
+                                                              criteria, timeout),
+                                        lambda: StarletteHTTPException(499, "the client disconnected"))
         return SemanticVarContent(var_id=var_id, content=content)
 
     @app.get("/v1/semantic_var/{var_id}/stream")

@@ -43,7 +43,6 @@ raises as `APIError`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -63,6 +62,7 @@ from parrot import __version__
 from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend import openai_functions as legacy_functions
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
+from parrot.frontend.disconnects import while_connected
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, error_path, from_exception, unsupported
 from parrot.frontend.openai_logprobs import chat_logprobs, completion_logprobs
@@ -367,38 +367,22 @@ async def _collect(choices: list[_Choice], core: ParrotServeCore, request: Reque
         async for _ in _Events(choices, core):
             pass
 
-    task = asyncio.ensure_future(drain())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=poll)
-            if not task.done() and request is not None and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise OpenAIError(499, "the client disconnected", code="aborted")  # nobody reads this answer
-    finally:
-        if not task.done():
-            task.cancel()
-    await task  # its error, if it failed
+    await while_connected(request, drain(), _client_gone, poll)
+
+
+def _client_gone() -> OpenAIError:
+    return OpenAIError(499, "the client disconnected", code="aborted")  # nobody reads this answer
 
 
 async def _first_or_disconnect(events: _Events, request: Request, poll: float = 0.5) -> None:
     """`events.first()`, unless the client disconnects first: then the choices are cancelled (their
     generations aborted) and the request ends with 499."""
-    task = asyncio.ensure_future(events.first())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=poll)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                events.close()
-                raise OpenAIError(499, "the client disconnected", code="aborted")
-    finally:
-        if not task.done():
-            task.cancel()
-    await task  # its error, if the first event was a failure
+
+    def gone() -> OpenAIError:
+        events.close()
+        return _client_gone()
+
+    await while_connected(request, events.first(), gone, poll)
 
 
 class _EventStream(StreamingResponse):
