@@ -659,8 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render chats with this Jinja template (a file, or the template itself) instead of the "
                         "model's own, as vLLM's --chat-template")
     v.add_argument("--root-path", default="", metavar="PATH",
-                   help="the path prefix a proxy serves this server under (e.g. /parrot), as vLLM's --root-path: "
-                        "requests may come with or without it")
+                   help="the path prefix a proxy serves this server under and strips (e.g. /parrot), as vLLM's "
+                        "--root-path: /openapi.json names it, the live view loads through it")
     v.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key (PEM), "
                    "with --ssl-certfile, as vLLM's (one process: with --engines N, give TLS at a proxy)")
     v.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate (chain) of --ssl-keyfile")
