@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -350,12 +351,29 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
     shutdown = server.shutdown
 
     async def drain_then_shut_down(sockets: list | None = None) -> None:
+        log.info("stopping: the requests under way finish first (interrupt again to stop at once)")
         if on_shutdown is not None:
             on_shutdown()
         await shutdown(sockets=sockets)
 
     server.shutdown = drain_then_shut_down  # type: ignore[method-assign]
+    logging.getLogger("uvicorn.error").addFilter(_ForcedStopNoise(server))
     return server
+
+
+class _ForcedStopNoise(logging.Filter):
+    """Stopped at once (a second Ctrl-C), uvicorn logs a traceback for each task it cancelled: `cmd_serve` says
+    what happened in one line instead."""
+
+    def __init__(self, server: object) -> None:
+        super().__init__()
+        self.server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(self.server, "force_exit", False):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError"))
 
 
 def local_url(host: str, port: int) -> str:

@@ -393,14 +393,20 @@ def test_health_is_503_once_every_engine_process_is_given_up() -> None:
     from parrot.frontend.http_api import create_app
     from tests.servers import make_core, running
 
-    class GivenUp:
+    class Processes:
         all_given_up = True
+        state = "given_up"
 
         def status(self) -> list[dict]:
-            return [{"name": "engine-0", "state": "given_up", "last_exit_code": 2}]
+            return [{"name": "engine-0", "state": self.state, "last_exit_code": 2}]
 
     core = make_core(None, "tiny", tiny_tokenizer())
-    core.engine_processes = GivenUp()  # type: ignore[assignment]
+    procs = Processes()
+    core.engine_processes = procs  # type: ignore[assignment]
     with running(create_app(core)) as url:
         r = httpx.get(f"{url}/health", timeout=30)
-    assert r.status_code == 503 and r.json()["status"] == "engine_dead" and "engine-0" in r.json()["dead"]
+        assert r.status_code == 503 and r.json()["status"] == "engine_dead" and "engine-0" in r.json()["dead"]
+        assert r.json()["engine_processes"][0]["state"] == "given_up"  # what each process did, there too
+        procs.all_given_up, procs.state = False, "restarting"  # none live, one coming back: no_engine, not degraded
+        r = httpx.get(f"{url}/health", timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "no_engine"

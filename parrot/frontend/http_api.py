@@ -345,11 +345,15 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         # answer is a 503 (a liveness probe restarts the server), as an engine's own /health answers
         stopped = core.engines.stranded()
         procs = core.engine_processes
-        if not stopped and not engines and procs is not None and procs.all_given_up:  # --engines N, none to come
+        processes = procs.status() if procs is not None else None  # --engines N: each process's state
+        if not stopped and not engines and procs is not None and procs.all_given_up:  # none to come
             stopped = {p["name"]: f"its process exited with code {p['last_exit_code']} and is not restarted"
-                       for p in procs.status()}
+                       for p in processes or ()}
         if stopped:
-            return JSONResponse({"status": "engine_dead", "engines": [], "dead": stopped}, status_code=503)
+            dead: dict = {"status": "engine_dead", "engines": [], "dead": stopped}
+            if processes is not None:
+                dead["engine_processes"] = processes
+            return JSONResponse(dead, status_code=503)
         warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs
         for name in engines:
             info = core.engines.runtime(name)
@@ -358,9 +362,9 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         body: dict = {"status": "warming_up" if warming else "ok" if engines else "no_engine", "engines": engines}
         if warming:
             body["warming_up"] = warming
-        if core.engine_processes is not None:  # --engines N: each process's state, restarts, last exit code
-            body["engine_processes"] = core.engine_processes.status()
-            if any(p["state"] != "running" for p in body["engine_processes"]):
+        if processes is not None:  # --engines N: each process's state, restarts, last exit code
+            body["engine_processes"] = processes
+            if engines and any(p["state"] != "running" for p in processes):
                 body["status"] = "degraded"  # serving, with fewer engines than it started
         return body
 

@@ -1172,6 +1172,9 @@ class ParrotServeCore:
         if not any(pieces):
             raise InvalidRequestError("the prompt is empty")
         if not self.engines.live_engines():
+            if self.engine_processes is not None and self.engine_processes.all_given_up:
+                raise EngineUnavailableError("every engine process of this server stopped for good (its log says "
+                                             "why): restart the server")
             raise EngineUnavailableError("no engine is live: start one (parrot engine --serve-core URL) or wait")
         pending = len(self.scheduler.queue)
         if pending >= self.config.max_queued_completions:
