@@ -292,6 +292,7 @@ class RuntimeInfo(BaseModel):
     spec_accepted_tokens: int = 0  # draft tokens the samples after them confirmed (decode steps saved)
     mask_ms_mean: float | None = None  # host time to compute a batch's constraint masks, recent steps
     mask_ms_p99: float | None = None
+    draining: bool = False  # stopping (SIGTERM): its requests under way finish, it takes no new work
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----

@@ -373,6 +373,15 @@ class EngineServer:
         self.config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, log_config=None,
                                      lifespan="off")
         self.server = uvicorn.Server(self.config)
+        self.draining = False  # a graceful stop began: the serve core is told, and places no new work here
+        shutdown = self.server.shutdown
+
+        async def say_draining_then_shut_down(sockets: list | None = None) -> None:
+            self.draining = True
+            await self._tell_draining()
+            await shutdown(sockets=sockets)
+
+        self.server.shutdown = say_draining_then_shut_down  # type: ignore[method-assign]
         self._advertise_url = advertise_url
         self._thread: threading.Thread | None = None
 
@@ -387,6 +396,25 @@ class EngineServer:
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
+
+    def runtime(self) -> RuntimeInfo:
+        """The engine's runtime info, as heartbeats carry it (`draining` once a graceful stop began)."""
+        info = self.engine.ping()
+        return info.model_copy(update={"draining": True}) if self.draining else info
+
+    async def _tell_draining(self, timeout: float = 2.0) -> None:
+        """A heartbeat saying it is stopping, at once, before the socket closes: the serve core places no new work
+        here while the requests under way finish (at worst it learns at the next heartbeat, or takes it for dead)."""
+        if not self.serve_core_url:
+            return
+        headers = {"Authorization": f"Bearer {self.serve_core_api_key}"} if self.serve_core_api_key else None
+        beat = EngineHeartbeat(name=self.name, runtime=self.runtime(), url=self.url)
+        try:
+            async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+                await client.post(f"{self.serve_core_url.rstrip('/')}/v1/engine/heartbeat",
+                                  json=beat.model_dump(mode="json"))
+        except Exception as exc:  # noqa: BLE001 - the core may be gone already: stopping goes on
+            log.debug("could not tell the serve core this engine is stopping: %s", exc)
 
     def registration(self) -> EngineRegistration:
         info = self.engine.ping()
@@ -403,7 +431,7 @@ class EngineServer:
                     await asyncio.sleep(0.02)
                 if self.server.started:
                     link = asyncio.create_task(serve_core_link(self.serve_core_url, self.registration(),
-                                                               self.engine.ping, self.heartbeat_interval,
+                                                               self.runtime, self.heartbeat_interval,
                                                                api_key=self.serve_core_api_key))
             await serving
         finally:

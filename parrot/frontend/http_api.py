@@ -355,13 +355,18 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
                 dead["engine_processes"] = processes
             return JSONResponse(dead, status_code=503)
         warming = {}  # engines still compiling shapes: they serve, a step waits for a shape it needs
+        draining = []  # engines stopping: their requests under way finish, no new work goes there
         for name in engines:
             info = core.engines.runtime(name)
             if info is not None and info.compiled_shapes < info.total_shapes:
                 warming[name] = f"{info.compiled_shapes} of {info.total_shapes} shapes compiled"
+            if info is not None and info.draining:
+                draining.append(name)
         body: dict = {"status": "warming_up" if warming else "ok" if engines else "no_engine", "engines": engines}
         if warming:
             body["warming_up"] = warming
+        if draining:
+            body["draining"] = draining
         if processes is not None:  # --engines N: each process's state, restarts, last exit code
             body["engine_processes"] = processes
             if engines and any(p["state"] != "running" for p in processes):

@@ -380,6 +380,8 @@ class ParrotServeCore:
         views = []
         for client in self.engines.live_engines():
             info = self.engines.runtime(client.name)
+            if info is not None and info.draining:  # stopping: what runs there finishes, nothing new goes there
+                continue
             capacity = (client.max_batch_size or (info.max_batch_size if info else None)
                         or self.config.default_max_batch)
             views.append(EngineView(client.name, max_batch=capacity, queued=info.waiting if info else 0))

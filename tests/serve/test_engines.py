@@ -564,3 +564,27 @@ def test_a_registration_brings_the_engines_warm_up_at_once() -> None:
         await mgr.close()
 
     asyncio.run(main())
+
+
+def test_a_stopping_engine_says_it_is_draining_before_its_socket_closes(engine: LLMEngine) -> None:
+    """A graceful stop (SIGTERM) of a `parrot engine`: a heartbeat saying `draining` goes to the serve core first,
+    so the core places no new work there (it did until the engine stopped answering) while what runs finishes."""
+    from parrot.serve.core import ParrotServeCore
+
+    async def main() -> None:
+        mgr = EngineManager()
+        async with ServeCore(mgr) as core:
+            srv = await asyncio.to_thread(EngineServer(engine, "127.0.0.1", free_port(), serve_core_url=core.url,
+                                                       name="d1", heartbeat_interval=0.2).start_in_thread)
+            await wait_for(lambda: any(e.name == "d1" for e in mgr.status()) and mgr.runtime("d1") is not None, 10,
+                           "registration")
+            assert not mgr.runtime("d1").draining
+            serve = ParrotServeCore()
+            serve.engines = mgr
+            assert [v.name for v in serve._engine_views()] == ["d1"]
+            await asyncio.to_thread(srv.stop)
+            assert mgr.runtime("d1").draining  # told before the socket closed
+            assert serve._engine_views() == []  # nothing new is placed there
+        await mgr.close()
+
+    asyncio.run(main())
