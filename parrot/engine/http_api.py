@@ -289,15 +289,17 @@ def _start_stream(engine: LLMEngine, req: GenerateRequest, constraint: Constrain
 
 
 # ---- serve-core link ------------------------------------------------------------------------------
+WARN_AFTER_FAILURES = 3  # failed attempts in a row before the link logs a warning (then once per streak)
 async def serve_core_link(serve_core_url: str, registration: EngineRegistration, runtime: Callable[[], RuntimeInfo],
                           interval: float = 1.0, timeout: float = 5.0, api_key: str | None = None) -> None:
     """Register with the serve core, then send a heartbeat every `interval` seconds, forever (cancel the task
-    to stop). Any failure (unreachable, timeout, non-2xx) is logged and retried after `interval`; a
+    to stop). Any failure (unreachable, timeout, non-2xx) is retried after `interval`, and logged as a warning
+    once it has failed WARN_AFTER_FAILURES times in a row (a core that stops before its engines is no alarm); a
     heartbeat answered 404 (the serve core forgot us, e.g. it restarted) registers again; one answered 409
     (another engine registered under this name since) ends the link, with an error in the log."""
     base = serve_core_url.rstrip("/")
     registered = False
-    failing = False  # log the first failure of a streak as a warning, the rest at debug level
+    failing = 0  # failures in a row: the third is logged as a warning (a blip, e.g. the core stopping first, is not)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a serve core with an API key
     async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
         while True:
@@ -322,17 +324,17 @@ async def serve_core_link(serve_core_url: str, registration: EngineRegistration,
                         registered = False
                         continue
                     r.raise_for_status()
-                if failing:
+                if failing >= WARN_AFTER_FAILURES:
                     log.info("the serve core %s is reachable again", base)
-                failing = False
+                failing = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # never fatal: the engine keeps serving without a serve core
                 what = "register with" if not registered else "send a heartbeat to"
                 msg = _describe_http_error(exc)
-                log.log(logging.DEBUG if failing else logging.WARNING,
+                failing += 1
+                log.log(logging.WARNING if failing == WARN_AFTER_FAILURES else logging.DEBUG,
                         "cannot %s the serve core %s (%s); retrying every %.1fs", what, base, msg, interval)
-                failing = True
             await asyncio.sleep(interval)
 
 

@@ -7,6 +7,7 @@ registration and heartbeats (against a fake serve core on another port), and the
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -617,14 +618,22 @@ def test_engine_server_registers_and_heartbeats(engine: LLMEngine) -> None:
     assert engine.alive  # stopping an HTTP server leaves the engine to its owner
 
 
-def test_link_retries_until_the_serve_core_is_up(engine: LLMEngine) -> None:
+def test_link_retries_until_the_serve_core_is_up(engine: LLMEngine, caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()  # nothing listens here yet
     reg = EngineRegistration(name="late", url="http://127.0.0.1:1", model="tiny-random", max_context_len=MAX_LEN)
     core = FakeServeCore(port)
 
     async def run() -> None:
         task = asyncio.create_task(serve_core_link(f"http://127.0.0.1:{port}", reg, engine.ping, interval=0.2))
-        await asyncio.sleep(0.7)  # a few failed attempts
+        with caplog.at_level(logging.WARNING, logger="parrot.engine.http_api"):
+            await asyncio.sleep(0.3)  # two failed attempts: no warning yet (a blip, e.g. a core stopping first)
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            for _ in range(250):  # the third attempt in a row warns, once for the streak
+                if any("cannot register" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.5)  # more attempts, no more warnings
+            assert len([r for r in caplog.records if "cannot register" in r.getMessage()]) == 1
         assert not task.done()  # failures are not fatal
         core.__enter__()
         try:
