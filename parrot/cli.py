@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from parrot.addresses import local_url
 from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.interrupts import exit_with_parent, remember_sigint, sigterm_as_interrupt, stop_if_interrupted
@@ -357,7 +358,17 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
         await shutdown(sockets=sockets)
 
     server.shutdown = drain_then_shut_down  # type: ignore[method-assign]
-    logging.getLogger("uvicorn.error").addFilter(_ForcedStopNoise(server))
+    run = server.run
+
+    def run_without_forced_stop_noise(sockets: list | None = None) -> None:
+        noise = _ForcedStopNoise(server)
+        logging.getLogger("uvicorn.error").addFilter(noise)
+        try:
+            run(sockets=sockets)
+        finally:
+            logging.getLogger("uvicorn.error").removeFilter(noise)
+
+    server.run = run_without_forced_stop_noise  # type: ignore[method-assign]
     return server
 
 
@@ -374,13 +385,6 @@ class _ForcedStopNoise(logging.Filter):
             return True
         exc = record.exc_info[1] if record.exc_info else None
         return not (isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError"))
-
-
-def local_url(host: str, port: int) -> str:
-    """The URL a process on this machine reaches a server listening on host:port at: a wildcard address is
-    reached on loopback, an IPv6 address in brackets."""
-    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -428,7 +432,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     core = ParrotServeCore(config=serve_config_from_args(args))
     cfg = engine_config_from_args(args)
-    _tls(args)  # checked before anything loads
+    args.tls = _tls(args)  # checked (and the files read) before anything loads
     if args.chat_template is not None:  # read and compiled now: a bad one fails before the model loads
         from parrot.frontend.chat_prompt import load_chat_template
 
@@ -514,7 +518,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     if args.chat_template is not None:
         core.tokenizers.register(args.model, core.tokenizers.get(args.model).with_chat_template(args.chat_template))
     processes = None
-    server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, _tls(args),
+    server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, args.tls,
                          on_shutdown=core.drain)
     if engine_cmds:
         env = dict(os.environ)
@@ -667,8 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "still follows cached prefixes unless --no-prefix-sharing")
     d = ServeConfig()
     v.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version and /ui "
-                        "(default: $PARROT_API_KEY; session tokens then go in X-Session-Token)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics, /version and "
+                        "/ui (default: $PARROT_API_KEY; session tokens then go in X-Session-Token)")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names the OpenAI API serves the model under, each a card in /v1/models; an answer names "
                         "the request's model where it is one of them, else the first (default: --model as given); "

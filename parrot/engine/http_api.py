@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from parrot.addresses import local_url
 from parrot.config import EngineConfig
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.kv_cache import OutOfPages
@@ -392,12 +393,7 @@ class EngineServer:
         """The URL other processes reach this engine at (for the serve core)."""
         if self._advertise_url:
             return self._advertise_url.rstrip("/")
-        host = self.host
-        if host in ("", "0.0.0.0", "::"):
-            host = "127.0.0.1"  # a wildcard bind: the loopback address is reachable on this machine
-        if ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return local_url(self.host, self.port)  # a wildcard bind: reached on loopback, on this machine only
 
     def runtime(self) -> RuntimeInfo:
         """The engine's runtime info, as heartbeats carry it (`draining` once a graceful stop began)."""

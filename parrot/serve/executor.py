@@ -38,6 +38,7 @@ class GraphExecutor:
     criteria: dict[str, Criterion] = field(default_factory=dict)  # needed chains by id
     natives: list[NativeNode] = field(default_factory=list)  # native calls not run yet (scanned by `ready`)
     _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node, while not run
+    _native_readers: dict[str, list[NativeNode]] = field(default_factory=dict)  # input var id -> nodes not run
     history: list[CompletionChain] = field(default_factory=list)  # every chain inserted, finished ones too
     native_history: list[NativeNode] = field(default_factory=list)  # every native call added, run ones too
 
@@ -51,13 +52,14 @@ class GraphExecutor:
     def add_native(self, node: NativeNode) -> None:
         for var in node.outputs.values():
             self._native_of[var.id] = node
+        for var in node.inputs.values():
+            self._native_readers.setdefault(var.id, []).append(node)
         self.natives.append(node)
         self.native_history.append(node)
 
     def _computed_from(self, var_id: str) -> list[str]:
         """The variables native calls not run yet compute from variable `var_id`."""
-        return [out.id for n in self.natives if not n.done and any(v.id == var_id for v in n.inputs.values())
-                for out in n.outputs.values()]
+        return [out.id for n in self._native_readers.get(var_id, ()) for out in n.outputs.values()]
 
     def _retire(self, done: list[NativeNode]) -> None:
         """Run (or failed) native calls leave the pending list (the history keeps them for the live view)."""
@@ -69,6 +71,12 @@ class GraphExecutor:
             for var in n.outputs.values():
                 if self._native_of.get(var.id) is n:
                     del self._native_of[var.id]
+            for var in n.inputs.values():
+                readers = [r for r in self._native_readers.get(var.id, ()) if r is not n]
+                if readers:
+                    self._native_readers[var.id] = readers
+                else:
+                    self._native_readers.pop(var.id, None)
 
     def need(self, var: SemanticVariable, criterion: Criterion) -> None:
         """A client waits for `var`: mark everything it depends on as needed."""
