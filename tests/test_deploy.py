@@ -167,6 +167,13 @@ def test_probes_hit_health(workload: dict) -> None:
 
 
 @pytest.mark.parametrize("workload", [CORE, ENGINES], ids=["core", "engine"])
+def test_a_stopping_pod_has_time_to_finish_its_requests(workload: dict) -> None:
+    """SIGTERM drains (requests under way finish); Kubernetes' default 30 s grace would SIGKILL a long
+    generation on CPU part-way through."""
+    assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120
+
+
+@pytest.mark.parametrize("workload", [CORE, ENGINES], ids=["core", "engine"])
 def test_resources_fit_the_default_model(workload: dict) -> None:
     def gib(q: str) -> float:
         m = re.fullmatch(r"(\d+)(Mi|Gi)", q)

@@ -10,6 +10,8 @@ Observed (histograms / counters fed through the `observe_*` API below):
   parrot:e2e_request_latency_seconds     request arrival -> CompletionResult
   parrot:request_queue_time_seconds      task submitted to the GlobalScheduler -> placed on an engine
   parrot:request_success_total{endpoint, finished_reason}, parrot:request_failure_total{endpoint}
+                                         (finished_reason "abort": the client went away first, as in vLLM;
+                                         a task re-run after its engine died counts once, by its re-run)
   parrot:prompt_tokens_total, parrot:generation_tokens_total
 
 Computed at scrape time from the core (a custom collector, read on the event loop):
@@ -48,7 +50,7 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:serve_between_primitives_seconds   one primitive of a task done -> its next one sent
 
 Who observes what: the OpenAI-compatible routes (parrot/frontend/openai_api.py) time every choice with
-`start_request()` -> `RequestTimer.delta()` / `.finish()` / `.fail()`. Queue time is observed for every
+`start_request()` -> `RequestTimer.delta()` / `.finish()` / `.fail()` / `.abort()`. Queue time is observed for every
 task the core schedules (semantic calls too) by wrapping the core's `scheduler.schedule` on the instance
 (`hook_scheduler`, on by default); if the core ever calls `observe_queue_time` itself, construct
 `ParrotMetrics(core, hook_scheduler=False)`. Other callers (e.g. the core's semantic-variable path) can
@@ -278,6 +280,13 @@ class RequestTimer:
         if not self.done:
             self.done = True
             self.metrics.request_failure.labels(self.endpoint).inc()
+
+    def abort(self) -> None:
+        """The client went away (or the session was deleted) before the end: not a failure of the server's.
+        Counted as vLLM counts it, `request_success_total{finished_reason="abort"}`, with no latency."""
+        if not self.done:
+            self.done = True
+            self.metrics.request_success.labels(self.endpoint, "abort").inc()
 
 
 class ParrotMetrics:

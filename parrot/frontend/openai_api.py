@@ -284,6 +284,7 @@ class _Events:
         self.remaining = len(choices)
         self.held: tuple[_Choice, Any] | None = None
         self.closed = False
+        self.failed = False  # a choice failed: the others, cut short with it, fail too (else they are aborted)
 
     async def _pump(self, choice: _Choice) -> None:
         while True:
@@ -312,6 +313,7 @@ class _Events:
                 return choice, item
             self.remaining -= 1
             if isinstance(item, BaseException):
+                self.failed = True
                 if choice.timer is not None:
                     choice.timer.fail()
                 raise item
@@ -353,7 +355,7 @@ class _Events:
             t.cancel()
         for c in self.choices:  # choices still running when the request ended (error, disconnect)
             if c.result is None and c.timer is not None:
-                c.timer.fail()
+                c.timer.fail() if self.failed else c.timer.abort()
             if c.result is None and self.core is not None:
                 self.core.cancel_completion(c.queue)
 

@@ -419,8 +419,15 @@ class ParrotServeCore:
         return session
 
     async def delete_session(self, session: Session) -> None:
+        """End a session (DELETE, or its TTL): its queued generations leave the queue and running ones are
+        aborted on their engines (nobody can read them now); its variables fail ("session ended")."""
         self.sessions.pop(session.session_id, None)
         self._app_started.pop(session.session_id, None)
+        for task in [t for t in self._chain_tasks.values() if t.payload.session is session]:
+            self._cancel_task(task, "aborted: the session was deleted")
+        for chain in session.executor.graph.chains:  # a long prompt being tokenized is dropped after it
+            if chain.id in self._tokenizing:
+                self._tokenizing[chain.id] = "aborted: the session was deleted"
         self.vars.free_session(session.session_id)
         for ctx in self.contexts.release_session(session.session_id):
             self._spawn(self._free_context(ctx))
@@ -837,6 +844,12 @@ class ParrotServeCore:
                     if chunk.finish_reason is not None:
                         finish, stop_reason = chunk.finish_reason, chunk.stop_reason
                     rec.deliver(text, len(ids))
+            except AbortedError:
+                if timer is not None:
+                    timer.abort()
+                raise
+            except EngineUnavailableError:
+                raise  # re-dispatched: its re-run is the one counted
             except ParrotError:
                 if timer is not None:
                     timer.fail()

@@ -225,7 +225,11 @@ def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine, path:
         after = engine.ping()
         assert after.steps - before.steps < 300, "the abandoned generation ran on"
         assert core.aborts == 1 and after.aborts == before.aborts + 1
-        assert "parrot:aborted_requests_total 1.0" in c.get("/metrics").text
+        metrics = c.get("/metrics").text
+        assert "parrot:aborted_requests_total 1.0" in metrics
+        # counted as vLLM counts a client that left, not as a failure of the server's
+        assert 'parrot:request_success_total{endpoint="chat",finished_reason="abort"} 1.0' in metrics
+        assert "parrot:request_failure_total{" not in metrics
         # the generated context is freed; the prompt stays cached (automatic prefix caching)
         wait_until(lambda: engine.ping().num_contexts <= before.num_contexts + core.contexts.num_globals(), 10,
                    "its contexts to be freed")
@@ -333,6 +337,30 @@ def test_variable_stream_disconnect_cancels_unless_another_reader_needs_it(engin
         waiter.join(90)
         assert got["b"].status_code == 200, got["b"].text
         assert core.aborts == 1
+
+
+def test_deleting_a_session_aborts_its_generations(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DELETE /v1/session/{id} while its call generates: the generation is aborted on the engine (its KV freed),
+    not run to its end for nobody, and what waits on it is answered."""
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        slow_steps(engine, monkeypatch, 0.002, until=lambda: core.aborts >= 1)
+        before = engine.ping()
+        sid, auth = new_session(c)
+        long = {"max_tokens": 300, "ignore_eos": True}
+        a = _call(c, sid, auth, "Write: {{a}}", [{"name": "a", "is_output": True, "sampling_config": long}])["a"]
+        got: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: got.append(httpx.get(
+            f"{url}/v1/semantic_var/{a}", params={"session_id": sid, "timeout": 60}, headers=auth, timeout=90)))
+        waiter.start()
+        wait_until(lambda: engine.ping().running == 1, 10, "the generation to start")
+        assert c.delete(f"/v1/session/{sid}", headers=auth).status_code == 204
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 10, "the generation to stop")
+        waiter.join(30)
+        assert got and got[0].status_code in (404, 424), got
+        after = engine.ping()
+        assert core.aborts == 1 and after.aborts == before.aborts + 1 and after.steps - before.steps < 300
+        wait_until(lambda: engine.ping().num_contexts <= before.num_contexts + core.contexts.num_globals(), 10,
+                   "its contexts to be freed")
 
 
 def test_a_long_poll_whose_client_left_lets_its_session_expire(engine: LLMEngine) -> None:

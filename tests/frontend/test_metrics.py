@@ -112,6 +112,9 @@ def test_registry_per_instance_and_timer() -> None:
     timer.finish(prompt_tokens=7, completion_tokens=3, finish_reason="stop", now=11.0)
     timer.finish(prompt_tokens=7, completion_tokens=3, finish_reason="stop", now=12.0)  # counted once
     a.start_request("completions").fail()
+    left = a.start_request("completions")
+    left.abort()  # the client went away: not a failure
+    left.fail()  # counted once
     fams = {f.name: f for f in text_string_to_metric_families(a.render().decode())}
 
     def sample(family: str, name: str, **labels: str) -> float:
@@ -124,6 +127,8 @@ def test_registry_per_instance_and_timer() -> None:
     assert sample("parrot:e2e_request_latency_seconds", "parrot:e2e_request_latency_seconds_sum") == 1.0
     assert sample("parrot:prompt_tokens", "parrot:prompt_tokens_total") == 7
     assert sample("parrot:request_failure", "parrot:request_failure_total", endpoint="completions") == 1
+    assert sample("parrot:request_success", "parrot:request_success_total", endpoint="completions",
+                  finished_reason="abort") == 1
     assert sample("parrot:engines_live", "parrot:engines_live") == 0
     assert not list(fams["parrot:kv_cache_usage_perc"].samples)  # no engine, no sample
     other = {f.name: f for f in text_string_to_metric_families(b.render().decode())}

@@ -224,9 +224,12 @@ class RecordingEngine(ScriptedEngine):
         yield StreamChunk(token_id=66, text="B", finish_reason="length")
 
 
+STEP_S = 0.3  # each generate's time: the bounds below are halves of it, wide of a slow machine's scheduling
+
+
 def _chain_of_three(app_aware: bool) -> list[float]:
     async def run() -> list[float]:
-        engine = RecordingEngine(0.1)
+        engine = RecordingEngine(STEP_S)
         core = make_core(config=ServeConfig(model="tiny", app_aware=app_aware))
         core.engines.register(engine)
         await core.start()
@@ -254,9 +257,9 @@ def test_an_apps_later_steps_keep_its_place_in_the_engine_queue() -> None:
     """App-FIFO: a chain's later steps reach the engine as having waited since the app's run began (so
     they go ahead of work that arrived after it); without app awareness, since each step became ready."""
     aware = _chain_of_three(True)
-    assert aware[0] < 0.05 and aware[1] >= 0.1 and aware[2] >= 0.2
+    assert aware[0] < STEP_S / 2 and aware[1] >= STEP_S and aware[2] >= 2 * STEP_S, aware
     plain = _chain_of_three(False)
-    assert max(plain) < 0.05
+    assert max(plain) < STEP_S / 2, plain
 
 
 class FillRecordingEngine(ScriptedEngine):
