@@ -9,16 +9,21 @@ where `max_output_tokens` ended it. Streamed, the chat chunks become Responses e
 `response.output_item.added`, `response.output_text.delta`, `response.function_call_arguments.delta`, ...,
 `response.completed`).
 
-Nothing is stored: `store: true`, `previous_response_id`, `conversation` and `background` are refused with a 400
-naming them, as are the parameters that would change the output and are not implemented (hosted tools,
-`reasoning`, `top_logprobs`, `truncation: "auto"`, ...). vLLM's sampling extensions (`top_k`, `seed`, `stop`, ...)
-given beside the Responses parameters reach the chat route as they are.
+Token logprobs come with `include: ["message.output_text.logprobs"]` (or `top_logprobs`, the alternatives per
+token), on the `output_text` part and its deltas. Nothing is stored: `store: true`, `previous_response_id`,
+`conversation` and `background` are refused with a 400 naming them, as are the parameters that would change the
+output and are not implemented (hosted tools, `reasoning`, other `include`s, `text.verbosity` but "medium",
+`truncation: "auto"`, ...). vLLM's sampling extensions (`top_k`, `seed`, `stop`, ...) given beside the Responses
+parameters reach the chat route as they are. An error the chat route finds names the Responses field (`input.3`,
+`max_output_tokens`, `text.format`, `tools.0.name`), not the chat completion it was translated to.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,11 +38,14 @@ from parrot.frontend.openai_requests import ChatCompletionRequest
 
 ChatRoute = Callable[[ChatCompletionRequest, Request], Awaitable[dict | StreamingResponse]]
 
+log = logging.getLogger(__name__)
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value honoured
+
 # Responses parameters that would change the output or promise what is not done: refused unless absent or as
 # given here (what a client sending every field at its default sends)
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "previous_response_id": (), "conversation": (), "prompt": (), "reasoning": (), "top_logprobs": (0,),
-    "background": (False,), "max_tool_calls": (), "include": ([],), "truncation": ("disabled",), "moderation": (),
+    "previous_response_id": (), "conversation": (), "prompt": (), "reasoning": (),
+    "background": (False,), "max_tool_calls": (), "truncation": ("disabled",), "moderation": (),
     "image": (), "access_programs": (), "background_options": (), "context_management": (),
     "prompt_cache_options": (), "n": (1,),
 }
@@ -67,6 +75,8 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def check(self) -> None:
         for name, neutral in REFUSED.items():
@@ -77,11 +87,22 @@ class ResponsesRequest(BaseModel):
         if self.store:
             raise unsupported("store", "store (responses are not stored: give store false, and the whole input "
                                        "each time)")
+        for i, name in enumerate(self.include or []):
+            if name != LOGPROBS:
+                raise unsupported(f"include.{i}", f"include {name!r} (only {LOGPROBS!r})")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):
+            raise unsupported("text.verbosity", "text.verbosity other than 'medium'")
 
-    def chat_body(self) -> dict[str, Any]:
-        """The chat completion this request is."""
+    def logprobs(self) -> bool:
+        """Token logprobs were asked for (`include`, `top_logprobs`, or vLLM's `logprobs: true`)."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs) or \
+            (self.model_extra or {}).get("logprobs") is True
+
+    def chat_body(self, origins: list[str] | None = None) -> dict[str, Any]:
+        """The chat completion this request is; `origins` gets, per chat message, the Responses field it
+        came from (`instructions`, `input.3`)."""
         extra = {k: v for k, v in (self.model_extra or {}).items() if k not in REFUSED}
-        body: dict[str, Any] = {**extra, "messages": _messages(self.instructions, self.input)}
+        body: dict[str, Any] = {**extra, "messages": _messages(self.instructions, self.input, origins)}
         for name in ("model", "temperature", "top_p", "parallel_tool_calls", "user", "safety_identifier",
                      "prompt_cache_key", "prompt_cache_retention", "service_tier"):
             if getattr(self, name) is not None:
@@ -90,11 +111,14 @@ class ResponsesRequest(BaseModel):
             body["max_completion_tokens"] = self.max_output_tokens
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
-        if self.tool_choice is not None:
-            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if self.tool_choice is not None and (self.tools or self.tool_choice not in ("auto", "none")):
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)  # (the defaults "auto" and "none" need no
+            # tools here, as OpenAI takes them: a client echoing a Response's settings back sends "auto")
         fmt = (self.text or {}).get("format")
         if fmt is not None:
             body["response_format"] = _response_format(fmt)
+        if self.logprobs():
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}  # the usage of response.completed
@@ -111,20 +135,33 @@ def _text_of(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            field = "refusal" if kind == "refusal" else "text"
+            if not isinstance(part.get(field), str):
+                raise OpenAIError(400, f"{where}.content.{j}.{field} must be a string",
+                                  param=f"{where}.content.{j}.{field}")
+            texts.append(part[field])
         else:
             raise unsupported(f"{where}.content.{j}", f"content parts of type {kind!r} (text only)")
     return "".join(texts)
 
 
-def _messages(instructions: str | None, given: str | list[Any]) -> list[dict[str, Any]]:
-    """The chat messages of `instructions` and `input`: consecutive function calls are one assistant turn."""
-    out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+def _messages(instructions: str | None, given: str | list[Any], origins: list[str] | None = None
+              ) -> list[dict[str, Any]]:
+    """The chat messages of `instructions` and `input`: consecutive function calls are one assistant turn.
+    `origins` gets each message's Responses field (a merged turn: its first call's)."""
+    origins = [] if origins is None else origins
+    out: list[dict[str, Any]] = []
+
+    def add(message: dict[str, Any], origin: str) -> None:
+        out.append(message)
+        origins.append(origin)
+
+    if instructions:
+        add({"role": "system", "content": instructions}, "instructions")
     if isinstance(given, str):
-        return [*out, {"role": "user", "content": given}]
+        add({"role": "user", "content": given}, "input")
+        return out
     if not given:
         raise OpenAIError(400, "input must not be empty", param="input")
     for i, item in enumerate(given):
@@ -137,7 +174,7 @@ def _messages(instructions: str | None, given: str | list[Any]) -> list[dict[str
             if role not in ("user", "system", "developer", "assistant"):
                 raise OpenAIError(400, f"{where}.role must be user, system, developer or assistant",
                                   param=f"{where}.role")
-            out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            add({"role": role, "content": _text_of(item.get("content"), where)}, where)
         elif kind == "function_call":
             call = {"id": _str_field(item, "call_id", where), "type": "function",
                     "function": {"name": _str_field(item, "name", where),
@@ -145,11 +182,11 @@ def _messages(instructions: str | None, given: str | list[Any]) -> list[dict[str
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
                 out[-1]["tool_calls"].append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                add({"role": "assistant", "content": None, "tool_calls": [call]}, where)
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", where),
-                        "content": output if isinstance(output, str) else _text_of(output, where)})
+            add({"role": "tool", "tool_call_id": _str_field(item, "call_id", where),
+                 "content": output if isinstance(output, str) else _text_of(output, where)}, where)
         else:
             raise unsupported(f"{where}.type", f"input items of type {kind!r}")
     return out
@@ -167,6 +204,8 @@ def _chat_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise unsupported(f"tools.{i}", f"tools of type {kind!r} (function tools only)")
+    if not isinstance(tool.get("name"), str):
+        raise OpenAIError(400, f"tools.{i}.name must be a string", param=f"tools.{i}.name")
     spec = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
     return {"type": "function", "function": spec}
 
@@ -175,7 +214,10 @@ def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise OpenAIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": '
+                                   '...}: tool_choice.name must be a string', param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}
     kind = choice.get("type") if isinstance(choice, dict) else type(choice).__name__
     raise unsupported("tool_choice", f"tool_choice of type {kind!r}")
 
@@ -185,9 +227,37 @@ def _response_format(fmt: Any) -> dict[str, Any]:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise OpenAIError(400, "text.format.schema is required (a JSON schema object)", param="text.format.schema")
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": spec}
     raise unsupported("text.format", f"text.format of type {kind!r}")
+
+
+_CHAT_NAMES = [  # a chat completion's field (in a message or a param) -> the Responses field it came from
+    (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+    (re.compile(r"\bresponse_format(?:\.json_schema)?"), "text.format"),
+    (re.compile(r"\btool_choice\.function"), "tool_choice"),
+    (re.compile(r"\btools(?:\[(\d+)\]|\.(\d+))\.function"), r"tools.\1\2"),
+    (re.compile(r"\btool_call_id\b"), "call_id"),
+    (re.compile(r"\bmessages\b"), "input"),  # (the messages as a whole; one of them: `_MESSAGE`)
+]
+_MESSAGE = re.compile(r"\bmessages(?:\[(\d+)\]|\.(\d+))")
+
+
+def _in_responses_terms(exc: OpenAIError, origins: list[str]) -> OpenAIError:
+    """An error of the chat route, naming the Responses fields (`messages[2]` is the input item it came from)."""
+    def translate(text: str | None) -> str | None:
+        if text is None:
+            return None
+        text = _MESSAGE.sub(lambda m: origins[int(m[1] or m[2])] if int(m[1] or m[2]) < len(origins) else "input",
+                            text)
+        for pattern, name in _CHAT_NAMES:
+            text = pattern.sub(name, text)
+        return text
+
+    exc.message, exc.param = translate(exc.message) or "", translate(exc.param)
+    return exc
 
 
 # ---- answers -------------------------------------------------------------------------------------------
@@ -200,9 +270,10 @@ def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:
             "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def _message_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+def _message_item(item_id: str, text: str, status: str = "completed",
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
@@ -229,8 +300,9 @@ class _Shell:
             "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
             "temperature": b.temperature, "top_p": b.top_p, "tools": b.tools or [],
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
-            "text": b.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-            "reasoning": None, "user": b.user,
+            "text": {**(b.text or {}), "format": (b.text or {}).get("format") or {"type": "text"}},
+            "truncation": "disabled", "store": False,
+            "reasoning": None, "user": b.user, "top_logprobs": b.top_logprobs,
         }
 
 
@@ -239,11 +311,14 @@ def _whole(shell: _Shell, chat: dict[str, Any]) -> dict[str, Any]:
     message = choice["message"]
     output = []
     if message.get("content") or not message.get("tool_calls"):  # an empty answer is an empty message
-        output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or ""))
+        output.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "",
+                                    logprobs=(choice.get("logprobs") or {}).get("content")))
     for call in message.get("tool_calls") or []:
         fn = call["function"]
         output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], fn["name"], fn["arguments"]))
     finish = choice["finish_reason"]
+    if finish == "length":  # the item max_output_tokens cut short (a call's arguments are not whole JSON then)
+        output[-1]["status"] = "incomplete"
     return shell.response(chat["model"], "incomplete" if finish == "length" else "completed", output,
                           _usage(chat.get("usage")), finish)
 
@@ -253,7 +328,7 @@ class _StreamedAnswer:
 
     def __init__(self, shell: _Shell, model: str) -> None:
         self.shell, self.model = shell, model
-        self.seq = 0
+        self.seq = -1  # the first event's sequence_number is 0
         self.output: list[dict[str, Any]] = []  # the items so far, in order
         self.text_at: int | None = None  # the message item's index in `output`, once text came
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's index in `output`
@@ -275,15 +350,16 @@ class _StreamedAnswer:
             self.usage = _usage(data["usage"])
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out += self._text(delta["content"])
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("content") or logprobs:
+                out += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
             if choice.get("finish_reason"):
                 self.finish = choice["finish_reason"]
         return out
 
-    def _text(self, text: str) -> list[str]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[str]:
         out = []
         if self.text_at is None:  # the message item opens
             self.text_at = len(self.output)
@@ -294,11 +370,12 @@ class _StreamedAnswer:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.text_at,
                                   content_index=0, part=dict(item["content"][0])))
         item = self.output[self.text_at]
-        if not text:
+        if not text and not logprobs:
             return out
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs or []
         return [*out, self.event("response.output_text.delta", item_id=item["id"], output_index=self.text_at,
-                                 content_index=0, delta=text, logprobs=[])]
+                                 content_index=0, delta=text, logprobs=logprobs or [])]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         out = []
@@ -318,19 +395,19 @@ class _StreamedAnswer:
 
     def closing(self) -> list[str]:
         out = [] if self.output else self._text("")  # an empty answer is an empty message
-        for at, item in enumerate(self.output):
-            item["status"] = "completed"
+        incomplete = self.finish == "length"
+        for at, item in enumerate(self.output):  # the last one is what max_output_tokens cut short
+            item["status"] = "incomplete" if incomplete and at == len(self.output) - 1 else "completed"
             if item["type"] == "message":
                 part = item["content"][0]
                 out += [self.event("response.output_text.done", item_id=item["id"], output_index=at,
-                                   content_index=0, text=part["text"], logprobs=[]),
+                                   content_index=0, text=part["text"], logprobs=part["logprobs"]),
                         self.event("response.content_part.done", item_id=item["id"], output_index=at,
                                    content_index=0, part=part)]
             else:
                 out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=at, name=item["name"], arguments=item["arguments"]))
             out.append(self.event("response.output_item.done", output_index=at, item=item))
-        incomplete = self.finish == "length"
         done = self.shell.response(self.model, "incomplete" if incomplete else "completed", self.output,
                                    self.usage, self.finish)
         return [*out, self.event("response.incomplete" if incomplete else "response.completed", response=done)]
@@ -369,13 +446,18 @@ def responses_routes(chat: ChatRoute, answered_as: Callable[[str | None], str]) 
     async def responses(body: ResponsesRequest, request: Request) -> dict | StreamingResponse:
         body.check()
         shell = _Shell(body)
+        origins: list[str] = []
         try:
-            chat_body = ChatCompletionRequest.model_validate(body.chat_body())
+            chat_body = ChatCompletionRequest.model_validate(body.chat_body(origins))
         except ValidationError as exc:
             e = exc.errors(include_url=False)[0]
             where = ".".join(map(str, e.get("loc", ())))
-            raise OpenAIError(400, f"{where}: {e.get('msg')}", param=where or None) from None
-        answer = await chat(chat_body, request)
+            raise _in_responses_terms(OpenAIError(400, f"{where}: {e.get('msg')}", param=where or None),
+                                      origins) from None
+        try:
+            answer = await chat(chat_body, request)
+        except OpenAIError as exc:
+            raise _in_responses_terms(exc, origins) from None
         if isinstance(answer, dict):
             return _whole(shell, answer)
         streamed = _StreamedAnswer(shell, answered_as(chat_body.model))
@@ -383,18 +465,29 @@ def responses_routes(chat: ChatRoute, answered_as: Callable[[str | None], str]) 
         async def events() -> AsyncIterator[str]:
             for line in streamed.opening():
                 yield line
-            async for block in answer.body_iterator:
-                text = block if isinstance(block, str) else bytes(block).decode()
-                for line in text.splitlines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[len("data: "):])
-                    if "error" in data:
-                        for out in streamed.failed(data["error"]):
+            pending = ""
+            try:
+                async for block in answer.body_iterator:
+                    pending += block if isinstance(block, str) else bytes(block).decode()
+                    # SSE lines end at "\n" alone: the JSON may hold U+2028 and the like, which splitlines() splits at
+                    *lines, pending = pending.split("\n")
+                    for line in lines:
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        data = json.loads(line[len("data: "):])
+                        if "error" in data:
+                            err = _in_responses_terms(OpenAIError(400, data["error"].get("message", ""),
+                                                                  param=data["error"].get("param")), origins)
+                            for out in streamed.failed({**data["error"], "message": err.message, "param": err.param}):
+                                yield out
+                            return
+                        for out in streamed.chunk(data):
                             yield out
-                        return
-                    for out in streamed.chunk(data):
-                        yield out
+            except Exception as exc:  # noqa: BLE001 - the stream ends with an explicit failure, not a cut
+                log.exception("the response stream %s failed", shell.id)
+                for out in streamed.failed({"code": "server_error", "message": f"the response failed: {exc}"}):
+                    yield out
+                return
             for out in streamed.closing():
                 yield out
 

@@ -26,7 +26,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
                           "required": ["city"], "additionalProperties": False}}
 HONOURED = {"input", "instructions", "max_output_tokens", "model", "parallel_tool_calls", "stream", "stream_options",
             "temperature", "text", "tool_choice", "tools", "top_p", "metadata", "store", "user", "safety_identifier",
-            "prompt_cache_key", "prompt_cache_retention", "service_tier"}
+            "prompt_cache_key", "prompt_cache_retention", "service_tier", "include", "top_logprobs"}
 CLIENT_ONLY = {"extra_headers", "extra_query", "extra_body", "timeout"}
 
 
@@ -84,7 +84,7 @@ def test_streamed_events(client: openai.OpenAI) -> None:
                          "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.incomplete"]
-    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
     assert deltas == final.output_text == "AAAAA" and final.usage.output_tokens == 5
@@ -123,11 +123,12 @@ def test_structured_output(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("kw", "param"), [
     ({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "high"}}, "reasoning"), ({"background": True}, "background"),
-    ({"include": ["message.output_text.logprobs"]}, "include"), ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}, "include.1"),
+    ({"truncation": "auto"}, "truncation"), ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ({"tools": [{"type": "web_search"}]}, "tools.0"), ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
-    ({"text": {"format": {"type": "grammar"}}}, "text.format"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format"), ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_refused(client: openai.OpenAI, kw: dict, param: str) -> None:
     kw = {"model": "tiny", "input": "x", **kw}
@@ -152,3 +153,81 @@ def test_malformed_bodies_are_400s_naming_the_field(client: openai.OpenAI) -> No
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="tiny", input="x", max_output_tokens=0)
     assert info.value.param == "max_output_tokens"
+
+
+def test_logprobs_are_the_chat_routes(client: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: each token's logprob and alternatives on
+    the output_text part, as the chat route gives them; streamed, on the deltas, adding up to the part's."""
+    kw = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    r = client.responses.create(input="Say something.", include=["message.output_text.logprobs"], top_logprobs=2,
+                                **kw)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Say something."}], logprobs=True,
+                                          top_logprobs=2, max_completion_tokens=4, temperature=0, model="tiny")
+    part = r.output[0].content[0]
+    def seen(logprobs: list) -> list[tuple]:
+        return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in logprobs]
+
+    want = seen(chat.choices[0].logprobs.content)
+    assert seen(part.logprobs) == want
+    assert len(want) == 4 and all(len(alts) == 2 for _, _, alts in want)
+    events = list(client.responses.create(input="Say something.", top_logprobs=2, stream=True, **kw))
+    deltas = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert deltas == [lp.token for lp in done.logprobs] == [t for t, _, _ in want]
+    plain = client.responses.create(input="Say something.", **kw)
+    assert plain.output[0].content[0].logprobs == []  # not asked for: none
+
+
+def test_an_item_cut_short_is_incomplete(client: openai.OpenAI) -> None:
+    """max_output_tokens ends the answer inside an item: that item's status is "incomplete" (a function call's
+    arguments are not whole JSON then), streamed or not."""
+    forced = {"type": "function", "name": "get_weather"}
+    for stream in (False, True):
+        got = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], tool_choice=forced,
+                                      max_output_tokens=3, temperature=0, stream=stream)
+        r = list(got)[-1].response if stream else got
+        assert r.status == "incomplete" and [(i.type, i.status) for i in r.output] == [("function_call", "incomplete")]
+        got = client.responses.create(model="tiny", input="x", max_output_tokens=2, temperature=0, extra_body=ALL_A,
+                                      stream=stream)
+        r = list(got)[-1].response if stream else got
+        assert [(i.type, i.status) for i in r.output] == [("message", "incomplete")]
+    whole = client.responses.create(model="tiny", input="x", max_output_tokens=4, temperature=0,
+                                    extra_body={"logit_bias": {"257": 100}})
+    assert [(i.type, i.status) for i in whole.output] == [("message", "completed")]
+
+
+def test_a_stream_of_any_text_is_whole(client: openai.OpenAI) -> None:
+    """Text holding U+2028, U+2029 or U+0085 (line breaks to str.splitlines, not to SSE) streams to its end."""
+    odd = "\u2028\u2029\u0085"
+    events = list(client.responses.create(model="tiny", input="x", max_output_tokens=9, temperature=0, stream=True,
+                                          extra_body={"guided_regex": f"[{odd}]{{3}}", "ignore_eos": True}))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text and len(text) == 3 and set(text) <= set(odd)
+
+
+def test_defaults_echoed_back_are_taken(client: openai.OpenAI) -> None:
+    """A Response's settings sent back as they came (tool_choice "auto" with no tools: the default)."""
+    r = client.responses.create(model="tiny", input="x", max_output_tokens=2, temperature=0, extra_body=ALL_A)
+    assert r.tool_choice == "auto" and r.tools == [] and r.text.format.type == "text"
+    again = client.responses.create(model="tiny", input="x", max_output_tokens=2, temperature=0, extra_body=ALL_A,
+                                    tool_choice=r.tool_choice, tools=r.tools, text={"verbosity": "medium"})
+    assert again.output_text == "AA" and again.text.format.type == "text" and again.text.verbosity == "medium"
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "hi"},
+                                             {"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+     "input.1.call_id"),  # message 2 of the chat completion it became: the instructions are message 0
+    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
+])
+def test_errors_name_the_responses_fields(client: openai.OpenAI, kw: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", **kw)
+    e = info.value
+    assert e.param == param, (e.param, e.message)
+    assert not any(w in e.message for w in ("messages", "max_tokens", "response_format", "tool_call_id")), e.message
