@@ -126,6 +126,29 @@ def test_http_and_local_clients_agree(engine: LLMEngine, server: EngineServer) -
     assert engine.ping().num_contexts == 0  # everything freed
 
 
+def test_a_stream_of_any_text_reaches_the_core(engine: LLMEngine, server: EngineServer) -> None:
+    """Text holding U+2028, U+2029 or U+0085 (raw in the engine's JSON; line breaks to str.splitlines and to
+    httpx's iter_lines, not to SSE) streams whole from an engine over HTTP."""
+    odd = "\u2028\u2029\u0085"
+
+    async def main() -> list[StreamChunk]:
+        client = http_client(server)
+        try:
+            await client.fill(FillRequest(context_id="odd-base", token_ids=PROMPT))
+            sampling = SamplingParams(max_tokens=12, temperature=0.0, regex=f"[{odd}]{{3}}")
+            chunks = [c async for c in client.generate_stream(
+                GenerateRequest(context_id="odd", parent_context_id="odd-base", sampling=sampling))]
+            for ctx in ("odd", "odd-base"):
+                await client.free_context(ctx)
+            return chunks
+        finally:
+            await client.close()
+
+    chunks = asyncio.run(main())
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop" and len(text) == 3 and set(text) <= set("\u2028\u2029\u0085")
+
+
 @pytest.mark.parametrize("kind", ["local", "http"])
 def test_errors_map_to_parrot_errors(kind: str, engine: LLMEngine, server: EngineServer) -> None:
     async def main() -> None:
