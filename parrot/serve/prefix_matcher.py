@@ -11,7 +11,12 @@ Cuts are hierarchical: if some texts share `S` and some of those share `S + U`, 
 `len(pieces)`. A cut found only now (against a text that was added whole) is moved back to the start of
 a word or line when that keeps it at least `min_shared_chars` long, so pieces end where tokens do.
 Shared prefixes shorter than `min_shared_chars` are ignored. Costs are O(len(text)) string work per
-call (plus a bisect over the remembered texts).
+call (plus a bisect over the remembered texts, and a look-up per length of the known shared prefixes).
+
+Memory is bounded however long or many the texts (a template may hold a million characters, and the texts
+of deleted sessions stay): the remembered texts by count and by total characters, the shared prefixes by
+count and by total characters, each forgetting its least recently used first (a shared prefix is used
+when it cuts a text). Forgetting only costs cuts: the KV contexts are kept by the context manager.
 """
 
 from __future__ import annotations
@@ -38,15 +43,20 @@ def common_prefix_len(a: str, b: str) -> int:
 class PrefixMatcher:
     """Remembers leading constant texts and the prefixes they share; splits new texts at them."""
 
-    def __init__(self, min_shared_chars: int = 64, max_texts: int = 10_000) -> None:
+    def __init__(self, min_shared_chars: int = 64, max_texts: int = 10_000, max_chars: int = 8_000_000,
+                 max_shared: int = 2_048, max_shared_chars: int = 4_000_000) -> None:
         if min_shared_chars < 1:
             raise ValueError("min_shared_chars must be at least 1")
         self.min_shared_chars = min_shared_chars
-        self.max_texts = max_texts
+        self.max_texts, self.max_chars = max_texts, max_chars
+        self.max_shared, self.max_shared_chars = max_shared, max_shared_chars
         self._lock = threading.Lock()
         self._sorted: list[str] = []  # remembered texts, sorted, distinct
         self._recent: OrderedDict[str, None] = OrderedDict()  # the same texts, least recently added first
+        self._chars = 0  # their characters
         self._shared: dict[int, set[str]] = {}  # known shared prefixes by length
+        self._shared_recent: OrderedDict[str, None] = OrderedDict()  # the same, least recently used first
+        self._shared_chars = 0
 
     def __len__(self) -> int:
         return len(self._sorted)
@@ -54,7 +64,12 @@ class PrefixMatcher:
     @property
     def shared_prefixes(self) -> list[str]:
         with self._lock:
-            return sorted(p for ps in self._shared.values() for p in ps)
+            return sorted(self._shared_recent)
+
+    @property
+    def chars(self) -> int:
+        """Characters held: the remembered texts and the shared prefixes."""
+        return self._chars + self._shared_chars
 
     def _longest_common_locked(self, text: str) -> tuple[int, str | None]:
         """Longest common prefix of `text` with a remembered text other than itself (sorted neighbours)."""
@@ -82,6 +97,8 @@ class PrefixMatcher:
     def _cuts_locked(self, text: str) -> list[int]:
         cuts = {n for n, prefixes in self._shared.items()
                 if self.min_shared_chars <= n <= len(text) and text[:n] in prefixes}
+        for n in cuts:
+            self._shared_recent.move_to_end(text[:n])
         cut = self._new_cut_locked(text)
         if cut:
             cuts.add(cut)
@@ -105,12 +122,30 @@ class PrefixMatcher:
         with self._lock:
             cut = self._new_cut_locked(text)
             if cut:
-                self._shared.setdefault(cut, set()).add(text[:cut])
+                self._add_shared_locked(text[:cut])
             if text in self._recent:
                 self._recent.move_to_end(text)
                 return
             self._recent[text] = None
+            self._chars += len(text)
             bisect.insort(self._sorted, text)
-            while len(self._sorted) > self.max_texts:
+            while len(self._sorted) > self.max_texts or (self._chars > self.max_chars and len(self._sorted) > 1):
                 old, _ = self._recent.popitem(last=False)
+                self._chars -= len(old)
                 del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def _add_shared_locked(self, prefix: str) -> None:
+        if prefix in self._shared_recent:
+            self._shared_recent.move_to_end(prefix)
+            return
+        self._shared_recent[prefix] = None
+        self._shared.setdefault(len(prefix), set()).add(prefix)
+        self._shared_chars += len(prefix)
+        while len(self._shared_recent) > self.max_shared or (
+                self._shared_chars > self.max_shared_chars and len(self._shared_recent) > 1):
+            old, _ = self._shared_recent.popitem(last=False)
+            self._shared_chars -= len(old)
+            same_length = self._shared[len(old)]
+            same_length.discard(old)
+            if not same_length:
+                del self._shared[len(old)]

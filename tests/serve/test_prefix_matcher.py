@@ -82,6 +82,27 @@ def test_add_is_idempotent_and_bounded():
     assert m.split("dddd2") == ["dddd", "2"]
 
 
+def test_memory_is_bounded_by_characters():
+    """Long distinct texts (the constant text of sessions since deleted): the matcher holds at most max_chars
+    of them, and at most max_shared / max_shared_chars of the prefixes they shared, least recently used gone
+    first; a shared prefix that keeps cutting texts stays."""
+    m = PrefixMatcher(min_shared_chars=4, max_chars=10_000, max_shared=3, max_shared_chars=2_000)
+    keep = "K" * 300
+    m.add(keep + " one")
+    m.add(keep + " two")  # shares `keep`
+    for i in range(50):
+        head = f"{i:04d}" + "x" * 500
+        m.add(head + " a" + "y" * 2_000)
+        m.add(head + " b" + "z" * 2_000)  # shares a 504-character prefix with the one before
+        assert m.split(keep + " three")[0] == keep  # used: stays the most recently used
+        assert m._chars <= 10_000 and m._shared_chars <= 2_000 and len(m.shared_prefixes) <= 3
+    assert keep in m.shared_prefixes and len(m) <= 4
+    assert m.chars <= 12_000
+    recent = "0049" + "x" * 500
+    assert m.split(recent + " c") == [recent, " c"]  # the latest texts still cut
+    assert m.split("0000" + "x" * 500 + " c") == ["0000" + "x" * 500 + " c"]  # the oldest were forgotten
+
+
 words = st.sampled_from(["alpha ", "beta ", "gamma\n", "delta, ", "x", "y"])
 texts = st.lists(words, max_size=12).map("".join)
 
