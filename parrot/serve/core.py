@@ -492,12 +492,18 @@ class ParrotServeCore:
             self._progress(session)
         self._readers[var.id] = self._readers.get(var.id, 0) + 1
         session.readers += 1
+        left = False
         try:
             return await var.wait(timeout)
+        except asyncio.CancelledError:  # the client disconnected (a `timeout` is a 408 to a reader still there)
+            left = True
+            raise
         finally:
             session.readers -= 1
             session.last_access = time.monotonic()
             self._unread(var)
+            if left and var.is_pending:
+                self.cancel_var(session, var, "its reader disconnected")
 
     def stream_var(self, session: Session, var_id: str, criterion: Criterion) -> AsyncIterator[str]:
         """Text deltas of the variable as it is generated. A reader that stops before the end (a client that
@@ -541,20 +547,26 @@ class ParrotServeCore:
 
     def cancel_var(self, session: Session, var: SemanticVariable, why: str) -> bool:
         """Cancel the generation producing `var` if nothing else needs it: a queued task leaves the queue, a
-        running one is aborted on its engine (its KV is freed); `var` fails with an `aborted` reason. True
-        when a generation was cancelled."""
+        running one is aborted on its engine (its KV is freed); `var` fails with an `aborted` reason. Where
+        `var`'s own call has not started (it waits for its inputs), it is just not needed now, and the calls
+        computing those inputs are cancelled so in turn (a chain's upstream). True when a generation was
+        cancelled."""
         if not var.is_pending or self.still_needed(session, var):
             return False
         chain = next((c for c in session.executor.graph.chains if c.output_var is var), None)
         task = self._chain_tasks.get(chain.id) if chain is not None else None
-        if task is None:
-            if chain is not None and not chain.started:  # not runnable yet: just no longer needed
-                session.executor.criteria.pop(chain.id, None)
-            if chain is not None and chain.id in self._tokenizing:  # its long prompt is being tokenized
-                self._tokenizing[chain.id] = f"aborted: {why}"
-                return True
-            return False
-        return self._cancel_task(task, f"aborted: {why}")
+        if task is not None:
+            return self._cancel_task(task, f"aborted: {why}")
+        if chain is not None and chain.id in self._tokenizing:  # its long prompt is being tokenized
+            self._tokenizing[chain.id] = f"aborted: {why}"
+            return True
+        # not runnable yet (its inputs are computed) or a native call's output: nothing needs what computes it
+        # now, and what computes their inputs is cancelled in turn unless something else needs it
+        cancelled = False
+        for dep in session.executor.unneed(var, lambda v: self.still_needed(session, v)):
+            if dep.is_pending:
+                cancelled = self.cancel_var(session, dep, f"nothing needs it now ({why})") or cancelled
+        return cancelled
 
     def _cancel_task(self, task: CompletionTask, reason: str) -> bool:
         rec: _TaskRecord = task.payload

@@ -93,6 +93,21 @@ class GraphExecutor:
             for chain in perf.deduce(self.graph, v, criterion, self.criteria):
                 stack.extend(chain.dependency_vars)
 
+    def unneed(self, var: SemanticVariable, still_needed: Callable[[SemanticVariable], bool]) -> list[SemanticVariable]:
+        """`need`'s undoing, one step: nothing needs `var` now (its reader left), so neither does the chain that
+        computes it (not started) or its native call (not run, and no other of its outputs `still_needed`).
+        Returns their inputs, which may be needed no more in turn."""
+        upstream: list[SemanticVariable] = []
+        for chain in self.graph.chains:
+            if chain.output_var is var and not chain.started and self.criteria.pop(chain.id, None) is not None:
+                upstream += chain.dependency_vars
+        native = self._native_of.get(var.id)
+        if native is not None and native.needed and not native.done and \
+                not any(still_needed(v) for v in native.outputs.values() if v is not var):
+            native.needed = False
+            upstream += native.inputs.values()
+        return upstream
+
     def ready(self) -> tuple[list[tuple[CompletionChain, Criterion]], list[NativeNode]]:
         """Needed chains whose inputs are all ready (marked started), and runnable native calls."""
         chains = []

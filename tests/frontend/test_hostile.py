@@ -339,6 +339,38 @@ def test_variable_stream_disconnect_cancels_unless_another_reader_needs_it(engin
         assert core.aborts == 1
 
 
+@pytest.mark.parametrize("how", ["stream", "long-poll"])
+def test_a_reader_that_leaves_cancels_the_calls_upstream(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch,
+                                                         how: str) -> None:
+    """a -> b, and a client reads b: it leaves (a stream closed, a long-poll given up) while a generates. a is
+    aborted, not run for nobody (a reader that comes back for b learns it failed with it). A server-side
+    `timeout` (408) is a reader still there: nothing is cancelled."""
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        slow_steps(engine, monkeypatch, 0.002, until=lambda: core.aborts >= 1)
+        sid, auth = new_session(c)
+        long = {"max_tokens": 300, "ignore_eos": True}
+        a = _call(c, sid, auth, "Write: {{a}}", [{"name": "a", "is_output": True, "sampling_config": long}])["a"]
+        b = _call(c, sid, auth, "Then {{a}} and {{b}}", [{"name": "a", "var_id": a},
+                                                          {"name": "b", "is_output": True,
+                                                           "sampling_config": {"max_tokens": 4}}])["b"]
+        r = c.get(f"/v1/semantic_var/{b}", params={"session_id": sid, "timeout": 0.2}, headers=auth)
+        assert r.status_code == 408
+        wait_until(lambda: engine.ping().running == 1, 10, "a to start")
+        assert core.aborts == 0  # the 408's reader may poll again: a runs on
+        if how == "stream":
+            with httpx.stream("GET", f"{url}/v1/semantic_var/{b}/stream", params={"session_id": sid}, headers=auth,
+                              timeout=60) as r:
+                assert r.status_code == 200  # and the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.get(f"{url}/v1/semantic_var/{b}", params={"session_id": sid}, headers=auth, timeout=0.3)
+        wait_until(lambda: core.aborts == 1 and engine.ping().running == 0, 10, "a to be aborted")
+        r = c.get(f"/v1/semantic_var/{a}", params={"session_id": sid, "timeout": 5}, headers=auth)
+        assert r.status_code == 424 and "aborted: nothing needs it now" in r.json()["detail"], r.text
+        r = c.get(f"/v1/semantic_var/{b}", params={"session_id": sid, "timeout": 5}, headers=auth)
+        assert r.status_code == 424 and "aborted" in r.json()["detail"], r.text  # its input failed: explicit
+
+
 def test_deleting_a_session_aborts_its_generations(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """DELETE /v1/session/{id} while its call generates: the generation is aborted on the engine (its KV freed),
     not run to its end for nobody, and what waits on it is answered."""
