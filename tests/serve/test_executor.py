@@ -40,3 +40,27 @@ def test_a_failed_input_fails_the_pending_natives_and_retires_them() -> None:
     ex.fail_downstream(lambda v, why: failed.append((v.id, why)))
     assert failed and failed[0][0] == "out0" and "upstream broke" in failed[0][1]
     assert node.done and ex.natives == [] and ex.native_history == [node]
+
+
+def test_unneed_undoes_need_one_step() -> None:
+    """A reader of a native call's output left: the call is not needed now (it does not run once its input is
+    ready) and its input is handed back, to be un-needed in turn; a call with another output still needed
+    stays needed."""
+    ex = GraphExecutor()
+    src = SemanticVariable("src", "src", "s")
+    node = _native(ex, 0, src)
+    out = node.outputs["output"]
+    ex.need(out, "latency")
+    assert node.needed
+    assert ex.unneed(out, lambda v: False) == [src] and not node.needed
+    src.set("hello")
+    assert ex.ready()[1] == []  # not needed: not run
+    ex.need(out, "latency")  # a reader came back
+    assert ex.ready()[1] == [node]
+
+    other = SemanticVariable("other", "other", "s")
+    two = NativeNode(validate_call("upper", None, ["text"], ["output"]), {"text": other},
+                     {"output": SemanticVariable("a", "a", "s"), "more": SemanticVariable("b", "b", "s")}, "r9")
+    ex.add_native(two)
+    ex.need(two.outputs["output"], "latency")
+    assert ex.unneed(two.outputs["output"], lambda v: v is two.outputs["more"]) == [] and two.needed
