@@ -7,7 +7,8 @@ not support, is a 400 with the matcher's message, and a pathological one cannot 
 no output satisfies (a regex of an empty class, a schema or rule defined only by itself) is found by a
 matcher over a byte-level vocabulary and refused as well. The
 engines compile the same grammar against their vocabulary when the generate arrives (and would refuse
-it there too). Results are cached, so a schema used again costs nothing.
+it there too). Results are cached, so a schema used again costs nothing: the latest 1024, keyed by a digest of
+the constraint's text (a schema may be megabytes: the cache holds no schema, only each one's short answer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from parrot.engine.structured import matcher_error
@@ -24,6 +28,8 @@ from parrot.errors import InvalidRequestError
 from parrot.protocol import SamplingParams
 
 CHECK_TIMEOUT_S = 10.0
+CACHED = 1024  # answers kept
+MAX_MESSAGE = 2000  # characters of a matcher's message kept (it may quote the constraint)
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="parrot-constraint")
 
 
@@ -35,7 +41,34 @@ def constraint_of(params: SamplingParams) -> tuple[str, str] | None:
     return field, json.dumps(getattr(params, field), sort_keys=True, ensure_ascii=False)
 
 
-@functools.lru_cache(maxsize=1024)
+class _Answers:
+    """`_problem`'s answers by (field, digest of the text), least recently used forgotten first."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._answers: OrderedDict[tuple[str, bytes], str | None] = OrderedDict()
+
+    def get(self, field: str, value_json: str) -> str | None:
+        key = (field, hashlib.sha256(value_json.encode("utf-8", "surrogatepass")).digest())
+        with self._lock:
+            if key in self._answers:
+                self._answers.move_to_end(key)
+                return self._answers[key]
+        answer = _problem(field, value_json)  # (outside the lock: two threads may compute one answer twice)
+        with self._lock:
+            self._answers[key] = answer
+            while len(self._answers) > self.size:
+                self._answers.popitem(last=False)
+        return answer
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+
+_answers = _Answers(CACHED)
+
+
 def _problem(field: str, value_json: str) -> str | None:
     """The matcher's message for an invalid constraint, or None when it is valid."""
     try:
@@ -60,7 +93,10 @@ def _problem(field: str, value_json: str) -> str | None:
                 message = matcher_error(matcher.get_error())
     except (ValueError, TypeError, RuntimeError) as exc:
         message = str(exc)
-    return f"invalid {field}: {message.strip()}" if message else None
+    if not message:
+        return None
+    message = message.strip()
+    return f"invalid {field}: {message[:MAX_MESSAGE]}{' ...' if len(message) > MAX_MESSAGE else ''}"
 
 
 @functools.cache
@@ -76,7 +112,7 @@ def _byte_tokenizer() -> Any:
 def check(params: SamplingParams) -> None:
     """Raise InvalidRequestError with the matcher's message if the constraint is invalid (blocking)."""
     key = constraint_of(params)
-    if key is not None and (problem := _problem(*key)) is not None:
+    if key is not None and (problem := _answers.get(*key)) is not None:
         raise InvalidRequestError(problem)
 
 

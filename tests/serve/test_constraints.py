@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -33,3 +34,20 @@ def test_invalid_is_refused_with_the_matchers_message(kw, message) -> None:  # n
 def test_time_limit() -> None:
     with pytest.raises(InvalidRequestError, match="took longer"):
         asyncio.run(validate(SamplingParams(regex="x" + "a" * 50 + "y"), timeout_s=0.0))
+
+
+def test_answers_are_kept_by_digest_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache holds the latest answers, keyed by a digest (not the constraint's text, which may be megabytes),
+    least recently used forgotten first."""
+    from parrot.serve import constraints
+
+    computed: list[str] = []
+    real = constraints._problem
+    monkeypatch.setattr(constraints, "_problem", lambda f, v: computed.append(v) or real(f, v))
+    answers = constraints._Answers(2)
+    big = [json.dumps({"type": "string", "pattern": f"^{i}" + "x" * 100_000}) for i in range(3)]
+    for value in (big[0], big[1], big[0], big[2], big[0], big[1]):
+        assert answers.get("json_schema", value) is None  # valid
+    assert len(answers) == 2 and len(computed) == 4  # big[0] stayed (used), big[1] was forgotten and computed again
+    assert all(len(repr(k)) < 200 for k in answers._answers)  # digests, not texts
+    assert answers.get("regex", json.dumps("[")).startswith("invalid regex")
