@@ -254,6 +254,7 @@ class ServeConfig:
     # engines
     dead_after_s: float = 5.0  # an engine silent this long is dead; its tasks run elsewhere
     monitor_interval_s: float = 1.0  # how often engines are pinged / their heartbeats checked
+    forget_dead_engine_s: float = 600.0  # a remote engine dead this long is forgotten (it registers again if back)
     overload_retries: int = 20  # a task refused for KV space (kv_cache_full) is retried this often ...
     overload_backoff_s: float = 0.5  # ... this long apart, on the least loaded engine
     free_context_retries: int = 120  # freeing a context still in use is retried this often ...
@@ -273,7 +274,7 @@ class ServeConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("session_ttl_s", "dispatch_tick_s", "evict_every_s", "dead_after_s", "monitor_interval_s",
-                     "transform_timeout_s"):
+                     "transform_timeout_s", "forget_dead_engine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.prefix_checkpoint_tokens < 0 or self.prefix_checkpoint_tokens % self.prefix_block_tokens:

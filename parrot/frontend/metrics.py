@@ -43,7 +43,7 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_process_up{engine} / parrot:engine_process_restarts_total{engine}   the engine processes
                                          `parrot serve --engines N` started: running (1) or not, restarts
   parrot:overload_retries_total          tasks re-queued after an engine had no KV space for them
-  parrot:engine_deaths_total{engine}     times each engine was taken for dead
+  parrot:engine_deaths_total{engine}     times each engine was taken for dead (gone with an engine forgotten)
   parrot:redispatched_tasks_total        unfinished tasks of dead engines run again on the others
   parrot:serve_first_primitive_seconds   the serve layer's own time per task (parrot/serve/serve_time.py):
                                          ready -> its first engine primitive sent

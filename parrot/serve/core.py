@@ -314,6 +314,11 @@ class ParrotServeCore:
         self._inflight_prefix: dict[tuple[str, tuple[int, ...]], tuple[CachedContext | None, asyncio.Future]] = {}
         self._background: set[asyncio.Task] = set()
         self.engines.on_engine_dead(self._on_engine_dead)
+        self.engines.on_engine_back(self._on_engine_back)
+        self.engines.on_engine_forgotten(self._on_engine_forgotten)
+        # contexts on engines taken for dead, by engine: a death that was a slip (a late heartbeat, a slow ping)
+        # leaves the engine holding them, and they are freed when it is live again
+        self._orphans: dict[str, set[str]] = {}
         self._expiry: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # native functions run here, never on the event loop (a slow transform must not stall the server)
@@ -342,7 +347,8 @@ class ParrotServeCore:
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()  # the loop every coroutine of the core runs on
-        self.engines.start_monitor(interval=self.config.monitor_interval_s, dead_after=self.dead_after)
+        self.engines.start_monitor(interval=self.config.monitor_interval_s, dead_after=self.dead_after,
+                                   forget_after=self.config.forget_dead_engine_s)
         self._expiry = asyncio.create_task(self._expire_sessions())
         self._spawn(self._tick())
         if self.config.stats_log_interval_s:
@@ -436,10 +442,12 @@ class ParrotServeCore:
         await self._free_context_id(ctx.engine, ctx.context_id)
 
     async def _free_context_id(self, engine: str, context_id: str) -> None:
-        client = self.engines.get(engine) if self.engines.is_live(engine) else None
+        if not self.engines.is_live(engine):  # freed if the engine is live again (`_on_engine_back`)
+            if engine in self.engines:
+                self._orphans.setdefault(engine, set()).add(context_id)
+            return
+        client = self.engines.get(engine)
         for _ in range(self.config.free_context_retries):  # a context still generating is freed once it ends
-            if client is None:
-                return
             try:
                 await client.free_context(context_id)
                 return
@@ -887,8 +895,7 @@ class ParrotServeCore:
             rec.done(text, ids, len(task.tokens), cached, finish, stop_reason)
             if timer is not None:
                 timer.finish(len(task.tokens), len(ids), finish)
-        except EngineUnavailableError as exc:
-            gen_id = None  # the engine is gone, and its contexts with it
+        except EngineUnavailableError as exc:  # (its generate's context is freed if the engine is live again)
             log.warning("engine %s failed during task %s (%s): re-dispatching", engine, task.task_id, exc)
             self.engines.mark_dead(engine, str(exc))
             self._engine_gone(engine)
@@ -1280,9 +1287,22 @@ class ParrotServeCore:
         self.engine_deaths[name] += 1  # once per death (the manager calls back once per live -> dead)
         self._engine_gone(name)
 
+    async def _on_engine_back(self, name: str, same_run: bool) -> None:
+        """A dead engine is live again: free what it may still hold (the same run), or nothing (a new run)."""
+        orphans = self._orphans.pop(name, set())
+        if same_run and orphans:
+            log.info("freeing %d context(s) engine %s held when it was taken for dead", len(orphans), name)
+            for context_id in orphans:
+                self._spawn(self._free_context_id(name, context_id))
+
+    async def _on_engine_forgotten(self, name: str) -> None:
+        self.engine_deaths.pop(name, None)
+        self._orphans.pop(name, None)
+
     def _engine_gone(self, name: str) -> None:
         """Forget the engine's contexts and run its unfinished tasks elsewhere."""
-        self.contexts.release_engine(name)
+        for ctx in self.contexts.release_engine(name):
+            self._orphans.setdefault(name, set()).add(ctx.context_id)
         requeued = self.scheduler.engine_dead(name)
         self.redispatched += len(requeued)
         if requeued:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -444,6 +445,7 @@ class HttpEngineClient(EngineClient):
 
 # ---- the manager --------------------------------------------------------------------------------------
 DeadCallback = Callable[[str], Awaitable[None]]
+BackCallback = Callable[..., Awaitable[None]]  # (name, same_run=bool)
 
 
 @dataclass
@@ -477,12 +479,17 @@ class EngineManager:
     monitor every `interval`. An engine is dead when nothing arrived for `dead_after` seconds, when a local
     ping says its loop is dead, or when a caller reports it (`mark_dead`). Each live -> dead transition, and
     a re-registration of a live engine (it restarted: its contexts are gone), calls every `on_engine_dead`
-    callback once, as tasks. A dead engine that heartbeats (and answers a ping) or pings fine is live again.
+    callback once, as tasks. A dead engine that heartbeats (and answers a ping) or pings fine is live again,
+    and so is one that registers again: either calls every `on_engine_back` callback (with whether it is the
+    same run, which may still hold what it held). A remote engine dead for `forget_after` seconds is forgotten
+    (its client closed, `on_engine_forgotten` called): names of engines long gone do not pile up.
     """
 
     def __init__(self, *, client_kwargs: dict[str, object] | None = None) -> None:
         self._entries: dict[str, _Entry] = {}
         self._callbacks: list[DeadCallback] = []
+        self._back_callbacks: list[BackCallback] = []
+        self._forgotten_callbacks: list[DeadCallback] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._monitor: asyncio.Task[None] | None = None
         self._incarnations = 0
@@ -502,6 +509,7 @@ class EngineManager:
             if old.live:
                 log.warning("engine %r registered again while live: treating its previous run as dead", client.name)
                 self._fire(client.name)
+            self._fire_back(client.name, False)
         log.info("engine %r registered (%s, model %s, max context %d)", client.name, client.url or "in process",
                  client.model, client.max_context_len)
         return client
@@ -522,6 +530,10 @@ class EngineManager:
 
     def get(self, name: str) -> EngineClient:
         return self._entry(name).client
+
+    def __contains__(self, name: object) -> bool:
+        """Whether an engine is registered under `name` (live or not)."""
+        return name in self._entries
 
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
@@ -562,6 +574,15 @@ class EngineManager:
     def _revive(self, name: str, entry: _Entry, how: str) -> None:
         log.warning("engine %r is live again (%s; it was dead: %s)", name, how, entry.reason)
         entry.live, entry.reason = True, None
+        self._fire_back(name, True)
+
+    def _forget(self, name: str, entry: _Entry) -> None:
+        log.info("engine %r forgotten: dead since %.0f s (%s)", name, time.monotonic() - entry.last_seen,
+                 entry.reason)
+        del self._entries[name]
+        self._spawn(entry.client.close())
+        for cb in self._forgotten_callbacks:
+            self._spawn(self._run_callback(cb, name))
 
     def is_live(self, name: str) -> bool:
         entry = self._entries.get(name)
@@ -613,9 +634,24 @@ class EngineManager:
         self._callbacks.append(callback)
         return callback
 
+    def on_engine_back(self, callback: BackCallback) -> BackCallback:
+        """`await callback(name, same_run)` when a dead engine is live again (`same_run`: the run that was taken
+        for dead, which may still hold its contexts) or an engine registers again (a new run: they are gone)."""
+        self._back_callbacks.append(callback)
+        return callback
+
+    def on_engine_forgotten(self, callback: DeadCallback) -> DeadCallback:
+        """`await callback(name)` when an engine dead for `forget_after` seconds is forgotten."""
+        self._forgotten_callbacks.append(callback)
+        return callback
+
     def _fire(self, name: str) -> None:
         for cb in self._callbacks:
             self._spawn(self._run_callback(cb, name))
+
+    def _fire_back(self, name: str, same_run: bool) -> None:
+        for cb in self._back_callbacks:
+            self._spawn(self._run_callback(functools.partial(cb, same_run=same_run), name))
 
     async def _run_callback(self, cb: DeadCallback, name: str) -> None:
         try:
@@ -640,8 +676,9 @@ class EngineManager:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # ---- the monitor ----------------------------------------------------------------------------
-    async def check(self, dead_after: float = 5.0) -> None:
-        """One monitor sweep: ping the pinged engines (concurrently), then mark the silent ones dead."""
+    async def check(self, dead_after: float = 5.0, forget_after: float | None = None) -> None:
+        """One monitor sweep: ping the pinged engines (concurrently), then mark the silent ones dead, and forget
+        the remote ones dead for `forget_after` seconds."""
         pinged = [(name, e) for name, e in self._entries.items() if not e.heartbeats]
         results = await asyncio.gather(*(self._ping(e, dead_after) for _, e in pinged), return_exceptions=True)
         for (name, entry), res in zip(pinged, results, strict=True):
@@ -660,12 +697,17 @@ class EngineManager:
             if entry.live and now - entry.last_seen > dead_after:
                 what = "heartbeat" if entry.heartbeats else "successful ping"
                 self.mark_dead(name, f"no {what} for {now - entry.last_seen:.1f}s")
+            elif forget_after is not None and not entry.live and entry.heartbeats and \
+                    now - entry.last_seen > forget_after:
+                self._forget(name, entry)  # (one that comes back registers again, on its heartbeat's 404)
 
     async def _ping(self, entry: _Entry, timeout: float) -> RuntimeInfo:
         return await asyncio.wait_for(entry.client.ping(), timeout)
 
-    def start_monitor(self, interval: float = 1.0, dead_after: float = 5.0) -> asyncio.Task[None]:
-        """Run `check(dead_after)` every `interval` seconds in a background task (in the running loop)."""
+    def start_monitor(self, interval: float = 1.0, dead_after: float = 5.0,
+                      forget_after: float | None = None) -> asyncio.Task[None]:
+        """Run `check(dead_after, forget_after)` every `interval` seconds in a background task (in the running
+        loop)."""
         if self._monitor is not None and not self._monitor.done():
             return self._monitor
         # a restarted monitor must not count the time it was off against anyone
@@ -676,7 +718,7 @@ class EngineManager:
         async def loop() -> None:
             while True:
                 try:
-                    await self.check(dead_after)
+                    await self.check(dead_after, forget_after)
                 except asyncio.CancelledError:
                     raise
                 except Exception:

@@ -371,6 +371,24 @@ def test_a_reader_that_leaves_cancels_the_calls_upstream(engine: LLMEngine, monk
         assert r.status_code == 424 and "aborted" in r.json()["detail"], r.text  # its input failed: explicit
 
 
+def test_what_an_engine_held_when_taken_for_dead_is_freed_once_it_is_back(engine: LLMEngine) -> None:
+    """A death that was a slip (a late ping): the core forgot the engine's contexts, but the engine still holds
+    them; once it answers again they are freed there, not kept for good."""
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        before = engine.ping().num_contexts
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello " * 20, "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert engine.ping().num_contexts > before  # its prompt's prefix stays cached
+        assert core.loop is not None
+        core.loop.call_soon_threadsafe(core.engines.mark_dead, "local", "no successful ping for 5.2s")
+        wait_until(lambda: not core.engines.is_live("local"), 10, "the engine to be taken for dead")
+        wait_until(lambda: core.engines.is_live("local"), 10, "the engine to answer pings again")
+        wait_until(lambda: engine.ping().num_contexts == before, 10, "what it held to be freed")
+        assert not core._orphans and core.contexts.contexts() == []
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello " * 20, "max_tokens": 3})
+        assert r.status_code == 200, r.text  # and it serves on
+
+
 def test_deleting_a_session_aborts_its_generations(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """DELETE /v1/session/{id} while its call generates: the generation is aborted on the engine (its KV freed),
     not run to its end for nobody, and what waits on it is answered."""

@@ -432,6 +432,50 @@ def test_manager_bookkeeping(caplog: pytest.LogCaptureFixture) -> None:
     asyncio.run(main())
 
 
+def test_engines_back_and_engines_long_dead_are_told_and_forgotten() -> None:
+    """`on_engine_back` says whether the same run is back (it may still hold its contexts) or a new one
+    registered; a remote engine dead for `forget_after` seconds is forgotten (client closed, callback), so the
+    names of engines long gone do not pile up; its next heartbeat is a 404 (it registers again). In-process
+    engines are kept."""
+    async def main() -> None:
+        mgr = EngineManager()
+        back: list[tuple[str, bool]] = []
+        forgotten: list[str] = []
+
+        @mgr.on_engine_back
+        async def on_back(name: str, same_run: bool) -> None:
+            back.append((name, same_run))
+
+        @mgr.on_engine_forgotten
+        async def on_forgotten(name: str) -> None:
+            forgotten.append(name)
+
+        a, local = FakeClient("a"), FakeClient("local", url=None)
+        mgr.register(a, heartbeats=True)
+        mgr.register(local)
+        mgr.mark_dead("a", "slow")
+        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))  # a slip: the same run
+        mgr.register_remote(EngineRegistration(name="a", url="http://127.0.0.1:1", model="m", max_context_len=64))
+        await mgr.drain()
+        assert back == [("a", True), ("a", False)] and "a" in mgr
+
+        mgr.mark_dead("a", "gone")
+        local.up = False
+        await mgr.check(dead_after=5.0, forget_after=60.0)
+        assert "a" in mgr and forgotten == []  # not long enough
+        for name in ("a", "local"):
+            mgr._entries[name].last_seen -= 61
+        await mgr.check(dead_after=5.0, forget_after=60.0)
+        await mgr.drain()
+        assert forgotten == ["a"] and "a" not in mgr and "local" in mgr
+        assert [s.name for s in mgr.status()] == ["local"]
+        with pytest.raises(NotFoundError):
+            await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))
+        await mgr.close()
+
+    asyncio.run(main())
+
+
 class ServeCore:
     """The serve core's engine routes on a real uvicorn server, in the test's event loop."""
 
