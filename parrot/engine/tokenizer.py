@@ -273,9 +273,12 @@ class IncrementalDetokenizer:
         prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
         full = self.tokenizer.decode(self.ids[self._prefix :])
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
-            return "", False  # incomplete UTF-8 sequence or nothing printable yet
+            return "", False  # incomplete UTF-8 sequence (or a U+FFFD of its own: `flush` tells) or nothing yet
+        return self._take(full[len(prefix_text) :])
+
+    def _take(self, piece: str) -> tuple[str, bool]:
+        """`piece`, the text of the ids not yet reflected, joins the text; returns what `add` does."""
         old_len = len(self.text)
-        piece = full[len(prefix_text) :]
         self.text += piece
         self._prefix, self._read = self._read, len(self.ids)
         # a stop string may straddle deltas (each matcher carries what of it ended the text); earliest wins
@@ -294,7 +297,15 @@ class IncrementalDetokenizer:
         return delta, False
 
     def flush(self) -> str:
-        """Everything not yet emitted (call when the generation ends)."""
-        delta = self.text[self.emitted :]
+        """Everything not yet emitted (call when the generation ends). Ids still held back as the start of a
+        character are decoded now: a U+FFFD the model generated (or the rest of a character max_tokens cut,
+        decoded as U+FFFD) ends the text, as a decode of all the ids has it."""
+        start = self.emitted
+        if not self.cut and self._read < len(self.ids):
+            prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
+            full = self.tokenizer.decode(self.ids[self._prefix :])
+            if len(full) > len(prefix_text):
+                self._take(full[len(prefix_text) :])  # (a stop string it completes cuts the text there)
+        delta = self.text[start:]
         self.emitted = len(self.text)
         return delta

@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FILL_ERROR_WAIT_S = 5.0  # how long a generate that found no parent waits for the failing fill's reason
 INLINE_TOKENIZE_CHARS = 1 << 16  # a semantic call's prompt longer than this is tokenized on a worker thread
+EMPTY_TOKENS = ("the prompt is empty: its text has no token in the model's vocabulary (characters the tokenizer "
+                "drops, such as some control characters)")
 
 
 @dataclass(eq=False)
@@ -1216,6 +1218,8 @@ class ParrotServeCore:
                                  f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
         token_pieces = self.prompt_tokens(pieces) if tokens is None else tokens
         flat = [t for piece in token_pieces for t in piece]
+        if not flat:
+            raise InvalidRequestError(EMPTY_TOKENS)
         owner = f"completion-{uuid.uuid4().hex[:12]}"
         boundaries, owners, n = [], [], 0
         for i, piece in enumerate(token_pieces):
@@ -1242,7 +1246,10 @@ class ParrotServeCore:
         if all(isinstance(p, str) for p in pieces):
             if not "".join(pieces):  # type: ignore[arg-type]
                 raise InvalidRequestError("the prompt is empty")
-            return self.tokenizers.encode_pieces(self.model, pieces)  # type: ignore[arg-type]
+            encoded = self.tokenizers.encode_pieces(self.model, pieces)  # type: ignore[arg-type]
+            if not any(encoded):
+                raise InvalidRequestError(EMPTY_TOKENS)
+            return encoded
         if not all(isinstance(p, list | tuple) for p in pieces):
             raise InvalidRequestError("a prompt's pieces are all text or all token ids, not both")
         token_pieces = [list(p) for p in pieces]

@@ -97,14 +97,25 @@ def test_deltas_property(tok: Tokenizer, text: str) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(0, 49151), max_size=30))
 def test_arbitrary_ids_never_emit_more_than_decode(tok: Tokenizer, ids: list[int]) -> None:
-    """Whatever ids the model produces (invalid UTF-8 included), the deltas form the decoded text,
-    minus at most a trailing incomplete character."""
+    """Whatever ids the model produces (invalid UTF-8 included), the deltas form the decoded text, minus at most
+    a trailing incomplete character, which the end of the generation (`flush`) adds as the decode has it."""
     deltas, _, _, detok = stream(tok, ids)
     full = tok.decode(ids)
     assert "".join(deltas) == detok.text
     assert full.startswith(detok.text)
     if not full.endswith("\ufffd"):
         assert detok.text == full
+    tail = detok.flush()
+    assert "".join(deltas) + tail == detok.text == full
+
+
+def test_a_generated_replacement_character_ends_the_text(tok: Tokenizer) -> None:
+    """U+FFFD is also a character of its own (a constraint's choice may end with it): held back while it may be
+    the start of a multi-byte character, it is text once the generation ends."""
+    for text in ("A\ufffd", "\ufffd", "x\ufffd\ufffd"):
+        ids = tok.encode(text)
+        deltas, _, hit, detok = stream(tok, ids)
+        assert not hit and "".join(deltas) + detok.flush() == detok.text == text
 
 
 # ---- stop strings -------------------------------------------------------------------------------

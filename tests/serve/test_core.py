@@ -579,3 +579,16 @@ def test_a_sampled_task_re_run_elsewhere_goes_on_where_it_stopped_or_fails(ignor
         assert isinstance(result, ParrotError) and "did not repeat" in str(result)
     else:
         assert streamed == result.text and len(result.text) == 6 and result.finish_reason == "length"
+
+
+@pytest.mark.model
+def test_a_prompt_of_no_token_is_refused(smollm) -> None:  # noqa: ANN001
+    """SmolLM2's vocabulary has no token for some control characters (0x1d, 0x04, ...): a prompt of only those
+    is a 400 when it arrives, not an internal error once it runs."""
+    tokenizers = TokenizerManager()
+    tokenizers.register("smollm2", smollm.tokenizer)
+    core = ParrotServeCore(model="smollm2", tokenizers=tokenizers)
+    for prompt in (["\x1d"], ["\x04\x06"], ["\x1d", "\x04"]):
+        with pytest.raises(InvalidRequestError, match="no token in the model's vocabulary"):
+            core.prompt_tokens(prompt)
+    assert core.prompt_tokens(["\x1dhi"])[0]
