@@ -42,6 +42,7 @@ from parrot.errors import (
 from parrot.frontend.disconnects import while_connected
 from parrot.frontend.openai_api import frontend_routes
 from parrot.frontend.openai_tokens import TOKEN_PATHS, token_routes
+from parrot.frontend.text_body import TextBodyRoute
 from parrot.frontend.ui import ui_routes
 from parrot.protocol import (
     CallCreated,
@@ -217,6 +218,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
             await core.stop()
 
     app = FastAPI(title="Parrot", lifespan=lifespan)
+    app.router.route_class = TextBodyRoute  # the REST routes' bodies are read as Unicode (lone surrogates: U+FFFD)
     api_key = core.config.api_key
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics

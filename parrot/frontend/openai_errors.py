@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from parrot.errors import NotFoundError, ParrotError, RateLimitError, code_of
+from parrot.frontend.text_body import TextBodyRoute
 from parrot.serve.engines import EngineUnavailableError
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
     return OpenAIError(400, "; ".join(dict.fromkeys(parts)) or "invalid request", param=param)
 
 
-class OpenAIRoute(APIRoute):
-    """Routes whose errors (validation included) come out in the OpenAI error shape."""
+class OpenAIRoute(TextBodyRoute):
+    """Routes whose errors (validation included) come out in the OpenAI error shape (and whose JSON bodies are
+    read as Unicode: `TextBodyRoute`)."""
 
     def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
         handler = super().get_route_handler()

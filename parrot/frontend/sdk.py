@@ -310,6 +310,10 @@ class VirtualMachine:
         return client
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
+        if "json" in kw:  # escaped to ASCII: a lone surrogate (a file name read with surrogateescape, say) is sent
+            # as "\udcff", which the server reads as U+FFFD, where httpx's UTF-8 encoding of the body would raise
+            kw["content"] = json.dumps(kw.pop("json")).encode()
+            kw["headers"] = {**kw.get("headers", {}), "Content-Type": "application/json"}
         try:
             response = self._sync().request(method, path, **kw)
         except httpx.TransportError as exc:

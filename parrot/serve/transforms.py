@@ -22,6 +22,7 @@ from typing import Any, Literal
 import regex
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from parrot.engine.tokenizer import encodable
 from parrot.errors import InvalidRequestError, ParrotError
 
 MAX_OUTPUT_CHARS = 1_000_000  # per output; ~1 MB of ASCII text
@@ -481,7 +482,7 @@ def run_transform(call: TransformCall, inputs: Mapping[str, str], ctx: Transform
                 f"{call.name}: output {name!r} is {len(value)} characters, more than the limit of "
                 f"{ctx.max_output_chars}"
             )
-        result[name] = value
+        result[name] = encodable(value)  # (JSON's "\ud800" parses to a lone surrogate, which no UTF-8 writer takes)
     return result
 
 
