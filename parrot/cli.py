@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -318,6 +319,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            prefix_sharing=not args.no_prefix_sharing,
                            app_aware=not args.no_app_awareness,
                            api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
+                           engine_key=args.engine_key if args.engine_key is not None
+                           else os.environ.get("PARROT_ENGINE_KEY"),
                            max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
                            transform_timeout_s=args.transform_timeout, session_ttl_s=args.session_ttl)
@@ -518,12 +521,13 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     if args.chat_template is not None:
         core.tokenizers.register(args.model, core.tokenizers.get(args.model).with_chat_template(args.chat_template))
     processes = None
+    if engine_cmds and core.config.engine_key is None:  # its own engines' key: no client can register an engine
+        core.config.engine_key = secrets.token_urlsafe(32)
     server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, args.tls,
                          on_shutdown=core.drain)
     if engine_cmds:
         env = dict(os.environ)
-        if core.config.api_key is not None:  # the engines register with this core: they need its key
-            env["PARROT_API_KEY"] = core.config.api_key
+        env["PARROT_ENGINE_KEY"] = core.config.engine_key  # the engines register with this core: they need its key
         def exited(name: str, code: int) -> None:  # on the watcher thread: the core acts on its own loop
             loop = core.loop  # set once the server runs
             if loop is not None and not loop.is_closed():
@@ -647,8 +651,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--name", default=None, help="engine name at the serve core (default: HOSTNAME-PORT)")
     e.add_argument("--advertise-url", default=None,
                    help="URL the serve core reaches this engine at (default: http://HOST:PORT)")
-    e.add_argument("--serve-core-api-key", default=os.environ.get("PARROT_API_KEY"),
-                   help="the serve core's API key, sent when registering (default: $PARROT_API_KEY)")
+    e.add_argument("--serve-core-api-key",
+                   default=os.environ.get("PARROT_ENGINE_KEY", os.environ.get("PARROT_API_KEY")),
+                   help="the serve core's engine key (its --engine-key), or its API key where it has none, sent when "
+                        "registering and with each heartbeat (default: $PARROT_ENGINE_KEY, else $PARROT_API_KEY)")
     e.add_argument("--exit-with-parent", type=POSITIVE, metavar="PID", default=None,
                    help="stop (as on SIGTERM) once process PID is no longer this one's parent (`parrot serve "
                         "--engines N` passes its own: its engine processes end with it, even if it is killed)")
@@ -673,6 +679,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics, /version and "
                         "/ui (default: $PARROT_API_KEY; session tokens then go in X-Session-Token)")
+    v.add_argument("--engine-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the engines' routes (/v1/engine/register, /heartbeat) "
+                        "instead of the API key, so that clients holding the API key cannot register an engine "
+                        "(default: $PARROT_ENGINE_KEY; --engines N makes one of its own); engines send it with "
+                        "--serve-core-api-key")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names the OpenAI API serves the model under, each a card in /v1/models; an answer names "
                         "the request's model where it is one of them, else the first (default: --model as given); "

@@ -225,6 +225,9 @@ class ServeConfig:
     retry_after_s: int = 1  # the Retry-After of a 429
     allowed_origins: tuple[str, ...] = ()  # web pages of these origins may call the API from a browser (CORS; "*": any)
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /health, /metrics
+    # required instead of the API key on the engines' routes (/v1/engine/register, /heartbeat): clients that hold the
+    # API key cannot register an engine (and so be sent other clients' prompts). None: the API key serves for both
+    engine_key: str | None = None
     # generation
     default_max_tokens: int = 128
     prefix_sharing: bool = True  # False: the baseline (every task prefills its whole prompt, freed after)
@@ -289,5 +292,6 @@ class ServeConfig:
         self.allowed_origins = tuple(self.allowed_origins)
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("served model names must not be empty")
-        if self.api_key is not None and not self.api_key.strip():
-            self.api_key = None
+        for name in ("api_key", "engine_key"):  # a blank key (an empty secret) is a mistake, not "no key"
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"{name} is blank: give a key, or none to serve without one")

@@ -83,7 +83,12 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
         assert cmd[cmd.index("--compilation-cache-dir") + 1] == "/tmp/cc"
         assert cmd[cmd.index("--log-format") + 1] == "json"
         assert cmd[cmd.index("--name") + 1] == f"engine-{i}"
-        assert env["PARROT_API_KEY"] == "k3y"
+        # an engine key of its own, not the clients' API key: a client cannot register an engine
+        assert env["PARROT_ENGINE_KEY"] == started[0][1]["PARROT_ENGINE_KEY"] != "k3y"
+        assert len(env["PARROT_ENGINE_KEY"]) >= 32
+        monkeypatch.setenv("PARROT_ENGINE_KEY", env["PARROT_ENGINE_KEY"])
+        assert cli.build_parser().parse_args(cmd[cmd.index("engine"):]).serve_core_api_key == env["PARROT_ENGINE_KEY"]
+        monkeypatch.delenv("PARROT_ENGINE_KEY")
     config = cli.serve_config_from_args(args)
     assert config.api_key == "k3y" and config.max_sessions == 5 and config.seed == 7  # the core seeds sampled calls
     monkeypatch.setenv("PARROT_API_KEY", "from-env")

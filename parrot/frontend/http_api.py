@@ -78,8 +78,8 @@ _STATUS_CODES = {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 
 # open without the API key (/ui: the static page and its assets; /version: the server's version, as vLLM's)
 UNGUARDED = ("/health", "/ping", "/metrics", "/ui", "/version")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", *TOKEN_PATHS)
-REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call",
-              "/v1/engine")  # the engines' registration and heartbeats (docs/deployment.md)
+ENGINE_PATH = "/v1/engine"  # the engines' registration and heartbeats (docs/deployment.md)
+REST_PATHS = ("/v1/session", "/v1/sessions", "/v1/semantic_var", "/v1/semantic_call", "/v1/native_call", ENGINE_PATH)
 
 
 def error_body(detail: str, code: str) -> dict[str, str]:
@@ -140,11 +140,13 @@ def _same(a: str | None, b: str) -> bool:
 
 class _Guard:
     """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): the API
-    key on every route but the open ones, and the body size limit."""
+    key on every route but the open ones (the engine key on the engines' routes, where one is set), and the
+    body size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, engine_key: str | None = None) -> None:
         self.app = app
         self.api_key = api_key
+        self.engine_key = engine_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -153,12 +155,15 @@ class _Guard:
         path = route_path(scope)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal: JSONResponse | None = None
-        if self.api_key is not None and not _open_path(path):
+        engines = path == ENGINE_PATH or path.startswith(ENGINE_PATH + "/")
+        key, what = (self.engine_key, "engine key") if engines and self.engine_key is not None else \
+            (self.api_key, "API key")
+        if key is not None and not _open_path(path):
             given = _token(headers.get("authorization"))
             if given is None:
-                refusal = _unauthorized(path, "missing API key: send 'Authorization: Bearer <api key>'")
-            elif not _same(given, self.api_key):
-                refusal = _unauthorized(path, "invalid API key")
+                refusal = _unauthorized(path, f"missing {what}: send 'Authorization: Bearer <{what}>'")
+            elif not _same(given, key):
+                refusal = _unauthorized(path, f"invalid {what}")
         length = headers.get("content-length")
 
         def too_large() -> JSONResponse:  # and the connection closed: the rest of the body is not read
@@ -225,7 +230,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app.include_router(token_routes(core))  # vLLM's /tokenize, /detokenize (and under /v1/)
     app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
 
-    app.add_middleware(_Guard, api_key=api_key)
+    app.add_middleware(_Guard, api_key=api_key, engine_key=core.config.engine_key)
     if core.config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(core.config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -317,8 +317,11 @@ class HttpEngineClient(EngineClient):
             detail = answer["detail"]
             detail = detail if isinstance(detail, str) else json.dumps(detail)
             code = answer.get("code") if isinstance(answer.get("code"), str) else None
-        except (ValueError, KeyError, TypeError, AttributeError):
-            detail = body.decode("utf-8", "replace")[:500] or f"HTTP {status}"
+        except (ValueError, KeyError, TypeError, AttributeError):  # not an engine's answer: its body stays in the log
+            # (a client must not read whatever a registered URL answers, e.g. an internal service's page)
+            log.warning("engine %r at %s answered HTTP %d, not an engine's error: %r", self.name, self.url, status,
+                        body[:500])
+            detail = f"HTTP {status}, not an engine's answer (the serve core's log has it)"
         if code is None:
             code = {404: NotFoundError.code, 409: ConflictError.code, 499: AbortedError.code,
                     507: KVCacheFullError.code}.get(status)
@@ -515,7 +518,11 @@ class EngineManager:
         return client
 
     def register_remote(self, reg: EngineRegistration) -> HttpEngineClient:
-        """A `parrot engine` announced itself: a new HttpEngineClient for it, replacing any under its name."""
+        """A `parrot engine` announced itself: a new HttpEngineClient for it, replacing any remote one under its
+        name (ConflictError for the name of an engine inside this process: that one is never replaced)."""
+        old = self._entries.get(reg.name)
+        if old is not None and old.client.url is None:
+            raise ConflictError(f"engine name {reg.name!r} is this server's own engine: register under another name")
         client = HttpEngineClient.from_registration(reg, **self.client_kwargs)
         self.register(client, heartbeats=True)
         if reg.runtime is not None:  # until its first heartbeat: /health says warming_up from the start
@@ -546,7 +553,9 @@ class EngineManager:
         """Record a heartbeat. Unknown engine: NotFoundError (the engine registers again on the 404). A dead
         engine is live again once it also answers a ping (a heartbeat alone does not prove its loop runs)."""
         entry = self._entry(hb.name)
-        if hb.url is not None and entry.client.url is not None and hb.url.rstrip("/") != entry.client.url.rstrip("/"):
+        if entry.client.url is None:
+            raise ConflictError(f"engine name {hb.name!r} is this server's own engine: it sends no heartbeats")
+        if hb.url is None or hb.url.rstrip("/") != entry.client.url.rstrip("/"):
             raise ConflictError(f"engine name {hb.name!r} is registered to the engine at {entry.client.url} now (a "
                                 f"later registration under the same name); this engine at {hb.url} is not used")
         entry.runtime = hb.runtime
@@ -751,7 +760,10 @@ def engine_routes(manager: EngineManager, prefix: str = "/v1/engine") -> APIRout
 
     @router.post("/register")
     async def register(reg: EngineRegistration) -> dict[str, str]:
-        manager.register_remote(reg)
+        try:
+            manager.register_remote(reg)
+        except ConflictError as exc:
+            raise HTTPException(409, str(exc)) from exc
         return {"status": "ok"}
 
     @router.post("/heartbeat")

@@ -163,6 +163,37 @@ def test_browser_pages_get_cors_only_from_allowed_origins(engine: LLMEngine) -> 
         assert "access-control-allow-origin" not in c.get("/v1/models", headers={"Origin": page}).headers
 
 
+def test_an_engine_key_keeps_clients_from_registering_engines(engine: LLMEngine) -> None:
+    """With --engine-key, the engines' routes take that key and not the API key: a client holding the API key
+    cannot register an engine (and be sent other clients' prompts) nor spoof heartbeats; the server's own engine
+    is never replaced by a registration under its name; a heartbeat must name the engine's URL."""
+    reg = {"name": "extra", "url": "http://127.0.0.1:1", "model": "tiny", "max_context_len": 512}
+    with serve(engine, api_key="client-key", engine_key="engine-key") as (url, core), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        client, eng = {"Authorization": "Bearer client-key"}, {"Authorization": "Bearer engine-key"}
+        r = c.post("/v1/engine/register", json=reg, headers=client)
+        assert r.status_code == 401 and "engine key" in r.json()["detail"], r.text
+        beat = {"name": "local", "runtime": engine.ping().model_dump(mode="json")}
+        assert c.post("/v1/engine/heartbeat", json={**beat, "runtime": {**beat["runtime"], "draining": True}},
+                      headers=client).status_code == 401
+        assert c.get("/v1/models", headers=eng).status_code == 401  # nor is the engine key a client's key
+        r = c.post("/v1/engine/register", json={**reg, "name": "local"}, headers=eng)
+        assert r.status_code == 409 and "own engine" in r.json()["detail"], r.text
+        assert c.post("/v1/engine/heartbeat", json=beat, headers=eng).status_code == 409
+        assert core.engines.get("local").url is None and core.engines.is_live("local")
+        assert c.post("/v1/engine/register", json=reg, headers=eng).status_code == 200
+        assert c.post("/v1/engine/heartbeat", json={**beat, "name": "extra"}, headers=eng).status_code == 409  # no URL
+        assert c.get("/v1/models", headers=client).status_code == 200
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+def test_a_blank_key_is_refused_not_taken_for_none(blank: str) -> None:
+    """An empty secret (PARROT_API_KEY="") must not quietly serve without a key."""
+    for field in ("api_key", "engine_key"):
+        with pytest.raises(ValueError, match="blank"):
+            ServeConfig(model="tiny", **{field: blank})
+
+
 def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) -> None:
     key = "sekret-key"
     with serve(engine, api_key=key) as (url, _), httpx.Client(base_url=url, timeout=60) as c:

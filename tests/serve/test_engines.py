@@ -315,8 +315,9 @@ def test_status_and_stream_edge_cases() -> None:
             await client.fill(FillRequest(context_id="507", token_ids=[1]))
         with pytest.raises(EngineUnavailableError, match="HTTP 500: internal error: boom"):
             await client.generate(GenerateRequest(context_id="500"))
-        with pytest.raises(InvalidRequestError, match="Method Not Allowed"):
+        with pytest.raises(InvalidRequestError, match="HTTP 405, not an engine's answer") as info:
             await client.generate(GenerateRequest(context_id="405"))
+        assert "Method Not Allowed" not in str(info.value)  # what a URL answered is not echoed to clients
         with pytest.raises(EngineUnavailableError, match="timed out"):
             await client.generate(GenerateRequest(context_id="timeout"))
         with pytest.raises(EngineUnavailableError, match="malformed answer"):
@@ -393,7 +394,7 @@ def test_manager_bookkeeping(caplog: pytest.LogCaptureFixture) -> None:
         a = FakeClient("a")
         mgr.register(a, heartbeats=True)
         assert mgr.runtime("a") is None and mgr.live_engines() == [a]
-        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(running=3)))
+        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(running=3), url="http://fake"))
         assert mgr.runtime("a").running == 3  # type: ignore[union-attr]
 
         # a caller saw EngineUnavailableError; a stale client's report is ignored; repeated reports count once
@@ -404,11 +405,11 @@ def test_manager_bookkeeping(caplog: pytest.LogCaptureFixture) -> None:
 
         # heartbeats again, but a ping fails: still dead; once it answers, live again (logged)
         a.up = False
-        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))
+        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(), url="http://fake"))
         assert not mgr.is_live("a")
         a.up = True
         with caplog.at_level(logging.WARNING, logger="parrot.serve.engines"):
-            await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))
+            await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(), url="http://fake"))
         assert mgr.is_live("a") and "live again" in caplog.text
 
         # re-registration of a live engine (it restarted): the old run is dead, the old client closed
@@ -454,7 +455,7 @@ def test_engines_back_and_engines_long_dead_are_told_and_forgotten() -> None:
         mgr.register(a, heartbeats=True)
         mgr.register(local)
         mgr.mark_dead("a", "slow")
-        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))  # a slip: the same run
+        await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(), url="http://fake"))  # a slip: same run
         mgr.register_remote(EngineRegistration(name="a", url="http://127.0.0.1:1", model="m", max_context_len=64))
         await mgr.drain()
         assert back == [("a", True), ("a", False)] and "a" in mgr
@@ -470,7 +471,7 @@ def test_engines_back_and_engines_long_dead_are_told_and_forgotten() -> None:
         assert forgotten == ["a"] and "a" not in mgr and "local" in mgr
         assert [s.name for s in mgr.status()] == ["local"]
         with pytest.raises(NotFoundError):
-            await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info()))
+            await mgr.heartbeat(EngineHeartbeat(name="a", runtime=runtime_info(), url="http://fake"))
         await mgr.close()
 
     asyncio.run(main())
@@ -611,10 +612,10 @@ def test_an_engine_replaced_under_its_name_stops_keeping_the_name_alive(caplog: 
             await asyncio.sleep(0.2)
             assert not new.done()  # the current one goes on
             new.cancel()
-            # a heartbeat without a URL (an engine of an earlier version) is taken as before
-            await mgr.heartbeat(EngineHeartbeat(name="e", runtime=runtime_info()))
-            with pytest.raises(ConflictError):
-                await mgr.heartbeat(EngineHeartbeat(name="e", runtime=runtime_info(), url="http://127.0.0.1:1"))
+            # a heartbeat that names no URL, or another, could be anyone's (a client spoofing "draining"): refused
+            for url in (None, "http://127.0.0.1:1"):
+                with pytest.raises(ConflictError):
+                    await mgr.heartbeat(EngineHeartbeat(name="e", runtime=runtime_info(), url=url))
         await mgr.close()
 
     asyncio.run(main())
