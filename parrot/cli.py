@@ -321,6 +321,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
                            engine_key=args.engine_key if args.engine_key is not None
                            else os.environ.get("PARROT_ENGINE_KEY"),
+                           admin_key=args.admin_key if args.admin_key is not None
+                           else os.environ.get("PARROT_ADMIN_KEY"),
                            max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
                            transform_timeout_s=args.transform_timeout, session_ttl_s=args.session_ttl)
@@ -684,6 +686,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of the API key, so that clients holding the API key cannot register an engine "
                         "(default: $PARROT_ENGINE_KEY; --engines N makes one of its own); engines send it with "
                         "--serve-core-api-key")
+    v.add_argument("--admin-key", default=None,
+                   help="the key that opens every session's view in /ui and the list of sessions (they hold every "
+                        "client's prompts), where the API key then opens a session only with its token (default: "
+                        "$PARROT_ADMIN_KEY; none: the API key opens them)")
     v.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names the OpenAI API serves the model under, each a card in /v1/models; an answer names "
                         "the request's model where it is one of them, else the first (default: --model as given); "

@@ -228,6 +228,9 @@ class ServeConfig:
     # required instead of the API key on the engines' routes (/v1/engine/register, /heartbeat): clients that hold the
     # API key cannot register an engine (and so be sent other clients' prompts). None: the API key serves for both
     engine_key: str | None = None
+    # opens every session's view (/v1/session/{id}/graph) and the list of sessions (/v1/sessions), which hold every
+    # client's prompts and outputs; the API key then opens a session's view only with its token. None: the API key
+    admin_key: str | None = None
     # generation
     default_max_tokens: int = 128
     prefix_sharing: bool = True  # False: the baseline (every task prefills its whole prompt, freed after)
@@ -292,6 +295,6 @@ class ServeConfig:
         self.allowed_origins = tuple(self.allowed_origins)
         if any(not name.strip() for name in self.served_model_names):
             raise ValueError("served model names must not be empty")
-        for name in ("api_key", "engine_key"):  # a blank key (an empty secret) is a mistake, not "no key"
+        for name in ("api_key", "engine_key", "admin_key"):  # a blank key (an empty secret) is a mistake, not "no key"
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ValueError(f"{name} is blank: give a key, or none to serve without one")

@@ -93,6 +93,11 @@ def route_path(scope: Scope) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+def _admin_path(path: str) -> bool:
+    """The views of sessions that the admin key opens too: the list of sessions and a session's graph."""
+    return path == "/v1/sessions" or (path.startswith("/v1/session/") and path.endswith("/graph"))
+
+
 def _open_path(path: str) -> bool:
     return any(path == p or (p == "/ui" and path.startswith("/ui/")) for p in UNGUARDED)
 
@@ -143,10 +148,12 @@ class _Guard:
     key on every route but the open ones (the engine key on the engines' routes, where one is set), and the
     body size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, engine_key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, engine_key: str | None = None,
+                 admin_key: str | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.engine_key = engine_key
+        self.admin_key = admin_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -162,7 +169,7 @@ class _Guard:
             given = _token(headers.get("authorization"))
             if given is None:
                 refusal = _unauthorized(path, f"missing {what}: send 'Authorization: Bearer <{what}>'")
-            elif not _same(given, key):
+            elif not _same(given, key) and not (_admin_path(path) and _same(given, self.admin_key or key)):
                 refusal = _unauthorized(path, f"invalid {what}")
         length = headers.get("content-length")
 
@@ -228,9 +235,10 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
     app.include_router(token_routes(core))  # vLLM's /tokenize, /detokenize (and under /v1/)
-    app.include_router(ui_routes(core, api_key=api_key))  # the web view /ui, /v1/session/{id}/graph, /v1/sessions
+    # the web view /ui, /v1/session/{id}/graph, /v1/sessions
+    app.include_router(ui_routes(core, api_key=core.config.admin_key or api_key))
 
-    app.add_middleware(_Guard, api_key=api_key, engine_key=core.config.engine_key)
+    app.add_middleware(_Guard, api_key=api_key, engine_key=core.config.engine_key, admin_key=core.config.admin_key)
     if core.config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(core.config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -44,8 +44,8 @@ def _is_admin(token: str | None, api_key: str | None) -> bool:
 
 
 def ui_routes(core: ParrotServeCore, api_key: str | None = None) -> APIRouter:
-    """Routes of the web view. `api_key`: the server's API key (`ServeConfig.api_key`), which opens every
-    session; None: each session only with its own token, and no list of sessions."""
+    """Routes of the web view. `api_key`: the key that opens every session (`ServeConfig.admin_key`, else its
+    API key); None: each session only with its own token, and no list of sessions."""
     router = APIRouter()
 
     def viewed_session(session_id: str, authorization: str | None, session_token: str | None) -> Session:

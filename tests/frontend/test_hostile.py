@@ -186,10 +186,27 @@ def test_an_engine_key_keeps_clients_from_registering_engines(engine: LLMEngine)
         assert c.get("/v1/models", headers=client).status_code == 200
 
 
+def test_an_admin_key_keeps_clients_from_reading_other_sessions(engine: LLMEngine) -> None:
+    """With --admin-key, the list of sessions and every session's view (prompts and outputs) take that key; the API
+    key opens a session's view only with the session's token, as without a key."""
+    with serve(engine, api_key="client-key", admin_key="admin-key") as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        client, admin = {"Authorization": "Bearer client-key"}, {"Authorization": "Bearer admin-key"}
+        sid, auth = new_session(c, headers=client)
+        assert c.get("/v1/sessions", headers=client).status_code == 403
+        assert c.get(f"/v1/session/{sid}/graph", headers=client).status_code == 403  # not its token
+        token = auth["Authorization"].removeprefix("Bearer ")
+        assert c.get(f"/v1/session/{sid}/graph", headers={**client, "X-Session-Token": token}).status_code == 200
+        assert [s["session_id"] for s in c.get("/v1/sessions", headers=admin).json()["sessions"]] == [sid]
+        assert c.get(f"/v1/session/{sid}/graph", headers=admin).status_code == 200
+        assert c.get("/v1/models", headers=admin).status_code == 401  # not a client's key
+        assert c.get(f"/v1/session/{sid}", headers=admin).status_code == 401  # nor the session's REST routes
+
+
 @pytest.mark.parametrize("blank", ["", " "])
 def test_a_blank_key_is_refused_not_taken_for_none(blank: str) -> None:
     """An empty secret (PARROT_API_KEY="") must not quietly serve without a key."""
-    for field in ("api_key", "engine_key"):
+    for field in ("api_key", "engine_key", "admin_key"):
         with pytest.raises(ValueError, match="blank"):
             ServeConfig(model="tiny", **{field: blank})
 
