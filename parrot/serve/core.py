@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import random
 import time
 import uuid
@@ -398,8 +399,12 @@ class ParrotServeCore:
     # ---- sessions -----------------------------------------------------------------------------
     def create_session(self) -> Session:
         if len(self.sessions) >= self.config.max_sessions:
+            # Retry-After: when the idlest session expires (the TTL less its idle time, and a sweep), if any is idle
+            idle = [s.idle_seconds() for s in self.sessions.values() if s.readers == 0]
+            wait = math.ceil(self.session_ttl - max(idle) + self._expiry_sweep_s()) if idle else None
+            when = f" (the idlest expires in about {wait} s)" if wait else ""
             raise RateLimitError(f"too many open sessions (limit {self.config.max_sessions}): delete finished "
-                                 "sessions or retry later", self.config.retry_after_s)
+                                 f"sessions or retry later{when}", max(self.config.retry_after_s, wait or 0))
         session = Session(max_generations=self.config.max_generations_kept,
                           max_requests=self.config.max_requests_kept)
         self.sessions[session.session_id] = session
@@ -479,9 +484,12 @@ class ParrotServeCore:
                                                     limit=self.config.max_cached_contexts):
             self._spawn(self._free_context(ctx))
 
+    def _expiry_sweep_s(self) -> float:
+        return min(30.0, self.session_ttl / 2)
+
     async def _expire_sessions(self) -> None:
         while True:
-            await asyncio.sleep(min(30.0, self.session_ttl / 2))
+            await asyncio.sleep(self._expiry_sweep_s())
             for s in [s for s in self.sessions.values() if s.idle_seconds() > self.session_ttl]:
                 log.info("session %s expired after %.0f s idle", s.session_id, s.idle_seconds())
                 await self.delete_session(s)

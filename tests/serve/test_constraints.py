@@ -48,6 +48,8 @@ def test_answers_are_kept_by_digest_and_bounded(monkeypatch: pytest.MonkeyPatch)
     big = [json.dumps({"type": "string", "pattern": f"^{i}" + "x" * 100_000}) for i in range(3)]
     for value in (big[0], big[1], big[0], big[2], big[0], big[1]):
         assert answers.get("json_schema", value) is None  # valid
-    assert len(answers) == 2 and len(computed) == 4  # big[0] stayed (used), big[1] was forgotten and computed again
+    # big[0] stayed (used), big[1] was forgotten and computed again (counted: these; a check another test left
+    # running on the module's pool may compute its own meanwhile)
+    assert len(answers) == 2 and len([v for v in computed if v in big]) == 4
     assert all(len(repr(k)) < 200 for k in answers._answers)  # digests, not texts
     assert answers.get("regex", json.dumps("[")).startswith("invalid regex")
