@@ -270,11 +270,15 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one id; returns (text safe to emit now, hit a stop string)."""
         self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
-        full = self.tokenizer.decode(self.ids[self._prefix :])
+        prefix_text, full = self._decoded()
         if full.endswith("\ufffd") or len(full) <= len(prefix_text):
             return "", False  # incomplete UTF-8 sequence (or a U+FFFD of its own: `flush` tells) or nothing yet
         return self._take(full[len(prefix_text) :])
+
+    def _decoded(self) -> tuple[str, str]:
+        """(text of the ids already reflected since `_prefix`, text of every id since `_prefix`)."""
+        return (self.tokenizer.decode(self.ids[self._prefix : self._read]),
+                self.tokenizer.decode(self.ids[self._prefix :]))
 
     def _take(self, piece: str) -> tuple[str, bool]:
         """`piece`, the text of the ids not yet reflected, joins the text; returns what `add` does."""
@@ -302,8 +306,7 @@ class IncrementalDetokenizer:
         decoded as U+FFFD) ends the text, as a decode of all the ids has it."""
         start = self.emitted
         if not self.cut and self._read < len(self.ids):
-            prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
-            full = self.tokenizer.decode(self.ids[self._prefix :])
+            prefix_text, full = self._decoded()
             if len(full) > len(prefix_text):
                 self._take(full[len(prefix_text) :])  # (a stop string it completes cuts the text there)
         delta = self.text[start:]

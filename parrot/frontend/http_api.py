@@ -169,7 +169,8 @@ class _Guard:
             given = _token(headers.get("authorization"))
             if given is None:
                 refusal = _unauthorized(path, f"missing {what}: send 'Authorization: Bearer <{what}>'")
-            elif not _same(given, key) and not (_admin_path(path) and _same(given, self.admin_key or key)):
+            elif not _same(given, key) and not (self.admin_key is not None and _admin_path(path)
+                                                and _same(given, self.admin_key)):
                 refusal = _unauthorized(path, f"invalid {what}")
         length = headers.get("content-length")
 

@@ -11,6 +11,7 @@ only ever holds text it can write.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,10 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from parrot.engine.tokenizer import encodable
+
+# a surrogate reaches a parsed body only through a \u escape (UTF-8 has no bytes for one): bodies without one are
+# taken as parsed, not walked
+_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def unicode_only(value: Any) -> Any:
@@ -35,7 +40,8 @@ class _TextBodyRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            self._json = unicode_only(json.loads(body))
+            parsed = json.loads(body)
+            self._json = unicode_only(parsed) if _ESCAPE.search(body) else parsed
         return self._json
 
 
