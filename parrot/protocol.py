@@ -366,7 +366,9 @@ class SemanticCallRequest(BaseModel):
     session_id: str
     template: str = Field(min_length=1, max_length=1_000_000)
     parameters: list[SemanticCallParameter] = Field(default_factory=list, max_length=256)
-    models: list[str] | None = None
+    # the models the call may run on (the Parrot paper's semantic functions name theirs): a 404 when none of
+    # them is one of the served model's names; None: any
+    models: list[str] | None = Field(None, min_length=1, max_length=64)
     output_criteria: Criterion | None = Field(None, description="run now with this criterion, without a get")
 
 

@@ -206,7 +206,8 @@ def semantic_function(fn: Callable | None = None, /, *, template: str | None = N
                       output_criteria: Criterion | None = None, models: list[str] | None = None):  # noqa: ANN201
     """Decorator: the function's docstring (or `template=`) is the prompt, `{{name}}` its placeholders;
     each parameter is annotated `P.Input` or `P.Output(...)`. `output_criteria` ("latency" or
-    "throughput") makes every call run at once instead of when an output is read."""
+    "throughput") makes every call run at once instead of when an output is read. `models`: the model names
+    its calls may run on (a call fails with a 404 where the server serves none of them)."""
     if fn is not None:
         return SemanticFunction(fn)
     return lambda f: SemanticFunction(f, template=template, output_criteria=output_criteria, models=models)

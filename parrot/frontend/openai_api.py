@@ -457,7 +457,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         except ParrotError:
             return None
 
-    served = core.config.served_model_names or (core.model,)  # the model's names (`--served-model-name`)
+    served = core.served_model_names
 
     def answered_as(requested: str | None) -> str:
         """The model name an answer carries: the one the request named where it is one of the served names (as

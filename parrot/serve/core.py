@@ -610,7 +610,15 @@ class ParrotServeCore:
             log.debug("abort of %s on %s: %s", context_id, client.name, exc)
 
     # ---- calls --------------------------------------------------------------------------------
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names the served model answers to: `--served-model-name`'s, else the model as given."""
+        return self.config.served_model_names or (self.model,)
+
     def semantic_call(self, session: Session, req: SemanticCallRequest) -> CallCreated:
+        if req.models is not None and not set(req.models) & set(self.served_model_names):
+            served = ", ".join(map(repr, self.served_model_names))
+            raise NotFoundError(f"none of the call's models {req.models!r} is served here (served: {served})")
         params = [Parameter(p.name, p.is_output, p.var_id, p.value,
                             p.sampling_config.model_dump(exclude_unset=True) if p.sampling_config else None)
                   for p in req.parameters]

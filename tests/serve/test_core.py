@@ -90,6 +90,25 @@ def test_output_criteria_runs_without_a_get() -> None:
     assert core.scheduler.queue[0].criterion == "latency"
 
 
+def test_a_call_naming_models_runs_only_where_one_of_them_is_served() -> None:
+    """`models` (the Parrot paper's semantic functions name theirs): a call naming one of the served model's
+    names is taken; one naming none of them is a 404 when it arrives, with nothing created."""
+    core = make_core(config=ServeConfig(served_model_names=("smol", "chat")))
+    s = core.create_session()
+
+    def call(models: list[str] | None) -> None:
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}", models=models,
+                                                  output_criteria="latency",
+                                                  parameters=[SemanticCallParameter(name="a", is_output=True)]))
+
+    call(["other", "chat"])
+    call(None)
+    assert len(core.scheduler.queue) == 2
+    with pytest.raises(NotFoundError, match="none of the call's models \\['tiny'\\].*'smol', 'chat'"):
+        call(["tiny"])
+    assert len(core.scheduler.queue) == 2 and len(s.requests) == 2
+    assert make_core().served_model_names == ("tiny",)
+
 # ---- engine errors by code: overload retried, failed generates freed, capacity from the engine ----------
 class ScriptedEngine(EngineClient):
     """An in-memory engine whose generates fail as scripted (a list of exceptions, then success)."""
