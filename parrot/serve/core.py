@@ -500,14 +500,18 @@ class ParrotServeCore:
         return self.vars.create(session.session_id, name, content)
 
     def set_var(self, session: Session, var_id: str, content: str) -> None:
-        self.vars.get(var_id, session.session_id).set(content)
+        var = self.vars.get(var_id, session.session_id)
+        if var.is_pending and session.executor.has_producer(var):
+            raise ConflictError(f"variable {var.name!r} ({var.id}) is computed by call {var.producer}: "
+                                "it is not set by a client")
+        var.set(content)
+        session.executor.wanted.pop(var.id, None)
         self._progress(session)
 
     async def get_var(self, session: Session, var_id: str, criterion: Criterion, timeout: float | None) -> str:
         var = self.vars.get(var_id, session.session_id)
         if var.is_pending:
-            session.executor.need(var, criterion)
-            self._progress(session)
+            self._need(session, var, criterion)
         self._readers[var.id] = self._readers.get(var.id, 0) + 1
         session.readers += 1
         left = False
@@ -528,9 +532,19 @@ class ParrotServeCore:
         disconnected) cancels the generation, unless something else still needs the variable."""
         var = self.vars.get(var_id, session.session_id)
         if var.is_pending:
-            session.executor.need(var, criterion)
-            self._progress(session)
+            self._need(session, var, criterion)
         return self._reading(session, var)
+
+    def _need(self, session: Session, var: SemanticVariable, criterion: Criterion) -> None:
+        """A client reads `var` with `criterion`: what computes it is needed; tasks of chains this makes
+        latency-critical (queued, or filling their prompts) take that criterion and the engines' first priority
+        from their next primitive on."""
+        for chain in session.executor.need(var, criterion):
+            task = self._chain_tasks.get(chain.id)
+            if task is not None:
+                task.criterion = "latency"
+                task.payload.priority = self._priority("latency")
+        self._progress(session)
 
     async def _reading(self, session: Session, var: SemanticVariable) -> AsyncIterator[str]:
         self._readers[var.id] = self._readers.get(var.id, 0) + 1  # counted once the stream is consumed
@@ -632,35 +646,49 @@ class ParrotServeCore:
         self._check_vars(session, len(parsed.chunks))
         request_id = f"r-{uuid.uuid4().hex[:12]}"
         bound: dict[str, SemanticVariable] = {}
-        for p in parsed.params.values():
-            if p.var_id is not None:
-                var = self.vars.get(p.var_id, session.session_id)
-                if p.is_output and not var.is_pending:
-                    raise ConflictError(f"output variable {p.var_id} is already {var.state.value}")
-            else:
-                var = self.create_var(session, p.name, p.value)
-            cfg = p.sampling_config or {}
-            field = next((f for f in CONSTRAINTS if cfg.get(f) is not None), None)
-            if p.is_output and field is not None:  # a typed output: shown in session inspection
-                var.type = {field: cfg[field]}
-            bound[p.name] = var
-        nodes: list[Node] = []
-        first_text = True
-        for chunk in parsed.chunks:
-            if isinstance(chunk, PlaceholderChunk):
-                var, p = bound[chunk.name], parsed.params[chunk.name]
-                nodes.append(PlaceholderGen(var, p.sampling_config) if p.is_output else PlaceholderFill(var))
-                continue
-            if first_text:  # the leading constant: global and content-addressed, split where apps share it
-                self.prefix_matcher.add(chunk.text)
-                for piece in self.prefix_matcher.split(chunk.text):
-                    nodes.append(ConstantFill(self.vars.constant(piece, session.session_id)))
-                first_text = False
-            else:
-                nodes.append(ConstantFill(self.vars.create(session.session_id, "constant", chunk.text,
-                                                           is_constant=True)))
-        chain = RequestChain.build(request_id, session.session_id, nodes)
-        session.executor.add_request(chain, req.output_criteria)
+        types: list[tuple[SemanticVariable, dict[str, Any]]] = []
+        created: list[SemanticVariable] = []  # removed again if the request is refused
+        constants: list[SemanticVariable] = []
+        try:
+            for p in parsed.params.values():
+                if p.var_id is not None:
+                    var = self.vars.get(p.var_id, session.session_id)
+                    if p.is_output and not var.is_pending:
+                        raise ConflictError(f"output variable {p.var_id} is already {var.state.value}")
+                else:
+                    var = self.create_var(session, p.name, p.value)
+                    created.append(var)
+                cfg = p.sampling_config or {}
+                field = next((f for f in CONSTRAINTS if cfg.get(f) is not None), None)
+                if p.is_output and field is not None:  # a typed output: shown in session inspection
+                    types.append((var, {field: cfg[field]}))
+                bound[p.name] = var
+            nodes: list[Node] = []
+            first_text = True
+            for chunk in parsed.chunks:
+                if isinstance(chunk, PlaceholderChunk):
+                    var, p = bound[chunk.name], parsed.params[chunk.name]
+                    nodes.append(PlaceholderGen(var, p.sampling_config) if p.is_output else PlaceholderFill(var))
+                    continue
+                if first_text:  # the leading constant: global and content-addressed, split where apps share it
+                    self.prefix_matcher.add(chunk.text)
+                    for piece in self.prefix_matcher.split(chunk.text):
+                        constants.append(self.vars.constant(piece, session.session_id))
+                        nodes.append(ConstantFill(constants[-1]))
+                    first_text = False
+                else:
+                    created.append(self.vars.create(session.session_id, "constant", chunk.text, is_constant=True))
+                    nodes.append(ConstantFill(created[-1]))
+            chain = RequestChain.build(request_id, session.session_id, nodes)
+            session.executor.add_request(chain, req.output_criteria)
+        except ParrotError:  # refused (a second producer, a cycle, ...): the session is as it was
+            for var in created:
+                self.vars.discard(var)
+            for var in constants:
+                self.vars.release_constant(var, session.session_id)
+            raise
+        for var, typ in types:
+            var.type = typ
         session.add_request(request_id, {"template": req.template, "outputs": [v.id for v in chain.output_vars]},
                             chain.output_vars)
         if req.output_criteria is not None:
@@ -1144,6 +1172,7 @@ class ParrotServeCore:
             parent, start = holder, len(tokens) - 1
             fork_len = start
             self._depend(rec, holder, longer=True)
+            rec.note(forked_from=holder.context_id, forked_tokens=fork_len)
         req = FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
                           parent_num_tokens=fork_len, token_ids=tokens[start:], waited_s=rec.waited(),
                           priority=rec.priority)

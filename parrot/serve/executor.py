@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from parrot.errors import ConflictError
 from parrot.serve import perf
 from parrot.serve.graph import CompletionChain, ComputeGraph, RequestChain
 from parrot.serve.perf import Criterion
@@ -30,12 +31,16 @@ class NativeNode:
     request_id: str
     done: bool = False
     needed: bool = False
+    criterion: Criterion | None = None  # the most urgent criterion a reader needs its outputs with
 
 
 @dataclass
 class GraphExecutor:
     graph: ComputeGraph = field(default_factory=ComputeGraph)
     criteria: dict[str, Criterion] = field(default_factory=dict)  # needed chains by id
+    # variables clients asked for (read, or outputs of a call submitted with output_criteria) while pending: a
+    # call computing one that arrives later (a reader may wait before its producer is submitted) is needed too
+    wanted: dict[str, Criterion] = field(default_factory=dict)
     natives: list[NativeNode] = field(default_factory=list)  # native calls not run yet (scanned by `ready`)
     _native_of: dict[str, NativeNode] = field(default_factory=dict)  # output var id -> node, while not run
     _native_readers: dict[str, list[NativeNode]] = field(default_factory=dict)  # input var id -> nodes not run
@@ -43,19 +48,50 @@ class GraphExecutor:
     native_history: list[NativeNode] = field(default_factory=list)  # every native call added, run ones too
 
     def add_request(self, chain: RequestChain, output_criteria: Criterion | None) -> None:
+        """Insert a request's chains (refused, with the graph unchanged, where an output already has a producer
+        here or among the native calls not run, or where a cycle would close). Each chain's output takes its
+        app depth; an output some reader or needed call already waits for makes its chain needed."""
+        for c in chain.chains:
+            native = self._native_of.get(c.output_var.id)
+            if native is not None:
+                raise ConflictError(f"output variable {c.output_var.name!r} ({c.output_var.id}) already has a "
+                                    f"producer (native call {native.request_id})")
         self.graph.insert(chain, via=self._computed_from)  # a cycle through native calls is refused too
         self.history.extend(chain.chains)
-        if output_criteria is not None:
-            for var in chain.output_vars:
-                self.need(var, output_criteria)
+        for c in chain.chains:  # in template order: a later output reads the earlier ones
+            c.output_var.depth = perf.depth(c.dependency_vars)
+        for c in chain.chains:
+            self._need_if_waited_for(c.output_var, output_criteria)
 
     def add_native(self, node: NativeNode) -> None:
         for var in node.outputs.values():
             self._native_of[var.id] = node
+            var.depth = perf.depth(node.inputs.values()) - 1
         for var in node.inputs.values():
             self._native_readers.setdefault(var.id, []).append(node)
         self.natives.append(node)
         self.native_history.append(node)
+        for var in node.outputs.values():
+            self._need_if_waited_for(var, None)
+
+    def _need_if_waited_for(self, var: SemanticVariable, criterion: Criterion | None) -> None:
+        """`var` just got its producer: needed if a client asked for it (or `criterion`: output_criteria), or a
+        needed call not started reads it; with the most urgent of their criteria."""
+        crit = self.wanted.get(var.id)
+        if criterion is not None:
+            crit = perf.merge(crit, criterion)
+        for consumer in self.graph.consumers_of(var):
+            if not consumer.started and consumer.id in self.criteria:
+                crit = perf.merge(crit, self.criteria[consumer.id])
+        for n in self._native_readers.get(var.id, ()):
+            if n.needed and not n.done and n.criterion is not None:
+                crit = perf.merge(crit, n.criterion)
+        if crit is not None:
+            self.need(var, crit)
+
+    def has_producer(self, var: SemanticVariable) -> bool:
+        """Whether a call here (in the graph, or a native call not run) computes `var`."""
+        return bool(self.graph.producers_of(var)) or var.id in self._native_of
 
     def _computed_from(self, var_id: str) -> list[str]:
         """The variables native calls not run yet compute from variable `var_id`."""
@@ -69,6 +105,7 @@ class GraphExecutor:
         self.natives = [n for n in self.natives if id(n) not in gone]
         for n in done:
             for var in n.outputs.values():
+                self.wanted.pop(var.id, None)
                 if self._native_of.get(var.id) is n:
                     del self._native_of[var.id]
             for var in n.inputs.values():
@@ -78,9 +115,14 @@ class GraphExecutor:
                 else:
                     self._native_readers.pop(var.id, None)
 
-    def need(self, var: SemanticVariable, criterion: Criterion) -> None:
-        """A client waits for `var`: mark everything it depends on as needed."""
+    def need(self, var: SemanticVariable, criterion: Criterion) -> list[CompletionChain]:
+        """A client waits for `var`: mark everything it depends on as needed (calls submitted later that compute
+        it, too: `wanted`). Returns the chains this made latency-critical that were not before."""
+        if var.is_pending:
+            self.wanted[var.id] = perf.merge(self.wanted.get(var.id), criterion)
         stack, seen = [var], set()
+        before = dict(self.criteria)
+        upgraded: list[CompletionChain] = []
         while stack:
             v = stack.pop()
             if v.id in seen:
@@ -89,15 +131,20 @@ class GraphExecutor:
             native = self._native_of.get(v.id)
             if native is not None:
                 native.needed = True
+                native.criterion = perf.merge(native.criterion, criterion)
                 stack.extend(native.inputs.values())
             for chain in perf.deduce(self.graph, v, criterion, self.criteria):
                 stack.extend(chain.dependency_vars)
+                if self.criteria[chain.id] == "latency" and before.get(chain.id) == "throughput":
+                    upgraded.append(chain)
+        return upgraded
 
     def unneed(self, var: SemanticVariable, still_needed: Callable[[SemanticVariable], bool]) -> list[SemanticVariable]:
         """`need`'s undoing, one step: nothing needs `var` now (its reader left), so neither does the chain that
         computes it (not started) or its native call (not run, and no other of its outputs `still_needed`).
         Returns their inputs, which may be needed no more in turn."""
         upstream: list[SemanticVariable] = []
+        self.wanted.pop(var.id, None)
         for chain in self.graph.chains:
             if chain.output_var is var and not chain.started and self.criteria.pop(chain.id, None) is not None:
                 upstream += chain.dependency_vars
@@ -105,6 +152,7 @@ class GraphExecutor:
         if native is not None and native.needed and not native.done and \
                 not any(still_needed(v) for v in native.outputs.values() if v is not var):
             native.needed = False
+            native.criterion = None
             upstream += native.inputs.values()
         return upstream
 
@@ -122,14 +170,16 @@ class GraphExecutor:
         self._retire(natives)
         return chains, natives
 
-    def depth(self, chain: CompletionChain) -> int:
-        return perf.depth(self.graph, chain)
+    @staticmethod
+    def depth(chain: CompletionChain) -> int:
+        return chain.output_var.depth
 
     def group(self, chain: CompletionChain) -> str | None:
         return perf.task_group(self.graph, chain)
 
     def finished(self, chain: CompletionChain) -> None:
         self.criteria.pop(chain.id, None)
+        self.wanted.pop(chain.output_var.id, None)
         self.graph.remove(chain)
 
     def fail_downstream(self, fail: Callable[[SemanticVariable, str], None]) -> None:

@@ -2,13 +2,14 @@
 
 Reading a variable with a criterion (latency or throughput) makes every chain it transitively depends
 on needed with that criterion; latency wins over throughput. A chain's depth is the length of the
-longest producer path above it (app-FIFO: deeper work of an app was activated by earlier work and
+longest producer path above it, ended calls included (app-FIFO: deeper work of an app was activated by earlier work and
 goes first). Chains whose outputs feed one consumer chain form a task group, dispatched together so
 the consumer can start as soon as possible.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from parrot.serve.graph import CompletionChain, ComputeGraph
@@ -30,13 +31,12 @@ def deduce(graph: ComputeGraph, var: SemanticVariable, criterion: Criterion,
     return chains
 
 
-def depth(graph: ComputeGraph, chain: CompletionChain, memo: dict[str, int] | None = None) -> int:
-    memo = {} if memo is None else memo
-    if chain.id in memo:
-        return memo[chain.id]
-    producers = [p for v in chain.dependency_vars for p in graph.producers_of(v)]
-    memo[chain.id] = 1 + max((depth(graph, p, memo) for p in producers), default=-1)
-    return memo[chain.id]
+def depth(inputs: Iterable[SemanticVariable]) -> int:
+    """The depth of a call reading `inputs`: one more than the deepest call computing one of them (0 when
+    clients set them all). Each variable keeps its producer's depth (`SemanticVariable.depth`), so a step
+    submitted after the ones it reads have ended (and left the graph) still counts them. A native call adds
+    no depth (its outputs are as deep as its inputs): it is the app's code between two LLM calls."""
+    return 1 + max((v.depth for v in inputs), default=-1)
 
 
 def task_group(graph: ComputeGraph, chain: CompletionChain) -> str | None:

@@ -57,6 +57,9 @@ class SemanticVariable:
         self.session_id = session_id
         self.is_constant = is_constant
         self.producer = producer
+        # the app depth of the call computing it (perf.depth: 0 for a call reading only what clients set); -1: set
+        # by a client. Kept on the variable, as the call leaves the graph when it ends, before later steps arrive
+        self.depth = -1
         # a typed output: {"json_schema": {...}} / {"regex": ...} / {"choice": [...]} / {"grammar": ...}
         self.type: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -255,6 +258,13 @@ class SemanticVariableManager:
             self._vars[var.id] = var
             self._by_session.setdefault(session_id, {})[var.id] = var
         return var
+
+    def discard(self, var: SemanticVariable) -> None:
+        """Remove a session variable nothing refers to (one made for a request that was then refused)."""
+        with self._lock:
+            if self._vars.get(var.id) is var and var.session_id is not None:
+                del self._vars[var.id]
+                self._by_session.get(var.session_id, {}).pop(var.id, None)
 
     def get(self, var_id: str, session_id: str | None) -> SemanticVariable:
         """The variable if `session_id` may read it (global constants, or the session's own variables);

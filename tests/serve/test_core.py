@@ -611,3 +611,129 @@ def test_a_prompt_of_no_token_is_refused(smollm) -> None:  # noqa: ANN001
         with pytest.raises(InvalidRequestError, match="no token in the model's vocabulary"):
             core.prompt_tokens(prompt)
     assert core.prompt_tokens(["\x1dhi"])[0]
+
+
+# ---- needs that come before their producers; criteria raised while queued; app depth; refused calls ---------
+def test_a_variable_read_before_its_producer_arrives_is_computed_once_it_does() -> None:
+    """A reader may wait on a pending variable before the call computing it is submitted (or before the
+    native call between): that call, and what it reads, are needed as soon as they arrive."""
+    async def run() -> None:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        try:
+            s = core.create_session()
+            x = core.create_var(s, "x", None)
+            reader = asyncio.ensure_future(core.get_var(s, x.id, "latency", 10))
+            await asyncio.sleep(0.05)
+            core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{x}}", parameters=[
+                SemanticCallParameter(name="x", is_output=True, var_id=x.id)]))
+            assert await reader == "AB"  # what ScriptedEngine generates
+            # a consumer needed first (output_criteria), then the native call computing its input, then the
+            # call computing the native's input
+            y = core.create_var(s, "y", None)
+            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                           inputs={"text": NativeInput(var_id=y.id)},
+                                                           outputs=["output"]))
+            u = native.param_info[-1].var_id
+            out = core.semantic_call(s, SemanticCallRequest(
+                session_id=s.session_id, template="Say {{u}} {{a}}", output_criteria="throughput", parameters=[
+                    SemanticCallParameter(name="u", var_id=u), SemanticCallParameter(name="a", is_output=True)]))
+            a = next(p.var_id for p in out.param_info if p.name == "a")
+            core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{y}}", parameters=[
+                SemanticCallParameter(name="y", is_output=True, var_id=y.id)]))
+            for v in (y.id, u, a):  # every step ran, no client having read any of them
+                assert await asyncio.wait_for(core.vars.get(v, s.session_id).wait(None), 10) == {
+                    y.id: "AB", u: "AB", a: "AB"}[v]
+        finally:
+            await core.stop()
+
+    asyncio.run(run())
+
+
+def test_reading_a_queued_throughput_call_for_latency_raises_its_task() -> None:
+    core = make_core()
+    s = core.create_session()
+    out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}",
+                                                    output_criteria="throughput",
+                                                    parameters=[SemanticCallParameter(name="a", is_output=True)]))
+    task = core.scheduler.queue[0]  # no engine: queued
+    assert task.criterion == "throughput" and task.payload.priority == 1
+    core._need(s, core.vars.get(out.param_info[0].var_id, s.session_id), "latency")
+    assert task.criterion == "latency" and task.payload.priority == 0
+
+
+def test_an_apps_later_steps_are_deeper_after_the_earlier_ones_ended() -> None:
+    """App-FIFO's depth counts the calls a step reads even once they have ended (and left the graph): a
+    chain's third step is at depth 2, a step after a native call over the first at depth 1."""
+    async def run() -> list[int]:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        depths: list[int] = []
+        real = core.scheduler.submit
+        core.scheduler.submit = lambda task: (depths.append(task.depth), real(task))[1]  # type: ignore[method-assign]
+        try:
+            s = core.create_session()
+            first = _call(core, s, "Step 0: {{a}}")
+            await core.get_var(s, first, "latency", 10)
+            second = _call(core, s, "Step 1: {{p}} {{a}}", p=first)
+            await core.get_var(s, second, "latency", 10)
+            third = _call(core, s, "Step 2: {{p}} {{a}}", p=second)
+            await core.get_var(s, third, "latency", 10)
+            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                           inputs={"text": NativeInput(var_id=first)},
+                                                           outputs=["output"]))
+            after = _call(core, s, "Then {{u}} {{a}}", u=native.param_info[-1].var_id)
+            await core.get_var(s, after, "latency", 10)
+            return depths
+        finally:
+            await core.stop()
+
+    assert asyncio.run(run()) == [0, 1, 2, 1]
+
+
+def test_a_variable_has_one_producer_and_a_refused_call_changes_nothing() -> None:
+    core = make_core()
+    s = core.create_session()
+    x = core.create_var(s, "x", None)
+    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                   inputs={"text": NativeInput(var_id=x.id)}, outputs=["output"]))
+    u = native.param_info[-1].var_id
+    held = core.vars.count(s.session_id)
+    params = [SemanticCallParameter(name="q", value="?"),
+              SemanticCallParameter(name="u", var_id=u, is_output=True, sampling_config={"choice": ["y"]})]
+    with pytest.raises(ConflictError, match="already has a producer \\(native call"):
+        core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Shared text. {{q}} B {{u}}",
+                                                  parameters=params))
+    assert core.vars.count(s.session_id) == held  # no variable made for it is left, no constant held
+    assert core.vars.get(u, s.session_id).type is None and len(s.requests) == 1
+    with pytest.raises(ConflictError, match="computed by call"):  # a client does not set a computed variable
+        core.set_var(s, u, "mine")
+    a = _call(core, s, "Go {{a}}")
+    with pytest.raises(ConflictError, match="computed by call"):
+        core.set_var(s, a, "mine")
+    core.set_var(s, x.id, "input")  # what nothing computes a client sets
+
+
+def test_a_call_forking_the_blocks_of_a_longer_cached_prompt_says_which() -> None:
+    """The radix view's fork (the blocks a longer cached context shares with a prompt) is named in the call's
+    run as any other fork: `forked_from` / `forked_tokens` (the live view's `forked_by` reads them)."""
+    async def run() -> tuple[dict, str]:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        try:
+            shared = "".join(chr(97 + i % 26) for i in range(224))
+            a, b = core.create_session(), core.create_session()
+            first = _call(core, a, shared + "x" * 80 + " {{a}}")
+            await core.get_var(a, first, "latency", 10)
+            holder = next(c for c in core.contexts.contexts() if c.num_tokens > 300)
+            second = _call(core, b, shared + "y" * 20 + " {{a}}")
+            await core.get_var(b, second, "latency", 10)
+            return b.executor.history[0].run, holder.context_id
+        finally:
+            await core.stop()
+
+    run_info, holder = asyncio.run(run())
+    assert run_info["forked_from"] == holder and run_info["forked_tokens"] == 223, run_info
