@@ -269,6 +269,7 @@ class RuntimeInfo(BaseModel):
     settings: dict[str, Any] | None = None
     shape_misses: int
     preemptions: int
+    priority_preemptions: int = 0  # of those, to make room in a full batch for more urgent work (priority)
     evictions: int
     cascade_steps: int
     mixed_steps: int = 0  # steps that ran decodes and prompt chunks in one pass over the weights

@@ -10,7 +10,9 @@ and leave at any step. KV pages are allocated on demand; when they run out, the 
 preempted (its private pages freed, its tokens recomputed later), so the cache never overflows and the
 oldest job always makes progress. Before that, idle contexts (no job on them) lose their KV, least
 recently used first; their tokens are kept, so the next primitive on them recomputes it. A job that
-cannot fit even then fails with an explicit error.
+cannot fit even then fails with an explicit error. Priority (0 latency-critical, then 1, ...) orders the
+queue, and with the batch full a waiting job preempts a running one of a larger priority number (the
+newest of the least urgent): a chat does not wait for a batch job's whole generation.
 
 Overlap (`schedule_ahead`): while a decode-only step runs on the device, the next step of the same
 batch is planned and launched before the first's tokens reach the host. Its slots feed a placeholder
@@ -242,6 +244,7 @@ class Scheduler:
         self.busy: dict[str, Job] = {}  # context -> its running job
         self.last_used: dict[str, float] = {}
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
+        self.priority_preemptions = 0  # ... of them, to make room in a full batch for more urgent work
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
         self.prompt_tokens = 0  # tokens computed in prompt chunks (a throughput figure: recomputed ones too)
@@ -589,8 +592,9 @@ class Scheduler:
         the shape for it (and pages are free); one otherwise."""
         if plan.prefill or not plan.decode or plan.outputs or self._copies:
             return None
-        if self.waiting and len(self.running) < self.cfg.max_batch_size:
-            return None  # the full scheduler admits waiting work now (with a full batch it waits anyway)
+        if self.waiting and (len(self.running) < self.cfg.max_batch_size
+                             or self.waiting[0].priority < max(j.priority for j in self.running)):
+            return None  # the full scheduler admits waiting work now (with a full batch only more urgent work)
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
@@ -1046,8 +1050,33 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=lambda j: j.order))
 
     # ---- admission ----------------------------------------------------------------------------
+    def _yield_to_priority(self) -> None:
+        """Priority preemption (as vLLM's priority scheduling): with the batch full, a waiting job that only the
+        batch size keeps out takes the place of a running job of a larger priority number (the least urgent, the
+        newest of those), which is preempted: its KV is dropped and recomputed when it runs again, so its output is
+        the same. A chat arriving while a batch job fills the batch runs at once instead of after a batch job's
+        whole generation."""
+        room = self.cfg.max_batch_size - len(self.running)
+        if not self.waiting or self.waiting[0].priority >= max((j.priority for j in self.running), default=0):
+            return
+        taken: set[str] = set()
+        for job in list(self.waiting):  # most urgent first
+            if job.context_id in self.busy or job.context_id in taken or job.parent_context_id in self.busy:
+                continue  # it waits for work on its context (or parent) anyway
+            taken.add(job.context_id)
+            if room > 0:
+                room -= 1
+                continue
+            victims = [j for j in self.running if j.priority > job.priority and j.status is JobStatus.RUNNING]
+            if not victims:
+                return  # the rest are no more urgent than any running job
+            self._preempt(max(victims, key=lambda j: j.order))
+            self.priority_preemptions += 1
+
     def _admit(self, plan: StepPlan) -> None:
-        """Move waiting jobs whose context (and parent) are idle into running, setting up contexts."""
+        """Move waiting jobs whose context (and parent) are idle into running, setting up contexts (a full batch
+        first makes room for more urgent work: `_yield_to_priority`)."""
+        self._yield_to_priority()
         blocked: set[str] = set()
         kept: deque[Job] = deque()
         first: dict[str, int] = {}  # each context's first job still waiting, as taken (`Job.queued`)

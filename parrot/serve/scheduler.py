@@ -89,8 +89,8 @@ class GlobalScheduler:
         if not self.app_aware:
             return room
         latency_running = sum(1 for t in self.running.values() if t.engine == view.name and t.criterion == "latency")
-        if adding.criterion == "latency":
-            return min(room, self.latency_cap - latency_running)
+        if adding.criterion == "latency":  # whatever throughput work it holds: the engine preempts that for it
+            return min(view.max_batch, self.latency_cap) - latency_running
         if latency_running:
             return min(room, self.latency_cap - load)
         return room

@@ -162,6 +162,44 @@ def test_preemption_when_pages_run_out_finishes_every_job() -> None:
     assert s.kv.num_free_pages == 6
 
 
+
+def test_a_full_batch_of_throughput_work_makes_room_for_latency_work() -> None:
+    """Priority preemption: with the batch full of throughput generates (priority 1), a latency-critical prompt and
+    generate (priority 0) take the newest one's place at once (it is preempted and recomputed later) instead of
+    waiting for a whole generation to end; every job still finishes with its full output. Work of the same
+    priority waits for room."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_batch_size=2)
+    s = Scheduler(KVCacheManager(64, cfg.page_size), cfg, max_len=512)
+    batch = {}
+    for name in ("b1", "b2"):
+        for job in (_fill(name, 20), _gen(name, 40)):
+            job.priority = 1
+            s.add(job)
+        batch[name] = job
+    outputs: list[JobOutput] = []
+    while not all(job.output_ids for job in batch.values()):  # both decode: the batch is full
+        plan = s.schedule()
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    other = _fill("b3", 20)
+    other.priority = 1
+    s.add(other)
+    plan = s.schedule()
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    assert other.status is JobStatus.WAITING and s.priority_preemptions == 0  # no more urgent than the batch
+    chat = _gen("chat", 3)
+    s.add(_fill("chat", 10))
+    s.add(chat)
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.prefill] == ["chat"]  # at once
+    assert batch["b2"].status is JobStatus.WAITING and s.priority_preemptions == 1  # the newest yielded
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    outputs += _drive(s)
+    done = [o.job for o in outputs if o.finished and o.error is None]
+    assert done.index(chat) < done.index(batch["b1"]) < done.index(batch["b2"])
+    assert all(len(job.output_ids) == 40 for job in batch.values()) and len(chat.output_ids) == 3
+    assert s.kv.get("b2").num_tokens == 59  # recomputed: its prompt and 39 of its tokens fed again
+
+
 @pytest.mark.parametrize("how", ["waited", "priority"])
 def test_work_taken_while_a_job_runs_on_its_context_stays_behind_it_when_that_job_is_preempted(how: str) -> None:
     """A fill sent for a context while a generate runs there, marked as having waited upstream (or more urgent than

@@ -70,6 +70,16 @@ def test_capacity_and_latency_cap() -> None:
         thr.submit(task([i]))
     assert len(thr.schedule()) == 3
     assert len(thr.queue) == 2
+    # a latency task is placed on an engine whose batch throughput work fills (the engine makes room for it:
+    # priority preemption), up to the latency cap or the batch size
+    full = make([EngineView("e", 3)], cap=2)
+    for i in range(3):
+        full.submit(task([i]))
+    assert len(full.schedule()) == 3
+    chats = [task([9, i], criterion="latency") for i in range(4)]
+    for t in chats:
+        full.submit(t)
+    assert full.schedule() == chats[:2] and full.queue == chats[2:]
 
 
 def test_task_group_dispatched_together() -> None:
