@@ -537,7 +537,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
                 queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
-                                      tokens=tokens[p], arrived=start)
+                                      tokens=tokens[p], arrived=start, cache_salt=body.cache_salt)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer, sum(map(len, tokens[p]))))
         return choices

@@ -156,6 +156,9 @@ class SamplingRequest(BaseModel):
     guided_grammar: str | None = None
     grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's: the prompt shares cached prefixes only with requests of the same salt (multi-tenant isolation of
+    # the prefix cache: another tenant cannot tell from cached_tokens or timing what was sent)
+    cache_salt: str | None = Field(None, min_length=1, description="extension")
     # accepted, no effect on the output
     user: str | None = None
     safety_identifier: str | None = None

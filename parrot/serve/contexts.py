@@ -13,6 +13,10 @@ views of any request's tokens, both in O(tokens / block) dictionary look-ups:
   context (`parent_num_tokens`), so the task forks the holder's first blocks instead of computing them
   again, and keeps a context at that block boundary for later requests sharing the prefix.
 
+Salts (vLLM's `cache_salt`): a request with a salt shares cached contexts only with requests of the same
+salt; every key and lookup carries it (None: the unsalted cache every other request shares), so a tenant
+cannot learn from `cached_tokens` or timing whether another tenant sent a prompt.
+
 Ownership: a context made only of global constant text (e.g. a system prompt shared by many users)
 belongs to no session and is pinned while hot; any other context belongs to the session that made it
 and is released when that session ends. Releasing is bookkeeping here; the caller frees the engine
@@ -23,12 +27,20 @@ cached entry is always correct, only sometimes slower.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
+
+
+def salt_digest(salt: str | None) -> str | None:
+    """What the cache keys carry of a request's cache_salt: a digest (a salt may be long; the server keeps none)."""
+    if salt is None:
+        return None
+    return hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def block_hashes(tokens: Sequence[int], block: int) -> list[int]:
@@ -58,6 +70,7 @@ class CachedContext:
     tokens: tuple[int, ...]
     parent: CachedContext | None
     session_id: str | None  # None: global (constant text only)
+    salt: str | None = None  # the cache_salt it was computed under: found only by requests with the same one
     children: int = 0
     in_use: int = 0  # tasks currently forking from or generating into it
     hits: int = 0
@@ -74,40 +87,43 @@ class CachedContext:
 class ContextManager:
     def __init__(self, pin_hits: int = 2, block: int = 16) -> None:
         self.block = block
-        self._by_key: dict[tuple[str, tuple[int, ...]], CachedContext] = {}
+        # keys begin with (engine, salt): a salted request's lookups see only contexts of its salt
+        self._by_key: dict[tuple[str, str | None, tuple[int, ...]], CachedContext] = {}
         self._by_id: dict[tuple[str, str], CachedContext] = {}
-        # (engine, k, h[k]) -> contexts whose length is in [k * block, (k + 1) * block) with those k blocks
-        self._ending: dict[tuple[str, int, int], list[CachedContext]] = {}
-        # (engine, k, h[k]) -> the contexts holding those k full blocks (k >= 1), by id(): the radix view
-        self._blocks: dict[tuple[str, int, int], dict[int, CachedContext]] = {}
+        # (engine, salt, k, h[k]) -> contexts whose length is in [k * block, (k + 1) * block) with those k blocks
+        self._ending: dict[tuple[str, str | None, int, int], list[CachedContext]] = {}
+        # (engine, salt, k, h[k]) -> the contexts holding those k full blocks (k >= 1), by id(): the radix view
+        self._blocks: dict[tuple[str, str | None, int, int], dict[int, CachedContext]] = {}
         self.pin_hits = pin_hits  # a global context used this often is kept when its sessions end
         self.lookups = 0
         self.hit_tokens = 0
         self.lookup_tokens = 0
 
     # ---- queries ------------------------------------------------------------------------------
-    def longest_prefix(self, engine: str, tokens: Sequence[int], boundaries: Sequence[int]) -> CachedContext | None:
+    def longest_prefix(self, engine: str, tokens: Sequence[int], boundaries: Sequence[int],
+                       salt: str | None = None) -> CachedContext | None:
         """The cached context on `engine` holding the longest prefix tokens[:b], b in `boundaries`."""
         for b in sorted(set(boundaries), reverse=True):
             if 0 < b <= len(tokens):
-                ctx = self._by_key.get((engine, tuple(tokens[:b])))
+                ctx = self._by_key.get((engine, salt, tuple(tokens[:b])))
                 if ctx is not None:
                     return ctx
         return None
 
-    def cached_length(self, engine: str, tokens: Sequence[int], boundaries: Sequence[int]) -> int:
-        ctx = self.longest_prefix(engine, tokens, boundaries)
+    def cached_length(self, engine: str, tokens: Sequence[int], boundaries: Sequence[int],
+                      salt: str | None = None) -> int:
+        ctx = self.longest_prefix(engine, tokens, boundaries, salt)
         return ctx.num_tokens if ctx is not None else 0
 
     def longest_cached(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None,
-                       ) -> CachedContext | None:
+                       salt: str | None = None) -> CachedContext | None:
         """The cached context on `engine` with the most tokens that are all a prefix of `tokens`, whatever
         its length. `hashes`: block_hashes(tokens, self.block), when the caller has them already."""
         if hashes is None:
             hashes = block_hashes(tokens, self.block)
         n = len(tokens)
         for k in range(len(hashes) - 1, -1, -1):
-            found = self._ending.get((engine, k, hashes[k]))
+            found = self._ending.get((engine, salt, k, hashes[k]))
             if not found:
                 continue
             start = k * self.block
@@ -118,15 +134,16 @@ class ContextManager:
                         and ctx.tokens[:start] == tuple(tokens[:start])):  # (a hash collision is not a match)
                     best = ctx
             if best is not None:
-                return self._by_key.get((engine, best.tokens), best)
+                return self._by_key.get((engine, salt, best.tokens), best)
         return None
 
-    def matched_blocks(self, engine: str, hashes: Sequence[int]) -> int:
+    def matched_blocks(self, engine: str, hashes: Sequence[int], salt: str | None = None) -> int:
         """How many leading full blocks of the tokens behind `hashes` a cached context on `engine` holds
         (possibly a longer context, which cannot be forked at that length)."""
-        return last_match(0, len(hashes) - 1, lambda k: (engine, k, hashes[k]) in self._blocks)
+        return last_match(0, len(hashes) - 1, lambda k: (engine, salt, k, hashes[k]) in self._blocks)
 
-    def holder(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None) -> CachedContext | None:
+    def holder(self, engine: str, tokens: Sequence[int], hashes: Sequence[int] | None = None,
+               salt: str | None = None) -> CachedContext | None:
         """A cached context on `engine` longer than `tokens` (a whole number of blocks) that begins with them:
         what a fork of its first len(tokens) tokens (`parent_num_tokens`) takes them from. None if none."""
         k, rest = divmod(len(tokens), self.block)
@@ -135,7 +152,7 @@ class ContextManager:
         if hashes is None or len(hashes) <= k:
             hashes = block_hashes(tokens, self.block)
         prefix = tuple(tokens)
-        for ctx in self._blocks.get((engine, k, hashes[k]), {}).values():
+        for ctx in self._blocks.get((engine, salt, k, hashes[k]), {}).values():
             if ctx.num_tokens > len(prefix) and ctx.tokens[: len(prefix)] == prefix:  # (not a hash collision)
                 return ctx
         return None
@@ -158,15 +175,15 @@ class ContextManager:
         return f"{session_id or 'global'}-{next(_ids)}"
 
     def register(self, engine: str, context_id: str, tokens: Sequence[int], parent: CachedContext | None,
-                 session_id: str | None) -> CachedContext:
+                 session_id: str | None, salt: str | None = None) -> CachedContext:
         """Record a context the engine now holds. If the same prefix is already cached on that engine,
         the existing entry stays the one found by lookups; the new one takes over if that one goes."""
-        ctx = CachedContext(engine, context_id, tuple(tokens), parent, session_id)
+        ctx = CachedContext(engine, context_id, tuple(tokens), parent, session_id, salt)
         self._by_id[(engine, context_id)] = ctx
-        self._by_key.setdefault((engine, ctx.tokens), ctx)
+        self._by_key.setdefault((engine, salt, ctx.tokens), ctx)
         hashes = block_hashes(ctx.tokens, self.block)
-        self._ending.setdefault((engine, len(hashes) - 1, hashes[-1]), []).append(ctx)
-        for key in self._block_keys(engine, hashes):
+        self._ending.setdefault((engine, salt, len(hashes) - 1, hashes[-1]), []).append(ctx)
+        for key in self._block_keys(ctx, hashes):
             self._blocks.setdefault(key, {})[id(ctx)] = ctx
         if parent is not None:
             parent.children += 1
@@ -224,28 +241,29 @@ class ContextManager:
                 over -= len(leaves)
         return out
 
-    def _block_keys(self, engine: str, hashes: Sequence[int]) -> Iterable[tuple[str, int, int]]:
-        return ((engine, k, hashes[k]) for k in range(1, len(hashes)))
+    @staticmethod
+    def _block_keys(ctx: CachedContext, hashes: Sequence[int]) -> Iterable[tuple[str, str | None, int, int]]:
+        return ((ctx.engine, ctx.salt, k, hashes[k]) for k in range(1, len(hashes)))
 
     def _forget(self, ctx: CachedContext) -> None:
         if self._by_id.pop((ctx.engine, ctx.context_id), None) is None:
             return
         hashes = block_hashes(ctx.tokens, self.block)
-        ending = (ctx.engine, len(hashes) - 1, hashes[-1])
+        ending = (ctx.engine, ctx.salt, len(hashes) - 1, hashes[-1])
         found = self._ending.get(ending, [])
         if ctx in found:
             found.remove(ctx)
             if not found:
                 del self._ending[ending]
-        for key in self._block_keys(ctx.engine, hashes):
+        for key in self._block_keys(ctx, hashes):
             holders = self._blocks.get(key, {})
             holders.pop(id(ctx), None)
             if not holders:
                 self._blocks.pop(key, None)
-        key = (ctx.engine, ctx.tokens)
+        key = (ctx.engine, ctx.salt, ctx.tokens)
         if self._by_key.get(key) is ctx:
             del self._by_key[key]
-            twin = next((c for c in self._by_id.values() if (c.engine, c.tokens) == key), None)
+            twin = next((c for c in self._by_id.values() if (c.engine, c.salt, c.tokens) == key), None)
             if twin is not None:  # another context holds the same prefix: it answers lookups now
                 self._by_key[key] = twin
         if ctx.parent is not None:

@@ -52,7 +52,7 @@ from parrot.protocol import (
     SemanticCallRequest,
     TokenLogprob,
 )
-from parrot.serve.contexts import CachedContext, ContextManager
+from parrot.serve.contexts import CachedContext, ContextManager, salt_digest
 from parrot.serve.engines import EngineClient, EngineManager
 from parrot.serve.executor import NativeNode
 from parrot.serve.graph import ConstantFill, Node, PlaceholderFill, PlaceholderGen, RequestChain
@@ -314,7 +314,8 @@ class ParrotServeCore:
         self.sessions: dict[str, Session] = {}
         # prefixes being filled: (engine, tokens) -> (context, fill future) on ordered engines (the context is
         # registered at once and forked right away), else (None, future of the context) that others await
-        self._inflight_prefix: dict[tuple[str, tuple[int, ...]], tuple[CachedContext | None, asyncio.Future]] = {}
+        self._inflight_prefix: dict[tuple[str, str | None, tuple[int, ...]],
+                                    tuple[CachedContext | None, asyncio.Future]] = {}
         self._background: set[asyncio.Task] = set()
         self.engines.on_engine_dead(self._on_engine_dead)
         self.engines.on_engine_back(self._on_engine_back)
@@ -930,7 +931,7 @@ class ParrotServeCore:
                 log.info("task %s finished on %s after it was re-dispatched; the re-run answers", task.task_id, engine)
                 return
             generated = True
-            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner)
+            self.contexts.register(engine, gen_id, [*task.tokens, *ids], parent, gen_owner, task.salt)
             if isinstance(rec, _ChainRecord):
                 stats = _generation_stats(rec, len(task.tokens), cached, len(ids), t_first)
                 rec.session.add_generation(stats)
@@ -1059,10 +1060,10 @@ class ParrotServeCore:
                     await client.fill(req)
                 finally:
                     self.serve_time.done(rec.clock)
-            return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id), 0
+            return self.contexts.register(engine, ctx_id, task.tokens, None, task.task_id, task.salt), 0
         block = self.contexts.block
         hashes = task.hashes(block)
-        parent = self.contexts.longest_cached(engine, task.tokens, hashes)
+        parent = self.contexts.longest_cached(engine, task.tokens, hashes, task.salt)
         if parent is not None:
             self.contexts.touch(parent)
             self._depend(rec, parent)
@@ -1080,7 +1081,7 @@ class ParrotServeCore:
         def owner_at(c: int) -> str | None:  # the owner of the variable a block boundary lies in
             return rec.owners[next(i for i, b in enumerate(task.boundaries) if b >= c)]
 
-        blocks = {self.contexts.matched_blocks(engine, hashes) * block}
+        blocks = {self.contexts.matched_blocks(engine, hashes, task.salt) * block}
         if self.config.prefix_checkpoint_tokens:
             blocks.update(range(self.config.prefix_checkpoint_tokens, n, self.config.prefix_checkpoint_tokens))
         tail = self.config.prefix_tail_checkpoint_tokens
@@ -1104,7 +1105,7 @@ class ParrotServeCore:
                 c = min((c for c in cuts if c > start and (c - start >= least or c == n)), default=None)
                 if c is None:
                     break
-                parent, filled = await self._fill_prefix(client, task.tokens[:c], parent, cuts[c], rec)
+                parent, filled = await self._fill_prefix(client, task.tokens[:c], parent, cuts[c], rec, task.salt)
                 parent.in_use += 1
                 if held is not None:
                     held.in_use -= 1
@@ -1135,20 +1136,21 @@ class ParrotServeCore:
             resp = await client.fill(req)
         finally:
             self.serve_time.done(rec.clock)
-        ctx = self.contexts.register(client.name, ctx_id, task.tokens, None, owner)
+        ctx = self.contexts.register(client.name, ctx_id, task.tokens, None, owner, task.salt)
         if resp.logprobs is None or len(resp.logprobs) != len(task.tokens):
             raise GenerationFailedError(f"engine {client.name!r} answered a fill without its prompt logprobs")
         rec.on_prompt_logprobs(resp.logprobs)
         return ctx
 
     async def _fill_prefix(self, client: EngineClient, tokens: list[int], parent: CachedContext | None,
-                           owner: str | None, rec: _TaskRecord) -> tuple[CachedContext, int]:
+                           owner: str | None, rec: _TaskRecord, salt: str | None = None,
+                           ) -> tuple[CachedContext, int]:
         """The context of `tokens` on this engine, and how many tokens this call filled (0 when it was
         cached, or filled by a concurrent task). On an `ordered` engine client nothing is awaited: the fill
         is sent and the context registered at once, so the task's next fill or its generate (and other tasks'
         forks of it) go to the engine right behind it, which runs them in order; `rec.fills` keeps the
         futures. Elsewhere the fill is awaited, and a concurrent task waits for it."""
-        key = (client.name, tuple(tokens))
+        key = (client.name, salt, tuple(tokens))
         pending = self._inflight_prefix.get(key)
         if pending is not None:  # another task fills it
             ctx, fut = pending
@@ -1160,14 +1162,14 @@ class ParrotServeCore:
                 return await asyncio.shield(fut), 0
             finally:
                 self.serve_time.done(rec.clock)
-        cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)])
+        cached = self.contexts.longest_prefix(client.name, tokens, [len(tokens)], salt)
         if cached is not None:
             self._depend(rec, cached)
             return cached, 0
         ctx_id = self.contexts.new_id(owner)
         start = parent.num_tokens if parent is not None else 0
         fork_len = None
-        holder = self.contexts.holder(client.name, tokens) if len(tokens) - start > 1 else None
+        holder = self.contexts.holder(client.name, tokens, salt=salt) if len(tokens) - start > 1 else None
         if holder is not None:  # a longer context holds these blocks: fork its prefix, feed only the last token
             parent, start = holder, len(tokens) - 1
             fork_len = start
@@ -1179,7 +1181,7 @@ class ParrotServeCore:
         if client.ordered:
             self.serve_time.sending(rec.clock)
             sent = client.send_fill(req)
-            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
+            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner, salt)
             ctx.filling = sent
             self._inflight_prefix[key] = (ctx, sent)
             sent.add_done_callback(lambda f: self._fill_done(f, rec, key, ctx))
@@ -1197,7 +1199,7 @@ class ParrotServeCore:
                 self.serve_time.done(rec.clock)
                 if holder is not None:
                     holder.in_use -= 1
-            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner)
+            ctx = self.contexts.register(client.name, ctx_id, tokens, parent, owner, salt)
             waiters.set_result(ctx)
             return ctx, len(tokens) - start
         except BaseException as exc:
@@ -1207,7 +1209,7 @@ class ParrotServeCore:
         finally:
             del self._inflight_prefix[key]
 
-    def _fill_done(self, fut: asyncio.Future, rec: _TaskRecord, key: tuple[str, tuple[int, ...]] | None,
+    def _fill_done(self, fut: asyncio.Future, rec: _TaskRecord, key: tuple[str, str | None, tuple[int, ...]] | None,
                    ctx: CachedContext | None) -> None:
         """A pipelined fill ended: its task's clock moves on; a failed one's context is forgotten (the forks
         sent behind it fail too, and their tasks report this fill's error)."""
@@ -1235,7 +1237,7 @@ class ParrotServeCore:
     def complete(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,
                  criterion: Criterion = "latency", shared: int = 1,
                  prompt_logprobs: int | None = None, tokens: list[list[int]] | None = None,
-                 arrived: float | None = None) -> asyncio.Queue:
+                 arrived: float | None = None, cache_salt: str | None = None) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
         pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
@@ -1246,7 +1248,8 @@ class ParrotServeCore:
         prompt is their concatenation exactly as given, no BOS added; the prefix cache matches them as it
         does any tokens). `tokens`: `prompt_tokens(pieces)` where the caller has them already (a front end
         that counted them), so a prompt is tokenized once. `arrived`: when the request arrived
-        (`time.perf_counter()`), where the serve layer's time for it starts (default: now). Returns a queue
+        (`time.perf_counter()`), where the serve layer's time for it starts (default: now). `cache_salt`
+        (vLLM's): the prompt shares cached prefixes only with requests of the same salt. Returns a queue
         receiving text deltas (with prompt_logprobs, a PromptLogprobs first), then a CompletionResult or an
         error."""
         clock = TaskClock() if arrived is None else TaskClock(ready=arrived)
@@ -1277,7 +1280,7 @@ class ParrotServeCore:
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(self._seeded(sampling), owners, owner, created=clock.ready, clock=clock, queue=queue,
                            priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
-        task = CompletionTask(owner, flat, boundaries, criterion, payload=rec)
+        task = CompletionTask(owner, flat, boundaries, criterion, payload=rec, salt=salt_digest(cache_salt))
         self._completions[queue] = task
         self.scheduler.submit(task)
         self._dispatch()

@@ -38,6 +38,7 @@ class CompletionTask:
     task_id: str = field(default_factory=lambda: f"task-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     engine: str | None = None
+    salt: str | None = None  # its cache_salt (a digest): it shares cached prefixes only with tasks of the same one
     _hashes: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     def hashes(self, block: int) -> list[int]:
@@ -102,8 +103,9 @@ class GlobalScheduler:
             return []
         ordered = self._ordered()
         placed: list[CompletionTask] = []
-        planned: dict[tuple[str, tuple[int, ...]], int] = {}  # prefixes this round will create
-        planned_blocks: set[tuple[str, int, int]] = set()  # (engine, k, hash of k full blocks) this round fills
+        planned: dict[tuple[str, str | None, tuple[int, ...]], int] = {}  # prefixes this round will create
+        # (engine, salt, k, hash of k full blocks) this round fills
+        planned_blocks: set[tuple[str, str | None, int, int]] = set()
         block = self.contexts.block
         for task in ordered:
             best, best_key = None, None
@@ -113,15 +115,15 @@ class GlobalScheduler:
                     continue
                 cached = 0
                 if self.cache_aware:
-                    ctx = self.contexts.longest_cached(view.name, task.tokens, hashes)
+                    ctx = self.contexts.longest_cached(view.name, task.tokens, hashes, task.salt)
                     cached = ctx.num_tokens if ctx is not None else 0
                     for b in task.boundaries:
-                        if b > cached and planned.get((view.name, tuple(task.tokens[:b]))):
+                        if b > cached and planned.get((view.name, task.salt, tuple(task.tokens[:b]))):
                             cached = b
                     for k in range(len(hashes) - 1, 0, -1):
                         if k * block <= cached:
                             break
-                        if (view.name, k, hashes[k]) in planned_blocks:
+                        if (view.name, task.salt, k, hashes[k]) in planned_blocks:
                             cached = k * block
                             break
                 key = (cached, -self.load(view.name) - view.queued)
@@ -134,8 +136,8 @@ class GlobalScheduler:
             placed.append(task)
             if self.cache_aware:
                 for b in task.boundaries:
-                    planned[(best.name, tuple(task.tokens[:b]))] = 1
-                planned_blocks.update((best.name, k, hashes[k]) for k in range(1, len(hashes)))
+                    planned[(best.name, task.salt, tuple(task.tokens[:b]))] = 1
+                planned_blocks.update((best.name, task.salt, k, hashes[k]) for k in range(1, len(hashes)))
         placed_ids = {t.task_id for t in placed}
         self.queue = [t for t in self.queue if t.task_id not in placed_ids]
         return placed
@@ -158,7 +160,7 @@ class GlobalScheduler:
         prompts branch). The boundaries between are filled in one piece with the next kept one: a separate
         fill of a piece no other live task stops at would be an engine step of its own, and a later task
         still forks those tokens from the longer context, block by block."""
-        others = [t for t in (*self.queue, *self.running.values()) if t is not task]
+        others = [t for t in (*self.queue, *self.running.values()) if t is not task and t.salt == task.salt]
         if not others:
             return set()
         common = [self._common_prefix(task, t) for t in others]
@@ -189,7 +191,7 @@ class GlobalScheduler:
         mine = task.hashes(block)
         best = 0
         for t in (*self.queue, *self.running.values()):
-            if t is task or len(t.tokens) < (best + 1) * block:
+            if t is task or t.salt != task.salt or len(t.tokens) < (best + 1) * block:
                 continue
             theirs = t.hashes(block)
             top = min(len(mine), len(theirs)) - 1

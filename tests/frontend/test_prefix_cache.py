@@ -70,6 +70,30 @@ def test_completions_share_prefixes_and_greedy_outputs_are_unchanged(engine: LLM
     assert hit == pytest.approx(core.contexts.hit_rate) and hit > 0.5
 
 
+
+def test_cache_salt_keeps_tenants_caches_apart(engine: LLMEngine) -> None:
+    """vLLM's cache_salt: a prompt finds cached only what requests of its own salt computed (cached_tokens 0
+    under another salt or none, all of it under the same one), and greedy outputs are the same either way; an
+    empty salt is a 400 naming it."""
+    prompt = PREFIX + " salted question?"
+    with serving_core(engine, "tiny", tiny_model().tokenizer) as (url, _):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+
+        def ask(salt: str | None) -> tuple[str, int]:
+            extra = dict(GREEDY["extra_body"], **({"cache_salt": salt} if salt is not None else {}))
+            r = c.completions.create(model="tiny", prompt=prompt, **{**GREEDY, "extra_body": extra})
+            return r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens
+
+        runs = [ask("tenant-a"), ask("tenant-b"), ask(None), ask("tenant-a"), ask(None), ask("tenant-b")]
+        with pytest.raises(openai.BadRequestError) as err:
+            ask("")
+    assert [cached for _, cached in runs[:3]] == [0, 0, 0]  # each salt (and none) computes it afresh
+    n = len(prompt) + 1  # bytes and BOS
+    assert all(cached >= n - 16 for _, cached in runs[3:])  # then finds its own
+    assert len({text for text, _ in runs}) == 1
+    assert "cache_salt" in str(err.value)
+
+
 def test_a_second_prompt_diverging_near_the_end_finds_most_of_it_cached() -> None:
     """A long document and a question, then the same document and another question: the second forks the
     blocks it shares with the first out of the first's context (the radix view)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parrot.serve.contexts import ContextManager, block_hashes
+from parrot.serve.contexts import ContextManager, block_hashes, salt_digest
 
 
 def test_longest_prefix_at_boundaries() -> None:
@@ -82,6 +82,28 @@ def test_longest_cached_at_any_length_and_matched_blocks() -> None:
     assert cm.holder("e1", [*range(7), 99]) is None and cm.holder("e2", list(range(8))) is None
     cm.release_session(None)
     assert cm.longest_cached("e1", list(range(20))) is None and not cm._ending and not cm._blocks
+
+
+
+def test_a_salted_context_is_found_only_under_its_salt() -> None:
+    """cache_salt: every view (exact prefix, any length, the radix view's blocks and holder) sees a context only
+    from requests of its salt; unsalted requests share among themselves; forgetting one leaves the other."""
+    cm = ContextManager(block=4)
+    tokens = list(range(12))
+    plain = cm.register("e1", "plain", tokens, None, None)
+    salted = cm.register("e1", "salted", tokens, None, None, salt=salt_digest("tenant-a"))
+    a, b = salt_digest("tenant-a"), salt_digest("tenant-b")
+    assert a != b and salt_digest(None) is None and len(a) == 32
+    assert cm.longest_prefix("e1", tokens, [12]) is plain and cm.longest_prefix("e1", tokens, [12], a) is salted
+    assert cm.longest_prefix("e1", tokens, [12], b) is None
+    assert cm.longest_cached("e1", [*tokens, 5], salt=a) is salted and cm.longest_cached("e1", tokens, salt=b) is None
+    hashes = block_hashes([*range(8), 99], 4)
+    assert cm.matched_blocks("e1", hashes, a) == 2 and cm.matched_blocks("e1", hashes, b) == 0
+    assert cm.holder("e1", list(range(8)), salt=a) is salted and cm.holder("e1", list(range(8)), salt=b) is None
+    cm.discard(plain)
+    assert cm.longest_prefix("e1", tokens, [12]) is None and cm.longest_prefix("e1", tokens, [12], a) is salted
+    cm.discard(salted)
+    assert not cm._by_key and not cm._ending and not cm._blocks
 
 
 def test_cache_limit_evicts_least_recently_used_leaves_now() -> None:
