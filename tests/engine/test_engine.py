@@ -534,6 +534,47 @@ def test_throughput_hold_keeps_results() -> None:
         eng.shutdown()
 
 
+def test_a_full_batch_yields_to_latency_work_and_keeps_results() -> None:
+    """Priority preemption: throughput generates (priority 1) filling a batch of 2 make room for a latency-critical
+    prompt and generate (priority 0), which finishes first; the preempted generate is recomputed and every output
+    (greedy and seeded) is the one the engine gives with room for all."""
+    import threading
+
+    def run(eng: LLMEngine) -> tuple[list, list[str]]:
+        started, order = [threading.Event(), threading.Event()], []
+        futs = []
+        for i, sampling in enumerate([dict(max_tokens=150, ignore_eos=True),
+                                      dict(max_tokens=150, ignore_eos=True, temperature=0.8, seed=4)]):
+            eng.fill_future(FillRequest(context_id=f"b{i}", token_ids=prompt(60 + i, 14), priority=1)).result(TIMEOUT)
+            fut = eng.generate_future(GenerateRequest(context_id=f"b{i}", priority=1, sampling=SamplingParams(
+                **sampling)), on_chunk=lambda c, i=i: started[i].set())
+            fut.add_done_callback(lambda f, i=i: order.append(f"b{i}"))
+            futs.append(fut)
+        assert all(e.wait(TIMEOUT) for e in started)  # both decode: the batch of 2 is full
+        eng.fill_future(FillRequest(context_id="chat", token_ids=prompt(70, 9)))
+        chat = eng.generate_future(GenerateRequest(context_id="chat", sampling=SamplingParams(max_tokens=4,
+                                                                                           ignore_eos=True)))
+        chat.add_done_callback(lambda f: order.append("chat"))
+        out = [(r.token_ids, r.finish_reason) for r in (f.result(TIMEOUT) for f in [*futs, chat])]
+        for c in ("b0", "b1", "chat"):
+            eng.free_future(c).result(TIMEOUT)
+        return out, order
+
+    roomy = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        expected, _ = run(roomy)
+        assert roomy.ping().priority_preemptions == 0
+    finally:
+        roomy.shutdown()
+    full = LLMEngine(tiny_model(), tiny_engine_config(max_batch_size=2, bs_buckets=[1, 2])).start(precompile=False)
+    try:
+        got, order = run(full)
+        assert full.ping().priority_preemptions >= 1
+    finally:
+        full.shutdown()
+    assert got == expected and order[0] == "chat"
+
+
 def test_multi_step_gives_way_to_cascade_attention_over_a_long_shared_prefix() -> None:
     """Forks whose single (cascade) steps would read a long shared prefix once run step by step; a batch
     sharing nothing, or little, runs several steps a call."""
