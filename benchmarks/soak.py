@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from parrot import procinfo
+from parrot.sse import sse_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = ["chain", "map_reduce", "chat", "chat_cut", "stream_cut", "malformed", "regex", "big"]
@@ -161,7 +162,7 @@ class Soak:
                 self.check(r, "chat_cut")
             self.accepted += 1
             n, stop = 0, self.rng.randint(1, 8)
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_text()):
                 if line.startswith("data: "):
                     if line == "data: [DONE]":
                         return
@@ -180,7 +181,7 @@ class Soak:
             if r.status_code != 200:
                 await r.aread()
                 self.check(r, "stream_cut")
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_text()):
                 if line.startswith("event: error"):
                     raise Outcome("failed_with_error", line)
                 if line.startswith("data: "):

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from parrot.frontend.openai_errors import OpenAIError, OpenAIRoute, unsupported
 from parrot.frontend.openai_requests import ChatCompletionRequest
+from parrot.sse import sse_lines
 
 ChatRoute = Callable[[ChatCompletionRequest, Request], Awaitable[dict | StreamingResponse]]
 
@@ -465,24 +466,19 @@ def responses_routes(chat: ChatRoute, answered_as: Callable[[str | None], str]) 
         async def events() -> AsyncIterator[str]:
             for line in streamed.opening():
                 yield line
-            pending = ""
             try:
-                async for block in answer.body_iterator:
-                    pending += block if isinstance(block, str) else bytes(block).decode()
-                    # SSE lines end at "\n" alone: the JSON may hold U+2028 and the like, which splitlines() splits at
-                    *lines, pending = pending.split("\n")
-                    for line in lines:
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        data = json.loads(line[len("data: "):])
-                        if "error" in data:
-                            err = _in_responses_terms(OpenAIError(400, data["error"].get("message", ""),
-                                                                  param=data["error"].get("param")), origins)
-                            for out in streamed.failed({**data["error"], "message": err.message, "param": err.param}):
-                                yield out
-                            return
-                        for out in streamed.chunk(data):
+                async for line in sse_lines(answer.body_iterator):
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[len("data: "):])
+                    if "error" in data:
+                        err = _in_responses_terms(OpenAIError(400, data["error"].get("message", ""),
+                                                              param=data["error"].get("param")), origins)
+                        for out in streamed.failed({**data["error"], "message": err.message, "param": err.param}):
                             yield out
+                        return
+                    for out in streamed.chunk(data):
+                        yield out
             except Exception as exc:  # noqa: BLE001 - the stream ends with an explicit failure, not a cut
                 log.exception("the response stream %s failed", shell.id)
                 for out in streamed.failed({"code": "server_error", "message": f"the response failed: {exc}"}):

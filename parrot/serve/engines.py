@@ -70,6 +70,7 @@ from parrot.protocol import (
     RuntimeInfo,
     StreamChunk,
 )
+from parrot.sse import sse_lines
 
 log = logging.getLogger(__name__)
 
@@ -263,19 +264,6 @@ def _sse_data(lines: list[str]) -> str:
     return "\n".join(line[5:].removeprefix(" ") for line in lines)
 
 
-async def _sse_lines(r: httpx.Response) -> AsyncIterator[str]:
-    """An event stream's lines, ended by "\n" (or "\r\n") alone. Not httpx's `aiter_lines`: that splits where
-    str.splitlines() does, also at U+2028, U+2029 and U+0085, which the engine's JSON carries unescaped in a
-    token's text (a line cut there was a malformed answer, and its engine taken for dead)."""
-    pending = ""
-    async for text in r.aiter_text():
-        *lines, pending = (pending + text).split("\n")
-        for line in lines:
-            yield line.removesuffix("\r")
-    if pending:
-        yield pending.removesuffix("\r")
-
-
 class HttpEngineClient(EngineClient):
     """A remote engine's routes (docs/engine-api.md) over one pooled httpx.AsyncClient.
 
@@ -380,7 +368,7 @@ class HttpEngineClient(EngineClient):
                 if r.status_code != 200:
                     raise self._status_error(r.status_code, await r.aread())
                 event, data = "message", []
-                async for line in _sse_lines(r):
+                async for line in sse_lines(r.aiter_text()):
                     if line:
                         if line.startswith("data:"):
                             data.append(line)
