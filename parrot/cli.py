@@ -283,6 +283,23 @@ def _http_url(url: str) -> bool:
     return parsed.scheme in ("http", "https") and bool(parsed.host)
 
 
+def key_in_clear(url: str | None, key: str | None) -> bool:
+    """Whether `key` goes to `url` over plain http to another machine (anyone on the way can read it)."""
+    import ipaddress
+
+    import httpx
+
+    if not url or not key:
+        return False
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http" or parsed.host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(parsed.host).is_loopback
+    except ValueError:  # a name
+        return True
+
+
 def cmd_engine(args: argparse.Namespace) -> int:
     from parrot.engine.http_api import run_engine_server
 
@@ -290,6 +307,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
     for flag, url in (("--serve-core", args.serve_core), ("--advertise-url", args.advertise_url)):
         if url is not None and not _http_url(url):
             raise ParrotError(f"{flag} {url!r} is not an http:// or https:// URL with a host")
+    if key_in_clear(args.serve_core, args.serve_core_api_key):
+        log.warning("the serve core's key goes to %s over plain http: anyone on the network path can read it and "
+                    "register engines; use https (parrot serve --ssl-certfile/--ssl-keyfile) or a network only "
+                    "the core and its engines reach", args.serve_core)
     if args.exit_with_parent is not None:
         exit_with_parent(args.exit_with_parent)
     if _join_cluster(args, cfg):

@@ -186,17 +186,26 @@ def test_resources_fit_the_default_model(workload: dict) -> None:
     assert float(res["requests"]["cpu"]) >= 1
 
 
-def test_api_key_from_one_secret() -> None:
-    refs = []
-    for workload in (CORE, ENGINES):
-        (env,) = [e for e in _container(workload)["env"] if e["name"] == "PARROT_API_KEY"]
-        ref = env["valueFrom"]["secretKeyRef"]
-        assert not ref.get("optional", False)  # a missing Secret stops the pod rather than serving without a key
-        refs.append((ref["name"], ref["key"]))
-    assert refs[0] == refs[1]
+def _secret_env(workload: dict) -> dict[str, tuple[str, str]]:
+    refs = {}
+    for e in _container(workload)["env"]:
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None:
+            assert not ref.get("optional", False)  # a missing Secret stops the pod rather than serving without a key
+            refs[e["name"]] = (ref["name"], ref["key"])
+    return refs
+
+
+def test_keys_from_their_own_secrets() -> None:
+    """The core takes the API key and the engine key, each from its own Secret; the engines only the engine key
+    (they register with it, and hold nothing a client could use); no key is ever in the manifests' arguments."""
+    core, engines = _secret_env(CORE), _secret_env(ENGINES)
+    assert set(core) == {"PARROT_API_KEY", "PARROT_ENGINE_KEY"} and set(engines) == {"PARROT_ENGINE_KEY"}
+    assert core["PARROT_ENGINE_KEY"] == engines["PARROT_ENGINE_KEY"]
+    assert core["PARROT_API_KEY"][0] != core["PARROT_ENGINE_KEY"][0]
     for workload in (CORE, ENGINES):
         args = _container(workload)["args"]
-        assert "--api-key" not in args and "--serve-core-api-key" not in args  # never a key in the manifest
+        assert not {"--api-key", "--serve-core-api-key", "--engine-key", "--admin-key"} & set(args)
 
 
 @pytest.mark.parametrize("workload", [CORE, ENGINES], ids=["core", "engine"])
@@ -228,6 +237,7 @@ def test_container_args_parse_with_the_parrot_cli(monkeypatch: pytest.MonkeyPatc
     from parrot.cli import build_parser, engine_config_from_args, serve_config_from_args
 
     monkeypatch.setenv("PARROT_API_KEY", "from-the-secret")
+    monkeypatch.setenv("PARROT_ENGINE_KEY", "engines-secret")
     for workload in (CORE, ENGINES):
         container = _container(workload)
         assert container["command"] == ["parrot"]
@@ -235,10 +245,11 @@ def test_container_args_parse_with_the_parrot_cli(monkeypatch: pytest.MonkeyPatc
         cfg = engine_config_from_args(args)
         assert cfg.compilation_cache_dir == "/cache/jax"
         if args.command == "serve":
-            assert serve_config_from_args(args).api_key == "from-the-secret"
+            serve = serve_config_from_args(args)
+            assert serve.api_key == "from-the-secret" and serve.engine_key == "engines-secret"
             assert args.engines == 0
         else:
-            assert args.serve_core_api_key == "from-the-secret"
+            assert args.serve_core_api_key == "engines-secret"
             assert cfg.max_batch_size == int(_flag(container["args"], "--max-batch-size"))
 
 

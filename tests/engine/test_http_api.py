@@ -728,6 +728,16 @@ def test_a_max_model_len_past_the_models_context_is_refused() -> None:
     assert LLMEngine(tiny_model(), tiny_engine_config(kv_buckets=[256, 1024])).runner.max_len == 512  # a default
 
 
+def test_a_key_sent_over_plain_http_to_another_machine_is_told() -> None:
+    from parrot.cli import key_in_clear
+
+    assert key_in_clear("http://core.example:9000", "k") and key_in_clear("http://10.0.0.5:9000", "k")
+    assert not key_in_clear("https://core.example:9000", "k")  # encrypted
+    assert not any(key_in_clear(url, "k") for url in ("http://127.0.0.1:9000", "http://127.8.0.1:1",
+                                                       "http://[::1]:9000", "http://localhost:9000"))
+    assert not key_in_clear("http://core.example:9000", None) and not key_in_clear(None, "k")
+
+
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["engine", "--serve-core", "notaurl", "--port", str(free_port())]) == 2  # not retried for ever
     assert "is not an http:// or https:// URL" in capsys.readouterr().err
