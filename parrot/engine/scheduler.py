@@ -1061,8 +1061,9 @@ class Scheduler:
             return
         taken: set[str] = set()
         for job in list(self.waiting):  # most urgent first
-            if job.context_id in self.busy or job.context_id in taken or job.parent_context_id in self.busy:
-                continue  # it waits for work on its context (or parent) anyway
+            if (job.context_id in self.busy or job.context_id in taken or job.parent_context_id in self.busy
+                    or job.parent_context_id in taken):
+                continue  # it waits for work on its context (or its parent's, running or taken here) anyway
             taken.add(job.context_id)
             if room > 0:
                 room -= 1
