@@ -1,7 +1,8 @@
 """Prometheus metrics of the serve core: `GET /metrics` in the Prometheus text format.
 
 Each `ParrotMetrics` has its own `CollectorRegistry` (never the process-global one), so several apps can
-live in one process (tests do). Names follow vLLM / SGLang (`<namespace>:<name>`):
+live in one process (tests do). Names follow vLLM / SGLang (`<namespace>:<name>`), and every sample carries
+vLLM's `model_name` label (the first `--served-model-name`, else the model as given) beside those below:
 
 Observed (histograms / counters fed through the `observe_*` API below):
   parrot:time_to_first_token_seconds     request arrival -> first non-empty text delta
@@ -289,10 +290,27 @@ class RequestTimer:
             self.metrics.request_success.labels(self.endpoint, "abort").inc()
 
 
+class _ModelNamed(Collector):
+    """Every metric of `inner` with a `model_name` label on each sample, as vLLM's (its dashboards select by it):
+    the first name the served model answers to."""
+
+    def __init__(self, inner: CollectorRegistry, model_name: str) -> None:
+        self.inner = inner
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            named = Metric(family.name, family.documentation, family.type, family.unit)
+            named.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
+            yield named
+
+
 class ParrotMetrics:
     def __init__(self, core: ParrotServeCore, *, hook_scheduler: bool = True) -> None:
         self.core = core
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=False)  # the metrics, unlabelled
+        self.exposed = CollectorRegistry(auto_describe=False)  # ... as /metrics shows them: model_name on each
+        self.exposed.register(_ModelNamed(self.registry, core.served_model_names[0]))
         r = self.registry
         self.ttft = Histogram("parrot:time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -358,7 +376,7 @@ class ParrotMetrics:
 
     # ---- exposition -----------------------------------------------------------------------------
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
     def router(self) -> APIRouter:
         router = APIRouter()

@@ -276,9 +276,10 @@ def test_openai_stream_disconnect_aborts_the_generation(engine: LLMEngine, path:
         assert after.steps - before.steps < 300, "the abandoned generation ran on"
         assert core.aborts == 1 and after.aborts == before.aborts + 1
         metrics = c.get("/metrics").text
-        assert "parrot:aborted_requests_total 1.0" in metrics
+        assert 'parrot:aborted_requests_total{model_name="tiny"} 1.0' in metrics
         # counted as vLLM counts a client that left, not as a failure of the server's
-        assert 'parrot:request_success_total{endpoint="chat",finished_reason="abort"} 1.0' in metrics
+        assert ('parrot:request_success_total{endpoint="chat",finished_reason="abort",model_name="tiny"} 1.0'
+                in metrics)
         assert "parrot:request_failure_total{" not in metrics
         # the generated context is freed; the prompt stays cached (automatic prefix caching)
         wait_until(lambda: engine.ping().num_contexts <= before.num_contexts + core.contexts.num_globals(), 10,

@@ -32,11 +32,12 @@ def server():
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:
-    """{family name: {(sample name, sorted labels): value}}"""
+    """{family name: {(sample name, sorted labels but model_name): value}}; every sample names the model."""
     r = httpx.get(f"{url}/metrics", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(r.text):
+        assert all(s.labels.pop("model_name") == "tiny" for s in fam.samples), fam.name  # vLLM's label, everywhere
         out[fam.name] = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in fam.samples}
     return out
 
@@ -118,7 +119,8 @@ def test_registry_per_instance_and_timer() -> None:
     fams = {f.name: f for f in text_string_to_metric_families(a.render().decode())}
 
     def sample(family: str, name: str, **labels: str) -> float:
-        return next(s.value for s in fams[family].samples if s.name == name and s.labels == labels)
+        return next(s.value for s in fams[family].samples if s.name == name and s.labels == {"model_name": "tiny",
+                                                                                              **labels})
 
     assert sample("parrot:time_to_first_token_seconds", "parrot:time_to_first_token_seconds_sum") == 0.5
     assert sample("parrot:time_per_output_token_seconds",
