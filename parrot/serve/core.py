@@ -543,7 +543,7 @@ class ParrotServeCore:
         for chain in session.executor.need(var, criterion):
             task = self._chain_tasks.get(chain.id)
             if task is not None:
-                task.criterion = "latency"
+                task.criterion = chain.run["criterion"] = "latency"
                 task.payload.priority = self._priority("latency")
         self._progress(session)
 
@@ -806,6 +806,7 @@ class ParrotServeCore:
             if piece:
                 owners.append(None if all_global else session.session_id)
         started = self._app_started.setdefault(session.session_id, clock.ready)
+        chain.run["criterion"] = criterion  # the live view keeps it once the chain has ended
         rec = _ChainRecord(sampling, owners, session.session_id, created=clock.ready, clock=clock, session=session,
                            chain=chain, priority=self._priority(criterion),
                            app_started=started if self.scheduler.app_aware else None)

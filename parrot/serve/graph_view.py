@@ -81,7 +81,7 @@ def _chain_node(chain: CompletionChain, session: Session, task: tuple[str, Any] 
                 now: float) -> dict[str, Any]:
     out = chain.output_var
     run = chain.run
-    needed = chain.id in session.executor.criteria
+    needed = chain.id in session.executor.criteria or "criterion" in run  # (one that ran was needed)
     state, detail = "waiting", None
     if out.is_failed:
         state, detail = "failed", "failed"
@@ -114,7 +114,8 @@ def _chain_node(chain: CompletionChain, session: Session, task: tuple[str, Any] 
     return {
         "id": f"call:{chain.id}", "kind": "call", "call_type": "semantic", "request_id": chain.request_id,
         "chain_index": chain.index, "label": out.name, "state": state, "detail": detail, "needed": needed,
-        "criterion": session.executor.criteria.get(chain.id) or (task[1].criterion if task else None),
+        "criterion": (task[1].criterion if task else None) or session.executor.criteria.get(chain.id)
+        or run.get("criterion"),
         "engine": engine,
         "timings": {"queue_s": _round(queue), "ttft_s": _round(run.get("ttft_s")), "tpot_s": _round(run.get("tpot_s")),
                     "total_s": _round(total)},
@@ -141,7 +142,7 @@ def _native_node(node: NativeNode) -> dict[str, Any]:
         state, detail = "waiting", "not requested yet" if not node.needed else "ready"
     return {"id": f"call:{node.request_id}", "kind": "call", "call_type": "native", "request_id": node.request_id,
             "chain_index": 0, "label": node.call.name, "state": state, "detail": detail, "needed": node.needed,
-            "criterion": None, "engine": None,
+            "criterion": node.criterion, "engine": None,
             "timings": {"queue_s": None, "ttft_s": None, "tpot_s": None, "total_s": None},
             "tokens": None, "template": None, "error": failed.error if failed is not None else None}
 
@@ -221,23 +222,32 @@ def _contexts_view(core: ParrotServeCore, sid: str, calls: list[dict[str, Any]])
 
 def _layers(nodes: list[dict[str, Any]], calls_in: dict[str, list[str]], producer: dict[str, str]) -> None:
     """Set each node's `layer`: a variable without producer is 0, a call is one past its deepest input,
-    a produced variable one past its producer (the graph is a DAG, so this terminates)."""
+    a produced variable one past its producer (the graph is a DAG). Walked with an explicit stack: an app's
+    chain may be thousands of calls deep."""
     memo: dict[str, int] = {}
 
-    def layer(node_id: str) -> int:
-        if node_id in memo:
-            return memo[node_id]
-        memo[node_id] = 0  # guards against a cycle (none can be inserted)
+    def inputs(node_id: str) -> list[str]:
         if node_id.startswith("var:"):
             p = producer.get(node_id[4:])
-            depth = layer(p) + 1 if p is not None else 0
-        else:
-            depth = 1 + max((layer(f"var:{v}") for v in calls_in.get(node_id, [])), default=-1)
-        memo[node_id] = depth
-        return depth
+            return [p] if p is not None else []
+        return [f"var:{v}" for v in calls_in.get(node_id, [])]
 
     for n in nodes:
-        n["layer"] = layer(n["id"])
+        stack, on_stack = [n["id"]], {n["id"]}
+        while stack:
+            node_id = stack[-1]
+            if node_id in memo:
+                on_stack.discard(stack.pop())
+                continue
+            todo = [i for i in inputs(node_id) if i not in memo and i not in on_stack]  # (on the stack: a cycle, none)
+            if todo:
+                stack.extend(todo)
+                on_stack.update(todo)
+                continue
+            on_stack.discard(stack.pop())
+            known = [memo.get(i, 0) for i in inputs(node_id)]
+            memo[node_id] = (known[0] + 1 if known else 0) if node_id.startswith("var:") else 1 + max(known, default=-1)
+        n["layer"] = memo[n["id"]]
 
 
 def engines_view(core: ParrotServeCore) -> list[dict[str, Any]]:

@@ -1,0 +1,46 @@
+"""graph_view: the live view of a session's DAG (what /ui draws): layers of deep graphs, criteria kept."""
+
+from __future__ import annotations
+
+import asyncio
+
+from parrot.config import ServeConfig
+from parrot.protocol import NativeCallRequest, NativeInput
+from parrot.serve.graph_view import session_graph
+from tests.serve.test_core import ScriptedEngine, _call, make_core
+
+
+def test_a_chain_thousands_of_calls_deep_has_its_layers() -> None:
+    """Layers are walked without recursion: 1,500 native calls in a chain (the view keeps the last 1,024), then a
+    semantic call reading the end (a RecursionError, a 500 of the view, from about 900 on before)."""
+    core = make_core(config=ServeConfig(model="tiny", max_pending_calls_per_session=2000,
+                                        max_vars_per_session=4000))
+    s = core.create_session()
+    var = core.create_var(s, "x", None).id
+    for _ in range(1500):
+        out = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                    inputs={"text": NativeInput(var_id=var)}, outputs=["output"]))
+        var = out.param_info[-1].var_id
+    _call(core, s, "End {{u}} {{a}}", u=var)
+    layers = {n["id"]: n["layer"] for n in session_graph(core, s)["nodes"]}
+    assert layers[f"var:{var}"] == 2048 and max(layers.values()) == 2050  # each kept call and its output a layer
+
+
+def test_a_finished_call_keeps_its_criterion_and_a_read_native_shows_its_own() -> None:
+    async def run() -> list[dict]:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        try:
+            s = core.create_session()
+            a = _call(core, s, "Go {{a}}")
+            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                           inputs={"text": NativeInput(var_id=a)}, outputs=["output"]))
+            await core.get_var(s, native.param_info[-1].var_id, "throughput", 10)
+            return [n for n in session_graph(core, s)["nodes"] if n["kind"] == "call"]
+        finally:
+            await core.stop()
+
+    calls = {n["call_type"]: n for n in asyncio.run(run())}
+    assert calls["semantic"]["state"] == "done" and calls["semantic"]["needed"]
+    assert calls["semantic"]["criterion"] == "throughput" and calls["native"]["criterion"] == "throughput"
