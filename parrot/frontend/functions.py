@@ -152,6 +152,10 @@ class SemanticFunction:
         self.fn = fn
         self.name = fn.__name__
         self.ports = _ports(fn, "semantic function")
+        reserved = [n for n, _ in self.ports if n in ("vm", "output_criteria")]
+        if reserved:  # a call takes them as its own keywords: such a parameter could not be passed by name
+            raise TypeError(f"semantic function {fn.__qualname__}: parameter {reserved[0]!r} is a name its calls take "
+                            "for themselves (vm=, output_criteria=): rename it")
         if template is None:
             if not fn.__doc__ or not fn.__doc__.strip():
                 raise TypeError(f"semantic function {fn.__qualname__}: its docstring (the template) is empty")
@@ -194,11 +198,14 @@ class SemanticFunction:
         for name, ann in self.ports:
             if isinstance(ann, Output) and ann.parse is not None:
                 made[name].parse = ann.parse  # typed: .get() returns the parsed value
+                if bound.get(name) is not None:  # the variable the caller gave to fill reads as typed too
+                    bound[name].parse = ann.parse
         return _result([made[n] for n in self.outputs])
 
 
 @overload
-def semantic_function(fn: Callable, /) -> SemanticFunction: ...
+def semantic_function(fn: Callable, /, *, template: str | None = None, output_criteria: Criterion | None = None,
+                      models: list[str] | None = None) -> SemanticFunction: ...
 @overload
 def semantic_function(*, template: str | None = None, output_criteria: Criterion | None = None,
                       models: list[str] | None = None) -> Callable[[Callable], SemanticFunction]: ...
@@ -208,8 +215,8 @@ def semantic_function(fn: Callable | None = None, /, *, template: str | None = N
     each parameter is annotated `P.Input` or `P.Output(...)`. `output_criteria` ("latency" or
     "throughput") makes every call run at once instead of when an output is read. `models`: the model names
     its calls may run on (a call fails with a 404 where the server serves none of them)."""
-    if fn is not None:
-        return SemanticFunction(fn)
+    if fn is not None:  # P.semantic_function(fn, template=...) as well as the bare decorator
+        return SemanticFunction(fn, template=template, output_criteria=output_criteria, models=models)
     return lambda f: SemanticFunction(f, template=template, output_criteria=output_criteria, models=models)
 
 

@@ -314,7 +314,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     @app.get("/v1/semantic_var/{var_id}", response_model=SemanticVarContent)
     async def get_var(var_id: str, session_id: str, request: Request, authorization: Auth = None,
                       xst: SessionToken = None, criteria: Criterion = "latency",
-                      timeout: Annotated[float | None, Query(gt=0, le=3600)] = None) -> SemanticVarContent:
+                      timeout: Annotated[float | None, Query(ge=0, le=3600)] = None) -> SemanticVarContent:
         # a reader that leaves stops reading (as a stream's does): it no longer holds its session open, or keeps
         # a generation nobody else needs running
         content = await while_connected(request, core.get_var(session_of(session_id, authorization, xst), var_id,

@@ -29,6 +29,9 @@ Criterion = Literal["latency", "throughput"]
 _MAX_POLL = 3600.0  # the server caps one long-poll at this many seconds
 
 _current_vm: contextvars.ContextVar[VirtualMachine | None] = contextvars.ContextVar("parrot_vm", default=None)
+# this thread's / task's `activate()`s not undone yet, and what was current before the first of them
+_activations: contextvars.ContextVar[tuple[VirtualMachine | None, tuple[VirtualMachine, ...]]] = (
+    contextvars.ContextVar("parrot_vm_activations", default=(None, ())))
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class VirtualMachine:
         self._client: httpx.Client | None = None
         self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
             weakref.WeakKeyDictionary())
-        self._ctx_tokens: list[contextvars.Token] = []
+        self._closing: set[asyncio.Task] = set()  # async clients being closed by a sync close()
 
     def __repr__(self) -> str:
         return f"VirtualMachine({self.url!r}, session_id={self.session_id!r})"
@@ -220,7 +223,10 @@ class VirtualMachine:
         """Create the session on the server (idempotent)."""
         if self.is_open:
             return self
-        client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=self._auth_headers(), verify=_tls())
+        # no cap on connections: each thread long-polling a variable holds one (httpx's default 100 made the 101st
+        # request wait, then fail as if the server were unreachable)
+        client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=self._auth_headers(), verify=_tls(),
+                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         try:
             body = _check(client.post("/v1/session", json={})).json()
         except httpx.TransportError as exc:
@@ -254,7 +260,22 @@ class VirtualMachine:
             client.close()
         self.session_id = None
         self._token = None
-        self._aclients = weakref.WeakKeyDictionary()  # async clients are bound to their loops; dropped
+        aclients, self._aclients = self._aclients, weakref.WeakKeyDictionary()
+        for loop, aclient in list(aclients.items()):  # async clients are bound to their loops: closed there
+            if loop.is_closed():
+                continue
+            if loop.is_running():
+                try:
+                    running = asyncio.get_running_loop()
+                except RuntimeError:
+                    running = None
+                if running is loop:  # closed once this loop runs again (`await vm.aclose()` closes it at once)
+                    self._closing.add(task := loop.create_task(aclient.aclose()))
+                    task.add_done_callback(self._closing.discard)
+                else:
+                    asyncio.run_coroutine_threadsafe(aclient.aclose(), loop)
+            else:
+                loop.run_until_complete(aclient.aclose())
 
     async def aclose(self) -> None:
         """Close the async client of the running loop, then the session (as `close`)."""
@@ -265,14 +286,24 @@ class VirtualMachine:
         self.close()
 
     def activate(self) -> contextvars.Token:
-        """Make this the current VM (what `with` does); `deactivate()` undoes the latest."""
-        token = _current_vm.set(self)
-        self._ctx_tokens.append(token)
-        return token
+        """Make this the current VM (what `with` does) in this thread or task; `deactivate()` there undoes the
+        latest. Each thread and task keeps its own activations (a VM shared by several is activated in each)."""
+        base, active = _activations.get()
+        if not active:
+            base = _current_vm.get()
+        _activations.set((base, (*active, self)))
+        return _current_vm.set(self)
 
     def deactivate(self) -> None:
-        if self._ctx_tokens:
-            _current_vm.reset(self._ctx_tokens.pop())
+        """Undo this VM's latest `activate()` in this thread or task (nothing if none is left there); the latest
+        activation left is current then, or, with none, what was before the first."""
+        base, active = _activations.get()
+        i = next((i for i in range(len(active) - 1, -1, -1) if active[i] is self), None)
+        if i is None:
+            return
+        rest = active[:i] + active[i + 1:]
+        _activations.set((base, rest))
+        _current_vm.set(rest[-1] if rest else base)
 
     def __enter__(self) -> VirtualMachine:
         self.open()
@@ -305,7 +336,7 @@ class VirtualMachine:
         if client is None:
             client = httpx.AsyncClient(base_url=self.url, timeout=self.timeout,
                                        headers=self._auth_headers(), verify=_tls(),
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
             self._aclients[loop] = client
         return client
 
@@ -337,10 +368,16 @@ class VirtualMachine:
 
     def _get_var(self, var_id: str, criteria: Criterion, timeout: float | None) -> str:
         remaining, poll, http_timeout = self._wait_plan(timeout)
+        client = self._client
         while True:
             try:
                 return self._request("GET", f"/v1/semantic_var/{var_id}", params=self._get_params(criteria, poll),
                                      timeout=http_timeout)["content"]
+            except ServerError:
+                if self._client is not client:  # closed while waiting (its socket gone): as the server ends it
+                    raise VariableFailedError(f"variable {var_id}: session ended (the VirtualMachine was closed "
+                                              "while waiting)") from None
+                raise
             except VariableTimeoutError:
                 if remaining is None or remaining <= _MAX_POLL:
                     raise

@@ -147,6 +147,12 @@ class _ChainRecord(_TaskRecord):
                 f"the output did not complete its {field} within max_tokens={self.sampling.max_tokens} "
                 f"(partial output: {text[:200]!r}); raise max_tokens")
             return
+        if field is not None and stop_reason is not None:  # a stop string / stop_token_ids id cut it short
+            self.chain.output_var.fail_if_pending(
+                f"the stop {'string' if isinstance(stop_reason, str) else 'token'} {stop_reason!r} ended the output "
+                f"before it completed its {field} (partial output: {text[:200]!r}); a typed output takes no stop "
+                "that its text may contain")
+            return
         self.chain.output_var.set(text)
 
     def failed(self, reason: str, error: ParrotError | None = None) -> None:

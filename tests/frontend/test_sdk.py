@@ -11,7 +11,8 @@ import time
 import pytest
 
 import parrot as P
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.frontend.sdk import VariableFailedError, VariableTimeoutError
 from tests.servers import free_port
 
 SYSTEM = "You are a careful assistant that summarizes text in one line. " * 2
@@ -287,3 +288,112 @@ def test_a_limit_raises_rate_limit_error_with_the_servers_retry_after() -> None:
     assert info.value.retry_after == 3.0 and "at most 2 sessions (HTTP 429" in str(info.value)
     with pytest.raises(P.ServerError):
         _check(httpx.Response(503, json={"detail": "no engine"}, request=request))
+
+
+def test_activations_are_per_thread_and_task() -> None:
+    """`activate()` / `deactivate()` of one VM from two threads (or tasks) in any order: each undoes its own
+    (a token reset in another context was a ValueError)."""
+    import threading
+
+    vm = P.VirtualMachine("http://127.0.0.1:1")
+    a_on, b_on, a_done, seen, errors = (threading.Event(), threading.Event(), threading.Event(), {}, [])
+
+    def a() -> None:
+        try:
+            vm.activate()
+            a_on.set()
+            b_on.wait(5)
+            seen["a"] = P.current_vm()
+            vm.deactivate()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        a_done.set()
+
+    def b() -> None:
+        try:
+            a_on.wait(5)
+            vm.activate()
+            b_on.set()
+            a_done.wait(5)
+            seen["b"] = P.current_vm()
+            vm.deactivate()
+            seen["b after"] = _current_vm_or_none()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and seen == {"a": vm, "b": vm, "b after": None}
+
+    async def tasks() -> None:
+        async def one(first: bool) -> None:
+            vm.activate()
+            await asyncio.sleep(0.01 if first else 0.02)
+            assert P.current_vm() is vm
+            vm.deactivate()
+            assert _current_vm_or_none() is None
+
+        await asyncio.gather(one(True), one(False))
+
+    asyncio.run(tasks())
+    other = P.VirtualMachine("http://127.0.0.1:2")
+    vm.activate()
+    other.activate()
+    vm.deactivate()  # out of order: `other` stays current, and undoing it leaves none
+    assert P.current_vm() is other
+    other.deactivate()
+    assert _current_vm_or_none() is None
+
+
+def _current_vm_or_none() -> P.VirtualMachine | None:
+    try:
+        return P.current_vm()
+    except ParrotError:
+        return None
+
+
+def test_semantic_function_takes_its_settings_with_the_function_and_refuses_its_calls_keywords() -> None:
+    def ask(q: P.Input, a: P.Output):
+        """Docstring {{q}} {{a}}"""
+
+    f = P.semantic_function(ask, template="Template {{q}} {{a}}", output_criteria="latency", models=["m"])
+    assert (f.template, f.output_criteria, f.models) == ("Template {{q}} {{a}}", "latency", ["m"])
+    for name in ("vm", "output_criteria"):
+        fn = eval(f"lambda {name}, a: None", {})  # noqa: S307 - a function with that parameter name
+        fn.__annotations__ = {name: P.Input, "a": P.Output}
+        fn.__doc__ = "{{" + name + "}} {{a}}"
+        with pytest.raises(TypeError, match=f"parameter {name!r} is a name its calls take"):
+            P.semantic_function(fn)
+
+
+def test_get_with_timeout_zero_answers_at_once(vm: P.VirtualMachine) -> None:
+    x = vm.variable("x", "ready text")
+    assert x.get(timeout=0) == "ready text"
+    pending = vm.variable("pending")
+    with pytest.raises(VariableTimeoutError):
+        pending.get(timeout=0)
+
+
+def test_close_while_another_thread_waits_fails_its_get_as_session_ended(server) -> None:
+    import threading
+
+    vm = P.VirtualMachine(server[0], timeout=60).open()
+    pending = vm.variable("pending")
+    got: list[BaseException] = []
+    t = threading.Thread(target=lambda: got.append(_raised(pending.get)))
+    t.start()
+    time.sleep(0.5)
+    vm.close()
+    t.join(30)
+    assert len(got) == 1 and isinstance(got[0], VariableFailedError) and "session ended" in str(got[0]), got
+
+
+def _raised(fn) -> BaseException | None:  # noqa: ANN001
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None

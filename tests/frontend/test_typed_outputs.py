@@ -108,3 +108,25 @@ def test_typed_output_cut_by_max_tokens_fails(url: str) -> None:
             "session_id": sid, "template": "Text: {{out}}",
             "parameters": [{"name": "out", "is_output": True, "sampling_config": {"grammar": "start: ("}}]})
         assert r.status_code == 400 and "invalid grammar" in r.json()["detail"]
+
+
+def test_a_variable_given_to_fill_reads_as_typed(vm: P.VirtualMachine) -> None:
+    slot = vm.variable("slot")
+    made = point("the top left corner", p=slot)
+    assert made.id == slot.id and isinstance(slot.get(), Point) and slot.get() == made.get()
+
+
+def test_a_typed_output_a_stop_string_cut_short_fails(url: str) -> None:
+    """A stop string (or stop_token_ids id) ending a typed output before its constraint is complete fails it, as
+    max_tokens does: the variable never holds text outside its type."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        body = c.post("/v1/session", json={}).json()
+        sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+        r = c.post("/v1/semantic_call", headers=auth, json={
+            "session_id": sid, "template": "Say: {{out}}",
+            "parameters": [{"name": "out", "is_output": True,
+                            "sampling_config": {"max_tokens": 8, "choice": ["yes please"], "stop": [" "]}}]})
+        var = r.json()["param_info"][0]["var_id"]
+        r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+    assert r.status_code == 424, r.text
+    assert "the stop string ' ' ended the output before it completed its choice" in r.json()["detail"]
