@@ -886,6 +886,7 @@ class ParrotServeCore:
         try:
             client = self.engines.get(engine)
             parent, cached = await self._prefix_context(client, task)
+            rec.note(prompt_tokens=len(task.tokens), cached_tokens=cached)  # the live view's, while it generates
             if rec.cancelled is not None:
                 raise AbortedError(rec.cancelled)
             gen_owner = rec.owner if self.prefix_sharing else task.task_id
@@ -907,7 +908,10 @@ class ParrotServeCore:
                         self._spawn(self._abort(client, gen_id))
                     if chunk.token_id is not None:
                         ids.append(chunk.token_id)
-                        t_first = t_first or time.perf_counter()
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                            rec.note(ttft_s=t_first - rec.created)
+                        rec.note(output_tokens=len(ids))
                     if chunk.logprob is not None:
                         rec.on_logprob(len(ids) - 1, chunk.logprob)
                     if chunk.logprobs_kept is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from parrot.config import ServeConfig
-from parrot.protocol import NativeCallRequest, NativeInput
+from parrot.protocol import NativeCallRequest, NativeInput, StreamChunk
 from parrot.serve.graph_view import session_graph
 from tests.serve.test_core import ScriptedEngine, _call, make_core
 
@@ -44,3 +44,42 @@ def test_a_finished_call_keeps_its_criterion_and_a_read_native_shows_its_own() -
     calls = {n["call_type"]: n for n in asyncio.run(run())}
     assert calls["semantic"]["state"] == "done" and calls["semantic"]["needed"]
     assert calls["semantic"]["criterion"] == "throughput" and calls["native"]["criterion"] == "throughput"
+
+
+class _PausingEngine(ScriptedEngine):
+    """Streams one token, then waits for `go` before the last chunk."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.go = asyncio.Event()
+
+    async def generate_stream(self, req):  # noqa: ANN001, ANN201
+        yield StreamChunk(token_id=65, text="A")
+        await self.go.wait()
+        yield StreamChunk(token_id=66, text="B", finish_reason="length")
+
+
+def test_a_generating_call_shows_its_tokens_and_first_token_time() -> None:
+    async def run() -> dict:
+        core = make_core(config=ServeConfig(model="tiny"))
+        engine = _PausingEngine()
+        core.engines.register(engine)
+        await core.start()
+        try:
+            s = core.create_session()
+            a = _call(core, s, "Go {{a}}")
+            reader = asyncio.ensure_future(core.get_var(s, a, "latency", 10))
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                (node,) = [n for n in session_graph(core, s)["nodes"] if n["kind"] == "call"]
+                if node["tokens"]["output"]:
+                    break
+            engine.go.set()
+            assert await reader == "AB"
+            return node
+        finally:
+            await core.stop()
+
+    node = asyncio.run(run())
+    assert node["state"] == "running" and node["detail"] == "generating"
+    assert node["tokens"]["output"] == 1 and node["tokens"]["prompt"] > 0 and node["timings"]["ttft_s"] is not None
