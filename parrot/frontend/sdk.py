@@ -11,6 +11,7 @@ This module is a pure client: httpx, pydantic and the stdlib only (no JAX), so `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import json
@@ -275,7 +276,8 @@ class VirtualMachine:
                 else:
                     asyncio.run_coroutine_threadsafe(aclient.aclose(), loop)
             else:
-                loop.run_until_complete(aclient.aclose())
+                with contextlib.suppress(RuntimeError):  # (another loop runs in this thread: it is left to the GC)
+                    loop.run_until_complete(aclient.aclose())
 
     async def aclose(self) -> None:
         """Close the async client of the running loop, then the session (as `close`)."""

@@ -121,7 +121,6 @@ class GraphExecutor:
         if var.is_pending:
             self.wanted[var.id] = perf.merge(self.wanted.get(var.id), criterion)
         stack, seen = [var], set()
-        before = dict(self.criteria)
         upgraded: list[CompletionChain] = []
         while stack:
             v = stack.pop()
@@ -133,9 +132,9 @@ class GraphExecutor:
                 native.needed = True
                 native.criterion = perf.merge(native.criterion, criterion)
                 stack.extend(native.inputs.values())
-            for chain in perf.deduce(self.graph, v, criterion, self.criteria):
+            for chain, was in perf.deduce(self.graph, v, criterion, self.criteria):
                 stack.extend(chain.dependency_vars)
-                if self.criteria[chain.id] == "latency" and before.get(chain.id) == "throughput":
+                if was == "throughput" and self.criteria[chain.id] == "latency":
                     upgraded.append(chain)
         return upgraded
 

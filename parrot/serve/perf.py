@@ -2,8 +2,8 @@
 
 Reading a variable with a criterion (latency or throughput) makes every chain it transitively depends
 on needed with that criterion; latency wins over throughput. A chain's depth is the length of the
-longest producer path above it, ended calls included (app-FIFO: deeper work of an app was activated by earlier work and
-goes first). Chains whose outputs feed one consumer chain form a task group, dispatched together so
+longest producer path above it, ended calls included (app-FIFO: deeper work of an app was activated by
+earlier work and goes first). Chains whose outputs feed one consumer chain form a task group, dispatched together so
 the consumer can start as soon as possible.
 """
 
@@ -23,12 +23,15 @@ def merge(a: Criterion | None, b: Criterion) -> Criterion:
 
 
 def deduce(graph: ComputeGraph, var: SemanticVariable, criterion: Criterion,
-           criteria: dict[str, Criterion]) -> list[CompletionChain]:
-    """Mark the chains `var` depends on as needed (in `criteria`, by chain id); returns them."""
-    chains = graph.upstream_chains(var)
-    for chain in chains:
-        criteria[chain.id] = merge(criteria.get(chain.id), criterion)
-    return chains
+           criteria: dict[str, Criterion]) -> list[tuple[CompletionChain, Criterion | None]]:
+    """Mark the chains `var` depends on as needed (in `criteria`, by chain id); returns them, each with the
+    criterion it had before (None: not needed)."""
+    out = []
+    for chain in graph.upstream_chains(var):
+        was = criteria.get(chain.id)
+        criteria[chain.id] = merge(was, criterion)
+        out.append((chain, was))
+    return out
 
 
 def depth(inputs: Iterable[SemanticVariable]) -> int:

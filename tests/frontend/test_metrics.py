@@ -93,6 +93,9 @@ def test_metrics_follow_requests(server) -> None:
     assert value(fams, "parrot:engine_mixed_steps", "parrot:engine_mixed_steps_total", engine="local") >= 0
     # plain calls are all latency-critical: the throughput hold holds nothing
     assert value(fams, "parrot:engine_held_steps", "parrot:engine_held_steps_total", engine="local") == 0
+    assert value(fams, "parrot:engine_priority_preemptions", "parrot:engine_priority_preemptions_total",
+                 engine="local") == 0  # plain calls are all of one priority
+    assert value(fams, "parrot:engine_preemptions", "parrot:engine_preemptions_total", engine="local") >= 0
     # speculative decoding is off by default: nothing drafted
     assert value(fams, "parrot:engine_spec_draft_tokens", "parrot:engine_spec_draft_tokens_total", engine="local") == 0
     assert value(fams, "parrot:engine_spec_accepted_tokens", "parrot:engine_spec_accepted_tokens_total",
