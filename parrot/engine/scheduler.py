@@ -1060,10 +1060,14 @@ class Scheduler:
         if not self.waiting or self.waiting[0].priority >= max((j.priority for j in self.running), default=0):
             return
         taken: set[str] = set()
+        first: dict[str, int] = {}  # each context's first waiting job, as taken (a fork waits for one on its parent)
+        for job in self.waiting:
+            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
         for job in list(self.waiting):  # most urgent first
-            if (job.context_id in self.busy or job.context_id in taken or job.parent_context_id in self.busy
-                    or job.parent_context_id in taken):
-                continue  # it waits for work on its context (or its parent's, running or taken here) anyway
+            parent = job.parent_context_id
+            if (job.context_id in self.busy or job.context_id in taken or parent in self.busy or parent in taken
+                    or (parent is not None and first.get(parent, job.queued) < job.queued)):
+                continue  # it waits for work on its context (or its parent's, running or queued first) anyway
             taken.add(job.context_id)
             if room > 0:
                 room -= 1

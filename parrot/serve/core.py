@@ -52,6 +52,7 @@ from parrot.protocol import (
     SemanticCallRequest,
     TokenLogprob,
 )
+from parrot.serve import perf
 from parrot.serve.contexts import CachedContext, ContextManager, salt_digest
 from parrot.serve.engines import EngineClient, EngineManager
 from parrot.serve.executor import NativeNode
@@ -508,7 +509,7 @@ class ParrotServeCore:
 
     def set_var(self, session: Session, var_id: str, content: str) -> None:
         var = self.vars.get(var_id, session.session_id)
-        if var.is_pending and session.executor.has_producer(var):
+        if var.is_pending and (var.producer is not None or session.executor.has_producer(var)):
             raise ConflictError(f"variable {var.name!r} ({var.id}) is computed by call {var.producer}: "
                                 "it is not set by a client")
         var.set(content)
@@ -840,6 +841,8 @@ class ParrotServeCore:
             session.executor.finished(chain)
             self._progress(session)
             return
+        # a reader may have raised its criterion while it was tokenized (`_need`)
+        criterion = perf.merge(session.executor.criteria.get(chain.id), criterion)
         self._submit_chain(session, chain, criterion, token_pieces, clock)
         self._dispatch()
 

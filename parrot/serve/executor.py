@@ -52,10 +52,10 @@ class GraphExecutor:
         here or among the native calls not run, or where a cycle would close). Each chain's output takes its
         app depth; an output some reader or needed call already waits for makes its chain needed."""
         for c in chain.chains:
-            native = self._native_of.get(c.output_var.id)
-            if native is not None:
-                raise ConflictError(f"output variable {c.output_var.name!r} ({c.output_var.id}) already has a "
-                                    f"producer (native call {native.request_id})")
+            var = c.output_var
+            if var.is_pending and var.producer is not None:  # a call (a native one too, running or not) computes it
+                raise ConflictError(f"output variable {var.name!r} ({var.id}) already has a producer "
+                                    f"({'native call' if var.producer.startswith('n-') else 'call'} {var.producer})")
         self.graph.insert(chain, via=self._computed_from)  # a cycle through native calls is refused too
         self.history.extend(chain.chains)
         for c in chain.chains:  # in template order: a later output reads the earlier ones
@@ -90,8 +90,8 @@ class GraphExecutor:
             self.need(var, crit)
 
     def has_producer(self, var: SemanticVariable) -> bool:
-        """Whether a call here (in the graph, or a native call not run) computes `var`."""
-        return bool(self.graph.producers_of(var)) or var.id in self._native_of
+        """Whether a call here computes `var` (in the graph, or a native call, run or running)."""
+        return var.producer is not None or bool(self.graph.producers_of(var)) or var.id in self._native_of
 
     def _computed_from(self, var_id: str) -> list[str]:
         """The variables native calls not run yet compute from variable `var_id`."""

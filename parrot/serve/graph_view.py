@@ -233,20 +233,20 @@ def _layers(nodes: list[dict[str, Any]], calls_in: dict[str, list[str]], produce
         return [f"var:{v}" for v in calls_in.get(node_id, [])]
 
     for n in nodes:
-        stack, on_stack = [n["id"]], {n["id"]}
-        while stack:
-            node_id = stack[-1]
-            if node_id in memo:
-                on_stack.discard(stack.pop())
-                continue
-            todo = [i for i in inputs(node_id) if i not in memo and i not in on_stack]  # (on the stack: a cycle, none)
-            if todo:
-                stack.extend(todo)
-                on_stack.update(todo)
-                continue
-            on_stack.discard(stack.pop())
-            known = [memo.get(i, 0) for i in inputs(node_id)]
-            memo[node_id] = (known[0] + 1 if known else 0) if node_id.startswith("var:") else 1 + max(known, default=-1)
+        if n["id"] not in memo:  # post-order over an explicit stack; `path` holds the node's ancestors only
+            stack, path = [(n["id"], iter(inputs(n["id"])))], {n["id"]}
+            while stack:
+                node_id, todo = stack[-1]
+                nxt = next((i for i in todo if i not in memo and i not in path), None)  # (on the path: a cycle)
+                if nxt is not None:
+                    stack.append((nxt, iter(inputs(nxt))))
+                    path.add(nxt)
+                    continue
+                stack.pop()
+                path.discard(node_id)
+                known = [memo.get(i, 0) for i in inputs(node_id)]
+                memo[node_id] = ((known[0] + 1 if known else 0) if node_id.startswith("var:")
+                                 else 1 + max(known, default=-1))
         n["layer"] = memo[n["id"]]
 
 

@@ -737,3 +737,31 @@ def test_a_call_forking_the_blocks_of_a_longer_cached_prompt_says_which() -> Non
 
     run_info, holder = asyncio.run(run())
     assert run_info["forked_from"] == holder and run_info["forked_tokens"] == 223, run_info
+
+
+def test_a_running_native_calls_output_keeps_its_producer() -> None:
+    """While a native call runs on its worker thread (its output still pending), a client cannot set that output
+    and no semantic call can take it as its own."""
+    async def run() -> str:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([]))
+        await core.start()
+        try:
+            s = core.create_session()
+            x = core.create_var(s, "x", "hello")
+            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                           inputs={"text": NativeInput(var_id=x.id)},
+                                                           outputs=["output"]))
+            u = native.param_info[-1].var_id
+            reader = asyncio.ensure_future(core.get_var(s, u, "latency", 5))
+            await asyncio.sleep(0)  # the read made it run: handed to a worker thread, its output still pending
+            with pytest.raises(ConflictError, match="computed by call n-"):
+                core.set_var(s, u, "client value")
+            with pytest.raises(ConflictError, match="already has a producer \\(native call n-"):
+                core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{u}}", parameters=[
+                    SemanticCallParameter(name="u", is_output=True, var_id=u)]))
+            return await reader
+        finally:
+            await core.stop()
+
+    assert asyncio.run(run()) == "HELLO"

@@ -83,3 +83,15 @@ def test_a_generating_call_shows_its_tokens_and_first_token_time() -> None:
     node = asyncio.run(run())
     assert node["state"] == "running" and node["detail"] == "generating"
     assert node["tokens"]["output"] == 1 and node["tokens"]["prompt"] > 0 and node["timings"]["ttft_s"] is not None
+
+
+def test_layers_of_a_diamond_follow_the_longest_path() -> None:
+    """x -> P1 -> v1 -> P2 -> v2, and C reading v1 and v2: C is past v2, not beside it (siblings on the walk's
+    stack are not ancestors)."""
+    from parrot.serve.graph_view import _layers
+
+    nodes = [{"id": i} for i in ("call:C", "var:v1", "var:v2", "call:P1", "call:P2", "var:x", "var:out")]
+    _layers(nodes, {"call:P1": ["x"], "call:P2": ["v1"], "call:C": ["v1", "v2"]},
+            {"v1": "call:P1", "v2": "call:P2", "out": "call:C"})
+    assert {n["id"]: n["layer"] for n in nodes} == {"var:x": 0, "call:P1": 1, "var:v1": 2, "call:P2": 3, "var:v2": 4,
+                                                    "call:C": 5, "var:out": 6}
