@@ -157,6 +157,8 @@ class _ChainRecord(_TaskRecord):
         self.chain.output_var.set(text)
 
     def failed(self, reason: str, error: ParrotError | None = None) -> None:
+        if "dispatched" in self.chain.run:  # it ran: the live view shows how long, until it failed
+            self.note(latency_s=time.perf_counter() - self.created)
         self.chain.output_var.fail_if_pending(reason)
 
 

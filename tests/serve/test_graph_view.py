@@ -95,3 +95,28 @@ def test_layers_of_a_diamond_follow_the_longest_path() -> None:
             {"v1": "call:P1", "v2": "call:P2", "out": "call:C"})
     assert {n["id"]: n["layer"] for n in nodes} == {"var:x": 0, "call:P1": 1, "var:v1": 2, "call:P2": 3, "var:v2": 4,
                                                     "call:C": 5, "var:out": 6}
+
+
+
+def test_a_call_that_failed_on_its_engine_keeps_its_time() -> None:
+    from parrot.errors import GenerationFailedError, ParrotError
+
+    async def run() -> dict:
+        core = make_core(config=ServeConfig(model="tiny"))
+        core.engines.register(ScriptedEngine([GenerationFailedError("the engine broke")]))
+        await core.start()
+        try:
+            s = core.create_session()
+            a = _call(core, s, "Go {{a}}")
+            try:
+                await core.get_var(s, a, "latency", 10)
+            except ParrotError:
+                pass
+            (node,) = [n for n in session_graph(core, s)["nodes"] if n["kind"] == "call"]
+            return node
+        finally:
+            await core.stop()
+
+    node = asyncio.run(run())
+    assert node["state"] == "failed" and "the engine broke" in node["error"]
+    assert node["timings"]["total_s"] is not None and node["timings"]["queue_s"] is not None
