@@ -459,6 +459,13 @@ def _call(core: ParrotServeCore, s, template: str, **inputs: str):  # noqa: ANN0
     return next(p.var_id for p in out.param_info if p.is_output)
 
 
+def _upper(core: ParrotServeCore, s, var_id: str) -> str:  # noqa: ANN001
+    """A native `upper` call reading `var_id`; its output variable's id."""
+    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
+                                                   inputs={"text": NativeInput(var_id=var_id)}, outputs=["output"]))
+    return native.param_info[-1].var_id
+
+
 def test_an_empty_prompt_or_an_internal_fault_fails_the_call_instead_of_hanging() -> None:
     async def run() -> None:
         for engine, want in ((ScriptedEngine([]), "the prompt is empty"),
@@ -488,19 +495,16 @@ def test_a_cycle_through_a_native_call_is_refused() -> None:
     core = make_core()
     s = core.create_session()
     x = core.create_var(s, "x", None)
-    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                   inputs={"text": NativeInput(var_id=x.id)}, outputs=["output"]))
-    u = native.param_info[-1].var_id
+    u = _upper(core, s, x.id)
     with pytest.raises(InvalidRequestError, match="cycle"):  # x -> upper -> u -> this call -> x
         core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Say {{u}} {{x}}", parameters=[
             SemanticCallParameter(name="u", var_id=u), SemanticCallParameter(name="x", is_output=True, var_id=x.id)]))
     # the other order: a call y <- x first, the native u <- y, then a call x <- u closes the loop
     y = _call(core, s, "Go {{x}} {{a}}", x=x.id)
-    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                   inputs={"text": NativeInput(var_id=y)}, outputs=["output"]))
+    uy = _upper(core, s, y)
     with pytest.raises(InvalidRequestError, match="cycle"):
         core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Say {{u}} {{x}}", parameters=[
-            SemanticCallParameter(name="u", var_id=native.param_info[-1].var_id),
+            SemanticCallParameter(name="u", var_id=uy),
             SemanticCallParameter(name="x", is_output=True, var_id=x.id)]))
     # no cycle: a call writing a fresh variable from the native's output is taken
     _call(core, s, "Say {{u}} {{a}}", u=u)
@@ -632,10 +636,7 @@ def test_a_variable_read_before_its_producer_arrives_is_computed_once_it_does() 
             # a consumer needed first (output_criteria), then the native call computing its input, then the
             # call computing the native's input
             y = core.create_var(s, "y", None)
-            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                           inputs={"text": NativeInput(var_id=y.id)},
-                                                           outputs=["output"]))
-            u = native.param_info[-1].var_id
+            u = _upper(core, s, y.id)
             out = core.semantic_call(s, SemanticCallRequest(
                 session_id=s.session_id, template="Say {{u}} {{a}}", output_criteria="throughput", parameters=[
                     SemanticCallParameter(name="u", var_id=u), SemanticCallParameter(name="a", is_output=True)]))
@@ -681,10 +682,7 @@ def test_an_apps_later_steps_are_deeper_after_the_earlier_ones_ended() -> None:
             await core.get_var(s, second, "latency", 10)
             third = _call(core, s, "Step 2: {{p}} {{a}}", p=second)
             await core.get_var(s, third, "latency", 10)
-            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                           inputs={"text": NativeInput(var_id=first)},
-                                                           outputs=["output"]))
-            after = _call(core, s, "Then {{u}} {{a}}", u=native.param_info[-1].var_id)
+            after = _call(core, s, "Then {{u}} {{a}}", u=_upper(core, s, first))
             await core.get_var(s, after, "latency", 10)
             return depths
         finally:
@@ -697,9 +695,7 @@ def test_a_variable_has_one_producer_and_a_refused_call_changes_nothing() -> Non
     core = make_core()
     s = core.create_session()
     x = core.create_var(s, "x", None)
-    native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                   inputs={"text": NativeInput(var_id=x.id)}, outputs=["output"]))
-    u = native.param_info[-1].var_id
+    u = _upper(core, s, x.id)
     held = core.vars.count(s.session_id)
     params = [SemanticCallParameter(name="q", value="?"),
               SemanticCallParameter(name="u", var_id=u, is_output=True, sampling_config={"choice": ["y"]})]
@@ -749,10 +745,7 @@ def test_a_running_native_calls_output_keeps_its_producer() -> None:
         try:
             s = core.create_session()
             x = core.create_var(s, "x", "hello")
-            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                           inputs={"text": NativeInput(var_id=x.id)},
-                                                           outputs=["output"]))
-            u = native.param_info[-1].var_id
+            u = _upper(core, s, x.id)
             reader = asyncio.ensure_future(core.get_var(s, u, "latency", 5))
             await asyncio.sleep(0)  # the read made it run: handed to a worker thread, its output still pending
             with pytest.raises(ConflictError, match="computed by call n-"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from parrot.config import ServeConfig
-from parrot.protocol import NativeCallRequest, NativeInput, StreamChunk
+from parrot.protocol import StreamChunk
 from parrot.serve.graph_view import session_graph
-from tests.serve.test_core import ScriptedEngine, _call, make_core
+from tests.serve.test_core import ScriptedEngine, _call, _upper, make_core
 
 
 def test_a_chain_thousands_of_calls_deep_has_its_layers() -> None:
@@ -18,9 +18,7 @@ def test_a_chain_thousands_of_calls_deep_has_its_layers() -> None:
     s = core.create_session()
     var = core.create_var(s, "x", None).id
     for _ in range(1500):
-        out = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                    inputs={"text": NativeInput(var_id=var)}, outputs=["output"]))
-        var = out.param_info[-1].var_id
+        var = _upper(core, s, var)
     _call(core, s, "End {{u}} {{a}}", u=var)
     layers = {n["id"]: n["layer"] for n in session_graph(core, s)["nodes"]}
     assert layers[f"var:{var}"] == 2048 and max(layers.values()) == 2050  # each kept call and its output a layer
@@ -34,9 +32,7 @@ def test_a_finished_call_keeps_its_criterion_and_a_read_native_shows_its_own() -
         try:
             s = core.create_session()
             a = _call(core, s, "Go {{a}}")
-            native = core.native_call(s, NativeCallRequest(session_id=s.session_id, transform="upper", params={},
-                                                           inputs={"text": NativeInput(var_id=a)}, outputs=["output"]))
-            await core.get_var(s, native.param_info[-1].var_id, "throughput", 10)
+            await core.get_var(s, _upper(core, s, a), "throughput", 10)
             return [n for n in session_graph(core, s)["nodes"] if n["kind"] == "call"]
         finally:
             await core.stop()
