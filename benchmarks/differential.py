@@ -1,6 +1,7 @@
 """Differential run: every job of a random concurrent mix gives what it gives alone.
 
     python -m benchmarks.differential [--rounds 8] [--seed 0] [--kv-memory-mb 10] [--speculative-tokens 4]
+                                      [--max-batch-size N]
 
 Each round submits 4-14 jobs to one engine at once (staggered by 0-200 ms), drawn from: greedy plain, stop
 strings, seeded sampling (temperature, top-p, top-k), a JSON schema, a regex, a choice, logprobs, presence and
@@ -8,7 +9,9 @@ frequency penalties, a text to repeat (prompt-lookup drafts, with `--speculative
 prompt, and two-turn conversations whose contexts wait idle between the turns. Then it runs each job alone on
 the same engine and compares: the tokens, the finish reason and the logprobs, bit for bit where the native CPU
 kernels compute the steps (a row's bits do not depend on its batch), within 1e-4 on XLA's paths. A small KV pool
-(`--kv-memory-mb`) makes the engine preempt running jobs and evict idle contexts, whose KV is then recomputed.
+(`--kv-memory-mb`) makes the engine preempt running jobs and evict idle contexts, whose KV is then recomputed;
+each job is latency-critical (priority 0) or throughput work (1) at random, so a small batch (`--max-batch-size`)
+makes the engine preempt throughput jobs for latency-critical ones too (priority preemption).
 Prints each round and every job that differed (where its tokens first did); writes JSON; exits 1 if any did.
 A correctness check under load, not a speed test: it guards batching, forks, preemption, eviction, drafts and
 constraints together (docs/benchmarks.md, "Recomputed contexts fed as they were first fed").
@@ -53,6 +56,7 @@ class Case:
     prompt: list[int]
     sampling: dict
     parent: str | None = None
+    priority: int = 0  # the engine queue priority of its primitives (0 latency-critical, 1 throughput)
     replies: dict[str, list[GenerateResponse] | str] = field(default_factory=dict)  # "together" / "alone"
 
 
@@ -64,7 +68,7 @@ def make_case(rng: random.Random, eng: LLMEngine, i: int) -> Case:
 
     kind = rng.choice(KINDS)
     topic = rng.choice(TOPICS)
-    case = Case(kind, chat(f"Tell me about {topic}."), {"max_tokens": rng.randint(8, 70)})
+    case = Case(kind, chat(f"Tell me about {topic}."), {"max_tokens": rng.randint(8, 70)}, priority=rng.randint(0, 1))
     sp = case.sampling
     if kind == "stop":
         sp["stop"] = [rng.choice([".", ",", " the", "\n"])]
@@ -97,15 +101,17 @@ def run_case(eng: LLMEngine, case: Case, ctx: str, label: str, pause_s: float) -
     """Fill, generate (and for a conversation: wait, fill the follow-up, generate again), free; the replies or
     the error go to `case.replies[label]`."""
     try:
-        eng.fill_future(FillRequest(context_id=ctx, parent_context_id=case.parent,
-                                    token_ids=case.prompt)).result(TIMEOUT)
+        eng.fill_future(FillRequest(context_id=ctx, parent_context_id=case.parent, token_ids=case.prompt,
+                                    priority=case.priority)).result(TIMEOUT)
         sampling = SamplingParams(**case.sampling)
-        replies = [eng.generate_future(GenerateRequest(context_id=ctx, sampling=sampling)).result(TIMEOUT)]
+        replies = [eng.generate_future(GenerateRequest(context_id=ctx, sampling=sampling,
+                                                       priority=case.priority)).result(TIMEOUT)]
         if case.kind == "conversation":
             time.sleep(pause_s)  # idle: other jobs may take its KV
             follow = eng.tokenizer.encode(FOLLOW_UP)
-            eng.fill_future(FillRequest(context_id=ctx, token_ids=follow)).result(TIMEOUT)
-            replies.append(eng.generate_future(GenerateRequest(context_id=ctx, sampling=sampling)).result(TIMEOUT))
+            eng.fill_future(FillRequest(context_id=ctx, token_ids=follow, priority=case.priority)).result(TIMEOUT)
+            replies.append(eng.generate_future(GenerateRequest(context_id=ctx, sampling=sampling,
+                                                               priority=case.priority)).result(TIMEOUT))
         case.replies[label] = replies
     except Exception as exc:  # noqa: BLE001  (a failure is a difference to report, not a crash of the run)
         case.replies[label] = repr(exc)
@@ -140,15 +146,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-memory-mb", type=int, default=10, help="a small pool: preemption and eviction")
     ap.add_argument("--speculative-tokens", type=int, default=4, help="0: no prompt-lookup drafts")
+    ap.add_argument("--max-batch-size", type=int, default=None, help="a small batch: priority preemption")
     ap.add_argument("--out", default="benchmarks/results/differential.json")
     args = ap.parse_args()
+    batch = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
     eng = LLMEngine(load_model(args.model), EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
                                                          speculative_tokens=args.speculative_tokens,
-                                                         precompile=False)).start()
+                                                         precompile=False, **batch)).start()
     exact = kernels.available()
     print(f"CPU {procinfo.cpu_name()}, backend {jax.default_backend()}; logprobs compared "
           f"{'bit for bit' if exact else 'within 1e-4'}; KV pool {args.kv_memory_mb} MB, "
-          f"speculative tokens {args.speculative_tokens}", flush=True)
+          f"speculative tokens {args.speculative_tokens}, batch {eng.cfg.max_batch_size}", flush=True)
     rounds: list[dict] = []
     differed = 0
     try:
@@ -177,8 +185,9 @@ def main() -> int:
             ping = eng.ping()
             rounds.append({"jobs": [c.kind for c in cases], "differed": [{"job": i, "kind": c.kind, "where": d}
                                                                           for i, c, d in found]})
-            print(f"round {rnd}: {len(cases)} jobs, {len(found)} differed; so far {ping.preemptions} preemptions, "
-                  f"{ping.evictions} evictions, {ping.spec_steps} verify steps", flush=True)
+            print(f"round {rnd}: {len(cases)} jobs, {len(found)} differed; so far {ping.preemptions} preemptions "
+                  f"({ping.priority_preemptions} for priority), {ping.evictions} evictions, {ping.spec_steps} verify "
+                  "steps", flush=True)
         ping = eng.ping()
     finally:
         eng.shutdown()
@@ -187,7 +196,9 @@ def main() -> int:
     write_json({"model": args.model, "backend": jax.default_backend(), "machine": procinfo.cpu_name(),
                 "exact_logprobs": exact, "kv_memory_mb": args.kv_memory_mb,
                 "speculative_tokens": args.speculative_tokens, "seed": args.seed, "jobs": jobs, "differed": differed,
-                "preemptions": ping.preemptions, "evictions": ping.evictions, "spec_steps": ping.spec_steps,
+                "max_batch_size": eng.cfg.max_batch_size, "preemptions": ping.preemptions,
+                "priority_preemptions": ping.priority_preemptions, "evictions": ping.evictions,
+                "spec_steps": ping.spec_steps,
                 "rounds": rounds}, args.out)
     return 1 if differed else 0
 
