@@ -126,7 +126,10 @@ class GlobalScheduler:
                         if (view.name, task.salt, k, hashes[k]) in planned_blocks:
                             cached = k * block
                             break
-                key = (cached, -self.load(view.name) - view.queued)
+                # a latency task may go to a full engine (it preempts throughput work there), but one with room
+                # comes first: no work is thrown away for it where another engine can take it as it is
+                room = task.criterion != "latency" or self.load(view.name) < view.max_batch
+                key = (room, cached, -self.load(view.name) - view.queued)
                 if best_key is None or key > best_key:
                     best, best_key = view, key
             if best is None:

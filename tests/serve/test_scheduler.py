@@ -80,6 +80,17 @@ def test_capacity_and_latency_cap() -> None:
     for t in chats:
         full.submit(t)
     assert full.schedule() == chats[:2] and full.queue == chats[2:]
+    # ... but an engine with room comes first, even where the full one holds the task's prefix
+    cm = ContextManager()
+    cm.register("busy", "sys", [1, 2, 3], None, None)
+    two = make([EngineView("busy", 2), EngineView("idle", 2)], cm)
+    batch = [task([1, 2, 3, 9, i], [3, 5]) for i in range(2)]
+    for t in batch:
+        two.submit(t)
+    assert two.schedule() == batch and {t.engine for t in batch} == {"busy"}  # where their prefix is: full now
+    chat = task([1, 2, 3, 4], [3, 4], criterion="latency")
+    two.submit(chat)
+    assert two.schedule() == [chat] and chat.engine == "idle"
 
 
 def test_task_group_dispatched_together() -> None:
