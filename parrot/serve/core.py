@@ -511,7 +511,7 @@ class ParrotServeCore:
 
     def set_var(self, session: Session, var_id: str, content: str) -> None:
         var = self.vars.get(var_id, session.session_id)
-        if var.is_pending and (var.producer is not None or session.executor.has_producer(var)):
+        if var.is_pending and var.producer is not None:  # a call computes it (set when the call is taken)
             raise ConflictError(f"variable {var.name!r} ({var.id}) is computed by call {var.producer}: "
                                 "it is not set by a client")
         var.set(content)

@@ -89,10 +89,6 @@ class GraphExecutor:
         if crit is not None:
             self.need(var, crit)
 
-    def has_producer(self, var: SemanticVariable) -> bool:
-        """Whether a call here computes `var` (in the graph, or a native call, run or running)."""
-        return var.producer is not None or bool(self.graph.producers_of(var)) or var.id in self._native_of
-
     def _computed_from(self, var_id: str) -> list[str]:
         """The variables native calls not run yet compute from variable `var_id`."""
         return [out.id for n in self._native_readers.get(var_id, ()) for out in n.outputs.values()]
