@@ -111,6 +111,12 @@ class EngineConfig:
     # anything. 0: off; None (auto): 1000 where the engine runs decode bursts, else off. Measured on a 2-core
     # EPYC Zen 4 (docs/benchmarks.md): chats beside a map-reduce ~3x faster at p99, the map-reduce level
     throughput_hold_ms: int | None = None
+    # a prompt of more urgent work that took a full batch's slot (priority preemption) and has ended, with less
+    # urgent work waiting, keeps its slot this many ms for the primitive that follows it on its context (or a
+    # fork of it): a core reaching the engine over HTTP sends a call's generate only once its fill has
+    # answered, and the preempted job, let in meanwhile, would be preempted again and recompute its KV twice.
+    # A core in the same process hands both over at once, so nothing is kept. 0: off
+    priority_handoff_ms: int = 50
     # a step with decodes and prompt chunks runs both in one pass over the weights (Orca's selective
     # batching) where every row then gets the bits its own kind of step gives it (the native CPU kernels:
     # ModelRunner.mixed); otherwise, and when False, as two passes
@@ -184,6 +190,8 @@ class EngineConfig:
             raise ValueError(f"weights must be 'auto', 'f32', 'bf16' or one of {', '.join(QUANTIZE_AT_LOAD)}")
         if self.throughput_hold_ms is not None and self.throughput_hold_ms < 0:
             raise ValueError("throughput_hold_ms must be 0 (off) or positive")
+        if self.priority_handoff_ms < 0:
+            raise ValueError("priority_handoff_ms must be 0 (off) or positive")
         if self.decode_bursts is not None and self.decode_bursts < 0:
             raise ValueError("decode_bursts must be 0 (off) or positive")
         if self.multi_step is not None and self.multi_step < 1:

@@ -270,6 +270,8 @@ class RuntimeInfo(BaseModel):
     shape_misses: int
     preemptions: int
     priority_preemptions: int = 0  # of those, to make room in a full batch for more urgent work (priority)
+    # slots an urgent prompt kept for the primitive that followed it, and which it took (priority_handoff_ms)
+    kept_slots: int = 0
     evictions: int
     cascade_steps: int
     mixed_steps: int = 0  # steps that ran decodes and prompt chunks in one pass over the weights

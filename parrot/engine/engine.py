@@ -344,7 +344,7 @@ class LLMEngine:
             recent_host_ms=float(np.median(self._host_ms)) if self._host_ms else 0.0, ahead_steps=self.ahead_steps,
             overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions,
-            priority_preemptions=s.priority_preemptions, evictions=s.evictions,
+            priority_preemptions=s.priority_preemptions, kept_slots=s.kept_slots, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, mixed_steps=self.runner.mixed_steps, aborts=s.aborts,
             multi_step_launches=self.runner.multi_step_launches, decode_bursts=s.decode_bursts,
             held_steps=s.held_steps,
@@ -380,6 +380,7 @@ class LLMEngine:
                 "speculative_tokens": c.speculative_tokens if self.scheduler.drafter is not None else 0,
                 "speculative_ngram": [c.speculative_min_ngram, c.speculative_ngram],
                 "throughput_hold_ms": round(self.scheduler.hold_s * 1000), "gc_freeze": c.gc_freeze,
+                "priority_handoff_ms": c.priority_handoff_ms,
                 "native_kernels": kernels.available(), "cpu_matmul": kernels.matmul_path(),
                 "prefill_dtype": str(r.prefill_dtype), "generated_row_limbs": r.generated_row_limbs,
                 "bf16_tiles": kernels.bf16_tiles(),
@@ -412,8 +413,8 @@ class LLMEngine:
                 self._drain()
                 busy = self.scheduler.has_work() or self._inflight is not None
                 self.runner.compiler.serving(busy)  # background compiling yields the cores to steps
-                if not busy:
-                    self._wake.wait(timeout=0.5)
+                if not busy:  # nothing to do, or waiting work held back by a kept slot until it is let go
+                    self._wake.wait(timeout=self.scheduler.wake_in())
                     self._wake.clear()
                     continue
                 self.step()

@@ -255,6 +255,11 @@ class Scheduler:
         self.decode_bursts = 0  # decode-only bursts planned between prompt steps (`EngineConfig.decode_bursts`)
         self._held_since: float | None = None  # throughput prompts wait for latency-critical decodes since then
         self.held_steps = 0  # steps planned while throughput prompts were held (`EngineConfig.throughput_hold_ms`)
+        # slots kept for the primitive following an urgent prompt that ended (`EngineConfig.priority_handoff_ms`):
+        # context -> when the slot is let go
+        self.kept: dict[str, float] = {}
+        self.handoff_s = cfg.priority_handoff_ms / 1000
+        self.kept_slots = 0  # slots kept so, and taken by the primitive that followed
         # speculative decoding by prompt lookup (off where `speculative_tokens` is 0, or the engine turns it off)
         self.drafter = (NgramDrafter(cfg.speculative_tokens, cfg.speculative_ngram, cfg.speculative_min_ngram)
                         if cfg.speculative_tokens else None)
@@ -287,7 +292,43 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=lambda j: j.order))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """True if a step has something to do: running jobs, or waiting ones a kept slot does not hold back."""
+        if self.running or not self.waiting:
+            return bool(self.running)
+        self._let_go()
+        return len(self.kept) < self.cfg.max_batch_size or any(self._takes_kept(j) for j in self.waiting)
+
+    def wake_in(self, most: float = 0.5) -> float:
+        """Seconds until the first kept slot is let go (at most `most`): how long an engine with nothing else to
+        do waits for new work before it looks again."""
+        return max(0.0, min([most, *(t - time.monotonic() for t in self.kept.values())]))
+
+    # ---- slots kept for the primitive after an urgent prompt --------------------------------------
+    def _keep_slot(self, job: Job) -> None:
+        """`job` (running, about to leave `running`) has filled its tokens: a prompt of more urgent work than some
+        waiting job, in a full batch, with nothing queued on its context or forking it yet, keeps its slot
+        `handoff_s` for that next primitive (see `EngineConfig.priority_handoff_ms`)."""
+        ctx = job.context_id
+        if (not self.handoff_s or job.kind is not JobKind.FILL or len(self.running) < self.cfg.max_batch_size
+                or not any(w.priority > job.priority for w in self.waiting)
+                or any(w.context_id == ctx or w.parent_context_id == ctx for w in self.waiting)):
+            return
+        self.kept[ctx] = time.monotonic() + self.handoff_s
+
+    def _let_go(self) -> None:
+        """Drop the kept slots whose time is up."""
+        now = time.monotonic()
+        for ctx in [c for c, t in self.kept.items() if t <= now]:
+            del self.kept[ctx]
+
+    def _takes_kept(self, job: Job) -> bool:
+        return job.context_id in self.kept or (job.parent_context_id is not None and job.parent_context_id in self.kept)
+
+    def _take_kept(self, job: Job) -> None:
+        for ctx in (job.context_id, job.parent_context_id):
+            if ctx is not None and self.kept.pop(ctx, None) is not None:
+                self.kept_slots += 1
+                return
 
     def referenced(self, context_id: str) -> bool:
         """True if a queued or running job uses the context (as its own or as the parent to fork)."""
@@ -592,8 +633,9 @@ class Scheduler:
         the shape for it (and pages are free); one otherwise."""
         if plan.prefill or not plan.decode or plan.outputs or self._copies:
             return None
-        if self.waiting and (len(self.running) < self.cfg.max_batch_size
-                             or self.waiting[0].priority < max(j.priority for j in self.running)):
+        if self.waiting and (len(self.running) + len(self.kept) < self.cfg.max_batch_size
+                             or self.waiting[0].priority < max(j.priority for j in self.running)
+                             or any(self._takes_kept(j) for j in self.waiting)):
             return None  # the full scheduler admits waiting work now (with a full batch only more urgent work)
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
@@ -700,6 +742,7 @@ class Scheduler:
             if job.pending:
                 continue
             if job.kind is JobKind.FILL:
+                self._keep_slot(job)
                 self.finish(job)
                 outputs.append(JobOutput(job, result=FillResponse(
                     context_id=job.context_id, num_tokens=len(self.tokens[job.context_id]),
@@ -1056,7 +1099,7 @@ class Scheduler:
         newest of those), which is preempted: its KV is dropped and recomputed when it runs again, so its output is
         the same. A chat arriving while a batch job fills the batch runs at once instead of after a batch job's
         whole generation."""
-        room = self.cfg.max_batch_size - len(self.running)
+        room = self.cfg.max_batch_size - len(self.running) - len(self.kept)  # a kept slot is its follower's
         if not self.waiting or self.waiting[0].priority >= max((j.priority for j in self.running), default=0):
             return
         taken: set[str] = set()
@@ -1069,6 +1112,8 @@ class Scheduler:
                     or (parent is not None and first.get(parent, job.queued) < job.queued)):
                 continue  # it waits for work on its context (or its parent's, running or queued first) anyway
             taken.add(job.context_id)
+            if self._takes_kept(job):
+                continue  # the slot kept for it
             if room > 0:
                 room -= 1
                 continue
@@ -1080,7 +1125,9 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan) -> None:
         """Move waiting jobs whose context (and parent) are idle into running, setting up contexts (a full batch
-        first makes room for more urgent work: `_yield_to_priority`)."""
+        first makes room for more urgent work: `_yield_to_priority`; a slot kept for the primitive after an
+        urgent prompt is that primitive's: `_keep_slot`)."""
+        self._let_go()
         self._yield_to_priority()
         blocked: set[str] = set()
         kept: deque[Job] = deque()
@@ -1095,7 +1142,9 @@ class Scheduler:
             # stand behind it: forking then would copy tokens whose KV no step has computed)
             parent_busy = new_ctx and parent is not None and (parent in self.busy or parent in blocked
                                                               or first.get(parent, job.queued) < job.queued)
-            if ctx_id in self.busy or ctx_id in blocked or parent_busy or len(self.running) >= self.cfg.max_batch_size:
+            others = len(self.kept) - self._takes_kept(job)  # slots kept for other jobs
+            if (ctx_id in self.busy or ctx_id in blocked or parent_busy
+                    or len(self.running) + others >= self.cfg.max_batch_size):
                 blocked.add(ctx_id)  # later jobs on this context keep their order
                 kept.append(job)
                 continue
@@ -1117,6 +1166,7 @@ class Scheduler:
             job.status = JobStatus.RUNNING
             self.running.append(job)
             self.busy[ctx_id] = job
+            self._take_kept(job)
         self.waiting = kept
 
     def _setup(self, job: Job, plan: StepPlan) -> None:
@@ -1201,6 +1251,7 @@ class Scheduler:
         del self.row_fed.setdefault(job.context_id, bytearray())[job.base_len :]
 
     def free_context(self, context_id: str) -> int:
+        self.kept.pop(context_id, None)
         if self.drafter is not None:
             self.drafter.forget(context_id)
         freed = self.kv.free(context_id)

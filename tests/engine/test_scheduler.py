@@ -200,6 +200,89 @@ def test_a_full_batch_of_throughput_work_makes_room_for_latency_work() -> None:
     assert s.kv.get("b2").num_tokens == 59  # recomputed: its prompt and 39 of its tokens fed again
 
 
+def _full_of_throughput_work(handoff_ms: int = 50, batch: int = 2) -> tuple[Scheduler, dict[str, Job], list[JobOutput]]:
+    """A scheduler whose batch is full of decoding throughput generates (priority 1), b1, b2, ..."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_batch_size=batch,
+                             priority_handoff_ms=handoff_ms)
+    s = Scheduler(KVCacheManager(64, cfg.page_size), cfg, max_len=512)
+    gens = {}
+    for i in range(batch):
+        for job in (_fill(f"b{i + 1}", 20), _gen(f"b{i + 1}", 40)):
+            job.priority = 1
+            s.add(job)
+        gens[job.context_id] = job
+    outputs: list[JobOutput] = []
+    while not all(job.output_ids for job in gens.values()):
+        plan = s.schedule()
+        outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    return s, gens, outputs
+
+
+def _one_step(s: Scheduler, outputs: list[JobOutput]) -> None:
+    plan = s.schedule()
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+
+
+def test_an_urgent_prompt_keeps_its_slot_for_the_generate_sent_after_it() -> None:
+    """A core reaching the engine over HTTP sends a latency-critical call's generate only once its fill has
+    answered. The fill preempted a throughput job; that job is not let back in meanwhile (to be preempted again,
+    its KV recomputed twice): the slot waits for the generate, which forks the filled context."""
+    s, gens, outputs = _full_of_throughput_work()
+    chat = _fill("chat", 10)
+    s.add(chat)
+    while chat.status is not JobStatus.FINISHED:
+        _one_step(s, outputs)
+    assert s.priority_preemptions == 1 and gens["b2"].status is JobStatus.WAITING
+    assert list(s.kept) == ["chat"]
+    for _ in range(3):  # the generate is on its way: b2 stays out, b1 decodes on
+        _one_step(s, outputs)
+    assert gens["b2"].status is JobStatus.WAITING and gens["b1"].status is JobStatus.RUNNING
+    reply = _gen("chat-reply", 3, parent="chat")
+    s.add(reply)
+    _one_step(s, outputs)
+    assert reply.status is JobStatus.RUNNING and not s.kept and s.kept_slots == 1
+    outputs += _drive(s)
+    assert s.priority_preemptions == 1  # once, not twice
+    done = [o.job for o in outputs if o.finished and o.error is None]
+    assert done.index(reply) < done.index(gens["b2"])
+    assert len(reply.output_ids) == 3 and all(len(job.output_ids) == 40 for job in gens.values())
+
+
+def test_a_kept_slot_is_let_go_when_nothing_follows() -> None:
+    """A fill nothing follows (e.g. a prefix kept for later) holds its slot `priority_handoff_ms` at most; an
+    engine with nothing else to run waits that long, not longer, and 0 keeps nothing."""
+    s, gens, outputs = _full_of_throughput_work(handoff_ms=30, batch=1)
+    s.add(_fill("prefix", 10))
+    while "prefix" not in s.kept:
+        _one_step(s, outputs)
+    assert not s.running and gens["b1"].status is JobStatus.WAITING
+    assert not s.has_work() and 0 < s.wake_in() <= 0.03  # the engine loop sleeps until then
+    time.sleep(0.04)
+    assert s.has_work()
+    _one_step(s, outputs)
+    assert gens["b1"].status is JobStatus.RUNNING and not s.kept and s.kept_slots == 0
+    s2, _, outputs2 = _full_of_throughput_work(handoff_ms=0, batch=1)
+    s2.add(_fill("prefix", 10))
+    outputs2 += _drive(s2)
+    assert not s2.kept and all(o.error is None for o in outputs2)
+
+
+def test_no_slot_is_kept_when_the_generate_came_with_the_fill() -> None:
+    """A core in the engine's process hands over the fill and the generate at once: nothing is kept, and freeing
+    a context lets go a slot kept for it."""
+    s, _, outputs = _full_of_throughput_work()
+    s.add(_fill("chat", 10))
+    s.add(_gen("chat", 3))
+    outputs += _drive(s)
+    assert s.kept_slots == 0 and not s.kept and s.priority_preemptions == 1
+    s, _, outputs = _full_of_throughput_work()
+    s.add(_fill("gone", 10))
+    while "gone" not in s.kept:
+        _one_step(s, outputs)
+    s.free_context("gone")
+    assert not s.kept
+
+
 @pytest.mark.parametrize("how", ["waited", "priority"])
 def test_work_taken_while_a_job_runs_on_its_context_stays_behind_it_when_that_job_is_preempted(how: str) -> None:
     """A fill sent for a context while a generate runs there, marked as having waited upstream (or more urgent than
