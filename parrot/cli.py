@@ -234,6 +234,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           prefill_tokens_beside_latency=(args.prefill_tokens_beside_latency
                                                          or EngineConfig.prefill_tokens_beside_latency),
                           decode_bursts=args.decode_bursts, throughput_hold_ms=args.throughput_hold_ms,
+                          priority_handoff_ms=(EngineConfig.priority_handoff_ms if args.priority_handoff_ms is None
+                                               else args.priority_handoff_ms),
                           token_buckets=token_buckets, bs_buckets=bs_buckets, kv_buckets=kv_buckets,
                           precompile=not args.disable_precompile,
                           layers_per_call=(EngineConfig.layers_per_call if args.layers_per_call is None
@@ -514,6 +516,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
                                 ("--prefill-tokens-beside-latency", args.prefill_tokens_beside_latency),
                                 ("--decode-bursts", args.decode_bursts),
                                 ("--throughput-hold-ms", args.throughput_hold_ms),
+                                ("--priority-handoff-ms", args.priority_handoff_ms),
                                 ("--layers-per-call", args.layers_per_call), ("--weights", args.weights),
                                 ("--kv-dtype", args.kv_dtype), ("--v-dtype", args.v_dtype),
                                 ("--decode-attention", args.decode_attention),
@@ -629,6 +632,10 @@ def _add_engine_args(e: argparse.ArgumentParser) -> None:
                         "throughput-critical) with prompts to fill waits, at most MS at a time, and the decodes run "
                         "back to back: chats first, batch jobs after; 0: off (default: 1000 where decode bursts "
                         "run, else off)")
+    e.add_argument("--priority-handoff-ms", type=NON_NEGATIVE, default=None, metavar="MS",
+                   help="an urgent prompt that took a full batch's slot keeps it MS for the primitive that follows "
+                        "it (a core over HTTP sends a call's generate after its fill has answered), so the job it "
+                        "preempted is not let in and preempted again; 0: off (default: 50)")
     e.add_argument("--precompile-token-paddings", type=POSITIVE, nargs="+", metavar="N",
                    help="token-count padding buckets (default: powers of two 4..512)")
     e.add_argument("--precompile-bs-paddings", type=POSITIVE, nargs="+", metavar="N",
