@@ -309,6 +309,12 @@ def cmd_engine(args: argparse.Namespace) -> int:
     for flag, url in (("--serve-core", args.serve_core), ("--advertise-url", args.advertise_url)):
         if url is not None and not _http_url(url):
             raise ParrotError(f"{flag} {url!r} is not an http:// or https:// URL with a host")
+    if args.advertise_url is not None:  # as the serve core will take it (a registration it refuses: 422)
+        from parrot.protocol import engine_url
+        try:
+            engine_url(args.advertise_url)
+        except ValueError as err:
+            raise ParrotError(f"--advertise-url: {err}") from None
     if key_in_clear(args.serve_core, args.serve_core_api_key):
         log.warning("the serve core's key goes to %s over plain http: anyone on the network path can read it and "
                     "register engines; use https (parrot serve --ssl-certfile/--ssl-keyfile) or a network only "

@@ -5,6 +5,7 @@ This module is the only vocabulary the serve layer and the engine share; it impo
 from __future__ import annotations
 
 import codecs
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -299,16 +300,39 @@ class RuntimeInfo(BaseModel):
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----
+def engine_url(url: str | None) -> str | None:
+    """An engine's base URL as the serve core will call it: http or https, a host, and nothing the core would
+    misread or leak (no user or password, query or fragment). ValueError otherwise."""
+    if url is None:
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise ValueError(f"engine url {url!r}: {err}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine url {url!r} must be http:// or https:// with a host (e.g. http://10.0.0.5:9001)")
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise ValueError(f"engine url {url!r} must not carry a user, password, query or fragment (the engine key "
+                         "goes in a header)")
+    if port == 0:
+        raise ValueError(f"engine url {url!r}: port 0")
+    return url
+
+
 class EngineRegistration(BaseModel):
     """POST {serve_core}/v1/engine/register: an engine announces itself once it is listening."""
 
     name: str = Field(min_length=1, max_length=256, description="unique engine name; heartbeats refer to it")
-    url: str = Field(description="base URL the serve core reaches the engine's /fill, /generate, ... at")
+    url: str = Field(max_length=2048, description="base URL the serve core reaches the engine's /fill, /generate, "
+                                                  "... at: http:// or https://, a host, no user, query or fragment")
     model: str
     max_context_len: int = Field(ge=1)
     max_batch_size: int | None = Field(None, ge=1, description="sequences per step: the serve core's capacity model")
     runtime: RuntimeInfo | None = Field(None, description="its state as it registers (warm-up progress included), "
                                                           "until its first heartbeat")
+
+    _url = field_validator("url")(engine_url)
 
 
 class EngineHeartbeat(BaseModel):
@@ -318,6 +342,8 @@ class EngineHeartbeat(BaseModel):
     runtime: RuntimeInfo
     # the URL it registered with: a heartbeat under a name another engine registered since is refused (409)
     url: str | None = Field(None, max_length=2048)
+
+    _url = field_validator("url")(engine_url)
 
 
 # ---- Parrot REST API (frontend <-> serve core): sessions, semantic variables, calls ----------------
