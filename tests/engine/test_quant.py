@@ -455,7 +455,7 @@ def test_avx2_code_puts_generated_rows_on_two_limbs(avx2_code: None, qtype: str)
     exact = np.asarray(jax.jit(lambda x: kernels.qmatmul(x, d, qtype, None, 3, t))(x))
     assert not np.array_equal(got[ok], exact[ok])  # 15 bits, not float32
     alone = np.concatenate([np.asarray(f(x[i:i + 1], gen[:1])) for i in range(70)])
-    for size in [2, 3, 16, 17, 33, 70]:  # every size: one code for generated rows
+    for size in [2, 3, 4, 16, 17, 33, 70]:  # every size: one code for generated rows (1-4: sums in registers)
         for start in range(0, 70 - size + 1, size):
             np.testing.assert_array_equal(np.asarray(f(x[start:start + size], gen[:size])), alone[start:start + size])
     mixed = gen.copy()

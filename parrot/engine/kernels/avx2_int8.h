@@ -211,36 +211,75 @@ PARROT_INLINE void gguf_block(const uint8_t* const rows[8], int64_t b, RowBlock&
   }
 }
 
-// Every token's products with one block of 8 weight rows, added into acc [T][8] (the steps of
+// One token's products with one block of 8 weight rows (`at`: its block in `p`), added to `acc` (the steps of
 // vnni::block_tokens for 2 limbs).
 template <class F>
-PARROT_INLINE void block_tokens(const Packed& p, int64_t b, const RowBlock& rb, float* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 m = rb.m;
-  if constexpr (F::kMin == 2) m = _mm256_mul_ps(rb.d, _mm256_set1_ps(-8.f));
-  for (int64_t t = 0; t < p.T; ++t) {
-    const int64_t at = t * p.blocks + b;
-    __m256i S2;  // sum w xi = 256 S0 + S1, exactly VNNI's
-    if constexpr (F::kSigned) {  // int16 pairs: |w xi + w' xi'| <= 2^22.1, 16 of them well within int32
-      const uint32_t* xp = p.pairs.data() + at * 16;
-      __m256i a = _mm256_madd_epi16(rb.wide[0], _mm256_set1_epi32(static_cast<int>(xp[0])));
-      __m256i a2 = _mm256_madd_epi16(rb.wide[1], _mm256_set1_epi32(static_cast<int>(xp[1])));
-      for (int j = 2; j < 16; j += 2) {
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(rb.wide[j], _mm256_set1_epi32(static_cast<int>(xp[j]))));
-        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(rb.wide[j + 1], _mm256_set1_epi32(static_cast<int>(xp[j + 1]))));
-      }
-      S2 = _mm256_add_epi32(a, a2);
-    } else {
-      const uint32_t* words = p.words.data() + at * 16;
-      const __m256i S0 = _mm256_madd_epi16(limb_products(rb.w, words), ones);
-      const __m256i S1 = _mm256_madd_epi16(limb_products(rb.w, words + 8), ones);
-      S2 = _mm256_add_epi32(_mm256_slli_epi32(S0, 8), S1);
+PARROT_INLINE __m256 token_block(const Packed& p, int64_t at, const RowBlock& rb, __m256 m, __m256 acc) {
+  __m256i S2;  // sum w xi = 256 S0 + S1, exactly VNNI's
+  if constexpr (F::kSigned) {  // int16 pairs: |w xi + w' xi'| <= 2^22.1, 16 of them well within int32
+    const uint32_t* xp = p.pairs.data() + at * 16;
+    __m256i a = _mm256_madd_epi16(rb.wide[0], _mm256_set1_epi32(static_cast<int>(xp[0])));
+    __m256i a2 = _mm256_madd_epi16(rb.wide[1], _mm256_set1_epi32(static_cast<int>(xp[1])));
+    for (int j = 2; j < 16; j += 2) {
+      a = _mm256_add_epi32(a, _mm256_madd_epi16(rb.wide[j], _mm256_set1_epi32(static_cast<int>(xp[j]))));
+      a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(rb.wide[j + 1], _mm256_set1_epi32(static_cast<int>(xp[j + 1]))));
     }
-    float* out = acc + 8 * t;
-    __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S2), _mm256_mul_ps(rb.d, _mm256_set1_ps(p.s256[at])), _mm256_load_ps(out));
-    if constexpr (F::kMin != 0) r = _mm256_fmadd_ps(m, _mm256_set1_ps(p.sums[at]), r);
-    _mm256_store_ps(out, r);
+    S2 = _mm256_add_epi32(a, a2);
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint32_t* words = p.words.data() + at * 16;
+    const __m256i S0 = _mm256_madd_epi16(limb_products(rb.w, words), ones);
+    const __m256i S1 = _mm256_madd_epi16(limb_products(rb.w, words + 8), ones);
+    S2 = _mm256_add_epi32(_mm256_slli_epi32(S0, 8), S1);
   }
+  __m256 r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S2), _mm256_mul_ps(rb.d, _mm256_set1_ps(p.s256[at])), acc);
+  if constexpr (F::kMin != 0) r = _mm256_fmadd_ps(m, _mm256_set1_ps(p.sums[at]), r);
+  return r;
+}
+
+template <class F>
+PARROT_INLINE __m256 block_min(const RowBlock& rb) {
+  if constexpr (F::kMin == 2) return _mm256_mul_ps(rb.d, _mm256_set1_ps(-8.f));
+  return rb.m;
+}
+
+// Every token's products with one block of 8 weight rows, added into acc [T][8].
+template <class F>
+PARROT_INLINE void block_tokens(const Packed& p, int64_t b, const RowBlock& rb, float* acc) {
+  const __m256 m = block_min<F>(rb);
+  for (int64_t t = 0; t < p.T; ++t)
+    _mm256_store_ps(acc + 8 * t, token_block<F>(p, t * p.blocks + b, rb, m, _mm256_load_ps(acc + 8 * t)));
+}
+
+// The next block of 8 weight rows, from the tiled copy `tile` (prefetching the next tile) or the GGUF rows.
+template <class F>
+PARROT_INLINE void next_block(const uint8_t* w, const uint8_t* tile, const uint8_t* const rows8[8], int64_t n,
+                              int64_t n1, int half, int64_t b, int64_t blocks, int64_t ldw, int64_t tile_bytes,
+                              RowBlock& rb) {
+  if (tile != nullptr) {
+    if (n + 16 - 8 * half < n1)  // the next tile, a slice a block of either half
+      tiled::prefetch_slice(tile + tile_bytes, tile_bytes, half * blocks + b, 2 * blocks);
+    tiled_block<F>(tile, b, half, rb);
+  } else {
+    if (n + 8 < n1) tiled::prefetch_slice(w + (n + 8) * ldw, 8 * ldw, b, blocks);  // the next 8 rows
+    gguf_block<F>(rows8, b, rb);
+  }
+}
+
+// T (at most 4) tokens' sums kept in registers from block to block (a few tokens: the sum of one block waits for
+// the last otherwise, through memory).
+template <class F, int T>
+PARROT_INLINE void few_tokens(const Packed& p, const uint8_t* w, const uint8_t* tile, const uint8_t* const rows8[8],
+                              int64_t n, int64_t n1, int half, int64_t ldw, int64_t tile_bytes, float* out8) {
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    RowBlock rb;
+    next_block<F>(w, tile, rows8, n, n1, half, b, p.blocks, ldw, tile_bytes, rb);
+    const __m256 m = block_min<F>(rb);
+    for (int t = 0; t < T; ++t) acc[t] = token_block<F>(p, t * p.blocks + b, rb, m, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) _mm256_store_ps(out8 + 8 * t, acc[t]);
 }
 
 // Output columns [n0, n1) (n0 a multiple of 16) of every token of `p`: 8 weight rows at a time, from the
@@ -257,18 +296,18 @@ void rows(const Packed& p, const uint8_t* w, const uint8_t* wt, int64_t n0, int6
     const int half = static_cast<int>(n / 8 % 2);
     const uint8_t* rows8[8];
     for (int r = 0; r < 8; ++r) rows8[r] = r < cols ? w + (n + r) * ldw : kZeroBlock;
-    for (int64_t t = 0; t < p.T; ++t) _mm256_store_ps(acc.data() + 8 * t, _mm256_setzero_ps());
-    for (int64_t b = 0; b < blocks; ++b) {
-      RowBlock rb;
-      if (tile != nullptr) {
-        if (n + 16 - 8 * half < n1)  // the next tile, a slice a block of either half
-          tiled::prefetch_slice(tile + tile_bytes, tile_bytes, half * blocks + b, 2 * blocks);
-        tiled_block<F>(tile, b, half, rb);
-      } else {
-        if (n + 8 < n1) tiled::prefetch_slice(w + (n + 8) * ldw, 8 * ldw, b, blocks);  // the next 8 rows
-        gguf_block<F>(rows8, b, rb);
-      }
-      block_tokens<F>(p, b, rb, acc.data());
+    switch (p.T) {
+      case 1: few_tokens<F, 1>(p, w, tile, rows8, n, n1, half, ldw, tile_bytes, acc.data()); break;
+      case 2: few_tokens<F, 2>(p, w, tile, rows8, n, n1, half, ldw, tile_bytes, acc.data()); break;
+      case 3: few_tokens<F, 3>(p, w, tile, rows8, n, n1, half, ldw, tile_bytes, acc.data()); break;
+      case 4: few_tokens<F, 4>(p, w, tile, rows8, n, n1, half, ldw, tile_bytes, acc.data()); break;
+      default:
+        for (int64_t t = 0; t < p.T; ++t) _mm256_store_ps(acc.data() + 8 * t, _mm256_setzero_ps());
+        for (int64_t b = 0; b < blocks; ++b) {
+          RowBlock rb;
+          next_block<F>(w, tile, rows8, n, n1, half, b, blocks, ldw, tile_bytes, rb);
+          block_tokens<F>(p, b, rb, acc.data());
+        }
     }
     for (int64_t t = 0; t < p.T; ++t) std::memcpy(y + t * N + n, acc.data() + 8 * t, 4 * cols);
   }
