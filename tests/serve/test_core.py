@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -41,6 +42,18 @@ def make_core(**kw) -> ParrotServeCore:
     tokenizers = TokenizerManager()
     tokenizers.register("tiny", tiny_tokenizer())
     return ParrotServeCore(model="tiny", tokenizers=tokenizers, **kw)
+
+
+@contextlib.asynccontextmanager
+async def started_core(engine: EngineClient, **cfg: object) -> AsyncIterator[ParrotServeCore]:
+    """A started core on `engine` (ServeConfig(model="tiny", **cfg)), stopped on the way out."""
+    core = make_core(config=ServeConfig(model="tiny", **cfg))  # type: ignore[arg-type]
+    core.engines.register(engine)
+    await core.start()
+    try:
+        yield core
+    finally:
+        await core.stop()
 
 
 def test_sessions_auth_and_expiry() -> None:
@@ -145,10 +158,7 @@ class ScriptedEngine(EngineClient):
 
 def _run_one(engine: ScriptedEngine, **cfg: object) -> tuple[ParrotServeCore, str | None, str | None]:
     async def run() -> tuple[ParrotServeCore, str | None, str | None]:
-        core = make_core(config=ServeConfig(model="tiny", overload_backoff_s=0.01, **cfg))  # type: ignore[arg-type]
-        core.engines.register(engine)
-        await core.start()
-        try:
+        async with started_core(engine, overload_backoff_s=0.01, **cfg) as core:  # type: ignore[arg-type]
             s = core.create_session()
             out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}",
                                                             parameters=[SemanticCallParameter(name="a",
@@ -160,8 +170,6 @@ def _run_one(engine: ScriptedEngine, **cfg: object) -> tuple[ParrotServeCore, st
                 return core, None, str(exc)
             finally:
                 await asyncio.sleep(0.05)  # background frees
-        finally:
-            await core.stop()
 
     return asyncio.run(run())
 
@@ -249,10 +257,7 @@ STEP_S = 0.3  # each generate's time: the bounds below are halves of it, wide of
 def _chain_of_three(app_aware: bool) -> list[float]:
     async def run() -> list[float]:
         engine = RecordingEngine(STEP_S)
-        core = make_core(config=ServeConfig(model="tiny", app_aware=app_aware))
-        core.engines.register(engine)
-        await core.start()
-        try:
+        async with started_core(engine, app_aware=app_aware) as core:
             s = core.create_session()
             var_id = None
             for i in range(3):  # step i reads step i-1's output: the server runs the chain
@@ -266,8 +271,6 @@ def _chain_of_three(app_aware: bool) -> list[float]:
             await core.get_var(s, var_id, "latency", 5)
             assert not core._app_started  # the app's run is over
             return engine.waited
-        finally:
-            await core.stop()
 
     return asyncio.run(run())
 
@@ -302,10 +305,7 @@ def test_no_context_is_kept_inside_a_prompt_before_min_prefix_cut_tokens(system:
     engine = FillRecordingEngine()
 
     async def run() -> None:
-        core = make_core(config=ServeConfig(model="tiny", min_prefix_cut_tokens=least))
-        core.engines.register(engine)
-        await core.start()
-        try:
+        async with started_core(engine, min_prefix_cut_tokens=least) as core:
             s = core.create_session()
             out = core.semantic_call(s, SemanticCallRequest(
                 session_id=s.session_id, template=system + "Q: {{q}} A: {{a}}",
@@ -313,8 +313,6 @@ def test_no_context_is_kept_inside_a_prompt_before_min_prefix_cut_tokens(system:
                             SemanticCallParameter(name="a", is_output=True)]))
             var_id = next(p.var_id for p in out.param_info if p.name == "a")
             assert await core.get_var(s, var_id, "latency", 5) == "AB"
-        finally:
-            await core.stop()
 
     asyncio.run(run())
     assert len(engine.fills) == pieces
@@ -332,10 +330,7 @@ def test_a_short_piece_after_a_cached_prefix_is_filled_with_the_rest() -> None:
         system = "You are a helpful assistant. " * 4
 
         async def run() -> None:
-            core = make_core(config=ServeConfig(model="tiny", min_prefix_cut_tokens=least))
-            core.engines.register(engine)
-            await core.start()
-            try:
+            async with started_core(engine, min_prefix_cut_tokens=least) as core:
                 def call(s, q: str, r: str) -> str:  # noqa: ANN001
                     out = core.semantic_call(s, SemanticCallRequest(
                         session_id=s.session_id, template=system + "Q: {{q}} {{r}} A: {{a}}",
@@ -350,8 +345,6 @@ def test_a_short_piece_after_a_cached_prefix_is_filled_with_the_rest() -> None:
                 a, b = call(s, "hi", "one two three four five six seven"), call(s, "hi", "eight nine ten eleven")
                 both = await asyncio.gather(core.get_var(s, a, "latency", 5), core.get_var(s, b, "latency", 5))
                 assert both == ["AB", "AB"]  # both needed at once: they run concurrently
-            finally:
-                await core.stop()
 
         asyncio.run(run())
         return engine.fills
@@ -425,18 +418,13 @@ def test_a_prompt_forking_a_longer_prompt_whose_fill_fails_runs_again() -> None:
         return item
 
     async def run() -> tuple[object, object]:
-        core = make_core(config=ServeConfig(model="tiny", overload_backoff_s=0.01))
-        core.engines.register(PipelinedEngine(most=288))
-        await core.start()
-        try:
+        async with started_core(PipelinedEngine(most=288), overload_backoff_s=0.01) as core:
             shared = "".join(chr(97 + i % 26) for i in range(224))
             sp = SamplingParams(max_tokens=1)
             first = core.complete([shared + "x" * 80], sp)
             await asyncio.sleep(0.02)  # its fill is on its way
             second = core.complete([shared + "y" * 20], sp)
             return await asyncio.wait_for(last(first), 10), await asyncio.wait_for(last(second), 10)
-        finally:
-            await core.stop()
 
     first, second = asyncio.run(run())
     assert isinstance(first, ParrotError) and "the whole cache holds 288" in str(first), first
@@ -470,10 +458,7 @@ def test_an_empty_prompt_or_an_internal_fault_fails_the_call_instead_of_hanging(
     async def run() -> None:
         for engine, want in ((ScriptedEngine([]), "the prompt is empty"),
                              (_FaultyEngine([]), "internal error: RuntimeError: boom")):
-            core = make_core(config=ServeConfig(model="tiny"))
-            core.engines.register(engine)
-            await core.start()
-            try:
+            async with started_core(engine) as core:
                 s = core.create_session()
                 q = core.create_var(s, "q", None)
                 if want.startswith("the prompt"):
@@ -485,8 +470,6 @@ def test_an_empty_prompt_or_an_internal_fault_fails_the_call_instead_of_hanging(
                 with pytest.raises(ParrotError, match=want):
                     await core.get_var(s, out, "latency", 10)
                 assert s.pending_calls() == 0
-            finally:
-                await core.stop()
 
     asyncio.run(run())
 
@@ -523,10 +506,7 @@ def test_drain_fails_what_nothing_can_set_and_lets_the_rest_finish() -> None:
     """A stopping server: variables no one can set any more fail, with what waits on them, so their readers are
     answered; calls whose inputs are all there still run."""
     async def run() -> None:
-        core = make_core(config=ServeConfig(model="tiny"))
-        core.engines.register(ScriptedEngine([]))
-        await core.start()
-        try:
+        async with started_core(ScriptedEngine([])) as core:
             s = core.create_session()
             later = core.create_var(s, "later", None)
             waiting = _call(core, s, "Go {{q}} {{a}}", q=later.id)
@@ -537,8 +517,6 @@ def test_drain_fails_what_nothing_can_set_and_lets_the_rest_finish() -> None:
             with pytest.raises(ParrotError, match="shutting down"):
                 await readers[0]
             assert await readers[1] == "AB"
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
@@ -582,10 +560,7 @@ def test_a_sampled_task_re_run_elsewhere_goes_on_where_it_stopped_or_fails(ignor
     the text goes on where it stopped; one that generates other text fails the task explicitly (it was cut short
     and spliced before: 'length', [DONE], and the text of neither run)."""
     async def run() -> tuple[str, object]:
-        core = make_core(config=ServeConfig(model="tiny", seed=3))
-        core.engines.register(_SeedEngine("a", dies_after=2))
-        await core.start()
-        try:
+        async with started_core(_SeedEngine("a", dies_after=2), seed=3) as core:
             queue = core.complete(["Go"], SamplingParams(max_tokens=6, temperature=1.0))
             first = await queue.get()
             core.engines.register(_SeedEngine("b", ignores_seed=ignores_seed))  # only now: "a" runs it first
@@ -594,8 +569,6 @@ def test_a_sampled_task_re_run_elsewhere_goes_on_where_it_stopped_or_fails(ignor
                 streamed += item
             assert core.engine_deaths == {"a": 1} and core.redispatched == 1  # parrot:engine_deaths_total, ...
             return streamed, item
-        finally:
-            await core.stop()
 
     streamed, result = asyncio.run(run())
     if ignores_seed:
@@ -622,10 +595,7 @@ def test_a_variable_read_before_its_producer_arrives_is_computed_once_it_does() 
     """A reader may wait on a pending variable before the call computing it is submitted (or before the
     native call between): that call, and what it reads, are needed as soon as they arrive."""
     async def run() -> None:
-        core = make_core(config=ServeConfig(model="tiny"))
-        core.engines.register(ScriptedEngine([]))
-        await core.start()
-        try:
+        async with started_core(ScriptedEngine([])) as core:
             s = core.create_session()
             x = core.create_var(s, "x", None)
             reader = asyncio.ensure_future(core.get_var(s, x.id, "latency", 10))
@@ -646,8 +616,6 @@ def test_a_variable_read_before_its_producer_arrives_is_computed_once_it_does() 
             for v in (y.id, u, a):  # every step ran, no client having read any of them
                 assert await asyncio.wait_for(core.vars.get(v, s.session_id).wait(None), 10) == {
                     y.id: "AB", u: "AB", a: "AB"}[v]
-        finally:
-            await core.stop()
 
     asyncio.run(run())
 
@@ -716,10 +684,7 @@ def test_a_call_forking_the_blocks_of_a_longer_cached_prompt_says_which() -> Non
     """The radix view's fork (the blocks a longer cached context shares with a prompt) is named in the call's
     run as any other fork: `forked_from` / `forked_tokens` (the live view's `forked_by` reads them)."""
     async def run() -> tuple[dict, str]:
-        core = make_core(config=ServeConfig(model="tiny"))
-        core.engines.register(ScriptedEngine([]))
-        await core.start()
-        try:
+        async with started_core(ScriptedEngine([])) as core:
             shared = "".join(chr(97 + i % 26) for i in range(224))
             a, b = core.create_session(), core.create_session()
             first = _call(core, a, shared + "x" * 80 + " {{a}}")
@@ -728,8 +693,6 @@ def test_a_call_forking_the_blocks_of_a_longer_cached_prompt_says_which() -> Non
             second = _call(core, b, shared + "y" * 20 + " {{a}}")
             await core.get_var(b, second, "latency", 10)
             return b.executor.history[0].run, holder.context_id
-        finally:
-            await core.stop()
 
     run_info, holder = asyncio.run(run())
     assert run_info["forked_from"] == holder and run_info["forked_tokens"] == 223, run_info
@@ -739,10 +702,7 @@ def test_a_running_native_calls_output_keeps_its_producer() -> None:
     """While a native call runs on its worker thread (its output still pending), a client cannot set that output
     and no semantic call can take it as its own."""
     async def run() -> str:
-        core = make_core(config=ServeConfig(model="tiny"))
-        core.engines.register(ScriptedEngine([]))
-        await core.start()
-        try:
+        async with started_core(ScriptedEngine([])) as core:
             s = core.create_session()
             x = core.create_var(s, "x", "hello")
             u = _upper(core, s, x.id)
@@ -754,7 +714,5 @@ def test_a_running_native_calls_output_keeps_its_producer() -> None:
                 core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{u}}", parameters=[
                     SemanticCallParameter(name="u", is_output=True, var_id=u)]))
             return await reader
-        finally:
-            await core.stop()
 
     assert asyncio.run(run()) == "HELLO"
