@@ -20,6 +20,7 @@ from parrot.config import QUANTIZE_AT_LOAD, EngineConfig, ServeConfig
 from parrot.errors import ParrotError
 from parrot.interrupts import exit_with_parent, remember_sigint, sigterm_as_interrupt, stop_if_interrupted
 from parrot.logs import configure as configure_logs
+from parrot.protocol import http_base_url
 
 if TYPE_CHECKING:
     from parrot.serve.core import ParrotServeCore
@@ -275,16 +276,6 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
         raise ParrotError(f"invalid engine settings: {exc}") from exc
 
 
-def _http_url(url: str) -> bool:
-    import httpx
-
-    try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError):
-        return False
-    return parsed.scheme in ("http", "https") and bool(parsed.host)
-
-
 def key_in_clear(url: str | None, key: str | None) -> bool:
     """Whether `key` goes to `url` over plain http to another machine (anyone on the way can read it)."""
     import ipaddress
@@ -307,14 +298,10 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
     cfg = engine_config_from_args(args)
     for flag, url in (("--serve-core", args.serve_core), ("--advertise-url", args.advertise_url)):
-        if url is not None and not _http_url(url):
-            raise ParrotError(f"{flag} {url!r} is not an http:// or https:// URL with a host")
-    if args.advertise_url is not None:  # as the serve core will take it (a registration it refuses: 422)
-        from parrot.protocol import engine_url
-        try:
-            engine_url(args.advertise_url)
+        try:  # as the serve core takes an engine's URL (a registration it refuses: 422)
+            http_base_url(url)
         except ValueError as err:
-            raise ParrotError(f"--advertise-url: {err}") from None
+            raise ParrotError(f"{flag} {err}") from None
     if key_in_clear(args.serve_core, args.serve_core_api_key):
         log.warning("the serve core's key goes to %s over plain http: anyone on the network path can read it and "
                     "register engines; use https (parrot serve --ssl-certfile/--ssl-keyfile) or a network only "

@@ -300,23 +300,22 @@ class RuntimeInfo(BaseModel):
 
 
 # ---- engine <-> serve core: registration and heartbeats (appended for parrot/engine/http_api.py) ----
-def engine_url(url: str | None) -> str | None:
-    """An engine's base URL as the serve core will call it: http or https, a host, and nothing the core would
-    misread or leak (no user or password, query or fragment). ValueError otherwise."""
+def http_base_url(url: str | None) -> str | None:
+    """A base URL one side calls the other at (an engine's, the serve core's): http or https, a host, and nothing
+    the caller would misread or leak (no user or password, query or fragment). ValueError otherwise."""
     if url is None:
         return None
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
     except ValueError as err:
-        raise ValueError(f"engine url {url!r}: {err}") from None
+        raise ValueError(f"{url!r} is not a URL: {err}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"engine url {url!r} must be http:// or https:// with a host (e.g. http://10.0.0.5:9001)")
+        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host (e.g. http://10.0.0.5:9001)")
     if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        raise ValueError(f"engine url {url!r} must not carry a user, password, query or fragment (the engine key "
-                         "goes in a header)")
+        raise ValueError(f"{url!r} must not carry a user, password, query or fragment (keys go in a header)")
     if port == 0:
-        raise ValueError(f"engine url {url!r}: port 0")
+        raise ValueError(f"{url!r}: port 0")
     return url
 
 
@@ -332,7 +331,7 @@ class EngineRegistration(BaseModel):
     runtime: RuntimeInfo | None = Field(None, description="its state as it registers (warm-up progress included), "
                                                           "until its first heartbeat")
 
-    _url = field_validator("url")(engine_url)
+    _url = field_validator("url")(http_base_url)
 
 
 class EngineHeartbeat(BaseModel):
@@ -343,7 +342,7 @@ class EngineHeartbeat(BaseModel):
     # the URL it registered with: a heartbeat under a name another engine registered since is refused (409)
     url: str | None = Field(None, max_length=2048)
 
-    _url = field_validator("url")(engine_url)
+    _url = field_validator("url")(http_base_url)
 
 
 # ---- Parrot REST API (frontend <-> serve core): sessions, semantic variables, calls ----------------

@@ -55,7 +55,7 @@ from parrot.protocol import (
 from parrot.serve import perf
 from parrot.serve.contexts import CachedContext, ContextManager, salt_digest
 from parrot.serve.engines import EngineClient, EngineManager
-from parrot.serve.executor import NativeNode
+from parrot.serve.executor import NATIVE_ID_PREFIX, NativeNode
 from parrot.serve.graph import ConstantFill, Node, PlaceholderFill, PlaceholderGen, RequestChain
 from parrot.serve.perf import Criterion
 from parrot.serve.prefix_matcher import PrefixMatcher
@@ -729,7 +729,7 @@ class ParrotServeCore:
         call = validate_call(req.transform, req.params, list(req.inputs), list(req.outputs))
         self._check_pending(session)
         self._check_vars(session, len(req.inputs) + len(req.outputs))
-        request_id = f"n-{uuid.uuid4().hex[:12]}"
+        request_id = f"{NATIVE_ID_PREFIX}{uuid.uuid4().hex[:12]}"
         inputs: dict[str, SemanticVariable] = {}
         for name, src in req.inputs.items():
             if (src.var_id is None) == (src.value is None):

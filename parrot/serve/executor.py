@@ -20,6 +20,8 @@ from parrot.serve.perf import Criterion
 from parrot.serve.transforms import TransformCall
 from parrot.serve.variables import SemanticVariable
 
+NATIVE_ID_PREFIX = "n-"  # a native call's request id begins so (a semantic call's does not)
+
 log = logging.getLogger(__name__)
 
 
@@ -54,8 +56,9 @@ class GraphExecutor:
         for c in chain.chains:
             var = c.output_var
             if var.is_pending and var.producer is not None:  # a call (a native one too, running or not) computes it
+                kind = "native call" if var.producer.startswith(NATIVE_ID_PREFIX) else "call"
                 raise ConflictError(f"output variable {var.name!r} ({var.id}) already has a producer "
-                                    f"({'native call' if var.producer.startswith('n-') else 'call'} {var.producer})")
+                                    f"({kind} {var.producer})")
         self.graph.insert(chain, via=self._computed_from)  # a cycle through native calls is refused too
         self.history.extend(chain.chains)
         for c in chain.chains:  # in template order: a later output reads the earlier ones
