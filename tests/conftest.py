@@ -141,6 +141,29 @@ def smollm_default_engine(smollm: LoadedModel) -> Iterator[LLMEngine]:
     yield from _engine(smollm, EngineConfig(compilation_cache_dir=None, kv_memory_mb=256))
 
 
+WORKER_MEMORY_GIB = 6  # a worker's peak: two took 8.6 GB of memory at most in a whole run (2-core Zen 3)
+MAX_WORKERS = 2  # measured: on 2 cores two workers take the suite from 1,143 s to 867 s
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many pytest-xdist workers `-n auto` (pyproject's addopts) starts: one a core, at most MAX_WORKERS,
+    as many as the available memory holds; none (the tests run in this process) on a machine with an NVIDIA
+    GPU, where each process would take most of its memory (benchmarks/gpu/run.sh sets its own count).
+    PARROT_TEST_WORKERS=N sets it."""
+    if os.environ.get("PARROT_TEST_WORKERS"):
+        return int(os.environ["PARROT_TEST_WORKERS"])
+    if os.path.exists("/dev/nvidia0"):
+        return 0
+    available = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    cores = len(os.sched_getaffinity(0))
+    workers = min(MAX_WORKERS, cores, available // (WORKER_MEMORY_GIB << 30))
+    return workers if workers > 1 else 0  # one worker would only add a process
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # "no tests ran" (exit 5, e.g. a -k filter matching nothing) is not a failure of the code under test
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
