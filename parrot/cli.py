@@ -341,6 +341,8 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            else os.environ.get("PARROT_ADMIN_KEY"),
                            max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
+                           max_variable_memory_mb=args.max_variable_memory_mb,
+                           max_session_variable_memory_mb=args.max_session_variable_memory_mb,
                            transform_timeout_s=args.transform_timeout, session_ttl_s=args.session_ttl)
     except ValueError as exc:
         raise ParrotError(f"invalid serve settings: {exc}") from exc
@@ -735,6 +737,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="semantic variables per session (429 beyond)")
     v.add_argument("--max-pending-calls", type=POSITIVE, default=d.max_pending_calls_per_session,
                    help="unfinished calls per session (429 beyond)")
+    v.add_argument("--max-variable-memory-mb", type=POSITIVE, default=d.max_variable_memory_mb, metavar="MIB",
+                   help="text all semantic variables may hold, generated outputs included (a client's text is "
+                        "refused with a 429 beyond)")
+    v.add_argument("--max-session-variable-memory-mb", type=POSITIVE, default=d.max_session_variable_memory_mb,
+                   metavar="MIB", help="text one session's semantic variables may hold (429 beyond)")
     v.add_argument("--transform-timeout", type=float, default=d.transform_timeout_s, metavar="SECONDS",
                    help="time limit of a native function's regular expression")
     v.add_argument("--session-ttl", type=float, default=d.session_ttl_s, metavar="SECONDS",

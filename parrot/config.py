@@ -227,6 +227,10 @@ class ServeConfig:
     max_sessions: int = 1024  # open sessions at once
     max_vars_per_session: int = 4096  # semantic variables a session may hold
     max_pending_calls_per_session: int = 256  # semantic / native calls not finished yet, per session
+    # text all variables may hold (UTF-8; generated outputs count, a constant once), and one session's: text a
+    # client gives beyond is refused with a 429 (variables.SemanticVariableManager)
+    max_variable_memory_mb: int = 4096
+    max_session_variable_memory_mb: int = 512
     max_generations_kept: int = 256  # per session: timings of the latest finished generations (inspection)
     max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
     max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
@@ -282,7 +286,8 @@ class ServeConfig:
     native_workers: int = 4  # threads running native functions (never the event loop)
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_vars_per_session", "max_pending_calls_per_session", "max_generations_kept",
+        for name in ("max_sessions", "max_vars_per_session", "max_pending_calls_per_session", "max_variable_memory_mb",
+                     "max_session_variable_memory_mb", "max_generations_kept",
                      "max_requests_kept", "max_queued_completions", "latency_cap", "default_max_batch",
                      "native_workers", "max_cached_contexts", "prefix_block_tokens"):
             if getattr(self, name) < 1:

@@ -23,7 +23,7 @@ Computed at scrape time from the core (a custom collector, read on the event loo
                                          that have not reported yet are left out
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
-  parrot:engines_live, parrot:num_sessions, parrot:num_cached_contexts
+  parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts
   parrot:aborted_requests_total          generations cancelled because their clients went away (a
                                          disconnected OpenAI stream or variable stream), queued or running
   parrot:engine_aborts_total{engine}     primitives each engine aborted (its RuntimeInfo)
@@ -131,6 +131,8 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("parrot:num_cached_contexts", "KV contexts the core keeps track of.",
                                 value=len(contexts.contexts()))
         yield GaugeMetricFamily("parrot:num_sessions", "Open Parrot sessions.", value=len(core.sessions))
+        yield GaugeMetricFamily("parrot:variable_bytes", "UTF-8 bytes of text all semantic variables hold.",
+                                value=core.vars.held)
         yield CounterMetricFamily("parrot:aborted_requests", "Generations cancelled because their clients went "
                                   "away.", value=core.aborts)
         yield CounterMetricFamily("parrot:overload_retries", "Tasks re-queued after an engine had no KV space.",

@@ -312,7 +312,8 @@ class ParrotServeCore:
         self.dead_after = cfg.dead_after_s
         self.default_max_tokens = cfg.default_max_tokens
         self.max_global_contexts = cfg.max_global_contexts
-        self.vars = SemanticVariableManager()
+        self.vars = SemanticVariableManager(cfg.max_variable_memory_mb << 20, cfg.max_session_variable_memory_mb << 20,
+                                            cfg.retry_after_s)
         self.tokenizers = tokenizers or TokenizerManager()
         self.engines = EngineManager()
         self.contexts = ContextManager(pin_hits=cfg.pin_hits, block=cfg.prefix_block_tokens)
@@ -514,7 +515,7 @@ class ParrotServeCore:
         if var.is_pending and var.producer is not None:  # a call computes it (set when the call is taken)
             raise ConflictError(f"variable {var.name!r} ({var.id}) is computed by call {var.producer}: "
                                 "it is not set by a client")
-        var.set(content)
+        self.vars.set_by_client(var, content)
         session.executor.wanted.pop(var.id, None)
         self._progress(session)
 

@@ -7,7 +7,11 @@ one lock, and waiters are woken with `loop.call_soon_threadsafe`, so producers m
 
 The `SemanticVariableManager` holds two scopes: sessions (each reads its own variables only) and the
 global scope of constants, content-addressed (same text -> same variable, in every session) and
-reference counted.
+reference counted. It meters the text its variables hold (UTF-8 bytes, `held`): text a client gives (a
+variable's content, a template's constant text) is refused with a 429 (`RateLimitError`) where it would take
+the whole server past `budget_bytes` or its session past `session_budget_bytes`; generated text (a call's
+output, already accepted) always counts and is never refused, so a session full of outputs takes no more
+text from its client.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import hashlib
 import threading
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError, RateLimitError
 
 
 class VariableState(enum.Enum):
@@ -40,6 +44,15 @@ class VariableFailedError(ParrotError):
         self.var_id = var_id
         self.name = name
         self.reason = reason
+
+
+def text_bytes(text: str) -> int:
+    """What a text takes in a variable's budget: its UTF-8 bytes."""
+    return len(text.encode("utf-8"))
+
+
+def _amount(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
 def constant_id(text: str) -> str:
@@ -69,6 +82,9 @@ class SemanticVariable:
         self._streamed: list[str] = []
         # one (loop, future) per waiting coroutine; resolved (with None) on every change
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.size = 0  # the content's UTF-8 bytes once set
+        # told the content's size as it is set (the manager's budget: `SemanticVariableManager.create`)
+        self.on_set: Callable[[SemanticVariable, int], None] | None = None
         if content is not None:
             self.set(content)
 
@@ -118,7 +134,10 @@ class SemanticVariable:
                 self._streamed.append(content[len(streamed):])
             self._content = content
             self._state = VariableState.READY
+            self.size = text_bytes(content)
             self._wake_locked()
+        if self.on_set is not None:
+            self.on_set(self, self.size)
 
     def fail(self, reason: str) -> None:
         """Mark the variable failed (once): waiters get `VariableFailedError`. `ConflictError` if not pending."""
@@ -237,27 +256,92 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 class SemanticVariableManager:
     """Every semantic variable of the serve core: the global constants and each session's variables."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget_bytes: int | None = None, session_budget_bytes: int | None = None,
+                 retry_after_s: float = 1.0) -> None:
         self._lock = threading.Lock()
         self._vars: dict[str, SemanticVariable] = {}
         self._by_session: dict[str, dict[str, SemanticVariable]] = {}
         self._const_refs: Counter[str] = Counter()
         self._session_const_refs: dict[str, Counter[str]] = {}
+        self.budget_bytes, self.session_budget_bytes = budget_bytes, session_budget_bytes
+        self.retry_after_s = retry_after_s
+        self._held = 0  # bytes of every variable's content (a constant once)
+        self._session_held: Counter[str] = Counter()  # a session's own contents and those of the constants it holds
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._vars)
 
+    # -- the text budget ------------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Bytes of text all variables hold."""
+        with self._lock:
+            return self._held
+
+    def session_held(self, session_id: str) -> int:
+        """Bytes of text the session's variables hold, with the constants it references."""
+        with self._lock:
+            return self._session_held.get(session_id, 0)
+
+    def admit(self, session_id: str | None, nbytes: int) -> None:
+        """Room for `nbytes` more of a client's text in the session (None: a global constant), else a 429."""
+        with self._lock:
+            self._admit_locked(session_id, nbytes)
+
+    def _admit_locked(self, session_id: str | None, nbytes: int, new_bytes: int | None = None) -> None:
+        """`new_bytes`: what the server's text grows by where not `nbytes` (a constant it holds already: 0)."""
+        new_bytes = nbytes if new_bytes is None else new_bytes
+        if self.budget_bytes is not None and self._held + new_bytes > self.budget_bytes:
+            raise RateLimitError(f"the server's variables hold {_amount(self._held)} of text: {_amount(new_bytes)} "
+                                 f"more would pass its limit of {_amount(self.budget_bytes)}; retry once sessions "
+                                 "are deleted", self.retry_after_s)
+        held = self._session_held.get(session_id, 0) if session_id is not None else 0
+        if session_id is not None and self.session_budget_bytes is not None and \
+                held + nbytes > self.session_budget_bytes:
+            raise RateLimitError(f"session {session_id}'s variables hold {_amount(held)} of text: {_amount(nbytes)} "
+                                 f"more would pass its limit of {_amount(self.session_budget_bytes)}; delete the "
+                                 "session and start a new one", self.retry_after_s)
+
+    def _count(self, var: SemanticVariable, nbytes: int) -> None:
+        """A variable's content was set (`SemanticVariable.set`): it counts while the variable is held (not
+        one removed meanwhile, e.g. an output set as its session ended)."""
+        with self._lock:
+            if self._vars.get(var.id) is var:
+                self._count_locked(var, nbytes)
+
+    def _count_locked(self, var: SemanticVariable, nbytes: int) -> None:
+        self._held += nbytes
+        if var.session_id is not None:
+            self._session_held[var.session_id] += nbytes
+
+    def _uncount_locked(self, var: SemanticVariable) -> None:
+        self._held -= var.size
+        if var.session_id is not None:
+            self._session_held[var.session_id] -= var.size
+
+    # -- variables ------------------------------------------------------------------------------------
     def create(self, session_id: str, name: str, content: str | None = None, *, is_constant: bool = False,
                producer: str | None = None) -> SemanticVariable:
-        """A new variable of the session (READY if `content` is given, else PENDING)."""
+        """A new variable of the session (READY if `content` is given, else PENDING). A client's `content` is
+        admitted first (`admit`)."""
         if not session_id:
             raise InvalidRequestError("a session variable needs a session id")
+        if isinstance(content, str):
+            self.admit(session_id, text_bytes(content))
         var = SemanticVariable(f"var-{uuid.uuid4().hex}", name, session_id, content, is_constant, producer)
         with self._lock:
             self._vars[var.id] = var
             self._by_session.setdefault(session_id, {})[var.id] = var
+            self._count_locked(var, var.size)
+        var.on_set = self._count  # a pending variable's content, once set (by its call or its client)
         return var
+
+    def set_by_client(self, var: SemanticVariable, content: str) -> None:
+        """`var.set(content)` where a client gives the content: admitted first (`admit`)."""
+        if isinstance(content, str):
+            self.admit(var.session_id, text_bytes(content))
+        var.set(content)
 
     def discard(self, var: SemanticVariable) -> None:
         """Remove a session variable nothing refers to (one made for a request that was then refused)."""
@@ -265,6 +349,7 @@ class SemanticVariableManager:
             if self._vars.get(var.id) is var and var.session_id is not None:
                 del self._vars[var.id]
                 self._by_session.get(var.session_id, {}).pop(var.id, None)
+                self._uncount_locked(var)
 
     def get(self, var_id: str, session_id: str | None) -> SemanticVariable:
         """The variable if `session_id` may read it (global constants, or the session's own variables);
@@ -290,17 +375,24 @@ class SemanticVariableManager:
         With `session_id`, the reference belongs to that session and `free_session` releases it."""
         if not isinstance(text, str) or text == "":
             raise InvalidRequestError("a constant needs non-empty text")
-        var_id = constant_id(text)
+        var_id, size = constant_id(text), text_bytes(text)
         with self._lock:
             var = self._vars.get(var_id)
+            refs = self._session_const_refs.get(session_id) if session_id is not None else None
+            new_to_session = session_id is not None and not (refs and refs[var_id])
+            if var is None or new_to_session:  # text the server, or the session, does not hold yet
+                self._admit_locked(session_id if new_to_session else None, size, 0 if var is not None else size)
             if var is None:
-                var = SemanticVariable(var_id, "constant", None, text, is_constant=True)
+                var = SemanticVariable(var_id, "constant", None, text, is_constant=True)  # counted just below
                 self._vars[var_id] = var
+                self._held += size
             elif var.content != text:  # a 128-bit hash collision: refuse rather than mix texts
                 raise ConflictError(f"constant id collision for {var_id}")
             self._const_refs[var_id] += 1
             if session_id is not None:
                 self._session_const_refs.setdefault(session_id, Counter())[var_id] += 1
+                if new_to_session:
+                    self._session_held[session_id] += size
         return var
 
     def constant_refcount(self, var: SemanticVariable) -> int:
@@ -322,10 +414,11 @@ class SemanticVariableManager:
             refs[var_id] -= 1
             if refs[var_id] == 0:
                 del refs[var_id]
+                self._session_held[session_id] -= self._vars[var_id].size
         self._const_refs[var_id] -= 1
         if self._const_refs[var_id] == 0:
             del self._const_refs[var_id]
-            del self._vars[var_id]
+            self._held -= self._vars.pop(var_id).size
 
     def free_session(self, session_id: str) -> int:
         """Remove the session's variables (failing pending ones: "session ended") and release its
@@ -333,11 +426,12 @@ class SemanticVariableManager:
         with self._lock:
             own = self._by_session.pop(session_id, {})
             for var_id in own:
-                del self._vars[var_id]
+                self._uncount_locked(self._vars.pop(var_id))
             refs = self._session_const_refs.pop(session_id, Counter())
             for var_id, n in refs.items():
                 for _ in range(n):
                     self._release_locked(var_id, None)
+            self._session_held.pop(session_id, None)
         for var in own.values():
             var.fail_if_pending("session ended")
         return len(own)

@@ -130,6 +130,41 @@ def test_limits_answer_429_with_retry_after(engine: LLMEngine) -> None:
         assert r.status_code == 429 and "calls not finished" in r.json()["detail"], r.text
 
 
+def test_variable_text_past_its_budgets_answers_429_and_leaves_nothing(engine: LLMEngine) -> None:
+    """--max-session-variable-memory-mb 1 and --max-variable-memory-mb 2: a client's text past either is a 429
+    (a variable's content, one set later, a call's template text), and what was refused holds nothing."""
+    kb700, kb400 = "a" * 700_000, "é" * 200_000  # 700,000 and 400,000 UTF-8 bytes
+
+    def held(c: httpx.Client) -> int:
+        line = next(x for x in c.get("/metrics").text.splitlines() if x.startswith("parrot:variable_bytes{"))
+        return int(float(line.split()[1]))
+
+    with serve(engine, max_variable_memory_mb=2, max_session_variable_memory_mb=1) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        (s1, a1), (s2, a2), (s3, a3) = new_session(c), new_session(c), new_session(c)
+        assert c.post("/v1/semantic_var", headers=a1, json={"session_id": s1, "name": "x", "content": kb700}
+                      ).status_code == 201
+        r = c.post("/v1/semantic_var", headers=a1, json={"session_id": s1, "name": "y", "content": kb400})
+        assert r.status_code == 429 and r.json()["code"] == "rate_limited" and "Retry-After" in r.headers
+        assert f"session {s1}'s variables hold 700000 bytes of text: 400000 bytes more would pass its limit of " \
+               "1.0 MiB" in r.json()["detail"]
+        r = c.post("/v1/semantic_call", headers=a1, json={  # the template's text is the session's too
+            "session_id": s1, "template": kb400 + "{{out}}", "parameters": [{"name": "out", "is_output": True}]})
+        assert r.status_code == 429, r.text
+        assert held(c) == 700_000  # nothing of what was refused
+        assert c.post("/v1/semantic_var", headers=a2, json={"session_id": s2, "name": "x", "content": kb700}
+                      ).status_code == 201
+        pending = c.post("/v1/semantic_var", headers=a3, json={"session_id": s3, "name": "p"}).json()["var_id"]
+        r = c.post(f"/v1/semantic_var/{pending}", headers=a3, json={"session_id": s3, "content": kb700})
+        assert r.status_code == 429 and "the server's variables hold 1.3 MiB" in r.json()["detail"], r.text
+        assert c.delete(f"/v1/session/{s1}", headers=a1).status_code == 204
+        assert held(c) == 700_000
+        r = c.post(f"/v1/semantic_var/{pending}", headers=a3, json={"session_id": s3, "content": kb700})
+        assert r.status_code == 200, r.text
+        assert c.get(f"/v1/semantic_var/{pending}", headers=a3, params={"session_id": s3}).json()["content"] == kb700
+        assert held(c) == 1_400_000
+
+
 def test_session_keeps_bounded_history() -> None:
     s = Session(max_generations=3, max_requests=2)
     for i in range(10):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError
+from parrot.errors import ConflictError, InvalidRequestError, NotFoundError, ParrotError, RateLimitError
 from parrot.serve.variables import (
     SemanticVariable,
     SemanticVariableManager,
@@ -264,3 +264,54 @@ def test_to_json():
                            "is_constant": False, "producer": "r1"}
     v.fail("bad")
     assert v.to_json(with_content=True)["error"] == "bad"
+
+
+def test_text_is_metered_and_freed():
+    m = SemanticVariableManager()
+    a = m.create("s1", "a", "héllo")  # 6 UTF-8 bytes
+    out = m.create("s1", "out")
+    assert m.held == 6 and m.session_held("s1") == 6
+    out.set("generated")  # an output counts once set
+    assert m.held == 15 and m.session_held("s1") == 15
+    c = m.constant("shared text", session_id="s1")
+    m.constant("shared text", session_id="s1")  # the same session again: counted once
+    m.constant("shared text", session_id="s2")  # held by the server once, by each session that uses it
+    assert m.held == 26 and m.session_held("s1") == 26 and m.session_held("s2") == 11
+    m.release_constant(c, session_id="s2")
+    assert m.held == 26 and m.session_held("s2") == 0
+    m.discard(a)
+    assert m.held == 20 and m.session_held("s1") == 20
+    m.free_session("s1")
+    assert m.held == 0 and m.session_held("s1") == 0
+    out2 = m.create("s3", "late")
+    m.free_session("s3")
+    with pytest.raises(ConflictError):
+        out2.set("set after its session ended")  # failed meanwhile: nothing counted
+    assert m.held == 0
+
+
+def test_a_clients_text_past_a_budget_is_refused_with_a_429():
+    m = SemanticVariableManager(budget_bytes=100, session_budget_bytes=40, retry_after_s=3)
+    m.create("s1", "a", "x" * 30)
+    with pytest.raises(RateLimitError, match="session s1's variables hold 30 bytes") as refused:
+        m.create("s1", "b", "x" * 11)  # 41 > the session's 40
+    assert refused.value.retry_after == 3 and m.held == 30
+    pending = m.create("s1", "c")
+    with pytest.raises(RateLimitError):
+        m.set_by_client(pending, "y" * 11)
+    assert pending.is_pending
+    pending.set("z" * 20)  # a generated output is never refused: it counts, past the session's budget
+    assert m.session_held("s1") == 50
+    with pytest.raises(RateLimitError):
+        m.constant("q", session_id="s1")  # a full session takes no more client text
+    m.create("s2", "a", "x" * 40)
+    with pytest.raises(RateLimitError, match="the server's variables hold"):
+        m.create("s3", "a", "x" * 11)  # 101 > the server's 100
+    m.free_session("s1")
+    m.create("s3", "a", "x" * 11)  # room again
+    c = m.constant("y" * 25, session_id="s3")
+    assert m.held == 76
+    m.constant("y" * 25, session_id="s4")  # held already: the server's text does not grow
+    assert m.constant_refcount(c) == 2 and m.held == 76
+    with pytest.raises(RateLimitError, match="76 bytes of text: 25 bytes more would pass its limit of 100 bytes"):
+        m.create("s5", "a", "w" * 25)
