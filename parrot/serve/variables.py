@@ -352,11 +352,18 @@ class SemanticVariableManager:
                 self._uncount_locked(var)
 
     def get(self, var_id: str, session_id: str | None) -> SemanticVariable:
-        """The variable if `session_id` may read it (global constants, or the session's own variables);
-        otherwise `NotFoundError`, also for another session's variables. `session_id=None`: globals only."""
+        """The variable if `session_id` may read it: the session's own variables, and the global constants it
+        holds a reference to (its calls' texts); otherwise `NotFoundError`, also for another session's
+        variables and constants only other sessions use: a constant's id is a hash of its text, so a session
+        could otherwise learn whether another uses a text it guessed. `session_id=None`: any constant."""
         with self._lock:
             var = self._vars.get(var_id)
-        if var is None or (var.session_id is not None and var.session_id != session_id):
+            if var is not None and var.session_id is None and session_id is not None:
+                refs = self._session_const_refs.get(session_id)
+                visible = bool(refs and refs[var_id])
+            else:
+                visible = var is not None and var.session_id == session_id
+        if not visible:
             raise NotFoundError(f"semantic variable {var_id!r} not found")
         return var
 

@@ -165,6 +165,26 @@ def test_variable_text_past_its_budgets_answers_429_and_leaves_nothing(engine: L
         assert held(c) == 1_400_000
 
 
+def test_a_global_constant_is_visible_only_to_sessions_that_use_its_text(engine: LLMEngine) -> None:
+    from parrot.serve.variables import constant_id
+
+    secret = "You are the assistant of ACME's merger team. "
+    with serve(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        (s1, a1), (s2, a2) = new_session(c), new_session(c)
+        r = c.post("/v1/semantic_call", headers=a1, json={  # lazy: nobody reads its output
+            "session_id": s1, "template": secret + "{{out}}", "parameters": [{"name": "out", "is_output": True}]})
+        assert r.status_code == 201, r.text
+        guessed = constant_id(secret)
+        r = c.get(f"/v1/semantic_var/{guessed}", headers=a1, params={"session_id": s1})
+        assert r.status_code == 200 and r.json()["content"] == secret, r.text
+        r = c.get(f"/v1/semantic_var/{guessed}", headers=a2, params={"session_id": s2})
+        assert r.status_code == 404 and r.json()["code"] == "not_found", r.text
+        r = c.post("/v1/semantic_call", headers=a2, json={  # nor can it bind the constant by its id
+            "session_id": s2, "template": "{{a}} {{b}}",
+            "parameters": [{"name": "a", "var_id": guessed}, {"name": "b", "is_output": True}]})
+        assert r.status_code == 404, r.text
+
+
 def test_session_keeps_bounded_history() -> None:
     s = Session(max_generations=3, max_requests=2)
     for i in range(10):

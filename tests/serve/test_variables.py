@@ -195,8 +195,12 @@ def test_manager_scopes():
         m.get(a.id, None)
     with pytest.raises(NotFoundError):
         m.get("nope", "s1")
-    c = m.constant("You are helpful.")
-    assert m.get(c.id, "s1") is c and m.get(c.id, "s2") is c and m.get(c.id, None) is c
+    c = m.constant("You are helpful.", session_id="s1")
+    assert m.get(c.id, "s1") is c and m.get(c.id, None) is c
+    with pytest.raises(NotFoundError):  # a session that does not use the text cannot learn that another does
+        m.get(c.id, "s2")
+    m.constant("You are helpful.", session_id="s2")
+    assert m.get(c.id, "s2") is c
     assert m.session_variables("s1") == [a]
     with pytest.raises(InvalidRequestError):
         m.create("", "x")
@@ -211,10 +215,10 @@ def test_constants_are_content_addressed_and_refcounted():
     assert m.constant("other") is not c1
     assert m.constant_refcount(c1) == 2
     m.release_constant(c1)
-    assert m.get(c1.id, "s1") is c1
+    assert m.get(c1.id, "s2") is c1 and m.get(c1.id, None) is c1
     m.release_constant(c1, session_id="s2")
     with pytest.raises(NotFoundError):
-        m.get(c1.id, "s1")
+        m.get(c1.id, None)
     with pytest.raises(NotFoundError):
         m.release_constant(c1)
     c3 = m.constant("system prompt")
