@@ -349,6 +349,14 @@ class EngineHeartbeat(BaseModel):
 Criterion = Literal["latency", "throughput"]
 
 
+class SessionCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cache_salt: str | None = Field(None, min_length=1, description="the session shares global constants and "
+                                   "cached prompt prefixes only with sessions of the same salt (vLLM's cache_salt, "
+                                   "per session): a tenant cannot tell from timing what another sent")
+
+
 class SessionCreated(BaseModel):
     session_id: str
     session_token: str

@@ -52,6 +52,7 @@ from parrot.protocol import (
     SemanticVarCreate,
     SemanticVarCreated,
     SemanticVarSet,
+    SessionCreate,
     SessionCreated,
 )
 from parrot.serve import constraints
@@ -286,8 +287,8 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
 
     # ---- sessions -----------------------------------------------------------------------------
     @app.post("/v1/session", status_code=201, response_model=SessionCreated)
-    async def create_session() -> SessionCreated:
-        s = core.create_session()
+    async def create_session(body: SessionCreate | None = None) -> SessionCreated:
+        s = core.create_session(cache_salt=body.cache_salt if body is not None else None)
         return SessionCreated(session_id=s.session_id, session_token=s.token)
 
     @app.get("/v1/session/{session_id}")

@@ -191,10 +191,13 @@ class VirtualMachine:
 
     `timeout` (seconds) bounds each HTTP request and is the default wait of `SemanticVariable.get`;
     None waits without limit. `api_key` (default: $PARROT_API_KEY): the server's API key, sent as
-    `Authorization: Bearer`; the session token then travels in `X-Session-Token`."""
+    `Authorization: Bearer`; the session token then travels in `X-Session-Token`. `cache_salt`: the session
+    shares global constants and cached prompt prefixes only with sessions of the same salt (a tenant's)."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = 600.0, api_key: str | None = None) -> None:
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = 600.0, api_key: str | None = None,
+                 cache_salt: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.cache_salt = cache_salt
         self.timeout = timeout
         self.api_key = api_key if api_key is not None else (os.environ.get("PARROT_API_KEY") or None)
         self.session_id: str | None = None
@@ -229,7 +232,8 @@ class VirtualMachine:
         client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=self._auth_headers(), verify=_tls(),
                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         try:
-            body = _check(client.post("/v1/session", json={})).json()
+            body = _check(client.post("/v1/session", json={} if self.cache_salt is None
+                                      else {"cache_salt": self.cache_salt})).json()
         except httpx.TransportError as exc:
             client.close()
             raise _transport_error(self.url, exc) from exc

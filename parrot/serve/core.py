@@ -320,7 +320,7 @@ class ParrotServeCore:
         self.prefix_sharing = cfg.prefix_sharing
         self.scheduler = GlobalScheduler(self.contexts, self._engine_views, latency_cap=cfg.latency_cap,
                                          app_aware=cfg.app_aware, cache_aware=cfg.prefix_sharing)
-        self.prefix_matcher = PrefixMatcher()
+        self.prefix_matchers: dict[str | None, PrefixMatcher] = {}  # one a cache salt (None: unsalted sessions)
         self.sessions: dict[str, Session] = {}
         # prefixes being filled: (engine, tokens) -> (context, fill future) on ordered engines (the context is
         # registered at once and forked right away), else (None, future of the context) that others await
@@ -408,7 +408,7 @@ class ParrotServeCore:
         return views
 
     # ---- sessions -----------------------------------------------------------------------------
-    def create_session(self) -> Session:
+    def create_session(self, cache_salt: str | None = None) -> Session:
         if len(self.sessions) >= self.config.max_sessions:
             # Retry-After: when the idlest session expires (the TTL less its idle time, and a sweep), if any is idle
             idle = [s.idle_seconds() for s in self.sessions.values() if s.readers == 0]
@@ -417,7 +417,7 @@ class ParrotServeCore:
             raise RateLimitError(f"too many open sessions (limit {self.config.max_sessions}): delete finished "
                                  f"sessions or retry later{when}", max(self.config.retry_after_s, wait or 0))
         session = Session(max_generations=self.config.max_generations_kept,
-                          max_requests=self.config.max_requests_kept)
+                          max_requests=self.config.max_requests_kept, salt=salt_digest(cache_salt))
         self.sessions[session.session_id] = session
         return session
 
@@ -682,9 +682,10 @@ class ParrotServeCore:
                     nodes.append(PlaceholderGen(var, p.sampling_config) if p.is_output else PlaceholderFill(var))
                     continue
                 if first_text:  # the leading constant: global and content-addressed, split where apps share it
-                    self.prefix_matcher.add(chunk.text)
-                    for piece in self.prefix_matcher.split(chunk.text):
-                        constants.append(self.vars.constant(piece, session.session_id))
+                    matcher = self.prefix_matchers.setdefault(session.salt, PrefixMatcher())
+                    matcher.add(chunk.text)
+                    for piece in matcher.split(chunk.text):
+                        constants.append(self.vars.constant(piece, session.session_id, session.salt))
                         nodes.append(ConstantFill(constants[-1]))
                     first_text = False
                 else:
@@ -821,7 +822,7 @@ class ParrotServeCore:
                            chain=chain, priority=self._priority(criterion),
                            app_started=started if self.scheduler.app_aware else None)
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
-                              session.executor.group(chain), payload=rec)
+                              session.executor.group(chain), payload=rec, salt=session.salt)
         self._chain_tasks[chain.id] = task
         self.scheduler.submit(task)
 

@@ -40,6 +40,9 @@ class Session:
     last_access: float = field(default_factory=time.monotonic)
     max_generations: int = 256
     max_requests: int = 1024
+    # a digest of its cache_salt (contexts.salt_digest): it shares global constants, cached prefixes and the
+    # prefix matcher's cut points only with sessions of the same salt; None: with every unsalted session
+    salt: str | None = None
     # request id -> summary for inspection, the latest `max_requests`
     requests: OrderedDict[str, dict] = field(default_factory=OrderedDict)
     # timings of the latest `max_generations` finished generations, for inspection

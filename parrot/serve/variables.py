@@ -55,9 +55,11 @@ def _amount(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes} bytes"
 
 
-def constant_id(text: str) -> str:
-    """The id of the global constant holding `text` (a hash of the text)."""
-    return "const-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+def constant_id(text: str, salt: str | None = None) -> str:
+    """The id of the global constant holding `text` for sessions of cache salt `salt` (a digest; None: the
+    unsalted sessions): a hash of both."""
+    key = text.encode("utf-8") if salt is None else f"{salt}\0{text}".encode()
+    return "const-" + hashlib.sha256(key).hexdigest()[:32]
 
 
 class SemanticVariable:
@@ -376,13 +378,14 @@ class SemanticVariableManager:
         with self._lock:
             return list(self._by_session.get(session_id, {}).values())
 
-    def constant(self, text: str, session_id: str | None = None) -> SemanticVariable:
-        """The global constant holding `text`, one per distinct text, with one more reference.
+    def constant(self, text: str, session_id: str | None = None, salt: str | None = None) -> SemanticVariable:
+        """The global constant holding `text`, one per distinct text (and cache salt: sessions of another salt
+        have their own), with one more reference.
 
         With `session_id`, the reference belongs to that session and `free_session` releases it."""
         if not isinstance(text, str) or text == "":
             raise InvalidRequestError("a constant needs non-empty text")
-        var_id, size = constant_id(text), text_bytes(text)
+        var_id, size = constant_id(text, salt), text_bytes(text)
         with self._lock:
             var = self._vars.get(var_id)
             refs = self._session_const_refs.get(session_id) if session_id is not None else None

@@ -185,6 +185,46 @@ def test_a_global_constant_is_visible_only_to_sessions_that_use_its_text(engine:
         assert r.status_code == 404, r.text
 
 
+def test_sessions_share_constants_and_cached_prefixes_only_within_their_cache_salt(engine: LLMEngine) -> None:
+    from parrot.serve.contexts import salt_digest
+    from parrot.serve.variables import constant_id
+
+    system = "You are the assistant of the legal team; answer in one word, citing nothing at all. " * 2
+
+    def run(c: httpx.Client, sid: str, auth: dict) -> dict:
+        r = c.post("/v1/semantic_call", headers=auth, json={
+            "session_id": sid, "template": system + "Q: {{q}} A: {{a}}",
+            "parameters": [{"name": "q", "value": "why?"},
+                           {"name": "a", "is_output": True, "sampling_config": {"max_tokens": 2}}]})
+        assert r.status_code == 201, r.text
+        out = next(p["var_id"] for p in r.json()["param_info"] if p["name"] == "a")
+        assert c.get(f"/v1/semantic_var/{out}", headers=auth, params={"session_id": sid}).status_code == 200
+        return c.get(f"/v1/session/{sid}", headers=auth).json()["generations"][-1]
+
+    def sees(c: httpx.Client, sid: str, auth: dict, var_id: str) -> bool:
+        r = c.get(f"/v1/semantic_var/{var_id}", headers=auth, params={"session_id": sid})
+        assert r.status_code in (200, 404), r.text
+        return r.status_code == 200
+
+    with serve(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        assert c.post("/v1/session", json={"cache_salt": ""}).status_code == 422
+        sessions = {}
+        for name, salt in (("a1", "tenant-a"), ("a2", "tenant-a"), ("b", "tenant-b"), ("plain", None)):
+            r = c.post("/v1/session", json={} if salt is None else {"cache_salt": salt})
+            assert r.status_code == 201, r.text
+            sessions[name] = r.json()["session_id"], {"Authorization": f"Bearer {r.json()['session_token']}"}
+        first = run(c, *sessions["a1"])
+        assert run(c, *sessions["a2"])["cached_tokens"] >= 128 > first["cached_tokens"]  # the same tenant's
+        assert run(c, *sessions["b"])["cached_tokens"] == 0  # another tenant's, after it: nothing shared
+        assert run(c, *sessions["plain"])["cached_tokens"] == 0
+        lead = system + "Q: "  # the template's leading text, one constant (no other tenant shares a part of it)
+        salted, plain = constant_id(lead, salt_digest("tenant-a")), constant_id(lead)
+        assert salted != plain
+        assert sees(c, *sessions["a1"], salted) and sees(c, *sessions["a2"], salted)
+        assert not sees(c, *sessions["b"], salted) and not sees(c, *sessions["plain"], salted)
+        assert sees(c, *sessions["plain"], plain) and not sees(c, *sessions["a1"], plain)
+
+
 def test_session_keeps_bounded_history() -> None:
     s = Session(max_generations=3, max_requests=2)
     for i in range(10):
