@@ -397,3 +397,14 @@ def _raised(fn) -> BaseException | None:  # noqa: ANN001
     except BaseException as exc:  # noqa: BLE001
         return exc
     return None
+
+
+def test_a_vm_with_a_cache_salt_opens_a_salted_session(server) -> None:
+    from parrot.serve.contexts import salt_digest
+
+    url, core = server
+    with P.VirtualMachine(url, timeout=60, cache_salt="tenant-a") as salted, P.VirtualMachine(url, timeout=60) as plain:
+        assert core.sessions[salted.session_id].salt == salt_digest("tenant-a") != "tenant-a"  # a digest, kept
+        assert core.sessions[plain.session_id].salt is None
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        P.VirtualMachine(url, timeout=60, cache_salt="").open()
