@@ -447,6 +447,8 @@ class ParrotServeCore:
         aborted on their engines (nobody can read them now); its variables fail ("session ended")."""
         self.sessions.pop(session.session_id, None)
         self._app_started.pop(session.session_id, None)
+        if session.salt is not None and not any(s.salt == session.salt for s in self.sessions.values()):
+            self.prefix_matchers.pop(session.salt, None)  # a salt's last session: its matcher goes (one a salt)
         for task in [t for t in self._chain_tasks.values() if t.payload.session is session]:
             self._cancel_task(task, "aborted: the session was deleted")
         for chain in session.executor.graph.chains:  # a long prompt being tokenized is dropped after it

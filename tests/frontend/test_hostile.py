@@ -206,7 +206,7 @@ def test_sessions_share_constants_and_cached_prefixes_only_within_their_cache_sa
         assert r.status_code in (200, 404), r.text
         return r.status_code == 200
 
-    with serve(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
         assert c.post("/v1/session", json={"cache_salt": ""}).status_code == 422
         sessions = {}
         for name, salt in (("a1", "tenant-a"), ("a2", "tenant-a"), ("b", "tenant-b"), ("plain", None)):
@@ -223,6 +223,11 @@ def test_sessions_share_constants_and_cached_prefixes_only_within_their_cache_sa
         assert sees(c, *sessions["a1"], salted) and sees(c, *sessions["a2"], salted)
         assert not sees(c, *sessions["b"], salted) and not sees(c, *sessions["plain"], salted)
         assert sees(c, *sessions["plain"], plain) and not sees(c, *sessions["a1"], plain)
+        assert set(core.prefix_matchers) == {None, salt_digest("tenant-a"), salt_digest("tenant-b")}
+        for name in ("a1", "a2", "b"):  # a salt's matcher goes with its last session (salts are the clients')
+            assert c.delete(f"/v1/session/{sessions[name][0]}", headers=sessions[name][1]).status_code == 204
+            assert (salt_digest("tenant-a") in core.prefix_matchers) == (name == "a1")
+        assert set(core.prefix_matchers) == {None}
 
 
 def test_session_keeps_bounded_history() -> None:
