@@ -208,6 +208,9 @@ class GenerateResponse(BaseModel):
     stop_reason: int | str | None = None
     num_tokens: int  # tokens in the context after the generation
     logprobs: list[TokenLogprob] | None = None  # with sampling.logprobs: one per token of token_ids
+    # a constrained generate's (None otherwise): `text` is a whole output of its grammar. A stop (string, or a
+    # stop_token_ids id) may end it there with include_stop_str_in_output, else it cuts the output short
+    constraint_complete: bool | None = None
 
 
 class StreamChunk(BaseModel):
@@ -221,6 +224,7 @@ class StreamChunk(BaseModel):
     # the last chunk's, with sampling.logprobs: how many of the generation's token logprobs are the answer's
     # (fewer than its tokens where a stop string cut its text: `logprobs_within`); None: all
     logprobs_kept: int | None = None
+    constraint_complete: bool | None = None  # the last chunk's: as GenerateResponse.constraint_complete
 
 
 class FreeContextRequest(BaseModel):

@@ -940,10 +940,18 @@ class Scheduler:
             if job.detok is not None and job.detok.cut:
                 logprobs = logprobs_within(logprobs, len(text))
                 kept = len(logprobs)
-        out.chunks.append(StreamChunk(text=tail, finish_reason=reason, stop_reason=stop_reason, logprobs_kept=kept))
+        # the text is the grammar's whole output: the grammar may end there, and the text is that of the tokens it
+        # took (a stop string kept with include_stop_str_in_output and nothing after it left out; a stop token's
+        # text, one the grammar takes only where it may end, not kept)
+        complete = None if job.constraint is None else job.constraint.complete and \
+            (job.detok is None or job.detok.dropped == 0) and \
+            not (stop_token is not None and job.sampling.include_stop_str_in_output)
+        out.chunks.append(StreamChunk(text=tail, finish_reason=reason, stop_reason=stop_reason, logprobs_kept=kept,
+                                      constraint_complete=complete))
         out.result = GenerateResponse(context_id=job.context_id, token_ids=list(job.output_ids), text=text,
                                       finish_reason=reason, stop_reason=stop_reason,
-                                      num_tokens=len(self.tokens[job.context_id]), logprobs=logprobs)
+                                      num_tokens=len(self.tokens[job.context_id]), logprobs=logprobs,
+                                      constraint_complete=complete)
         return out
 
     def fail_step(self, plan: StepPlan, err: BaseException) -> list[JobOutput]:

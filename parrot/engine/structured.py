@@ -210,6 +210,11 @@ class Constraint:
         """The grammar is complete and accepts nothing more."""
         return self.matcher.is_stopped()
 
+    @property
+    def complete(self) -> bool:
+        """The tokens consumed so far are a whole output of the grammar (it may end here)."""
+        return self.matcher.is_stopped() or self.matcher.is_accepting()
+
 
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()

@@ -263,6 +263,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded text so far (cut before a stop string once one is found)
         self.emitted = 0  # characters of `text` already handed out as deltas
         self.cut = False  # a stop string was found: `text` ends before it
+        self.dropped = 0  # characters decoded after the stop string (or `include_stop`: after its end) left out
         self.stop_hit: str | None = None  # ... that one
         self._prefix = 0  # ids before this index are already reflected in `text`
         self._read = 0
@@ -291,7 +292,9 @@ class IncrementalDetokenizer:
                 if (end := m.feed(piece, counts)) is not None]
         if hits:
             at, self.stop_hit = min(hits)
-            self.text = self.text[:at + len(self.stop_hit) if self.include_stop else at]
+            end = at + len(self.stop_hit) if self.include_stop else at
+            self.dropped = len(self.text) - end
+            self.text = self.text[:end]
             self.cut = True
             return self.flush(), True
         held = max((m.matched for m in self.matchers), default=0)

@@ -98,6 +98,7 @@ class _TaskRecord:
     fills: list[asyncio.Future] = field(default_factory=list)  # fills this run sent or forks, not awaited
     others: set[asyncio.Future] = field(default_factory=set)  # those of `fills` for others' longer prompts
     prompt_logprobs: int | None = None  # the prompt's token logprobs too, with this many alternatives each
+    constraint_complete: bool | None = None  # a constrained generate's text is a whole output (its last chunk's)
 
     app_started: float | None = None  # app-aware: when its app's current run began (app-FIFO in the engine)
 
@@ -148,7 +149,7 @@ class _ChainRecord(_TaskRecord):
                 f"the output did not complete its {field} within max_tokens={self.sampling.max_tokens} "
                 f"(partial output: {text[:200]!r}); raise max_tokens")
             return
-        if field is not None and stop_reason is not None:  # a stop string / stop_token_ids id cut it short
+        if field is not None and stop_reason is not None and not self.constraint_complete:  # a stop cut it short
             self.chain.output_var.fail_if_pending(
                 f"the stop {'string' if isinstance(stop_reason, str) else 'token'} {stop_reason!r} ended the output "
                 f"before it completed its {field} (partial output: {text[:200]!r}); a typed output takes no stop "
@@ -930,6 +931,7 @@ class ParrotServeCore:
                     text += chunk.text
                     if chunk.finish_reason is not None:
                         finish, stop_reason = chunk.finish_reason, chunk.stop_reason
+                        rec.constraint_complete = chunk.constraint_complete
                     rec.deliver(text, len(ids))
             except AbortedError:
                 if timer is not None:

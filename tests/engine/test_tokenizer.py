@@ -262,6 +262,17 @@ def test_a_long_stop_string_costs_each_piece_its_own_length() -> None:
     assert m.feed("ac") == 2
 
 
+@pytest.mark.parametrize(("stop", "include", "dropped"), [("world", True, 0), ("wor", True, 2), ("world", False, 5)])
+def test_the_text_a_stop_string_leaves_out_is_counted(tok: Tokenizer, stop: str, include: bool, dropped: int) -> None:
+    """`dropped`: what was decoded after the cut ("Hello" and " world" are a token each): nothing where a kept
+    stop string ends where a token does, which a typed output needs to be whole (the grammar took those tokens)."""
+    detok = IncrementalDetokenizer(tok, [stop], include_stop=include)
+    assert tok.encode("Hello world", add_bos=False) == [tok.encode("Hello", add_bos=False)[0],
+                                                        tok.encode(" world", add_bos=False)[0]]
+    hits = [detok.add(t)[1] for t in tok.encode("Hello world", add_bos=False)]
+    assert hits == [False, True] and detok.dropped == dropped
+
+
 @pytest.mark.parametrize(("text", "stop"), [("Hello world, STOP here", "d, ST"), ("Hello world, STOP here", "world"),
                                             ("party 🦜🎉 time", "🎉 t"), ("aaaaab", "aab")])
 def test_stop_string_kept_at_the_end_when_asked(tok: Tokenizer, text: str, stop: str) -> None:

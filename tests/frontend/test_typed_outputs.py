@@ -130,3 +130,24 @@ def test_a_typed_output_a_stop_string_cut_short_fails(url: str) -> None:
         r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
     assert r.status_code == 424, r.text
     assert "the stop string ' ' ended the output before it completed its choice" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(("stop", "status", "content"), [("please", 200, "yes please"), ("ple", 424, None)])
+def test_a_stop_string_kept_at_the_end_of_a_whole_typed_output_keeps_it(url: str, stop: str, status: int,
+                                                                         content: str | None) -> None:
+    """With include_stop_str_in_output, a stop string that ends the typed output where its constraint is complete
+    leaves the output whole: the variable holds it. One that ends it sooner fails it, as without."""
+    with httpx.Client(base_url=url, timeout=120) as c:
+        body = c.post("/v1/session", json={}).json()
+        sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
+        r = c.post("/v1/semantic_call", headers=auth, json={
+            "session_id": sid, "template": "Say: {{out}}",
+            "parameters": [{"name": "out", "is_output": True, "sampling_config": {
+                "max_tokens": 16, "choice": ["yes please"], "stop": [stop], "include_stop_str_in_output": True}}]})
+        var = r.json()["param_info"][0]["var_id"]
+        r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+    assert r.status_code == status, r.text
+    if content is not None:
+        assert r.json()["content"] == content
+    else:
+        assert f"the stop string {stop!r} ended the output before it completed its choice" in r.json()["detail"]
