@@ -22,6 +22,17 @@ def rss_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the machine can give new work now without swapping (the kernel's MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def usable_cores() -> int:
     """The CPUs this process may run on (its affinity where the OS says; else the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import jax
 import pytest
 
+from parrot import procinfo
 from parrot.config import EngineConfig
 from parrot.engine.compile_cache import enable_compilation_cache, set_cache_dir
 from parrot.engine.engine import LLMEngine
@@ -154,13 +155,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
         return int(os.environ["PARROT_TEST_WORKERS"])
     if os.path.exists("/dev/nvidia0"):
         return 0
-    available = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    cores = len(os.sched_getaffinity(0))
-    workers = min(MAX_WORKERS, cores, available // (WORKER_MEMORY_GIB << 30))
+    available = procinfo.available_memory_bytes() or 0  # unknown: one process
+    workers = min(MAX_WORKERS, procinfo.usable_cores(), available // (WORKER_MEMORY_GIB << 30))
     return workers if workers > 1 else 0  # one worker would only add a process
 
 
