@@ -144,7 +144,7 @@ class _ChainRecord(_TaskRecord):
     def done(self, text: str, token_ids: list[int], prompt_tokens: int, cached_tokens: int, finish: str,
              stop_reason: int | str | None = None) -> None:
         field = self.sampling.constraint
-        if field is not None and finish == "length":  # a typed output must be whole
+        if field is not None and finish == "length" and not self.constraint_complete:  # a typed output must be whole
             self.chain.output_var.fail_if_pending(
                 f"the output did not complete its {field} within max_tokens={self.sampling.max_tokens} "
                 f"(partial output: {text[:200]!r}); raise max_tokens")

@@ -3,6 +3,8 @@ real uvicorn server with the serve core and an embedded engine running a tiny ra
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from pydantic import BaseModel, Field
@@ -91,7 +93,7 @@ def test_invalid_constraint_is_a_400_at_the_call(vm: P.VirtualMachine) -> None:
     assert vm.inspect()["variables"] == []  # nothing was scheduled
 
 
-def test_typed_output_cut_by_max_tokens_fails(url: str) -> None:
+def test_typed_output_cut_by_max_tokens_fails_unless_complete(url: str) -> None:
     with httpx.Client(base_url=url, timeout=120) as c:
         body = c.post("/v1/session", json={}).json()
         sid, auth = body["session_id"], {"Authorization": f"Bearer {body['session_token']}"}
@@ -104,6 +106,15 @@ def test_typed_output_cut_by_max_tokens_fails(url: str) -> None:
         var = r.json()["param_info"][0]["var_id"]
         r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
         assert r.status_code == 424 and "did not complete its json_schema within max_tokens=4" in r.json()["detail"]
+        # cut by max_tokens where its constraint may end (every run of digits is whole): the variable holds it
+        r = c.post("/v1/semantic_call", headers=auth, json={
+            "session_id": sid, "template": "Count to ten: 1 2 3 4 5 6 7 8 9 10. Now a long number: {{out}}",
+            "parameters": [{"name": "out", "is_output": True,
+                            "sampling_config": {"max_tokens": 3, "regex": "[0-9]+"}}]})
+        var = r.json()["param_info"][0]["var_id"]
+        r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 60}, headers=auth)
+        assert r.status_code == 200, r.text
+        assert re.fullmatch("[0-9]+", r.json()["content"])
         r = c.post("/v1/semantic_call", headers=auth, json={
             "session_id": sid, "template": "Text: {{out}}",
             "parameters": [{"name": "out", "is_output": True, "sampling_config": {"grammar": "start: ("}}]})
