@@ -11,6 +11,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -326,6 +327,24 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _api_keys(args: argparse.Namespace) -> str | None:
+    """--api-key (else $PARROT_API_KEY) and --api-key-file's keys, as ServeConfig.api_key's comma-separated list."""
+    given = args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY")
+    keys = [given] if given is not None else []
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file}: {exc}") from exc
+        listed = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not listed:
+            raise ValueError(f"--api-key-file {args.api_key_file} lists no key")
+        if any("," in key for key in listed):
+            raise ValueError(f"--api-key-file {args.api_key_file}: a key holds a comma (commas separate keys)")
+        keys += listed
+    return ",".join(keys) if keys else None
+
+
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ServeConfig for `parrot serve`: the API key from --api-key, else PARROT_API_KEY."""
     try:
@@ -334,12 +353,13 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            stats_log_interval_s=0.0 if args.disable_log_stats else ServeConfig.stats_log_interval_s,
                            prefix_sharing=not args.no_prefix_sharing,
                            app_aware=not args.no_app_awareness,
-                           api_key=args.api_key if args.api_key is not None else os.environ.get("PARROT_API_KEY"),
+                           api_key=_api_keys(args),
                            engine_key=args.engine_key if args.engine_key is not None
                            else os.environ.get("PARROT_ENGINE_KEY"),
                            admin_key=args.admin_key if args.admin_key is not None
                            else os.environ.get("PARROT_ADMIN_KEY"),
-                           max_sessions=args.max_sessions, max_vars_per_session=args.max_vars_per_session,
+                           max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
+                           max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
                            max_variable_memory_mb=args.max_variable_memory_mb,
                            max_session_variable_memory_mb=args.max_session_variable_memory_mb,
@@ -703,7 +723,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = ServeConfig()
     v.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health, /ping, /metrics, /version and "
-                        "/ui (default: $PARROT_API_KEY; session tokens then go in X-Session-Token)")
+                        "/ui (default: $PARROT_API_KEY; session tokens then go in X-Session-Token); several keys "
+                        "separated by commas, as llama-server's, are several clients: each opens only the sessions "
+                        "it created")
+    v.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="the API keys one a line (blank lines and lines starting with '#' skipped), added to "
+                        "--api-key's, as llama-server's")
     v.add_argument("--engine-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the engines' routes (/v1/engine/register, /heartbeat) "
                         "instead of the API key, so that clients holding the API key cannot register an engine "
@@ -733,6 +758,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no periodic log line of throughput, load, KV cache use and prefix cache hits (default: one "
                         f"every {ServeConfig.stats_log_interval_s:g} s while there is work, as vLLM's)")
     v.add_argument("--max-sessions", type=POSITIVE, default=d.max_sessions, help="open sessions at once (429 beyond)")
+    v.add_argument("--max-sessions-per-key", type=POSITIVE, default=None,
+                   help="open sessions one API key may hold at once (429 beyond; default: --max-sessions alone): with "
+                        "several keys, one client cannot take every session")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")
     v.add_argument("--max-pending-calls", type=POSITIVE, default=d.max_pending_calls_per_session,

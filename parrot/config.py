@@ -236,7 +236,10 @@ class ServeConfig:
     max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
     retry_after_s: int = 1  # the Retry-After of a 429
     allowed_origins: tuple[str, ...] = ()  # web pages of these origins may call the API from a browser (CORS; "*": any)
-    api_key: str | None = None  # required as `Authorization: Bearer <key>` on every route but /health, /metrics
+    # required as `Authorization: Bearer <key>` on every route but /health, /metrics; several keys separated by commas
+    # (llama-server's --api-key): each a client of its own, whose sessions only it opens (`api_keys`)
+    api_key: str | None = None
+    max_sessions_per_key: int | None = None  # open sessions one API key may hold at once (None: max_sessions alone)
     # required instead of the API key on the engines' routes (/v1/engine/register, /heartbeat): clients that hold the
     # API key cannot register an engine (and so be sent other clients' prompts). None: the API key serves for both
     engine_key: str | None = None
@@ -311,3 +314,12 @@ class ServeConfig:
         for name in ("api_key", "engine_key", "admin_key"):  # a blank key (an empty secret) is a mistake, not "no key"
             if getattr(self, name) is not None and not getattr(self, name).strip():
                 raise ValueError(f"{name} is blank: give a key, or none to serve without one")
+        if self.api_key is not None and any(not key.strip() for key in self.api_key.split(",")):
+            raise ValueError("api_key holds a blank key between its commas: give each key, or none")
+        if self.max_sessions_per_key is not None and self.max_sessions_per_key < 1:
+            raise ValueError("max_sessions_per_key must be at least 1 (or None: no limit a key)")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The API keys (`api_key` split at its commas, each stripped); empty: the server takes no key."""
+        return tuple(dict.fromkeys(key.strip() for key in self.api_key.split(","))) if self.api_key else ()

@@ -6,7 +6,10 @@ carries the key). None -> 401, another session's token -> 403, unknown session o
 
 API key (`ServeConfig.api_key`: `parrot serve --api-key` or `PARROT_API_KEY`): every route except
 `/health`, `/metrics` and the static web page (`/ui`) needs `Authorization: Bearer <api_key>`, as vLLM's
-`--api-key` (so the `openai` client's `api_key=` works); a missing or wrong key is 401.
+`--api-key` (so the `openai` client's `api_key=` works); a missing or wrong key is 401. Several keys
+(comma-separated, as llama-server's) are several clients: a session belongs to the key that created it (any
+other key gets 404 for it, as for a session that does not exist), and `max_sessions_per_key` bounds each key's
+open sessions (429).
 
 Every error is `{"detail": "<message>", "code": "<code>"}` (stable codes from `parrot.errors`; the
 OpenAI routes use the OpenAI error shape). A limit reached (sessions, variables or pending calls per
@@ -22,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import FastAPI, Header, Query, Request, Response
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,6 +42,7 @@ from parrot.errors import (
     RateLimitError,
     code_of,
 )
+from parrot.frontend.api_keys import CLIENT_SCOPE_KEY, client_of, key_index
 from parrot.frontend.disconnects import while_connected
 from parrot.frontend.openai_api import frontend_routes
 from parrot.frontend.openai_tokens import TOKEN_PATHS, token_routes
@@ -68,6 +72,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 2**20
 Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>" (or the API key)
 SessionToken = Annotated[str | None, Header(alias="X-Session-Token")]
+
+Client = Annotated[int | None, Depends(client_of)]  # the API key the request came with (its index), if any
 _STATUS: list[tuple[type[Exception], int]] = [
     (AuthError, 401), (ForbiddenError, 403), (NotFoundError, 404), (ConflictError, 409),
     (VariableFailedError, 424), (TransformError, 424), (InvalidRequestError, 400), (EngineUnavailableError, 503),
@@ -144,15 +150,16 @@ def _same(a: str | None, b: str) -> bool:
     return a is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
+
 class _Guard:
     """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): the API
     key on every route but the open ones (the engine key on the engines' routes, where one is set), and the
     body size limit."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, engine_key: str | None = None,
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], engine_key: str | None = None,
                  admin_key: str | None = None) -> None:
         self.app = app
-        self.api_key = api_key
+        self.api_keys = api_keys
         self.engine_key = engine_key
         self.admin_key = admin_key
 
@@ -164,15 +171,19 @@ class _Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal: JSONResponse | None = None
         engines = path == ENGINE_PATH or path.startswith(ENGINE_PATH + "/")
-        key, what = (self.engine_key, "engine key") if engines and self.engine_key is not None else \
-            (self.api_key, "API key")
-        if key is not None and not _open_path(path):
+        keys, what = ((self.engine_key,), "engine key") if engines and self.engine_key is not None else \
+            (self.api_keys, "API key")
+        if keys and not _open_path(path):
             given = _token(headers.get("authorization"))
             if given is None:
                 refusal = _unauthorized(path, f"missing {what}: send 'Authorization: Bearer <{what}>'")
-            elif not _same(given, key) and not (self.admin_key is not None and _admin_path(path)
-                                                and _same(given, self.admin_key)):
-                refusal = _unauthorized(path, f"invalid {what}")
+            else:
+                client = key_index(given, keys)
+                if client is not None and keys is self.api_keys:
+                    scope[CLIENT_SCOPE_KEY] = client  # whose request it is (a key's sessions are its own)
+                if client is None and not (self.admin_key is not None and _admin_path(path)
+                                           and _same(given, self.admin_key)):
+                    refusal = _unauthorized(path, f"invalid {what}")
         length = headers.get("content-length")
 
         def too_large() -> JSONResponse:  # and the connection closed: the rest of the body is not read
@@ -233,14 +244,16 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
 
     app = FastAPI(title="Parrot", lifespan=lifespan)
     app.router.route_class = TextBodyRoute  # the REST routes' bodies are read as Unicode (lone surrogates: U+FFFD)
-    api_key = core.config.api_key
+    api_keys = core.config.api_keys
     app.include_router(engine_routes(core.engines))
     app.include_router(frontend_routes(core))  # OpenAI-compatible /v1/completions, /v1/chat/completions, /metrics
     app.include_router(token_routes(core))  # vLLM's /tokenize, /detokenize (and under /v1/)
-    # the web view /ui, /v1/session/{id}/graph, /v1/sessions
-    app.include_router(ui_routes(core, api_key=core.config.admin_key or api_key))
+    # the web view /ui, /v1/session/{id}/graph, /v1/sessions: every session opens with the admin key, else with the
+    # API key where there is one (with several, each client's key opens only the sessions whose tokens it gives)
+    app.include_router(ui_routes(core, api_key=core.config.admin_key or (api_keys[0] if len(api_keys) == 1 else None),
+                                 several_keys=len(api_keys) > 1))
 
-    app.add_middleware(_Guard, api_key=api_key, engine_key=core.config.engine_key, admin_key=core.config.admin_key)
+    app.add_middleware(_Guard, api_keys=api_keys, engine_key=core.config.engine_key, admin_key=core.config.admin_key)
     if core.config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(core.config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -276,57 +289,61 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
         return error_response(route_path(request.scope), exc.status_code, str(exc.detail),
                               _STATUS_CODES.get(exc.status_code, "error"), headers=exc.headers)
 
-    def session_of(session_id: str, authorization: str | None, session_token: str | None = None) -> Session:
-        """The session, if the request carries its token: X-Session-Token, else the Authorization bearer token
-        (unless that is the API key)."""
+    def session_of(session_id: str, authorization: str | None, session_token: str | None = None,
+                   client: int | None = None) -> Session:
+        """The session, if the request carries its token (X-Session-Token, else the Authorization bearer token
+        unless that is an API key) and, with API keys, the key that opened it."""
         token = session_token
         if token is None:
             bearer = _token(authorization)
-            token = None if api_key is not None and _same(bearer, api_key) else bearer
-        return core.get_session(session_id, token)
+            token = None if key_index(bearer, api_keys) is not None else bearer
+        return core.get_session(session_id, token, owner=client)
 
     # ---- sessions -----------------------------------------------------------------------------
     @app.post("/v1/session", status_code=201, response_model=SessionCreated)
-    async def create_session(body: SessionCreate | None = None) -> SessionCreated:
-        s = core.create_session(cache_salt=body.cache_salt if body is not None else None)
+    async def create_session(client: Client, body: SessionCreate | None = None) -> SessionCreated:
+        s = core.create_session(cache_salt=body.cache_salt if body is not None else None, owner=client)
         return SessionCreated(session_id=s.session_id, session_token=s.token)
 
     @app.get("/v1/session/{session_id}")
-    async def get_session(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> dict:
-        return core.inspect(session_of(session_id, authorization, xst))
+    async def get_session(client: Client, session_id: str, authorization: Auth = None,
+                          xst: SessionToken = None) -> dict:
+        return core.inspect(session_of(session_id, authorization, xst, client))
 
     @app.delete("/v1/session/{session_id}", status_code=204)
-    async def delete_session(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> Response:
-        await core.delete_session(session_of(session_id, authorization, xst))
+    async def delete_session(client: Client, session_id: str, authorization: Auth = None,
+                             xst: SessionToken = None) -> Response:
+        await core.delete_session(session_of(session_id, authorization, xst, client))
         return Response(status_code=204)
 
     # ---- semantic variables -------------------------------------------------------------------
     @app.post("/v1/semantic_var", status_code=201, response_model=SemanticVarCreated)
-    async def create_var(body: SemanticVarCreate, authorization: Auth = None,
+    async def create_var(client: Client, body: SemanticVarCreate, authorization: Auth = None,
                          xst: SessionToken = None) -> SemanticVarCreated:
-        var = core.create_var(session_of(body.session_id, authorization, xst), body.name, body.content)
+        var = core.create_var(session_of(body.session_id, authorization, xst, client), body.name, body.content)
         return SemanticVarCreated(var_id=var.id)
 
     @app.post("/v1/semantic_var/{var_id}")
-    async def set_var(var_id: str, body: SemanticVarSet, authorization: Auth = None, xst: SessionToken = None) -> dict:
-        core.set_var(session_of(body.session_id, authorization, xst), var_id, body.content)
+    async def set_var(client: Client, var_id: str, body: SemanticVarSet, authorization: Auth = None,
+                      xst: SessionToken = None) -> dict:
+        core.set_var(session_of(body.session_id, authorization, xst, client), var_id, body.content)
         return {"var_id": var_id}
 
     @app.get("/v1/semantic_var/{var_id}", response_model=SemanticVarContent)
-    async def get_var(var_id: str, session_id: str, request: Request, authorization: Auth = None,
+    async def get_var(client: Client, var_id: str, session_id: str, request: Request, authorization: Auth = None,
                       xst: SessionToken = None, criteria: Criterion = "latency",
                       timeout: Annotated[float | None, Query(ge=0, le=3600)] = None) -> SemanticVarContent:
         # a reader that leaves stops reading (as a stream's does): it no longer holds its session open, or keeps
         # a generation nobody else needs running
-        content = await while_connected(request, core.get_var(session_of(session_id, authorization, xst), var_id,
-                                                              criteria, timeout),
+        session = session_of(session_id, authorization, xst, client)
+        content = await while_connected(request, core.get_var(session, var_id, criteria, timeout),
                                         lambda: StarletteHTTPException(499, "the client disconnected"))
         return SemanticVarContent(var_id=var_id, content=content)
 
     @app.get("/v1/semantic_var/{var_id}/stream")
-    async def stream_var(var_id: str, session_id: str, authorization: Auth = None, xst: SessionToken = None,
-                         criteria: Criterion = "latency") -> StreamingResponse:
-        stream = core.stream_var(session_of(session_id, authorization, xst), var_id, criteria)
+    async def stream_var(client: Client, var_id: str, session_id: str, authorization: Auth = None,
+                         xst: SessionToken = None, criteria: Criterion = "latency") -> StreamingResponse:
+        stream = core.stream_var(session_of(session_id, authorization, xst, client), var_id, criteria)
 
         async def events() -> AsyncIterator[str]:
             try:
@@ -340,17 +357,18 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
 
     # ---- calls --------------------------------------------------------------------------------
     @app.post("/v1/semantic_call", status_code=201, response_model=CallCreated)
-    async def semantic_call(body: SemanticCallRequest, authorization: Auth = None,
+    async def semantic_call(client: Client, body: SemanticCallRequest, authorization: Auth = None,
                             xst: SessionToken = None) -> CallCreated:
-        session = session_of(body.session_id, authorization, xst)
+        session = session_of(body.session_id, authorization, xst, client)
         for p in body.parameters:  # an invalid output constraint is a 400 before anything is scheduled
             if p.sampling_config is not None:
                 await constraints.validate(p.sampling_config)
         return core.semantic_call(session, body)
 
     @app.post("/v1/native_call", status_code=201, response_model=CallCreated)
-    async def native_call(body: NativeCallRequest, authorization: Auth = None, xst: SessionToken = None) -> CallCreated:
-        return core.native_call(session_of(body.session_id, authorization, xst), body)
+    async def native_call(client: Client, body: NativeCallRequest, authorization: Auth = None,
+                          xst: SessionToken = None) -> CallCreated:
+        return core.native_call(session_of(body.session_id, authorization, xst, client), body)
 
     # ---- service ------------------------------------------------------------------------------
     @app.get("/health", response_model=None)

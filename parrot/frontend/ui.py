@@ -18,10 +18,11 @@ import hmac
 from importlib import resources
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
 from fastapi.responses import HTMLResponse, Response
 
 from parrot.errors import NotFoundError
+from parrot.frontend.api_keys import client_of
 from parrot.serve.core import ParrotServeCore
 from parrot.serve.graph_view import session_graph, sessions_view
 from parrot.serve.session import AuthError, ForbiddenError, Session
@@ -43,29 +44,34 @@ def _is_admin(token: str | None, api_key: str | None) -> bool:
     return bool(token and api_key and hmac.compare_digest(token.encode(), api_key.encode()))
 
 
-def ui_routes(core: ParrotServeCore, api_key: str | None = None) -> APIRouter:
+def ui_routes(core: ParrotServeCore, api_key: str | None = None, several_keys: bool = False) -> APIRouter:
     """Routes of the web view. `api_key`: the key that opens every session (`ServeConfig.admin_key`, else its
-    API key); None: each session only with its own token, and no list of sessions."""
+    API key); None: each session only with its own token, and no list of sessions (`several_keys`: the server
+    has several API keys and no admin key, which the list then asks for)."""
     router = APIRouter()
 
-    def viewed_session(session_id: str, authorization: str | None, session_token: str | None) -> Session:
+    def viewed_session(session_id: str, authorization: str | None, session_token: str | None,
+                       client: int | None) -> Session:
         bearer = _bearer(authorization)
         session = core.sessions.get(session_id)
-        if session is None:
-            raise NotFoundError(f"session {session_id!r} does not exist")
-        if _is_admin(bearer, api_key):
+        if session is not None and _is_admin(bearer, api_key):
             return session
+        if session is None or session.owner != client:  # another API key's session: as if absent
+            raise NotFoundError(f"session {session_id!r} does not exist")
         last = session.last_access
         session.check_token(session_token or bearer)  # 401 / 403
         session.last_access = last  # watching a session does not keep it alive
         return session
 
     @router.get("/v1/session/{session_id}/graph")
-    async def graph(session_id: str, authorization: Auth = None, xst: SessionToken = None) -> dict:
-        return session_graph(core, viewed_session(session_id, authorization, xst))
+    async def graph(request: Request, session_id: str, authorization: Auth = None, xst: SessionToken = None) -> dict:
+        return session_graph(core, viewed_session(session_id, authorization, xst, client_of(request)))
 
     @router.get("/v1/sessions")
     async def sessions(authorization: Auth = None) -> dict:
+        if api_key is None and several_keys:
+            raise NotFoundError("listing every session needs an admin key where clients have several API keys "
+                                "(parrot serve --admin-key, or PARROT_ADMIN_KEY)")
         if api_key is None:
             raise NotFoundError("listing every session needs the server to have an API key "
                                 "(parrot serve --api-key, or PARROT_API_KEY)")

@@ -409,7 +409,15 @@ class ParrotServeCore:
         return views
 
     # ---- sessions -----------------------------------------------------------------------------
-    def create_session(self, cache_salt: str | None = None) -> Session:
+    def create_session(self, cache_salt: str | None = None, owner: int | None = None) -> Session:
+        """A new session; `owner`: the API key (its index in `ServeConfig.api_keys`) that opens it, None where the
+        server takes no key. Past `max_sessions`, or the owner's `max_sessions_per_key`: 429."""
+        per_key = self.config.max_sessions_per_key
+        if owner is not None and per_key is not None:
+            held = sum(1 for s in self.sessions.values() if s.owner == owner)
+            if held >= per_key:
+                raise RateLimitError(f"this API key holds {held} open sessions (limit {per_key} a key): delete "
+                                     "finished sessions or retry later", self.config.retry_after_s)
         if len(self.sessions) >= self.config.max_sessions:
             # Retry-After: when the idlest session expires (the TTL less its idle time, and a sweep), if any is idle
             idle = [s.idle_seconds() for s in self.sessions.values() if s.readers == 0]
@@ -418,7 +426,7 @@ class ParrotServeCore:
             raise RateLimitError(f"too many open sessions (limit {self.config.max_sessions}): delete finished "
                                  f"sessions or retry later{when}", max(self.config.retry_after_s, wait or 0))
         session = Session(max_generations=self.config.max_generations_kept,
-                          max_requests=self.config.max_requests_kept, salt=salt_digest(cache_salt))
+                          max_requests=self.config.max_requests_kept, salt=salt_digest(cache_salt), owner=owner)
         self.sessions[session.session_id] = session
         return session
 
@@ -436,9 +444,11 @@ class ParrotServeCore:
                                  f"{self.config.max_pending_calls_per_session}): read their outputs first or retry "
                                  "later", self.config.retry_after_s)
 
-    def get_session(self, session_id: str, token: str | None) -> Session:
+    def get_session(self, session_id: str, token: str | None, owner: int | None = None) -> Session:
+        """The session, for a request with its token and (where the server has API keys) the key that opened it:
+        to another key it does not exist (404), whatever token comes with it."""
         session = self.sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:
             raise NotFoundError(f"session {session_id!r} does not exist")
         session.check_token(token)
         return session

@@ -43,6 +43,7 @@ class Session:
     # a digest of its cache_salt (contexts.salt_digest): it shares global constants, cached prefixes and the
     # prefix matcher's cut points only with sessions of the same salt; None: with every unsalted session
     salt: str | None = None
+    owner: int | None = None  # the API key that opened it (its index in ServeConfig.api_keys); None: no keys
     # request id -> summary for inspection, the latest `max_requests`
     requests: OrderedDict[str, dict] = field(default_factory=OrderedDict)
     # timings of the latest `max_generations` finished generations, for inspection

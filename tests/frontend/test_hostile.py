@@ -15,6 +15,7 @@ import pytest
 import parrot as P
 from parrot.config import ServeConfig
 from parrot.engine.engine import LLMEngine
+from parrot.errors import ParrotError
 from parrot.frontend.http_api import MAX_BODY_BYTES
 from parrot.serve.session import Session
 from tests.conftest import tiny_engine_config, tiny_model
@@ -303,6 +304,57 @@ def test_an_admin_key_keeps_clients_from_reading_other_sessions(engine: LLMEngin
         assert c.get(f"/v1/session/{sid}/graph", headers=admin).status_code == 200
         assert c.get("/v1/models", headers=admin).status_code == 401  # not a client's key
         assert c.get(f"/v1/session/{sid}", headers=admin).status_code == 401  # nor the session's REST routes
+
+
+def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
+    """Keys separated by commas (llama-server's --api-key): each opens the REST and OpenAI routes; a session belongs
+    to the key that created it (another key gets 404 for it, its token or not, on the REST routes and the session's
+    view); max_sessions_per_key bounds each key's open sessions (429) while another key still opens its own; no key
+    but the admin key lists every session."""
+    with serve(engine, api_key="key-a, key-b", max_sessions_per_key=2) as (url, core), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+        sid, auth = new_session(c, headers=a)
+        token = {"X-Session-Token": auth["Authorization"].removeprefix("Bearer ")}
+        assert c.get(f"/v1/session/{sid}", headers={**a, **token}).status_code == 200
+        for method, path in [("GET", f"/v1/session/{sid}"), ("GET", f"/v1/session/{sid}/graph"),
+                             ("DELETE", f"/v1/session/{sid}")]:
+            r = c.request(method, path, headers={**b, **token})
+            assert r.status_code == 404 and "does not exist" in r.json()["detail"], (path, r.text)
+        r = c.post("/v1/semantic_var", json={"session_id": sid, "name": "x", "content": "y"}, headers={**b, **token})
+        assert r.status_code == 404
+        new_session(c, headers=a)
+        r = c.post("/v1/session", json={}, headers=a)
+        assert r.status_code == 429 and "limit 2 a key" in r.json()["detail"] and r.headers["Retry-After"]
+        new_session(c, headers=b)  # another key's room is its own
+        assert c.get("/v1/models", headers=b).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": "Bearer key-a,key-b"}).status_code == 401
+        r = c.get("/v1/sessions", headers=a)
+        assert r.status_code == 404 and "admin key" in r.json()["detail"]
+        assert c.delete(f"/v1/session/{sid}", headers={**a, **token}).status_code == 204
+        new_session(c, headers=a)  # room again
+        assert sorted(s.owner for s in core.sessions.values()) == [0, 0, 1]
+
+
+def test_the_api_keys_come_from_a_file_too(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from parrot import cli
+
+    monkeypatch.delenv("PARROT_API_KEY", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nkey-1\n\n  key-2  \n", encoding="utf-8")
+    args = cli.build_parser().parse_args(["serve", "--api-key", "key-0", "--api-key-file", str(keys),
+                                          "--max-sessions-per-key", "3"])
+    config = cli.serve_config_from_args(args)
+    assert config.api_keys == ("key-0", "key-1", "key-2") and config.max_sessions_per_key == 3
+    keys.write_text("# none\n", encoding="utf-8")
+    with pytest.raises(ParrotError, match="lists no key"):
+        cli.serve_config_from_args(args)
+    with pytest.raises(ParrotError, match="api-key-file"):
+        cli.serve_config_from_args(cli.build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / "no")]))
+    with pytest.raises(ValueError, match="blank key between its commas"):
+        ServeConfig(model="tiny", api_key="a,,b")
+    with pytest.raises(ValueError, match="max_sessions_per_key"):
+        ServeConfig(model="tiny", max_sessions_per_key=0)
 
 
 @pytest.mark.parametrize("blank", ["", " "])
