@@ -359,6 +359,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            admin_key=args.admin_key if args.admin_key is not None
                            else os.environ.get("PARROT_ADMIN_KEY"),
                            max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
+                           max_queued_completions_per_key=args.max_queued_completions_per_key,
                            max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
                            max_variable_memory_mb=args.max_variable_memory_mb,
@@ -761,6 +762,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-sessions-per-key", type=POSITIVE, default=None,
                    help="open sessions one API key may hold at once (429 beyond; default: --max-sessions alone): with "
                         "several keys, one client cannot take every session")
+    v.add_argument("--max-queued-completions-per-key", type=POSITIVE, default=None,
+                   help="OpenAI API completions of one API key that may wait for an engine at once (429 beyond; "
+                        "default: no limit a key, 4096 in all)")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")
     v.add_argument("--max-pending-calls", type=POSITIVE, default=d.max_pending_calls_per_session,

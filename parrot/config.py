@@ -234,6 +234,7 @@ class ServeConfig:
     max_generations_kept: int = 256  # per session: timings of the latest finished generations (inspection)
     max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
     max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
+    max_queued_completions_per_key: int | None = None  # ... or while this many of its API key's wait (None: no limit)
     retry_after_s: int = 1  # the Retry-After of a 429
     allowed_origins: tuple[str, ...] = ()  # web pages of these origins may call the API from a browser (CORS; "*": any)
     # required as `Authorization: Bearer <key>` on every route but /health, /metrics; several keys separated by commas
@@ -316,8 +317,9 @@ class ServeConfig:
                 raise ValueError(f"{name} is blank: give a key, or none to serve without one")
         if self.api_key is not None and any(not key.strip() for key in self.api_key.split(",")):
             raise ValueError("api_key holds a blank key between its commas: give each key, or none")
-        if self.max_sessions_per_key is not None and self.max_sessions_per_key < 1:
-            raise ValueError("max_sessions_per_key must be at least 1 (or None: no limit a key)")
+        for name in ("max_sessions_per_key", "max_queued_completions_per_key"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (or None: no limit a key)")
 
     @property
     def api_keys(self) -> tuple[str, ...]:

@@ -61,6 +61,7 @@ from pydantic import ValidationError
 from parrot import __version__
 from parrot.errors import InvalidRequestError, ParrotError
 from parrot.frontend import openai_functions as legacy_functions
+from parrot.frontend.api_keys import client_of
 from parrot.frontend.chat_prompt import ChatMessage, renderer, template_messages
 from parrot.frontend.disconnects import while_connected
 from parrot.frontend.metrics import ParrotMetrics, RequestTimer
@@ -504,7 +505,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
 
     async def submit(pieces_list: list[tuple[list[str] | list[list[int]], int]], body: SamplingRequest,
                      params: list[SamplingParams], endpoint: str, start: float,
-                     prompt_logprobs: int | None = None, implicit_max: bool = False) -> list[_Choice]:
+                     prompt_logprobs: int | None = None, implicit_max: bool = False,
+                     client: int | None = None) -> list[_Choice]:
         """Each prompt's pieces are text, or token ids given as they are (`ParrotServeCore.complete`).
         `implicit_max`: the request named no max_tokens, so its default is capped at what the context (and the
         smallest KV pool) leaves after each prompt (as vLLM does), not refused."""
@@ -537,7 +539,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         for p, (pieces, shared) in enumerate(pieces_list):
             for i in range(body.n):
                 queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
-                                      tokens=tokens[p], arrived=start, cache_salt=body.cache_salt)
+                                      tokens=tokens[p], arrived=start, cache_salt=body.cache_salt, client=client)
                 timer = metrics.start_request(endpoint, start) if metrics is not None else None
                 choices.append(_Choice(p * body.n + i, queue, timer, sum(map(len, tokens[p]))))
         return choices
@@ -573,7 +575,7 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         params = samplings(body, 16 if body.max_tokens is None else max(body.max_tokens, 1), body.logprob_fields())
         await validate_constraint(body, params)
         choices = await submit([([p], 0) for p in prompts], body, params, "completions", start,
-                               body.prompt_logprobs, implicit_max=body.max_tokens is None)
+                               body.prompt_logprobs, implicit_max=body.max_tokens is None, client=client_of(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": answered_as(body.model)}
         top_n = body.logprobs or 0
@@ -670,7 +672,8 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
         params = samplings(body, body.max_completion_tokens or body.max_tokens or implicit, extra)
         await validate_constraint(body, params, tools=constrained is not None)
         choices = await submit([(pieces, shared)], body, params, "chat", start,
-                               implicit_max=body.max_completion_tokens is None and body.max_tokens is None)
+                               implicit_max=body.max_completion_tokens is None and body.max_tokens is None,
+                               client=client_of(request))
         answers = {c.index: ToolAnswer(choice, tools, parallel) for c in choices}
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "chat.completion", "created": created, "model": answered_as(body.model),

@@ -1269,7 +1269,8 @@ class ParrotServeCore:
     def complete(self, pieces: Sequence[str] | Sequence[list[int]], sampling: SamplingParams,
                  criterion: Criterion = "latency", shared: int = 1,
                  prompt_logprobs: int | None = None, tokens: list[list[int]] | None = None,
-                 arrived: float | None = None, cache_salt: str | None = None) -> asyncio.Queue:
+                 arrived: float | None = None, cache_salt: str | None = None,
+                 client: int | None = None) -> asyncio.Queue:
         """Schedule a plain completion of "".join(pieces) through the same scheduler and context cache.
         Piece boundaries are where prefixes can be shared (e.g. chat messages); the first `shared`
         pieces are kept as global contexts for later requests (a system prompt). With prefix sharing on,
@@ -1281,7 +1282,8 @@ class ParrotServeCore:
         does any tokens). `tokens`: `prompt_tokens(pieces)` where the caller has them already (a front end
         that counted them), so a prompt is tokenized once. `arrived`: when the request arrived
         (`time.perf_counter()`), where the serve layer's time for it starts (default: now). `cache_salt`
-        (vLLM's): the prompt shares cached prefixes only with requests of the same salt. Returns a queue
+        (vLLM's): the prompt shares cached prefixes only with requests of the same salt. `client`: the API key it
+        came with (its index), whose waiting completions `max_queued_completions_per_key` bounds. Returns a queue
         receiving text deltas (with prompt_logprobs, a PromptLogprobs first), then a CompletionResult or an
         error."""
         clock = TaskClock() if arrived is None else TaskClock(ready=arrived)
@@ -1296,6 +1298,12 @@ class ParrotServeCore:
         if pending >= self.config.max_queued_completions:
             raise RateLimitError(f"{pending} completions are waiting for an engine (limit "
                                  f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
+        per_key = self.config.max_queued_completions_per_key
+        if client is not None and per_key is not None:
+            own = sum(1 for task in self.scheduler.queue if task.client == client)
+            if own >= per_key:
+                raise RateLimitError(f"{own} completions of this API key are waiting for an engine (limit {per_key} "
+                                     "a key): retry later", self.config.retry_after_s)
         token_pieces = self.prompt_tokens(pieces) if tokens is None else tokens
         flat = [t for piece in token_pieces for t in piece]
         if not flat:
@@ -1312,7 +1320,8 @@ class ParrotServeCore:
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(self._seeded(sampling), owners, owner, created=clock.ready, clock=clock, queue=queue,
                            priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
-        task = CompletionTask(owner, flat, boundaries, criterion, payload=rec, salt=salt_digest(cache_salt))
+        task = CompletionTask(owner, flat, boundaries, criterion, payload=rec, salt=salt_digest(cache_salt),
+                              client=client)
         self._completions[queue] = task
         self.scheduler.submit(task)
         self._dispatch()

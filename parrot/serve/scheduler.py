@@ -39,6 +39,7 @@ class CompletionTask:
     arrival: float = field(default_factory=time.monotonic)
     engine: str | None = None
     salt: str | None = None  # its cache_salt (a digest): it shares cached prefixes only with tasks of the same one
+    client: int | None = None  # the API key it came with (its index in ServeConfig.api_keys), if any
     _hashes: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     def hashes(self, block: int) -> list[int]:

@@ -311,8 +311,8 @@ def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
     to the key that created it (another key gets 404 for it, its token or not, on the REST routes and the session's
     view); max_sessions_per_key bounds each key's open sessions (429) while another key still opens its own; no key
     but the admin key lists every session."""
-    with serve(engine, api_key="key-a, key-b", max_sessions_per_key=2) as (url, core), \
-            httpx.Client(base_url=url, timeout=60) as c:
+    with serve(engine, api_key="key-a, key-b", max_sessions_per_key=2, max_queued_completions_per_key=4) as \
+            (url, core), httpx.Client(base_url=url, timeout=60) as c:
         a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
         sid, auth = new_session(c, headers=a)
         token = {"X-Session-Token": auth["Authorization"].removeprefix("Bearer ")}
@@ -328,6 +328,8 @@ def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
         assert r.status_code == 429 and "limit 2 a key" in r.json()["detail"] and r.headers["Retry-After"]
         new_session(c, headers=b)  # another key's room is its own
         assert c.get("/v1/models", headers=b).status_code == 200
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, headers=b)
+        assert r.status_code == 200, r.text
         assert c.get("/v1/models", headers={"Authorization": "Bearer key-a,key-b"}).status_code == 401
         r = c.get("/v1/sessions", headers=a)
         assert r.status_code == 404 and "admin key" in r.json()["detail"]

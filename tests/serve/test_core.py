@@ -16,6 +16,7 @@ from parrot.errors import (
     KVCacheFullError,
     NotFoundError,
     ParrotError,
+    RateLimitError,
 )
 from parrot.protocol import (
     FillRequest,
@@ -716,3 +717,35 @@ def test_a_running_native_calls_output_keeps_its_producer() -> None:
             return await reader
 
     assert asyncio.run(run()) == "HELLO"
+
+
+def test_each_api_keys_waiting_completions_are_bounded() -> None:
+    """max_queued_completions_per_key: a key with that many completions waiting for an engine gets a 429 for the
+    next; another key, and requests without one, still queue theirs. Sessions per key likewise
+    (max_sessions_per_key), and a session opens only for the key that created it."""
+    from parrot.protocol import SamplingParams
+    from parrot.serve.core import CompletionResult
+
+    async def run() -> None:
+        async with started_core(ScriptedEngine([], max_batch_size=1), max_queued_completions_per_key=1,
+                                max_sessions_per_key=1) as core:
+            sp = SamplingParams(max_tokens=2)
+            # the engine takes one at a time: the first runs, the second waits
+            queues = [core.complete(["hi"], sp, client=0), core.complete(["hi"], sp, client=0)]
+            with pytest.raises(RateLimitError, match="limit 1 a key"):
+                core.complete(["hi"], sp, client=0)
+            queues += [core.complete(["hi"], sp, client=1), core.complete(["hi"], sp)]
+            for q in queues:  # each finishes: room for the key again
+                while not isinstance(await asyncio.wait_for(q.get(), 10), CompletionResult):
+                    pass
+            core.complete(["hi"], sp, client=0)
+            s = core.create_session(owner=0)
+            with pytest.raises(RateLimitError, match="limit 1 a key"):
+                core.create_session(owner=0)
+            core.create_session(owner=1)
+            assert core.get_session(s.session_id, s.token, owner=0) is s
+            for other in (1, None):
+                with pytest.raises(NotFoundError):
+                    core.get_session(s.session_id, s.token, owner=other)
+
+    asyncio.run(run())
