@@ -303,6 +303,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
             http_base_url(url)
         except ValueError as err:
             raise ParrotError(f"{flag} {err}") from None
+    if args.serve_core_api_key is not None and "," in args.serve_core_api_key:  # never a key (commas separate them)
+        raise ParrotError("--serve-core-api-key holds a comma: the serve core's API keys are a list (KEY1,KEY2); "
+                          "give the engine one of them, or the core's --engine-key")
     if key_in_clear(args.serve_core, args.serve_core_api_key):
         log.warning("the serve core's key goes to %s over plain http: anyone on the network path can read it and "
                     "register engines; use https (parrot serve --ssl-certfile/--ssl-keyfile) or a network only "

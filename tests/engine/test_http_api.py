@@ -741,6 +741,8 @@ def test_a_key_sent_over_plain_http_to_another_machine_is_told() -> None:
 def test_cli_engine_bad_settings_exit_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["engine", "--serve-core", "notaurl", "--port", str(free_port())]) == 2  # not retried for ever
     assert "is not an http:// or https:// URL" in capsys.readouterr().err
+    assert main(["engine", "--serve-core", "http://127.0.0.1:1", "--serve-core-api-key", "k1,k2"]) == 2
+    assert "holds a comma" in capsys.readouterr().err
     assert main(["engine", "--max-num-batched-tokens", "4096"]) == 2
     assert "max_num_batched_tokens" in capsys.readouterr().err
     assert main(["engine", "--model", "/no/such/model.gguf", "--disable-precompile", "--port", str(free_port())]) == 2
