@@ -536,12 +536,17 @@ def openai_routes(core: ParrotServeCore, metrics: ParrotMetrics | None = None,
                         400, f"{held}; the {param} has {n_prompt} tokens and max_tokens is {params[0].max_tokens}",
                         param=param if n_prompt >= most else "max_tokens", code="context_length_exceeded")
         choices: list[_Choice] = []
-        for p, (pieces, shared) in enumerate(pieces_list):
-            for i in range(body.n):
-                queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
-                                      tokens=tokens[p], arrived=start, cache_salt=body.cache_salt, client=client)
-                timer = metrics.start_request(endpoint, start) if metrics is not None else None
-                choices.append(_Choice(p * body.n + i, queue, timer, sum(map(len, tokens[p]))))
+        try:
+            for p, (pieces, shared) in enumerate(pieces_list):
+                for i in range(body.n):
+                    queue = core.complete(pieces, per_prompt[p][i], "latency", shared, prompt_logprobs,
+                                          tokens=tokens[p], arrived=start, cache_salt=body.cache_salt, client=client)
+                    timer = metrics.start_request(endpoint, start) if metrics is not None else None
+                    choices.append(_Choice(p * body.n + i, queue, timer, sum(map(len, tokens[p]))))
+        except BaseException:  # a choice refused (a limit reached, no engine): the request fails whole, and the
+            for c in choices:  # choices already queued do not run for nobody
+                core.cancel_completion(c.queue, "another choice of the request was refused")
+            raise
         return choices
 
     async def stream_response(events: _Events, gen: AsyncIterator[str], request: Request) -> StreamingResponse:

@@ -338,6 +338,32 @@ def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
         assert sorted(s.owner for s in core.sessions.values()) == [0, 0, 1]
 
 
+def test_a_request_whose_later_choice_is_refused_leaves_no_choice_running(engine: LLMEngine,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """n choices are n completions: where one is refused (a limit reached), the request is the refusal, and the
+    choices already queued are cancelled rather than run for nobody."""
+    from parrot.errors import RateLimitError
+
+    with serve(engine) as (url, core), httpx.Client(base_url=url, timeout=60) as c:
+        queued: list = []
+        complete = core.complete
+
+        def second_refused(*args: object, **kwargs: object):  # noqa: ANN202
+            if queued:
+                raise RateLimitError("a limit", 1)
+            queued.append(complete(*args, **kwargs))
+            return queued[-1]
+
+        monkeypatch.setattr(core, "complete", second_refused)
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "n": 2, "max_tokens": 400,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429, r.text
+        first = queued[0]  # the choice queued before the refusal: it ends with the cancellation's error
+        wait_until(lambda: any(isinstance(x, BaseException) for x in list(first._queue)), 30, "the cancellation")
+        assert "another choice of the request was refused" in str(list(first._queue)[-1])
+        assert not core.scheduler.queue
+
+
 def test_the_api_keys_come_from_a_file_too(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from parrot import cli
 
