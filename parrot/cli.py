@@ -383,9 +383,13 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
     import uvicorn
 
     keyfile, certfile = ssl or (None, None)
+    from parrot.header_deadline import HeaderDeadlineH11
+
+    # its lines in the process's own format (text, JSON); a connection must send each request's head within a
+    # deadline (HeaderDeadlineH11: slow or silent connections are not held for ever)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path,
-                                           ssl_keyfile=keyfile, ssl_certfile=certfile,
-                                           log_config=None))  # its lines in the process's own format (text, JSON)
+                                           ssl_keyfile=keyfile, ssl_certfile=certfile, log_config=None,
+                                           http=HeaderDeadlineH11))
     startup = server.startup
 
     async def startup_then_say(sockets: list | None = None) -> None:

@@ -52,6 +52,7 @@ from parrot.errors import (
     ParrotError,
     code_of,
 )
+from parrot.header_deadline import HeaderDeadlineH11
 from parrot.interrupts import stop_if_interrupted
 from parrot.protocol import (
     AbortRequest,
@@ -374,7 +375,7 @@ class EngineServer:
         # uvicorn's records go through the process's own log format (`parrot.logs`: text or JSON); a graceful
         # stop lets the requests under way finish (each is bounded by its max_tokens)
         self.config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level, log_config=None,
-                                     lifespan="off")
+                                     lifespan="off", http=HeaderDeadlineH11)  # slow request heads are cut off
         self.server = uvicorn.Server(self.config)
         self.draining = False  # a graceful stop began: the serve core is told, and places no new work here
         shutdown = self.server.shutdown
