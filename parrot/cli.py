@@ -382,9 +382,9 @@ def http_server(app: object, host: str, port: int, log_level: str = "warning",  
     requests under way are waited for: `ParrotServeCore.drain`."""
     import uvicorn
 
-    keyfile, certfile = ssl or (None, None)
     from parrot.header_deadline import HeaderDeadlineH11
 
+    keyfile, certfile = ssl or (None, None)
     # its lines in the process's own format (text, JSON); a connection must send each request's head within a
     # deadline (HeaderDeadlineH11: slow or silent connections are not held for ever)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path,

@@ -150,7 +150,6 @@ def _same(a: str | None, b: str) -> bool:
     return a is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
-
 class _Guard:
     """Pure ASGI middleware (a BaseHTTPMiddleware would hide client disconnects from the routes): the API
     key on every route but the open ones (the engine key on the engines' routes, where one is set), and the
@@ -171,15 +170,15 @@ class _Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         refusal: JSONResponse | None = None
         engines = path == ENGINE_PATH or path.startswith(ENGINE_PATH + "/")
-        keys, what = ((self.engine_key,), "engine key") if engines and self.engine_key is not None else \
-            (self.api_keys, "API key")
+        engine_key = engines and self.engine_key is not None
+        keys, what = ((self.engine_key,), "engine key") if engine_key else (self.api_keys, "API key")
         if keys and not _open_path(path):
             given = _token(headers.get("authorization"))
             if given is None:
                 refusal = _unauthorized(path, f"missing {what}: send 'Authorization: Bearer <{what}>'")
             else:
                 client = key_index(given, keys)
-                if client is not None and keys is self.api_keys:
+                if client is not None and not engine_key:
                     scope[CLIENT_SCOPE_KEY] = client  # whose request it is (a key's sessions are its own)
                 if client is None and not (self.admin_key is not None and _admin_path(path)
                                            and _same(given, self.admin_key)):
