@@ -18,9 +18,11 @@ session, queued completions) is 429 with `Retry-After`.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
@@ -70,6 +72,11 @@ from parrot.serve.variables import VariableFailedError
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 2**20
+# a request's body must arrive within BODY_TIMEOUT_S of its head, plus a second for every BODY_MIN_RATE bytes that
+# came (Apache's RequestReadTimeout body=20,MinRate=500): a body that trickles or stalls is a 408, not a connection
+# and a task held for as long as the client likes (parrot.header_deadline does the same for the head)
+BODY_TIMEOUT_S = 20.0
+BODY_MIN_RATE = 500
 Auth = Annotated[str | None, Header()]  # "Authorization: Bearer <session_token>" (or the API key)
 SessionToken = Annotated[str | None, Header(alias="X-Session-Token")]
 
@@ -127,8 +134,8 @@ def error_response(path: str, status: int, message: str, code: str,
     return JSONResponse(error_body(message, code), status_code=status, headers=headers)
 
 
-class _BodyTooLarge(StarletteHTTPException):
-    """Raised by the guarded `receive` once a body passes MAX_BODY_BYTES."""
+class _BodyRefused(StarletteHTTPException):
+    """Raised by the guarded `receive` once a body passes MAX_BODY_BYTES, or is too slow (BODY_TIMEOUT_S)."""
 
 
 def _unauthorized(path: str, message: str) -> JSONResponse:
@@ -189,6 +196,11 @@ class _Guard:
             return error_response(path, 413, f"request body over {MAX_BODY_BYTES} bytes", "body_too_large",
                                   headers={"Connection": "close"})
 
+        def too_slow() -> JSONResponse:  # likewise
+            return error_response(path, 408, f"the request body did not arrive in time ({BODY_TIMEOUT_S:g} s, and a "
+                                  f"second for each {BODY_MIN_RATE} bytes that came)", "timeout",
+                                  headers={"Connection": "close"})
+
         if refusal is None and length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             refusal = too_large()
         # a chunked body has no end the server knows of: one the app answered without reading to its end is not
@@ -200,23 +212,35 @@ class _Guard:
             await refusal(scope, receive, send)
             return
         # a body without Content-Length (chunked) is counted as it arrives: past the limit, the app's next
-        # read raises and the answer is this 413, whatever the route made of that error
-        received, over, started = 0, False, False
+        # read raises and the answer is this 413, whatever the route made of that error; a body slower than its
+        # deadline likewise gets a 408
+        received, failed, started, body_done = 0, None, False, False
+        begun = time.monotonic()
 
         async def counted() -> Message:
-            nonlocal received, over, unread
-            message = await receive()
+            nonlocal received, failed, unread, body_done
+            if body_done:  # the body is in: what comes next is a disconnect, whenever it comes
+                return await receive()
+            left = begun + BODY_TIMEOUT_S + received / BODY_MIN_RATE - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except TimeoutError:
+                failed = too_slow
+                raise _BodyRefused(408, "the request body did not arrive in time") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
-                    over = True
-                    raise _BodyTooLarge(413, f"request body over {MAX_BODY_BYTES} bytes")
+                    failed = too_large
+                    raise _BodyRefused(413, f"request body over {MAX_BODY_BYTES} bytes")
                 unread = unread and message.get("more_body", False)
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True  # a disconnect: nothing more to wait for
             return message
 
         async def sending(message: Message) -> None:
             nonlocal started
-            if over and not started:  # the app's own answer to the error it got reading: the 413 instead
+            if failed is not None and not started:  # the app's own answer to the error it got reading: ours instead
                 return
             if message["type"] == "http.response.start" and unread:
                 message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
@@ -226,10 +250,10 @@ class _Guard:
         try:
             await self.app(scope, counted, sending)
         except Exception:
-            if not over or started:
+            if failed is None or started:
                 raise
-        if over and not started:
-            await too_large()(scope, receive, send)
+        if failed is not None and not started:
+            await failed()(scope, receive, send)
 
 
 def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:

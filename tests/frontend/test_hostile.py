@@ -4,6 +4,7 @@ a variable another reader needs keeps running, bounded session state."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -391,6 +392,40 @@ def test_a_blank_key_is_refused_not_taken_for_none(blank: str) -> None:
     for field in ("api_key", "engine_key", "admin_key"):
         with pytest.raises(ValueError, match="blank"):
             ServeConfig(model="tiny", **{field: blank})
+
+
+def test_a_body_that_stalls_or_trickles_is_a_408(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's body must come within BODY_TIMEOUT_S of its head, plus a second for each BODY_MIN_RATE bytes
+    that came: one that stalls is answered 408 and its connection closed; one that keeps coming fast enough is read
+    whole; a long poll (no body, then minutes of waiting) is not cut short."""
+    from parrot.frontend import http_api
+
+    monkeypatch.setattr(http_api, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_api, "BODY_MIN_RATE", 10_000)
+    with serve(engine) as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # 99 bytes never come
+            t0 = time.monotonic()
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive in time" in answer, answer[:200]
+            assert b"connection: close" in answer.lower() and 0.4 < time.monotonic() - t0 < 5
+        with socket.create_connection((host, int(port)), timeout=10) as sock:  # 30 KB in 0.9 s: in time
+            body = b'{"cache_salt": "' + b"s" * 30_000 + b'"}'
+            sock.sendall(b"POST /v1/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            for i in range(0, len(body), 3000):
+                sock.sendall(body[i:i + 3000])
+                time.sleep(0.09)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 201")
+        sid, auth = new_session(c)
+        r = c.post("/v1/semantic_var", json={"session_id": sid, "name": "x"}, headers=auth)
+        var = r.json()["var_id"]
+        r = c.get(f"/v1/semantic_var/{var}", params={"session_id": sid, "timeout": 1.5}, headers=auth)
+        assert r.status_code == 408 and r.json()["code"] == "timeout" and "waiting for the variable" in r.text
 
 
 def test_api_key_guards_every_route_but_health_and_metrics(engine: LLMEngine) -> None:
