@@ -23,7 +23,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
                                          that have not reported yet are left out
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
-  parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts
+  parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts (with several
+  API keys also parrot:api_key_sessions and parrot:api_key_requests_waiting, labelled by the key's place)
   parrot:aborted_requests_total          generations cancelled because their clients went away (a
                                          disconnected OpenAI stream or variable stream), queued or running
   parrot:engine_aborts_total{engine}     primitives each engine aborted (its RuntimeInfo)
@@ -131,6 +132,7 @@ class _CoreCollector(Collector):
         yield GaugeMetricFamily("parrot:num_cached_contexts", "KV contexts the core keeps track of.",
                                 value=len(contexts.contexts()))
         yield GaugeMetricFamily("parrot:num_sessions", "Open Parrot sessions.", value=len(core.sessions))
+        yield from _key_metrics(core)
         yield GaugeMetricFamily("parrot:variable_bytes", "UTF-8 bytes of text all semantic variables hold.",
                                 value=core.vars.held)
         yield CounterMetricFamily("parrot:aborted_requests", "Generations cancelled because their clients went "
@@ -161,6 +163,30 @@ class _CoreCollector(Collector):
                 ("parrot:serve_between_primitives_seconds", core.serve_time.gap,
                  "Serve layer's own time per task: a primitive done -> the task's next primitive sent.")):
             yield HistogramMetricFamily(name, doc, buckets=hist.cumulative(), sum_value=hist.total)
+
+
+def _key_metrics(core: ParrotServeCore) -> Iterator[Metric]:
+    """Per API key where the server has several (each a client, named by its place in the list, never by its
+    text): its open sessions and its completions waiting for an engine."""
+    keys = len(core.config.api_keys)
+    if keys < 2:
+        return
+    sessions = GaugeMetricFamily("parrot:api_key_sessions", "Open sessions of the API key (its place in the list).",
+                                 labels=["key"])
+    waiting = GaugeMetricFamily("parrot:api_key_requests_waiting", "Completion tasks of the API key (its place in "
+                                "the list) queued in the scheduler.", labels=["key"])
+    held, queued = [0] * keys, [0] * keys
+    for session in core.sessions.values():
+        if session.owner is not None:
+            held[session.owner] += 1
+    for task in core.scheduler.queue:
+        if task.client is not None:
+            queued[task.client] += 1
+    for i in range(keys):
+        sessions.add_metric([str(i)], held[i])
+        waiting.add_metric([str(i)], queued[i])
+    yield sessions
+    yield waiting
 
 
 def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:

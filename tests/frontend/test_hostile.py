@@ -4,6 +4,7 @@ a variable another reader needs keeps running, bounded session state."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -337,6 +338,11 @@ def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
         assert c.delete(f"/v1/session/{sid}", headers={**a, **token}).status_code == 204
         new_session(c, headers=a)  # room again
         assert sorted(s.owner for s in core.sessions.values()) == [0, 0, 1]
+        metrics = c.get("/metrics").text  # per key, by its place in the list (never its text)
+        assert re.search(r'parrot:api_key_sessions\{[^}]*key="0"[^}]*\} 2\.0', metrics), metrics
+        assert re.search(r'parrot:api_key_sessions\{[^}]*key="1"[^}]*\} 1\.0', metrics)
+        assert re.search(r'parrot:api_key_requests_waiting\{[^}]*key="1"[^}]*\} 0\.0', metrics)
+        assert "key-a" not in metrics
 
 
 def test_a_request_whose_later_choice_is_refused_leaves_no_choice_running(engine: LLMEngine,
@@ -363,6 +369,7 @@ def test_a_request_whose_later_choice_is_refused_leaves_no_choice_running(engine
         wait_until(lambda: any(isinstance(x, BaseException) for x in list(first._queue)), 30, "the cancellation")
         assert "another choice of the request was refused" in str(list(first._queue)[-1])
         assert not core.scheduler.queue
+        wait_until(lambda: not core.scheduler.running and engine.ping().running == 0, 30, "the choice to stop")
 
 
 def test_the_api_keys_come_from_a_file_too(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
