@@ -273,8 +273,7 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     app.include_router(token_routes(core))  # vLLM's /tokenize, /detokenize (and under /v1/)
     # the web view /ui, /v1/session/{id}/graph, /v1/sessions: every session opens with the admin key, else with the
     # API key where there is one (with several, each client's key opens only the sessions whose tokens it gives)
-    app.include_router(ui_routes(core, api_key=core.config.admin_key or (api_keys[0] if len(api_keys) == 1 else None),
-                                 several_keys=len(api_keys) > 1))
+    app.include_router(ui_routes(core, api_key=core.config.admin_key or (api_keys[0] if len(api_keys) == 1 else None)))
 
     app.add_middleware(_Guard, api_keys=api_keys, engine_key=core.config.engine_key, admin_key=core.config.admin_key)
     if core.config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
@@ -315,11 +314,10 @@ def create_app(core: ParrotServeCore, manage_core: bool = True) -> FastAPI:
     def session_of(session_id: str, authorization: str | None, session_token: str | None = None,
                    client: int | None = None) -> Session:
         """The session, if the request carries its token (X-Session-Token, else the Authorization bearer token
-        unless that is an API key) and, with API keys, the key that opened it."""
+        unless the guard took it for an API key: `client`) and, with API keys, the key that opened it."""
         token = session_token
-        if token is None:
-            bearer = _token(authorization)
-            token = None if key_index(bearer, api_keys) is not None else bearer
+        if token is None and client is None:
+            token = _token(authorization)
         return core.get_session(session_id, token, owner=client)
 
     # ---- sessions -----------------------------------------------------------------------------

@@ -44,10 +44,9 @@ def _is_admin(token: str | None, api_key: str | None) -> bool:
     return bool(token and api_key and hmac.compare_digest(token.encode(), api_key.encode()))
 
 
-def ui_routes(core: ParrotServeCore, api_key: str | None = None, several_keys: bool = False) -> APIRouter:
+def ui_routes(core: ParrotServeCore, api_key: str | None = None) -> APIRouter:
     """Routes of the web view. `api_key`: the key that opens every session (`ServeConfig.admin_key`, else its
-    API key); None: each session only with its own token, and no list of sessions (`several_keys`: the server
-    has several API keys and no admin key, which the list then asks for)."""
+    one API key); None: each session only with its own token, and no list of sessions."""
     router = APIRouter()
 
     def viewed_session(session_id: str, authorization: str | None, session_token: str | None,
@@ -69,12 +68,9 @@ def ui_routes(core: ParrotServeCore, api_key: str | None = None, several_keys: b
 
     @router.get("/v1/sessions")
     async def sessions(authorization: Auth = None) -> dict:
-        if api_key is None and several_keys:
-            raise NotFoundError("listing every session needs an admin key where clients have several API keys "
-                                "(parrot serve --admin-key, or PARROT_ADMIN_KEY)")
         if api_key is None:
-            raise NotFoundError("listing every session needs the server to have an API key "
-                                "(parrot serve --api-key, or PARROT_API_KEY)")
+            raise NotFoundError("listing every session needs the server's admin key (parrot serve --admin-key, or "
+                                "PARROT_ADMIN_KEY), or its one API key (several API keys are several clients)")
         token = _bearer(authorization)
         if token is None:
             raise AuthError("missing API key: send 'Authorization: Bearer <api key>'")
