@@ -35,7 +35,8 @@
 # `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
 # figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
-# Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere). Stage time limits
+# Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere), in one results.tar.gz where a
+# stage writes more than the 8 files the tool brings back. Stage time limits
 # (seconds): BENCH_TIMEOUT (300; each engine_serving run at most SERVING_TIMEOUT, 300, of it), TESTS_TIMEOUT (240),
 # TEST_TIMEOUT (600) for one test where pytest-timeout is installed, FLAGS_TIMEOUT (240). The tests run with
 # TEST_XLA_FLAGS (default --xla_gpu_autotune_level=0: no autotuning of products; empty: none).
@@ -178,6 +179,17 @@ tests() {
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT/tests-full.log" | tail -40 | tee -a "$OUT/tests.log"
 }
 
+pack() {
+  # the device tool brings back at most 8 files from $OUT: past that, every file goes into one archive
+  # (results.tar.gz) instead, so the figures of a `bench` stage (14 files) all come back
+  local files
+  files=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+  if [ "$files" -gt 8 ]; then
+    tar -czf /tmp/parrot-gpu-results.tar.gz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+      && mv /tmp/parrot-gpu-results.tar.gz "$OUT/results.tar.gz" && echo "$files files packed into results.tar.gz"
+  fi
+}
+
 stage=${1:-all}
 shift || true
 setup > "$OUT/setup.log" 2>&1; cat "$OUT/setup.log"
@@ -189,3 +201,5 @@ case $stage in
   all) info; bench; tests "$@" ;;
   *) echo "unknown stage $stage (setup, bench, tests, flags, all)"; exit 2 ;;
 esac
+pack
+
