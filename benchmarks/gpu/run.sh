@@ -140,9 +140,10 @@ xla_flags() {
 }
 
 # the device's tests first (what changed since the last GPU run near the front), the host-only ones last;
-# the native CPU kernels' own tests are left out (they need no GPU)
-GPU_TESTS=(tests/engine/test_engine_model.py tests/engine/test_sampling.py tests/engine/test_engine.py
-  tests/engine/test_batching_bound.py tests/engine/test_kv_fp8.py tests/engine/test_speculative.py
+# then the rest of the suite (the benchmarks' and the top-level tests, the native CPU kernels' own tests, which
+# skip on a GPU's backend), so that the list is the whole suite
+GPU_TESTS=(tests/engine/test_kv_fp8.py tests/engine/test_engine_model.py tests/engine/test_sampling.py tests/engine/test_engine.py
+  tests/engine/test_batching_bound.py tests/engine/test_speculative.py
   tests/engine/test_runner_blocks.py tests/engine/test_scheduler.py tests/engine/test_shapes.py tests/engine/test_layer_loop.py
   tests/engine/test_reference.py tests/engine/test_precision.py tests/engine/test_batch.py tests/engine/test_runner.py
   tests/engine/test_attention.py tests/engine/test_gpu_attention.py tests/engine/test_device.py
@@ -150,7 +151,9 @@ GPU_TESTS=(tests/engine/test_engine_model.py tests/engine/test_sampling.py tests
   tests/engine/test_kv_cache.py tests/engine/test_warmup.py tests/engine/test_compiler.py
   tests/engine/test_compile_cache.py tests/engine/test_step_trace.py tests/engine/test_http_api.py
   tests/engine/test_loader.py tests/engine/test_tensor_parallel.py tests/engine/test_tokenizer.py
-  tests/serve tests/frontend tests/integration)
+  tests/serve tests/frontend tests/integration
+  tests/bench tests/benchmarks tests/test_*.py
+  tests/engine/test_quant.py tests/engine/test_kernels.py tests/engine/test_avx2_build.py tests/engine/test_huge_pages.py)
 
 tests() {
   # every test's outcome goes to tests-full.log as it ends, so a run stopped at its time limit still says
