@@ -4,13 +4,12 @@
 #
 #   bash benchmarks/gpu/run.sh setup      install .gpu/whl into ~/site; keep the model parts this call
 #                                         carried (in ~/.parrot-gpu); put the GGUF together once all are there
-#   bash benchmarks/gpu/run.sh bench      engine_micro's decode attention (1.7B: gathered against fused);
-#                                         engine_serving (SmolLM2-1.7B shape, the engine's defaults, on the
-#                                         fused lowering where it won, and in turns the prefill settings of the
-#                                         runs before 2026-11-28); engine_micro's 8B shape (one and four
-#                                         layers a call, and loops of four steps a call); then the
-#                                         `flags` stage as far as its time goes; random weights (--load-format
-#                                         dummy)
+#   bash benchmarks/gpu/run.sh bench      engine_micro on the SmolLM2-1.7B shape (4 layers a call and the
+#                                         whole model in one, each also in loops of four steps; batches 1,
+#                                         16, 64); engine_serving on that shape, one step a call against loops
+#                                         of four steps at every batch, in turns; engine_micro's 8B shape
+#                                         (batches 1 and 64, loops of four steps too); then the `flags` stage
+#                                         as far as its time goes; random weights (--load-format dummy)
 #   bash benchmarks/gpu/run.sh tests [PYTEST ARGS]   the test suite on the GPU (default: GPU_TESTS below, the
 #                                         device's tests first), 8 processes, a file's tests in one process,
 #                                         each process limited to 8% of the GPU's memory
@@ -26,13 +25,13 @@
 # .gpu/model/part-00, .gpu/model/SHA256SUMS]; `setup` [.gpu/model/part-01, .gpu/model/part-03]; `all`
 # [.gpu/model/part-02].
 # The parts are kept only while the machine stays warm (30 s after a call), and each fresh start costs a
-# minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27): two calls back to back, each
-# carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=220 bash benchmarks/gpu/run.sh bench`
-# (timeout_s 510; expected: the 1.7B micro-benchmark ~60 s, engine_serving ~200 s with its precompile of 150
-# shapes of 4-layer blocks, 24 of them loops (119 one-layer shapes took 106 s on 2026-11-27), the 8B
-# micro-benchmark ~120 s; the `flags` settings, ~50 s each, in what is left: the first two compare the loops
-# with the sampler's parts named and branching), then at once
-# `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests`. The tests that read the default model skip; everything else, the
+# minute or more of the lease. With a lease of 15 minutes (as on 2026-11-27 and 2026-11-30): two calls back to
+# back, each carrying [.gpu/whl] alone: `BENCH_TIMEOUT=480 SERVING_TIMEOUT=320 bash benchmarks/gpu/run.sh bench`
+# (timeout_s 510; on 2026-11-30 the machine's start and this stage took 500 s of the lease: the 1.7B
+# micro-benchmark ~60 s, engine_serving ~220 s with its precompile of 150 shapes in 164 s, the 8B one ~120 s;
+# the 1.7B micro-benchmark now compiles twice the shapes, and engine_serving's loops at every batch more
+# loop shapes: the 8B micro-benchmark and the `flags` settings, ~50 s each, run in what is left), then at once
+# `TESTS_TIMEOUT=<what is left, less 60> bash benchmarks/gpu/run.sh tests` (2026-11-30: 1,195 tests in 212 s). The tests that read the default model skip; everything else, the
 # figures included, runs on random weights (with a byte-level tokenizer where the default model is absent).
 # Every stage runs `setup` first (quietly), so the wheels and parts of any call are kept.
 # Results go to $OUT (the device tool's folder; /tmp/parrot-gpu-out elsewhere), in one results.tar.gz where a
@@ -83,34 +82,27 @@ info() {
 }
 
 bench() {
-  # in order of what #11 needs: decode attention of the 1.7B shape (MHA: XLA's gathered lowering against the
-  # fused one, which copies no pages; 4 layers a call, the accelerator default, so that the pipelined step is
-  # the device's); engine_serving with the engine's defaults (the concurrency-16 target), on the fused
-  # lowering where it was 3% faster at batch 16, beside the prefill settings of the runs before 2026-11-28
-  # (512-token prompt steps, 256 between bursts); the 8B shape one and four layers a call, and in loops of
-  # four steps (the batch-1 target); then XLA's settings for that step (the `flags` stage) in the time left
+  # in order of what #11 still asks: whether the 1.7B shape's batch-16 step is the host's or the device's
+  # (on 2026-11-30 one step a call took 3.45 ms pipelined at batch 16, 4.15 ms at batch 1, where a loop of
+  # four steps took 1.89 ms a step at batch 1): engine_micro with 4 layers a call (the accelerator default)
+  # and the whole model in one call, each also in loops of four steps, at batches 1, 16 and 64; then
+  # engine_serving with one step a call against loops of four steps at every batch (the engine's default runs
+  # loops up to 4 sequences), in turns; then the 8B shape's batch-1 step (4 layers a call, loops of four);
+  # then XLA's settings for that step (the `flags` stage) in the time left
   local t=${BENCH_TIMEOUT:-300}
   local end=$((SECONDS + t))
   local serving=$(( ${SERVING_TIMEOUT:-300} < t ? ${SERVING_TIMEOUT:-300} : t ))
   timeout $((t / 4)) $PY -m benchmarks.engine_micro --model "$MHA_MODEL" \
-    --load-format dummy --batches 1 16 64 --decode-attention xla fused --layers-per-call 4 \
+    --load-format dummy --batches 1 16 64 --layers-per-call 4 0 --loop-steps 4 \
     --out "$OUT/engine_micro-1.7b.json" 2>&1 \
-    | grep -E "decode batch|prefill|floors" | tee "$OUT/engine_micro-1.7b.log"
-  local attention
-  attention=$($PY - "$OUT/engine_micro-1.7b.json" <<'PYEOF' 2>/dev/null || echo auto
-import json, sys
-d = json.load(open(sys.argv[1]))["by_config"]
-ms = {k: d[f"weights_auto_attention_{k}"]["decode"]["batch_16"]["pipelined_ms_per_step"] for k in ("xla", "fused")}
-print("fused" if ms["fused"] < 0.97 * ms["xla"] else "auto")
-PYEOF
-)
-  echo "engine_serving decode attention: $attention" | tee -a "$OUT/engine_serving-default.log"
+    | grep -E "decode batch|prefill|floors|compile" | tee "$OUT/engine_micro-1.7b.log"
   serving=$(( serving < end - SECONDS ? serving : end - SECONDS ))
   timeout "$serving" $PY -m benchmarks.engine_serving --model "$MHA_MODEL" --load-format dummy --kv-memory-mb 8192 \
-    --decode-attention "$attention" --compare-prefill 2 --out "$OUT/engine_serving-1.7b-default.json" 2>&1 \
-    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee -a "$OUT/engine_serving-default.log"
+    --multi-step 4 --multi-step-max-batch 64 --compare-multi-step 1 4 --rounds 2 \
+    --out "$OUT/engine_serving-1.7b-multi-step.json" 2>&1 \
+    | stdbuf -oL tr '\r' '\n' | grep --line-buffered -v '^precompiling: .*shape' | tee -a "$OUT/engine_serving-multi-step.log"
   [ $((end - SECONDS)) -gt 60 ] && timeout $((end - SECONDS)) $PY -m benchmarks.engine_micro --model "$GQA_MODEL" \
-    --load-format dummy --batches 1 64 --layers-per-call 1 4 --loop-steps 4 \
+    --load-format dummy --batches 1 64 --layers-per-call 4 --loop-steps 4 \
     --out "$OUT/engine_micro-8b.json" 2>&1 | tee "$OUT/engine_micro.log"
   # then XLA's settings for the 8B batch-1 step, as far as the stage's time goes (`xla_flags`)
   [ $((end - SECONDS)) -ge 100 ] && FLAGS_TIMEOUT=$((end - SECONDS)) xla_flags
