@@ -835,7 +835,7 @@ class ParrotServeCore:
                            chain=chain, priority=self._priority(criterion),
                            app_started=started if self.scheduler.app_aware else None)
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
-                              session.executor.group(chain), payload=rec, salt=session.salt)
+                              session.executor.group(chain), payload=rec, salt=session.salt, client=session.owner)
         self._chain_tasks[chain.id] = task
         self.scheduler.submit(task)
 
@@ -1300,7 +1300,8 @@ class ParrotServeCore:
                                  f"{self.config.max_queued_completions}): retry later", self.config.retry_after_s)
         per_key = self.config.max_queued_completions_per_key
         if client is not None and per_key is not None:
-            own = sum(1 for task in self.scheduler.queue if task.client == client)
+            own = sum(1 for task in self.scheduler.queue  # its completions (its sessions' chains carry it too)
+                      if task.client == client and isinstance(task.payload, _PlainRecord))
             if own >= per_key:
                 raise RateLimitError(f"{own} completions of this API key are waiting for an engine (limit {per_key} "
                                      "a key): retry later", self.config.retry_after_s)

@@ -9,13 +9,15 @@ will create, so tasks sharing a prefix land together and fill it once; among equ
 An engine's capacity depends on what it runs: latency-critical tasks are admitted while fewer than
 `latency_cap` of them run there, whatever throughput work it holds (a chat never waits for a batch
 job to finish); throughput tasks fill it to its batch size, but only up to `latency_cap` tasks in all
-while it has latency-critical work (short steps for that work).
+while it has latency-critical work (short steps for that work). With the tasks of several API keys
+waiting, the keys take turns after the latency-critical work: a fair share of the engines (`_fair`).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,6 +77,9 @@ class GlobalScheduler:
         self.queue: list[CompletionTask] = []
         self.running: dict[str, CompletionTask] = {}  # task id -> task (dispatched, not finished)
         self.requeued = 0  # tasks re-dispatched after their engine died
+        # API key -> tasks dispatched since it last had none queued or running, from the level of the others
+        # when it came (`_fair`)
+        self._service: Counter[int | None] = Counter()
 
     def submit(self, task: CompletionTask) -> None:
         self.queue.append(task)
@@ -137,6 +142,7 @@ class GlobalScheduler:
                 continue  # no engine has room now; it waits for the next round
             task.engine = best.name
             self.running[task.task_id] = task
+            self._service[task.client] += 1
             placed.append(task)
             if self.cache_aware:
                 for b in task.boundaries:
@@ -144,10 +150,15 @@ class GlobalScheduler:
                 planned_blocks.update((best.name, task.salt, k, hashes[k]) for k in range(1, len(hashes)))
         placed_ids = {t.task_id for t in placed}
         self.queue = [t for t in self.queue if t.task_id not in placed_ids]
+        if self._service:  # forget the keys with nothing waiting or running (`_fair`)
+            active = {t.client for t in self.queue} | {t.client for t in self.running.values()}
+            for client in [c for c in self._service if c not in active]:
+                del self._service[client]
         return placed
 
     def _ordered(self) -> list[CompletionTask]:
-        """Queue order with task groups kept together (a group sorts by its most urgent member)."""
+        """Queue order with task groups kept together (a group sorts by its most urgent member); with the
+        tasks of several API keys waiting, their turns interleaved (`_fair`)."""
         if not self.app_aware:
             return sorted(self.queue, key=lambda t: t.arrival)
         ordered = sorted(self.queue, key=CompletionTask.sort_key)
@@ -155,8 +166,41 @@ class GlobalScheduler:
         for t in ordered:
             if t.group is not None:
                 groups.setdefault(t.group, t.sort_key())
-        return sorted(ordered, key=lambda t: (groups[t.group] if t.group is not None else t.sort_key(),
-                                              t.group or "", t.sort_key()))
+        ordered.sort(key=lambda t: (groups[t.group] if t.group is not None else t.sort_key(), t.group or "",
+                                    t.sort_key()))
+        if len({t.client for t in ordered}) > 1:
+            return self._fair(ordered)
+        return ordered
+
+    def _fair(self, ordered: list[CompletionTask]) -> list[CompletionTask]:
+        """A fair share of the engines between API keys: latency-critical work still first, then the keys
+        take turns. A task's turn is how many tasks of its key run or come before it in `ordered` (each key's
+        own order kept), so a key that floods the queue or already runs many tasks waits for the others'
+        turns, and a key with one request waiting is served next. A task group takes the turn of its first
+        member and stays together; its size counts towards its key's later turns. Between equal turns, the
+        key with fewer tasks dispatched goes first (round robin as slots free one at a time), counted since it
+        last had nothing waiting or running."""
+        running = Counter(t.client for t in self.running.values())
+        # a key that comes (back) starts one dispatch behind the least served of the others: it goes next, then
+        # takes turns with them (no credit kept for the time it had nothing waiting)
+        active = set(running) | {t.client for t in ordered}
+        level = min((n - 1 for c, n in self._service.items() if c in active), default=0)
+        for client in active - set(self._service):
+            self._service[client] = level
+        turns = running.copy()
+        group_key: dict[str, tuple[bool, int, int]] = {}
+        keyed: list[tuple[bool, int, int, int, CompletionTask]] = []
+        for i, t in enumerate(ordered):
+            if t.group is None or t.group not in group_key:
+                key = (t.criterion != "latency", turns[t.client], self._service[t.client])
+                if t.group is not None:
+                    group_key[t.group] = key
+            else:
+                key = group_key[t.group]
+            turns[t.client] += 1
+            keyed.append((*key, i, t))
+        keyed.sort(key=lambda k: k[:4])
+        return [k[4] for k in keyed]
 
     def shared_boundaries(self, task: CompletionTask) -> set[int]:
         """The boundaries of `task` worth keeping as contexts of their own: the deepest one up to which another

@@ -719,6 +719,41 @@ def test_a_running_native_calls_output_keeps_its_producer() -> None:
     assert asyncio.run(run()) == "HELLO"
 
 
+def test_api_keys_take_turns_at_a_full_engine() -> None:
+    """One key's backlog of completions does not hold back another key's work: with the engine taking one at a
+    time, key 1's session call (its chain carries the session's owner) runs next, before key 0's completions
+    still waiting."""
+    from parrot.protocol import SamplingParams
+    from parrot.serve.core import CompletionResult
+
+    async def run() -> tuple[list[str], int]:
+        engine = ScriptedEngine([], max_batch_size=1)
+        async with started_core(engine) as core:
+            sp = SamplingParams(max_tokens=2)
+            queues = [core.complete([f"a{i}"], sp, client=0) for i in range(6)]
+            names = {core._completions[q].session_id: "key 0" for q in queues}
+            s = core.create_session(owner=1)
+            names[s.session_id] = "key 1"
+            out = core.semantic_call(s, SemanticCallRequest(session_id=s.session_id, template="Go {{a}}",
+                                                            parameters=[SemanticCallParameter(name="a",
+                                                                                              is_output=True)]))
+            # the read makes the call wanted (latency-critical, as completions are); its chain is queued
+            reader = asyncio.ensure_future(core.get_var(s, out.param_info[0].var_id, "latency", 10))
+            while not any(t.client == 1 for t in core.scheduler.queue):
+                await asyncio.sleep(0)
+            ordered = [t.client for t in core.scheduler._ordered()]
+            waiting = ordered.count(0)
+            assert ordered == [1] + [0] * waiting and waiting > 0
+            for q in queues:
+                while not isinstance(await asyncio.wait_for(q.get(), 10), CompletionResult):
+                    pass
+            assert await reader == "AB"
+            return [names[cid.rsplit("-", 1)[0]] for cid in engine.generated], waiting
+
+    order, waiting = asyncio.run(run())
+    assert order[-waiting - 1:] == ["key 1"] + ["key 0"] * waiting
+
+
 def test_each_api_keys_waiting_completions_are_bounded() -> None:
     """max_queued_completions_per_key: a key with that many completions waiting for an engine gets a 429 for the
     next; another key, and requests without one, still queue theirs. Sessions per key likewise

@@ -235,3 +235,95 @@ def test_engine_reported_waiting_does_not_hold_tasks_back() -> None:
     for t in late:
         s.submit(t)
     assert s.schedule() == late[:1]  # one place left of 4, whatever the engine last reported
+
+
+def drain(s: GlobalScheduler) -> list[CompletionTask]:
+    """Every queued task in dispatch order, one engine slot at a time."""
+    order: list[CompletionTask] = []
+    while s.queue:
+        placed = s.schedule()
+        order += placed
+        for t in placed:
+            s.finished(t)
+    return order
+
+
+def test_api_keys_take_turns() -> None:
+    """A key that floods the queue does not hold back another key's request: the keys alternate, each
+    key's own tasks keep their order."""
+    s = make([EngineView("e", max_batch=1)])
+    flood = [task([i], client=0) for i in range(6)]
+    late = [task([100 + i], client=1) for i in range(2)]
+    for t in [*flood, *late]:
+        s.submit(t)
+    assert drain(s) == [flood[0], late[0], flood[1], late[1], *flood[2:]]
+
+
+def test_a_key_running_many_tasks_waits_for_the_others() -> None:
+    s = make([EngineView("e", max_batch=4)])
+    busy = [task([i], client=0) for i in range(4)]
+    for t in busy:
+        s.submit(t)
+    assert s.schedule() == busy  # the engine is full with key 0's work
+    more = [task([10 + i], client=0) for i in range(2)]
+    other = [task([20 + i], client=1) for i in range(2)]
+    for t in [*more, *other]:
+        s.submit(t)
+    for t in busy[:2]:
+        s.finished(t)
+    assert s.schedule() == other  # two slots free: key 1 runs nothing yet, so both are its
+    assert s.queue == more
+
+
+def test_latency_work_first_whatever_the_key() -> None:
+    s = make([EngineView("e", max_batch=1)])
+    batch = [task([i], client=0) for i in range(3)]
+    chat = task([50], client=0, criterion="latency")
+    other = task([60], client=1)
+    for t in [*batch, other, chat]:
+        s.submit(t)
+    # then key 1's turn: key 0 had the chat
+    assert drain(s) == [chat, other, *batch]
+
+
+def test_a_task_group_stays_together_and_counts_its_size() -> None:
+    s = make([EngineView("e", max_batch=4)])
+    group = [task([i], client=0, group="map") for i in range(3)]
+    after = task([9], client=0)
+    other = [task([20 + i], client=1) for i in range(3)]
+    for t in [*group, after, *other]:
+        s.submit(t)
+    first = s.schedule()
+    assert first == [*group, other[0]]  # the group takes key 0's first turn, whole
+    for t in first:
+        s.finished(t)
+    # key 0 had three tasks dispatched, key 1 one: key 1's next goes first
+    assert s.schedule() == [other[1], after, other[2]]
+
+
+def test_a_key_that_comes_late_gets_no_credit_for_its_absence() -> None:
+    """Turns count from the level of the keys already served: a key that comes after another was served
+    alone for a while goes next, then alternates with it; it does not take every slot to catch up."""
+    s = make([EngineView("e", max_batch=1)])
+    early = [task([i], client=0) for i in range(4)]
+    for t in early[:2]:
+        s.submit(t)
+    assert drain(s) == early[:2]
+    for t in early[2:]:
+        s.submit(t)
+    late = [task([10 + i], client=1) for i in range(2)]
+    for t in late:
+        s.submit(t)
+    assert drain(s) == [late[0], early[2], late[1], early[3]]
+
+
+def test_one_key_keeps_the_app_order() -> None:
+    """With one key (or none) the order is the app-aware one: the turns only interleave several keys."""
+    for client in (None, 3):
+        s = make([EngineView("e", max_batch=1)])
+        a = task([1], client=client)
+        b = task([2], criterion="latency", client=client)
+        c = task([3], depth=2, client=client)
+        for t in (a, b, c):
+            s.submit(t)
+        assert drain(s) == [b, c, a]
