@@ -24,7 +24,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
   parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts (with several
-  API keys also parrot:api_key_sessions and parrot:api_key_requests_waiting, labelled by the key's place)
+  API keys also parrot:api_key_sessions, parrot:api_key_requests_waiting and parrot:api_key_requests_running,
+  labelled by the key's place)
   parrot:aborted_requests_total          generations cancelled because their clients went away (a
                                          disconnected OpenAI stream or variable stream), queued or running
   parrot:engine_aborts_total{engine}     primitives each engine aborted (its RuntimeInfo)
@@ -167,7 +168,8 @@ class _CoreCollector(Collector):
 
 def _key_metrics(core: ParrotServeCore) -> Iterator[Metric]:
     """Per API key where the server has several (each a client, named by its place in the list, never by its
-    text): its open sessions and its completions waiting for an engine."""
+    text): its open sessions, its completion tasks waiting for an engine and those running on one (the turns the
+    scheduler gives the keys, `GlobalScheduler._fair`)."""
     keys = len(core.config.api_keys)
     if keys < 2:
         return
@@ -175,18 +177,23 @@ def _key_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                  labels=["key"])
     waiting = GaugeMetricFamily("parrot:api_key_requests_waiting", "Completion tasks of the API key (its place in "
                                 "the list) queued in the scheduler.", labels=["key"])
-    held, queued = [0] * keys, [0] * keys
+    running = GaugeMetricFamily("parrot:api_key_requests_running", "Completion tasks of the API key (its place in "
+                                "the list) dispatched to an engine and not finished.", labels=["key"])
+    held, queued, dispatched = [0] * keys, [0] * keys, [0] * keys
     for session in core.sessions.values():
         if session.owner is not None:
             held[session.owner] += 1
-    for task in core.scheduler.queue:
-        if task.client is not None:
-            queued[task.client] += 1
+    for tasks, counts in ((core.scheduler.queue, queued), (core.scheduler.running.values(), dispatched)):
+        for task in tasks:
+            if task.client is not None:
+                counts[task.client] += 1
     for i in range(keys):
         sessions.add_metric([str(i)], held[i])
         waiting.add_metric([str(i)], queued[i])
+        running.add_metric([str(i)], dispatched[i])
     yield sessions
     yield waiting
+    yield running
 
 
 def _warmup_metrics(core: ParrotServeCore) -> Iterator[Metric]:

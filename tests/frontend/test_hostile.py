@@ -343,6 +343,7 @@ def test_several_api_keys_are_several_clients(engine: LLMEngine) -> None:
         assert re.search(r'parrot:api_key_sessions\{[^}]*key="0"[^}]*\} 2\.0', metrics), metrics
         assert re.search(r'parrot:api_key_sessions\{[^}]*key="1"[^}]*\} 1\.0', metrics)
         assert re.search(r'parrot:api_key_requests_waiting\{[^}]*key="1"[^}]*\} 0\.0', metrics)
+        assert re.search(r'parrot:api_key_requests_running\{[^}]*key="0"[^}]*\} 0\.0', metrics)
         assert "key-a" not in metrics
 
 
