@@ -1086,16 +1086,29 @@ inline void page_update(const float* qs, int group, int64_t D, const float* kp, 
     for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, dot8(qh, kp + t * D, D));
     for (; t < cnt; ++t) s[h][t] = dot(qh, kp + t * D, D);
     float mx = st.m[h];
-    for (t = 0; t < cnt; ++t) mx = std::max(mx, s[h][t]);
-    const float corr = std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
+    t = 0;
+    if (cnt >= 8) {
+      __m256 m8 = _mm256_load_ps(s[h]);
+      for (t = 8; t + 8 <= cnt; t += 8) m8 = _mm256_max_ps(m8, _mm256_load_ps(s[h] + t));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      mx = std::max(mx, _mm_cvtss_f32(m4));
+    }
+    for (; t < cnt; ++t) mx = std::max(mx, s[h][t]);
+    const float corr = mx == st.m[h] ? 1.f : std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
     st.m[h] = mx;
     // probabilities of this page, eight at a time
     t = 0;
     const __m256 vmx = _mm256_set1_ps(mx);
-    for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx)));
-    for (; t < cnt; ++t) s[h][t] = std::exp(s[h][t] - mx);
-    float sum = 0.f;
-    for (t = 0; t < cnt; ++t) sum += s[h][t];
+    __m256 sum8 = _mm256_setzero_ps();
+    for (; t + 8 <= cnt; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx));
+      _mm256_store_ps(s[h] + t, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    for (; t < cnt; ++t) sum += (s[h][t] = std::exp(s[h][t] - mx));
     st.l[h] = st.l[h] * corr + sum;
     float* a = acc + h * D;
     if (D % 64 == 0) {
