@@ -363,6 +363,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
                            else os.environ.get("PARROT_ADMIN_KEY"),
                            max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
                            max_queued_completions_per_key=args.max_queued_completions_per_key,
+                           fair_share=not args.no_fair_share,
                            max_vars_per_session=args.max_vars_per_session,
                            max_pending_calls_per_session=args.max_pending_calls,
                            max_variable_memory_mb=args.max_variable_memory_mb,
@@ -772,6 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queued-completions-per-key", type=POSITIVE, default=None,
                    help="OpenAI API completions of one API key that may wait for an engine at once (429 beyond; "
                         "default: no limit a key, 4096 in all)")
+    v.add_argument("--no-fair-share", action="store_true",
+                   help="with several API keys, dispatch every key's requests in one queue order (default: the keys "
+                        "take turns at the engines, latency-critical work first)")
     v.add_argument("--max-vars-per-session", type=POSITIVE, default=d.max_vars_per_session,
                    help="semantic variables per session (429 beyond)")
     v.add_argument("--max-pending-calls", type=POSITIVE, default=d.max_pending_calls_per_session,

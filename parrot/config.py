@@ -235,6 +235,7 @@ class ServeConfig:
     max_requests_kept: int = 1024  # per session: summaries of the latest calls (inspection)
     max_queued_completions: int = 4096  # a plain (OpenAI API) completion is refused while this many tasks wait
     max_queued_completions_per_key: int | None = None  # ... or while this many of its API key's wait (None: no limit)
+    fair_share: bool = True  # several API keys' tasks waiting: the keys take turns (GlobalScheduler._fair)
     retry_after_s: int = 1  # the Retry-After of a 429
     allowed_origins: tuple[str, ...] = ()  # web pages of these origins may call the API from a browser (CORS; "*": any)
     # required as `Authorization: Bearer <key>` on every route but /health, /metrics; several keys separated by commas

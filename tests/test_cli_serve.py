@@ -93,6 +93,8 @@ def test_serve_passes_engine_settings_and_api_key(monkeypatch: pytest.MonkeyPatc
     assert config.api_key == "k3y" and config.max_sessions == 5 and config.seed == 7  # the core seeds sampled calls
     monkeypatch.setenv("PARROT_API_KEY", "from-env")
     assert cli.serve_config_from_args(cli.build_parser().parse_args(["serve"])).api_key == "from-env"
+    assert config.fair_share
+    assert not cli.serve_config_from_args(cli.build_parser().parse_args(["serve", "--no-fair-share"])).fair_share
 
 
 def test_a_port_in_use_or_a_foreign_host_fails_before_the_model_loads(monkeypatch: pytest.MonkeyPatch,

@@ -320,7 +320,8 @@ class ParrotServeCore:
         self.contexts = ContextManager(pin_hits=cfg.pin_hits, block=cfg.prefix_block_tokens)
         self.prefix_sharing = cfg.prefix_sharing
         self.scheduler = GlobalScheduler(self.contexts, self._engine_views, latency_cap=cfg.latency_cap,
-                                         app_aware=cfg.app_aware, cache_aware=cfg.prefix_sharing)
+                                         app_aware=cfg.app_aware, cache_aware=cfg.prefix_sharing,
+                                         fair=cfg.fair_share)
         self.prefix_matchers: dict[str | None, PrefixMatcher] = {}  # one a cache salt (None: unsalted sessions)
         self.sessions: dict[str, Session] = {}
         # prefixes being filled: (engine, tokens) -> (context, fill future) on ordered engines (the context is

@@ -65,10 +65,13 @@ class EngineView:
 
 class GlobalScheduler:
     def __init__(self, contexts: ContextManager, engines: Callable[[], Sequence[EngineView]],
-                 latency_cap: int = 16, app_aware: bool = True, cache_aware: bool | None = None) -> None:
+                 latency_cap: int = 16, app_aware: bool = True, cache_aware: bool | None = None,
+                 fair: bool = True) -> None:
         """`app_aware=False` is the plain-serving baseline: first come first served, no task groups, no
         latency caps. `cache_aware` (default: `app_aware`): place a task where its longest prefix is
-        cached; otherwise by load only."""
+        cached; otherwise by load only. `fair`: several API keys' tasks waiting take turns (`_fair`);
+        False: one queue order whatever the key."""
+        self.fair = fair
         self.app_aware = app_aware
         self.cache_aware = app_aware if cache_aware is None else cache_aware
         self.contexts = contexts
@@ -168,7 +171,7 @@ class GlobalScheduler:
                 groups.setdefault(t.group, t.sort_key())
         ordered.sort(key=lambda t: (groups[t.group] if t.group is not None else t.sort_key(), t.group or "",
                                     t.sort_key()))
-        if len({t.client for t in ordered}) > 1:
+        if self.fair and len({t.client for t in ordered}) > 1:
             return self._fair(ordered)
         return ordered
 

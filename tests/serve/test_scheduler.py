@@ -327,3 +327,12 @@ def test_one_key_keeps_the_app_order() -> None:
         for t in (a, b, c):
             s.submit(t)
         assert drain(s) == [b, c, a]
+
+
+def test_without_fair_share_the_keys_share_one_queue_order() -> None:
+    s = GlobalScheduler(ContextManager(), lambda: [EngineView("e", max_batch=1)], fair=False)
+    flood = [task([i], client=0) for i in range(3)]
+    late = task([9], client=1)
+    for t in [*flood, late]:
+        s.submit(t)
+    assert drain(s) == [*flood, late]
