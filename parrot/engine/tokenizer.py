@@ -48,6 +48,7 @@ class Tokenizer:
         stops = {eos_token_id} if eos_token_id is not None else set()
         self.stop_token_ids: frozenset[int] = frozenset(stops | set(extra_stop_ids))
         self._template: jinja2.Template | None = None
+        self._texts: dict[int, str] = {}  # decode_one's: each id's text alone, as decode gives it
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -133,6 +134,14 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int) -> str:
+        """`decode([token_id])`, kept once decoded (the incremental detokenizer asks for the last token's text
+        alone at every token)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.decode([token_id])
+        return text
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             **template_kwargs: object) -> str:
@@ -278,14 +287,20 @@ class IncrementalDetokenizer:
 
     def _decoded(self) -> tuple[str, str]:
         """(text of the ids already reflected since `_prefix`, text of every id since `_prefix`)."""
-        return (self.tokenizer.decode(self.ids[self._prefix : self._read]),
-                self.tokenizer.decode(self.ids[self._prefix :]))
+        ids, start, read = self.ids, self._prefix, self._read
+        before = (self.tokenizer.decode_one(ids[start]) if read - start == 1
+                  else self.tokenizer.decode(ids[start:read]) if read > start else "")
+        return before, self.tokenizer.decode(ids[start:])
 
     def _take(self, piece: str) -> tuple[str, bool]:
         """`piece`, the text of the ids not yet reflected, joins the text; returns what `add` does."""
         old_len = len(self.text)
         self.text += piece
         self._prefix, self._read = self._read, len(self.ids)
+        if not self.matchers:  # nothing held back
+            delta = self.text[self.emitted :]
+            self.emitted = len(self.text)
+            return delta, False
         # a stop string may straddle deltas (each matcher carries what of it ended the text); earliest wins
         counts = len(self.ids) > self.min_tokens
         hits = [(old_len + end - len(m.stop), m.stop) for m in self.matchers
