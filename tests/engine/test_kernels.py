@@ -103,6 +103,34 @@ def test_shared_prefix_read_once_is_bit_identical_to_own_pages(dtype: str) -> No
     assert np.abs(cascade[:10]).max() > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_long_sequences_are_the_same_bits_alone_in_a_batch_and_forked(dtype: str) -> None:
+    """Sequences of 321-1,000 tokens (21-63 pages): the gather path's result to float32 rounding, and the same
+    bits alone, in a batch and reading a shared prefix of 20 pages (320 tokens) once for all."""
+    rng = np.random.default_rng(9)
+    kc, vc = _cache(rng, 256, dtype)
+    prefix = list(range(1, 21))
+    lens = [321, 512, 513, 700, 336, 1000]  # past the prefix: 1-680 tokens of their own
+    owned = iter(range(30, 256))
+    pages = [prefix + [next(owned) for _ in range(-(-n // PS) - len(prefix))] for n in lens]
+    q = jnp.asarray(rng.standard_normal((8, HKV * G, D)).astype(np.float32))
+
+    def step(rows: list[int], shared: bool) -> np.ndarray:
+        seqs = [SequenceSlice([5], lens[i] - 1, pages[i], shared_pages=len(prefix) if shared else 0) for i in rows]
+        batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=64,
+                                           prefix_pages=32 if shared else 0))
+        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (8 - len(rows)))], kc, vc, batch, D**-0.5))
+
+    rows = list(range(len(lens)))
+    together, forked = step(rows, False), step(rows, True)
+    np.testing.assert_array_equal(forked[: len(rows)], together[: len(rows)])
+    for i in rows:
+        np.testing.assert_array_equal(step([i], False)[0], together[i])
+    seqs = [SequenceSlice([5], n - 1, p) for n, p in zip(lens, pages, strict=True)]
+    batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=64))
+    np.testing.assert_allclose(together, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=2e-6)
+
+
 DECODE_BF16 = kernels.available() and kernels.decode_bf16()
 
 
