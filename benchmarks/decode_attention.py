@@ -3,10 +3,12 @@ of the engine reads them, timed without the products around it.
 
     python -m benchmarks.decode_attention --batches 1 16 64 --context 512
     python -m benchmarks.decode_attention --other-build before=/path/to/an/older/checkout   # builds in turns
+    python -m benchmarks.decode_attention --placement random runs   # pages scattered against pages in runs
 
 The caches are a pool per layer ([kv heads, pages, page size, head size], bfloat16 bits by default, as the
-engine's bfloat16 mode holds them) with random values, and each sequence's pages lie at random places in it, so
-the pages come from memory as in a long-running server (not the one zero page an unwritten pool maps). The
+engine's bfloat16 mode holds them) with random values, and each sequence's pages lie at random places in it (as
+they did in a long-running server before `page_pool` kept them in runs; `--placement runs`: one after another),
+so the pages come from memory (not the one zero page an unwritten pool maps). The
 shape is SmolLM2-135M's by default (30 layers, 9 query heads over 3 KV heads of 64). Each build (this checkout's
 and every `--other-build`, a checkout or a library, `kernels.use_build`) runs the same step in turns; medians.
 Prints the floors measured in the same run and the bytes a step reads per second; writes JSON
@@ -43,7 +45,7 @@ def _caches(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> jax
 
 
 def step_fn(batch: int, context: int, layers: int, heads: int, kv_heads: int, head_dim: int, page: int,
-            dtype: str, seed: int = 0):  # noqa: ANN201 - a jitted function, its operands, the block tables
+            dtype: str, seed: int = 0, placement: str = "random"):  # noqa: ANN201 - a jitted function, its operands, the block tables
     """One step's attention: `layers` calls of `paged_decode`, each on its own layer's pool, summed (so that
     none is left out). Returns the jitted function, its operands and the sequences' block tables."""
     rng = np.random.default_rng(seed)
@@ -52,7 +54,11 @@ def step_fn(batch: int, context: int, layers: int, heads: int, kv_heads: int, he
     shape = (kv_heads, pool, page, head_dim)
     ks = [_caches(rng, dtype, shape) for _ in range(layers)]
     vs = [_caches(rng, dtype, shape) for _ in range(layers)]
-    tables = jnp.asarray(rng.permutation(pool)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32))
+    if placement == "runs":  # each sequence's pages one after another, the sequences in a random order
+        order = rng.permutation(batch)
+        tables = jnp.asarray((order[:, None] * per_seq + np.arange(per_seq)).astype(np.int32))
+    else:
+        tables = jnp.asarray(rng.permutation(pool)[: batch * per_seq].reshape(batch, per_seq).astype(np.int32))
     q = jnp.asarray(rng.standard_normal((batch, heads, head_dim)).astype(np.float32))
     zeros = jnp.zeros((batch,), jnp.int32)
     lens = jnp.full((batch,), context, jnp.int32)
@@ -82,6 +88,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--other-build", action="append", default=[], metavar="LABEL=PATH",
                     help="another build of the kernels (a checkout, its cpu_kernels.cc, or a library), in turns")
+    ap.add_argument("--placement", nargs="+", choices=["random", "runs"], default=["random"],
+                    help="where each sequence's pages lie in the pool: at random places (default), or one after "
+                         "another (`runs`); several: each in turns")
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     args = ap.parse_args()
     if not kernels.available():
@@ -95,15 +104,17 @@ def main() -> None:
     width = CACHE_DTYPES[args.cache][1]
     for b in args.batches:
         fns = {}
-        for label, lib in builds.items():
+        for build, lib in builds.items():
             kernels.use_build(lib)
-            step, operands, _ = step_fn(b, args.context, args.layers, args.heads, args.kv_heads, args.head_dim,
-                                     args.page_size, args.cache)
-            step(*operands).block_until_ready()  # compiled with this build's targets
+            for placement in args.placement:
+                label = build if len(args.placement) == 1 else f"{build} {placement}"
+                step, operands, _ = step_fn(b, args.context, args.layers, args.heads, args.kv_heads, args.head_dim,
+                                            args.page_size, args.cache, placement=placement)
+                step(*operands).block_until_ready()  # compiled with this build's targets
 
-            def run(step=step, operands=operands) -> None:  # noqa: ANN001
-                step(*operands).block_until_ready()
-            fns[label] = run
+                def run(step=step, operands=operands) -> None:  # noqa: ANN001
+                    step(*operands).block_until_ready()
+                fns[label] = run
         kernels.use_build(None)
         times = _time_interleaved(fns, args.repeats)
         read = b * args.context * args.layers * args.kv_heads * args.head_dim * 2 * width
@@ -115,8 +126,9 @@ def main() -> None:
             print(f"[{label}] batch {b}, context {args.context}: {s * 1e3:.2f} ms a step ({args.layers} layers), "
                   f"{read / 1e6:.0f} MB read: {gbs:.1f} GB/s ({gbs / floor['memory_read_gbs']:.2f}x the read floor)",
                   flush=True)
+        first = next(iter(times))
         for label in list(times)[1:]:
-            print(f"batch {b}: {label} / this time {times[label] / times['this']:.3f}x", flush=True)
+            print(f"batch {b}: {label} / {first} time {times[label] / times[first]:.3f}x", flush=True)
         result["by_batch"][str(b)] = row
     write_json(result, args.out)
 

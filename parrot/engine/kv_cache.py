@@ -36,15 +36,19 @@ There is no separate reserve/commit step; if the forward step fails, roll back w
 `truncate(context_id, old_num_tokens)`. Every call that needs pages either succeeds or raises
 `OutOfPages` leaving the manager exactly as it was.
 
-Every call costs O(pages touched) (plus O(children) for `free`); the free list is a LIFO stack so
-recently freed pages are reused first, and `truncate` after `extend` restores it exactly.
+Every call costs O(pages touched) (plus O(children) for `free`, and a scan of the free pages where a
+context starts a new run of pages); the free pages are a `page_pool.PagePool`, which hands a growing context
+the page after its last one where it can, so that its pages lie in runs. `truncate` after `extend` gives back
+exactly the pages the extend took.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from parrot.engine.page_pool import PagePool
 from parrot.errors import KVCacheFullError, NotFoundError, ParrotError
 
 SCRATCH_PAGE = 0
@@ -95,8 +99,7 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self._refcount: list[int] = [0] * num_pages
-        # LIFO stack, popped from the end: page 1 is handed out first
-        self._free: list[int] = list(range(num_pages - 1, SCRATCH_PAGE, -1))
+        self._free = PagePool(num_pages, SCRATCH_PAGE + 1, runs=os.environ.get("PARROT_PAGE_RUNS", "1") != "0")
         self._contexts: dict[str, Context] = {}
         self._num_cached_tokens = 0
 
@@ -112,8 +115,8 @@ class KVCacheManager:
 
     @property
     def free_pages(self) -> list[int]:
-        """A snapshot of the free list (O(free pages); use `num_free_pages` for the count)."""
-        return list(self._free)
+        """The free pages, in order (O(pages); use `num_free_pages` for the count)."""
+        return self._free.pages()
 
     @property
     def num_used_pages(self) -> int:
@@ -214,8 +217,10 @@ class KVCacheManager:
         if n_tokens and ctx.num_tokens % self.page_size:
             # the tokens go into the last page first: it must be ours alone (fork copies partial pages)
             assert self._refcount[ctx.pages[-1]] == 1, f"context {context_id!r} would write a shared page"
-        for _ in range(need):
-            ctx.pages.append(self._alloc())
+        if need:
+            for p in self._free.take(need, ctx.pages[-1] if ctx.pages else None):
+                self._refcount[p] = 1
+                ctx.pages.append(p)
         ctx.num_tokens += n_tokens
         self._num_cached_tokens += n_tokens
         return list(ctx.pages)
@@ -257,18 +262,18 @@ class KVCacheManager:
         if context_id in self._contexts:
             raise ValueError(f"context {context_id!r} already exists")
 
-    def _alloc(self) -> int:
-        page = self._free.pop()
+    def _alloc(self, after: int | None = None) -> int:
+        page = self._free.take(1, after)[0]
         self._refcount[page] = 1
         return page
 
     def _release(self, pages: list[int]) -> int:
-        # last page first, so that undoing an `extend` restores the free list exactly
+        # last page first: undoing an `extend` gives its pages back in the order a stack of them needs
         freed = 0
         for p in reversed(pages):
             self._refcount[p] -= 1
             if self._refcount[p] == 0:
-                self._free.append(p)
+                self._free.give(p)
                 freed += 1
         return freed
 

@@ -20,13 +20,16 @@ def _floats(cache: np.ndarray) -> np.ndarray:
     return (cache.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "f32"])
-def test_the_step_is_attention_over_each_layers_pages(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "placement"), [("bf16", "random"), ("f32", "random"), ("bf16", "runs")])
+def test_the_step_is_attention_over_each_layers_pages(dtype: str, placement: str) -> None:
     # 40 tokens: two whole pages of 16 and a part of the third (the kernel's tail loops)
     batch, context, layers, heads, kv_heads, d, page = 3, 40, 2, 4, 2, 64, 16
-    step, (q, ks, vs), tables = decode_attention.step_fn(batch, context, layers, heads, kv_heads, d, page, dtype)
+    step, (q, ks, vs), tables = decode_attention.step_fn(batch, context, layers, heads, kv_heads, d, page, dtype,
+                                                         placement=placement)
     got = np.asarray(step(q, ks, vs))
     tables = np.asarray(tables)
+    if placement == "runs":  # each sequence's pages one after another
+        assert np.all(np.diff(tables, axis=1) == 1)
     qn = np.asarray(q)
     want = np.zeros_like(qn)
     for k, v in zip(ks, vs, strict=True):

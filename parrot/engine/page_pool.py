@@ -1,0 +1,92 @@
+"""The free pages of the paged KV pool, handed out so that each context's pages lie one after another.
+
+Decode attention reads a sequence's pages in order. Pages at scattered places cost a CPU a page walk and a
+restart of its prefetchers every page (a page of one KV head is 2 KiB for SmolLM2): over pages in runs the
+native kernel was 1.25x faster at 1 and 16 sequences and 1.44x at 64 than over pages at random places
+(docs/benchmarks.md). A stack of free pages hands them out in the order they were freed, so sequences that
+grow a page at a time side by side interleave their pages, and after some requests come and go every
+sequence's pages are scattered.
+
+The pool keeps a bitmap of the free pages instead:
+- a context that grows takes the page after its last one where that page is free (`take(n, after)`);
+- otherwise, and for a new context, its pages start a new run in the largest gap of free pages: in the
+  middle of it, so that the run before the gap can still grow into its first half (at the gap's start where
+  no page precedes it); a run that needs more pages than the largest gap holds fills it and goes on in the
+  next largest.
+
+Which pages a context gets never changes what is computed: attention reads pages through the context's page
+table. `take` and `give` cost O(1) while contexts grow in place; a new run scans the bitmap (O(pages),
+vectorized).
+
+`runs=False` (`PARROT_PAGE_RUNS=0`, for comparisons: `benchmarks/page_runs.py`) hands pages out as a stack
+does instead, the most recently freed first, as before runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PagePool:
+    """Free pages `first .. num_pages - 1` (pages before `first` are never handed out); `runs` is fixed at
+    construction."""
+
+    def __init__(self, num_pages: int, first: int = 1, runs: bool = True) -> None:
+        self.first = first
+        self._free = np.zeros(max(num_pages, first), bool)
+        self._free[first:] = True
+        self._count = max(num_pages - first, 0)
+        self.runs = runs
+        self._stack: list[int] = [] if runs else list(range(num_pages - 1, first - 1, -1))  # popped from the end
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, page: object) -> bool:
+        return isinstance(page, int | np.integer) and 0 <= page < len(self._free) and bool(self._free[page])
+
+    def pages(self) -> list[int]:
+        """The free pages, in order (O(pages))."""
+        return np.flatnonzero(self._free).tolist()
+
+    def take(self, n: int, after: int | None = None) -> list[int]:
+        """`n` free pages, now in use: the pages after `after` while they are free, then the rest as a new
+        run (see the module's text). Raises ValueError where fewer than `n` are free (nothing taken)."""
+        if n > self._count:
+            raise ValueError(f"{n} pages asked for, {self._count} free")
+        out: list[int] = []
+        free = self._free
+        if not self.runs:
+            out = [self._stack.pop() for _ in range(n)]
+            free[out] = False
+            self._count -= n
+            return out
+        while len(out) < n and after is not None and after + 1 < len(free) and free[after + 1]:
+            after += 1
+            free[after] = False
+            out.append(after)
+        while len(out) < n:
+            start, length = self._largest_gap()
+            k = min(n - len(out), length)
+            at = start if start == self.first or k == length else start + (length - k) // 2
+            free[at : at + k] = False
+            out.extend(range(at, at + k))
+        self._count -= n
+        return out
+
+    def give(self, page: int) -> None:
+        """A page back to the pool."""
+        if self._free[page] or page < self.first:
+            raise ValueError(f"page {page} is free already, or not the pool's")
+        self._free[page] = True
+        self._count += 1
+        if not self.runs:
+            self._stack.append(page)
+
+    def _largest_gap(self) -> tuple[int, int]:
+        """(first page, length) of the longest run of free pages (the first of equal ones)."""
+        edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
+        starts = np.flatnonzero(edges == 1)
+        lengths = np.flatnonzero(edges == -1) - starts
+        i = int(np.argmax(lengths))
+        return int(starts[i]), int(lengths[i])

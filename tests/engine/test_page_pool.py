@@ -1,0 +1,90 @@
+"""The KV pool's free pages: contexts that grow side by side keep their pages in runs, a new run starts in the
+middle of the largest gap, and every page is accounted for."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parrot.engine.page_pool import PagePool
+
+
+def test_contexts_growing_side_by_side_keep_their_pages_in_runs() -> None:
+    pool = PagePool(65)
+    a = pool.take(2)  # the first run: at the pool's start (no run before it to grow into the gap)
+    b = pool.take(2)  # the next: in the middle of the gap after a's run
+    assert a == [1, 2] and b == [33, 34]
+    for _ in range(5):  # a page each, in turns, as decodes do
+        a += pool.take(1, a[-1])
+        b += pool.take(1, b[-1])
+    assert a == list(range(1, 8)) and b == list(range(33, 40))
+    assert len(pool) == 64 - 14
+
+
+def test_a_stack_interleaves_them() -> None:
+    """`runs=False`, pages as a stack hands them out (before runs): the two contexts' pages alternate."""
+    pool = PagePool(65, runs=False)
+    a, b = pool.take(1), pool.take(1)
+    for _ in range(3):
+        a += pool.take(1, a[-1])
+        b += pool.take(1, b[-1])
+    assert a == [1, 3, 5, 7] and b == [2, 4, 6, 8]
+
+
+def test_a_run_blocked_goes_on_in_the_largest_gap() -> None:
+    pool = PagePool(21)  # pages 1..20
+    a = pool.take(3)  # 1-3
+    b = pool.take(2)  # the middle of 4..20: 11, 12
+    assert b == [11, 12]
+    grown = pool.take(9, a[-1])  # 4..10 in place, then the largest gap (13..20): its middle
+    assert grown[:7] == list(range(4, 11))
+    assert grown[7:] == [16, 17]
+
+
+def test_more_pages_than_the_largest_gap_fill_it_then_the_next() -> None:
+    pool = PagePool(11)  # pages 1..10
+    held = [pool.take(1, None) for _ in range(3)]  # 1, then the middles of the gaps after it
+    assert held == [[1], [6], [3]]
+    rest = pool.take(7)
+    assert sorted(rest) == [2, 4, 5, 7, 8, 9, 10] and len(pool) == 0
+    assert rest[:4] == [7, 8, 9, 10]  # the largest gap first, whole
+    with pytest.raises(ValueError, match="1 pages asked for, 0 free"):
+        pool.take(1)
+
+
+def test_give_and_errors() -> None:
+    pool = PagePool(5)
+    pages = pool.take(4)
+    for p in pages:
+        pool.give(p)
+    assert pool.pages() == [1, 2, 3, 4] and len(pool) == 4
+    with pytest.raises(ValueError, match="free already"):
+        pool.give(1)
+    with pytest.raises(ValueError, match="not the pool's"):
+        pool.give(0)
+    assert 0 not in pool and 1 in pool
+
+
+@pytest.mark.parametrize("runs", [True, False])
+def test_random_takes_and_gives_account_for_every_page(runs: bool) -> None:
+    rng = np.random.default_rng(3)
+    pool = PagePool(200, runs=runs)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.4 or len(pool) == 0):
+            run = held.pop(int(rng.integers(len(held))))
+            for p in run:
+                pool.give(p)
+        else:
+            n = int(rng.integers(1, min(12, len(pool)) + 1))
+            grow = held and rng.random() < 0.5
+            after = held[-1][-1] if grow else None
+            got = pool.take(n, after)
+            if grow:
+                held[-1] += got
+            else:
+                held.append(got)
+        taken = [p for run in held for p in run]
+        assert len(taken) == len(set(taken)) and 0 not in taken
+        assert sorted(taken + pool.pages()) == list(range(1, 200))
+        assert len(pool) == len(pool.pages())
