@@ -15,8 +15,8 @@ The pool keeps a bitmap of the free pages instead:
   next largest.
 
 Which pages a context gets never changes what is computed: attention reads pages through the context's page
-table. `take` and `give` cost O(1) while contexts grow in place; a new run scans the bitmap (O(pages),
-vectorized).
+table. `take` and `give` cost O(1) while contexts grow in place; a new run scans the bitmap once (O(pages),
+vectorized), however many gaps it fills.
 
 `runs=False` (`PARROT_PAGE_RUNS=0`, for comparisons: `benchmarks/page_runs.py`) hands pages out as a stack
 does instead, the most recently freed first, as before runs.
@@ -33,7 +33,8 @@ class PagePool:
 
     def __init__(self, num_pages: int, first: int = 1, runs: bool = True) -> None:
         self.first = first
-        self._free = np.zeros(max(num_pages, first), bool)
+        self._padded = np.zeros(max(num_pages, first) + 2, bool)  # a used page on either side: runs end inside
+        self._free = self._padded[1:-1]  # (a view) free[p]: page p is free
         self._free[first:] = True
         self._count = max(num_pages - first, 0)
         self.runs = runs
@@ -65,12 +66,23 @@ class PagePool:
             after += 1
             free[after] = False
             out.append(after)
-        while len(out) < n:
-            start, length = self._largest_gap()
-            k = min(n - len(out), length)
-            at = start if start == self.first or k == length else start + (length - k) // 2
-            free[at : at + k] = False
-            out.extend(range(at, at + k))
+        need = n - len(out)
+        if need:  # the gaps from the largest down (the first of equal ones first), found in one scan
+            starts, lengths = self._gaps()
+            order = np.argsort(-lengths, kind="stable")
+            starts, lengths = starts[order], lengths[order]
+            whole = int(np.searchsorted(np.cumsum(lengths), need, side="right"))  # gaps taken whole
+            if whole:
+                ends = np.cumsum(lengths[:whole])
+                pages = np.repeat(starts[:whole] - (ends - lengths[:whole]), lengths[:whole]) + np.arange(ends[-1])
+                free[pages] = False
+                out += pages.tolist()
+                need -= int(ends[-1])
+            if need:  # the rest: in the middle of the next gap (at its start where no page precedes it)
+                start, length = int(starts[whole]), int(lengths[whole])
+                at = start if start == self.first else start + (length - need) // 2
+                free[at : at + need] = False
+                out.extend(range(at, at + need))
         self._count -= n
         return out
 
@@ -83,10 +95,8 @@ class PagePool:
         if not self.runs:
             self._stack.append(page)
 
-    def _largest_gap(self) -> tuple[int, int]:
-        """(first page, length) of the longest run of free pages (the first of equal ones)."""
-        edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
-        starts = np.flatnonzero(edges == 1)
-        lengths = np.flatnonzero(edges == -1) - starts
-        i = int(np.argmax(lengths))
-        return int(starts[i]), int(lengths[i])
+    def _gaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """The runs of free pages: their first pages and lengths, in page order."""
+        padded = self._padded
+        edges = np.flatnonzero(padded[1:] != padded[:-1])  # where a run starts, then where it ends, in turns
+        return edges[0::2], edges[1::2] - edges[0::2]
