@@ -9,9 +9,12 @@ sequence's pages are scattered.
 
 The pool keeps a bitmap of the free pages instead:
 - a context that grows takes the page after its last one where that page is free (`take(n, after)`);
-- otherwise, and for a new context, its pages start a new run in the largest gap of free pages: in the
-  middle of it, so that the run before the gap can still grow into its first half (at the gap's start where
-  no page precedes it); a run that needs more pages than the largest gap holds fills it and goes on in the
+- otherwise, and for a new context, its pages start a new run: in the first gap of free pages (in page order)
+  with `room` pages to spare on either side, `room` pages after the gap's start (at the start where no page
+  precedes it), so that the run before the gap can still grow by `room` pages and runs stay packed at the
+  pool's low end (a CPU's pool is resident only where written: in transparent huge pages, 2 MiB at a time);
+- where no gap has that room, in the middle of the largest gap, so that the run before it can still grow
+  into its first half; a run that needs more pages than the largest gap holds fills it and goes on in the
   next largest.
 
 Which pages a context gets never changes what is computed: attention reads pages through the context's page
@@ -26,13 +29,16 @@ from __future__ import annotations
 
 import numpy as np
 
+ROOM_PAGES = 64  # pages a run may grow by before the next new run (1,024 tokens of 16-token pages)
+
 
 class PagePool:
     """Free pages `first .. num_pages - 1` (pages before `first` are never handed out); `runs` is fixed at
     construction."""
 
-    def __init__(self, num_pages: int, first: int = 1, runs: bool = True) -> None:
+    def __init__(self, num_pages: int, first: int = 1, runs: bool = True, room: int = ROOM_PAGES) -> None:
         self.first = first
+        self.room = room
         self._padded = np.zeros(max(num_pages, first) + 2, bool)  # a used page on either side: runs end inside
         self._free = self._padded[1:-1]  # (a view) free[p]: page p is free
         self._free[first:] = True
@@ -67,8 +73,16 @@ class PagePool:
             free[after] = False
             out.append(after)
         need = n - len(out)
-        if need:  # the gaps from the largest down (the first of equal ones first), found in one scan
+        if need:
             starts, lengths = self._gaps()
+            roomy = np.flatnonzero(lengths >= need + 2 * self.room)
+            if len(roomy):  # the first gap with room on either side
+                start = int(starts[roomy[0]])
+                at = start if start == self.first else start + self.room
+                free[at : at + need] = False
+                out.extend(range(at, at + need))
+                need = 0
+        if need:  # the gaps from the largest down (the first of equal ones first)
             order = np.argsort(-lengths, kind="stable")
             starts, lengths = starts[order], lengths[order]
             whole = int(np.searchsorted(np.cumsum(lengths), need, side="right"))  # gaps taken whole

@@ -1,5 +1,5 @@
 """The KV pool's free pages: contexts that grow side by side keep their pages in runs, a new run starts in the
-middle of the largest gap, and every page is accounted for."""
+first gap with room to spare (else in the middle of the largest gap), and every page is accounted for."""
 
 from __future__ import annotations
 
@@ -7,6 +7,19 @@ import numpy as np
 import pytest
 
 from parrot.engine.page_pool import PagePool
+
+
+def test_new_runs_are_packed_low_with_room_to_grow() -> None:
+    pool = PagePool(1001, room=8)
+    a = pool.take(3)  # at the pool's start: no run before it
+    b = pool.take(2)  # the first gap with room on either side, 8 pages after its start
+    c = pool.take(4)
+    assert a == [1, 2, 3] and b == [12, 13] and c == [22, 23, 24, 25]
+    a += pool.take(10, a[-1])  # 4..11 in place, then a new run: the first gap with room (after c's)
+    assert a[3:11] == list(range(4, 12)) and a[11:] == [34, 35]
+    for p in b:
+        pool.give(p)  # 4..33 less a's 4..11: the gap 12..21 is too small for room on either side
+    assert pool.take(1) == [44]
 
 
 def test_contexts_growing_side_by_side_keep_their_pages_in_runs() -> None:
