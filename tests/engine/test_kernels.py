@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="native CPU kern
 PS, HKV, G, D = 16, 3, 3, 64
 
 
-def _xla_attention(q, kc, vc, batch):  # noqa: ANN001, ANN202
+def _xla_attention(q, kc, vc, batch, scale: float = D**-0.5):  # noqa: ANN001, ANN202
     kernels_on = kernels._state["ok"]
     kernels._state["ok"] = False  # the gather path, as on a machine without the kernels
     try:
-        return np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
+        return np.asarray(paged_attention(q, kc, vc, batch, scale))
     finally:
         kernels._state["ok"] = kernels_on
 
@@ -62,6 +62,34 @@ def test_decode_in_place_equals_gather_path(dtype: str) -> None:
     native = np.asarray(paged_attention(q, kc, vc, batch, D**-0.5))
     np.testing.assert_allclose(native, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=1e-6)
     assert np.all(native[len(seqs):] == 0)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(2, 1, 64), (1, 2, 128), (1, 4, 64), (1, 7, 48),
+                                                           (2, 5, 32), (1, 3, 40)])
+def test_decode_of_other_head_shapes_equals_gather_path(kv_heads: int, group: int, head_dim: int) -> None:
+    """bfloat16 pages with other GQA groups and head sizes (decode_pairs.h takes groups of up to three heads
+    and whole groups of 16 dimensions; 40 takes the widening code): the gather path's values, and each
+    sequence's bits the same alone as in the batch."""
+    rng = np.random.default_rng(11)
+    shape = (kv_heads, 64, PS, head_dim)
+    kc, vc = (jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), jnp.uint16)
+              for _ in range(2))
+    lens = [37, 64, 1, 100, 17, 200]
+    pages = iter(range(1, 64))
+    seqs = [SequenceSlice([1], n - 1, [next(pages) for _ in range(-(-n // PS))]) for n in lens]
+    q = jnp.asarray(rng.standard_normal((8, kv_heads * group, head_dim)).astype(np.float32))
+
+    def step(rows: list[int]) -> np.ndarray:
+        batch = jax.device_put(build_batch([seqs[i] for i in rows], PS, num_tokens=8, batch_size=8, q_len=1,
+                                           num_pages=16))
+        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (8 - len(rows)))], kc, vc, batch,
+                                          head_dim**-0.5)), batch
+
+    rows = list(range(len(lens)))
+    together, batch = step(rows)
+    np.testing.assert_allclose(together, _xla_attention(q, kc, vc, batch, head_dim**-0.5), rtol=1e-5, atol=2e-6)
+    for i in (0, 2, 5):
+        np.testing.assert_array_equal(step([i])[0][0], together[i])
 
 
 def test_decode_with_shared_prefix_equals_gather_path() -> None:

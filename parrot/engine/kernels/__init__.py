@@ -60,7 +60,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("aligned.h", "vnni_matmul.h", "amx_matmul.h", "amx_bf16.h",
                                                      "avx512_bf16.h", "decode_bf16.h", "prefill_attention.h",
                                                      "sampler.h", "logprobs.h", "team.h", "tiled_rows.h",
-                                                     "avx2_int8.h"))
+                                                     "avx2_int8.h", "decode_pairs.h"))
 FILL_PATHS = (None, "amx-bf16", "avx512-bf16")  # parrot_bf16_enable's answers 0, 1, 2
 MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's codes 0, 1, 2
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")

@@ -1158,9 +1158,38 @@ inline void page_update(const float* qs, int group, int64_t D, const float* kp, 
 // Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is read;
 // each page is widened to float32 once for every head that reads it. Each member's arithmetic is the
 // same whatever the other members are.
+#include "decode_pairs.h"
+
+// Whether decode attention reads bfloat16 pages as pairs (decode_pairs.h): builds without AVX-512 (which
+// widen pages to 16 lanes), bfloat16 keys and values, whole groups of 16 dimensions and of 4 rows a page.
+// The queries then come in pair order and the outputs go out in it.
+template <typename KT, typename VT>
+constexpr bool kPairPages = std::is_same_v<KT, uint16_t> && std::is_same_v<VT, uint16_t>;
+template <typename KT, typename VT>
+inline bool uses_pairs(int64_t D, int64_t page_size) {
+#ifdef __AVX512F__
+  (void)D, (void)page_size;
+  return false;
+#else
+  return kPairPages<KT, VT> && pairs_fit(D) && page_size % 4 == 0;
+#endif
+}
+
 template <typename KT, typename VT>
 void attend_pages(const float* const* qs, int members, int group, int64_t D, const KT* kbase, const VT* vbase,
                   const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
+  if constexpr (kPairPages<KT, VT>) {
+    if (uses_pairs<KT, VT>(D, page_size)) {
+      for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KT* kp, const VT* vp, int64_t cnt, Fetch& ahead) {
+        ahead.piece();
+        ahead.piece();
+        for (int j = 0; j < members; ++j) pair_page_update(qs[j], group, D, kp, vp, cnt, *st[j], acc[j]);
+        ahead.piece();
+        ahead.piece();
+      });
+      return;
+    }
+  }
   alignas(32) float kbuf[64 * 256], vbuf[64 * 256];  // one page (page_size <= 64, D <= 256)
   for_each_page(kbase, vbase, pages, n, page_size, D, [&](const KT* kpage, const VT* vpage, int64_t cnt,
                                                           Fetch& ahead) {
@@ -1331,6 +1360,15 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KT* kc, const VT
   qbuf.resize(B * H * D);
   float* qs = qbuf.data();
   for (int64_t i = 0; i < B * H * D; ++i) qs[i] = qp[i] * scale;
+  const bool pairs = uses_pairs<KT, VT>(D, S);  // queries in pair order, outputs put back in order
+  if (pairs) {
+    alignas(32) float row[256];
+    for (int64_t r = 0; r < B * H; ++r) {
+      float* x = qs + r * D;
+      for (int64_t i = 0; i < D; ++i) row[i] = x[pair_dim(i)];
+      std::copy(row, row + D, x);
+    }
+  }
   // bf16: the scaled queries rounded to bfloat16, as pairs (this thread's buffer: helpers read it through
   // `qp2`, as they read `qs`, until every chunk is done)
   thread_local aligned::vector<uint32_t> qpairs;
@@ -1396,6 +1434,11 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KT* kc, const VT
     for (int h = 0; h < group; ++h) {
       const float inv = st->l[h] > 0.f ? 1.f / st->l[h] : 0.f;
       float* a = acc + h * D;
+      if (pairs) {
+        for (int64_t i = 0; i < D; ++i) ordered[pair_dim(i)] = a[i];
+        for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
+        continue;
+      }
       if (!bf16) {
         for (int64_t i = 0; i < D; ++i) a[i] *= inv;
         continue;
