@@ -69,7 +69,7 @@ def test_decode_in_place_equals_gather_path(dtype: str) -> None:
 def test_decode_of_other_head_shapes_equals_gather_path(kv_heads: int, group: int, head_dim: int) -> None:
     """bfloat16 pages with other GQA groups and head sizes (decode_pairs.h takes groups of up to three heads
     and whole groups of 16 dimensions; 40 takes the widening code): the gather path's values, and each
-    sequence's bits the same alone as in the batch."""
+    sequence's bits the same alone (in a batch of one or of eight) as in the batch."""
     rng = np.random.default_rng(11)
     shape = (kv_heads, 64, PS, head_dim)
     kc, vc = (jax.lax.bitcast_convert_type(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16), jnp.uint16)
@@ -79,16 +79,17 @@ def test_decode_of_other_head_shapes_equals_gather_path(kv_heads: int, group: in
     seqs = [SequenceSlice([1], n - 1, [next(pages) for _ in range(-(-n // PS))]) for n in lens]
     q = jnp.asarray(rng.standard_normal((8, kv_heads * group, head_dim)).astype(np.float32))
 
-    def step(rows: list[int]) -> np.ndarray:
-        batch = jax.device_put(build_batch([seqs[i] for i in rows], PS, num_tokens=8, batch_size=8, q_len=1,
+    def step(rows: list[int], size: int = 8) -> np.ndarray:
+        batch = jax.device_put(build_batch([seqs[i] for i in rows], PS, num_tokens=size, batch_size=size, q_len=1,
                                            num_pages=16))
-        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (8 - len(rows)))], kc, vc, batch,
+        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (size - len(rows)))], kc, vc, batch,
                                           head_dim**-0.5)), batch
 
     rows = list(range(len(lens)))
     together, batch = step(rows)
     np.testing.assert_allclose(together, _xla_attention(q, kc, vc, batch, head_dim**-0.5), rtol=1e-5, atol=2e-6)
-    for i in (0, 2, 5):
+    for i in (0, 2, 5):  # alone, in a batch of one and in one of eight
+        np.testing.assert_array_equal(step([i], 1)[0][0], together[i])
         np.testing.assert_array_equal(step([i])[0][0], together[i])
 
 
@@ -143,17 +144,20 @@ def test_long_sequences_are_the_same_bits_alone_in_a_batch_and_forked(dtype: str
     pages = [prefix + [next(owned) for _ in range(-(-n // PS) - len(prefix))] for n in lens]
     q = jnp.asarray(rng.standard_normal((8, HKV * G, D)).astype(np.float32))
 
-    def step(rows: list[int], shared: bool) -> np.ndarray:
+    def step(rows: list[int], shared: bool, size: int = 8) -> np.ndarray:
         seqs = [SequenceSlice([5], lens[i] - 1, pages[i], shared_pages=len(prefix) if shared else 0) for i in rows]
-        batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=64,
+        batch = jax.device_put(build_batch(seqs, PS, num_tokens=size, batch_size=size, q_len=1, num_pages=64,
                                            prefix_pages=32 if shared else 0))
-        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (8 - len(rows)))], kc, vc, batch, D**-0.5))
+        return np.asarray(paged_attention(q[jnp.asarray(rows + [0] * (size - len(rows)))], kc, vc, batch, D**-0.5))
 
     rows = list(range(len(lens)))
     together, forked = step(rows, False), step(rows, True)
     np.testing.assert_array_equal(forked[: len(rows)], together[: len(rows)])
     for i in rows:
         np.testing.assert_array_equal(step([i], False)[0], together[i])
+    for i in (1, 5):  # in a batch of one, and forked there
+        np.testing.assert_array_equal(step([i], False, 1)[0], together[i])
+        np.testing.assert_array_equal(step([i], True, 1)[0], together[i])
     seqs = [SequenceSlice([5], n - 1, p) for n, p in zip(lens, pages, strict=True)]
     batch = jax.device_put(build_batch(seqs, PS, num_tokens=8, batch_size=8, q_len=1, num_pages=64))
     np.testing.assert_allclose(together, _xla_attention(q, kc, vc, batch), rtol=1e-5, atol=2e-6)
