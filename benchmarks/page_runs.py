@@ -1,6 +1,7 @@
 """A sequence's KV pages in runs (`parrot.engine.page_pool`, the default) against pages handed out as a stack
 (`PARROT_PAGE_RUNS=0`, before runs), in one process, in turns: decode steps of a batch of long sequences while
-requests come and go, and how many of the sequences' page pairs lie one after the other.
+requests come and go, how many of the sequences' page pairs lie one after the other, and how many pages were
+ever written against the most in use at once (a CPU's pool is resident where it was ever written).
 
     python -m benchmarks.page_runs [--model smollm2] [--batch 16] [--prompt-len 400] [--tokens 128] [--rounds 4]
 
@@ -61,6 +62,7 @@ def run(model: str, batch: int, prompt_len: int, tokens: int, rounds: int, kv_me
                     "floors": floors.measure(), "batch": batch, "prompt_len": prompt_len, "tokens": tokens,
                     "rounds": [], "kv_memory_mb": kv_memory_mb}
     live: dict[str, list[str]] = {name: [] for name in engines}
+    peak = dict.fromkeys(engines, 0)  # the most pages the sequences held at once (at the end of a round's decode)
     made = 0
     try:
         for r in range(rounds + 1):  # round 0 compiles and warms: not reported
@@ -79,8 +81,10 @@ def run(model: str, batch: int, prompt_len: int, tokens: int, rounds: int, kv_me
                     max_tokens=tokens, ignore_eos=True))) for c in live[name]]
                 outs = [f.result().token_ids for f in futs]
                 dt = time.perf_counter() - t0
+                peak[name] = max(peak[name], sum(len(eng.kv.get(c).pages) for c in live[name]))
                 row[name] = {"tok_s": batch * tokens / dt, "step_ms": float(np.median(eng._step_ms)),
-                             "consecutive": _consecutive(eng, live[name]), "tokens": outs}
+                             "consecutive": _consecutive(eng, live[name]), "tokens": outs,
+                             "written_pages": eng.kv.num_written_pages, "peak_pages": peak[name]}
                 for c in live[name][::2]:  # half go; the next round's prompts take their pages
                     eng.free_future(c).result()
                 live[name] = live[name][1::2]
@@ -103,12 +107,16 @@ def report(r: dict) -> str:
     lines = [f"{r['machine']} ({r['backend']}), {r['model']}; floors: read {f['memory_read_gbs']:.1f} GB/s, fp32 GEMM "
              f"{f['gemm_fp32_gflops']:.0f} GFLOP/s; {r['batch']} sequences of {r['prompt_len']} prompt tokens, "
              f"{r['tokens']} decoded",
-             "round | runs tok/s, step ms, consecutive pages | stack tok/s, step ms, consecutive pages | runs / stack"
-             " | same tokens"]
+             "round | runs tok/s, step ms, consecutive pages, pages ever written / most in use | stack (the same) "
+             "| runs / stack | same tokens"]
+
+    def cols(a: dict) -> str:
+        return (f"{a['tok_s']:.1f}, {a['step_ms']:.1f}, {a['consecutive']:.2f}, "
+                f"{a['written_pages'] / max(a['peak_pages'], 1):.2f}x")
+
     for i, row in enumerate(r["rounds"], 1):
-        a, b = row["runs"], row["stack"]
-        lines.append(f"{i:>5} | {a['tok_s']:.1f}, {a['step_ms']:.1f}, {a['consecutive']:.2f} | {b['tok_s']:.1f}, "
-                     f"{b['step_ms']:.1f}, {b['consecutive']:.2f} | {row['speedup']:.3f}x | {row['same_tokens']}")
+        lines.append(f"{i:>5} | {cols(row['runs'])} | {cols(row['stack'])} | {row['speedup']:.3f}x | "
+                     f"{row['same_tokens']}")
     if r["median_speedup"] is not None:
         lines.append(f"median runs / stack: {r['median_speedup']:.3f}x")
     return "\n".join(lines)

@@ -123,6 +123,11 @@ class KVCacheManager:
         return self.total_pages - len(self._free)
 
     @property
+    def num_written_pages(self) -> int:
+        """Pages ever handed out: on a CPU, where the lazily zeroed pool is resident."""
+        return self._free.ever_taken
+
+    @property
     def num_cached_tokens(self) -> int:
         """Sum of `num_tokens` over all contexts (a shared token counts once per context)."""
         return self._num_cached_tokens
