@@ -14,7 +14,7 @@ The pool keeps a bitmap of the free pages instead:
   precedes it), so that the run before the gap can still grow by `room` pages and runs stay packed at the
   pool's low end. A CPU's pool is resident where it was ever written (lazily zeroed, never given back), so the
   room is what the pool's footprint grows by: 8 pages (128 tokens) keep the pages ever written within
-  ~1.1-1.2x the most in use at once, with 0.93-0.99 of a sequence's page pairs still one after the other
+  ~1.1-1.3x the most in use at once, with 0.93-0.99 of a sequence's page pairs still one after the other
   (64 pages kept them all in order, at 2.6-2.7x the footprint; the stack: 1.0x, in order ~0.05);
 - where no gap has that room, in the middle of the largest gap, so that the run before it can still grow
   into its first half; a run that needs more pages than the largest gap holds fills it and goes on in the

@@ -1152,12 +1152,6 @@ inline void page_update(const float* qs, int group, int64_t D, const float* kp, 
   }
 }
 
-// Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows) for
-// `members` sequences at once (their scaled queries `qs[j]`, states `st[j]` and outputs `acc[j]`): a
-// sequence's own pages (one member), or a shared prefix read once for all the sequences forked from it.
-// Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is read;
-// each page is widened to float32 once for every head that reads it. Each member's arithmetic is the
-// same whatever the other members are.
 #include "decode_pairs.h"
 
 // Whether decode attention reads bfloat16 pages as pairs (decode_pairs.h): builds without AVX-512 (which
@@ -1175,6 +1169,12 @@ inline bool uses_pairs(int64_t D, int64_t page_size) {
 #endif
 }
 
+// Attend to the tokens [0, n) of the pages `pages` (each `page_size` tokens of [page_size, D] rows) for
+// `members` sequences at once (their scaled queries `qs[j]`, states `st[j]` and outputs `acc[j]`): a
+// sequence's own pages (one member), or a shared prefix read once for all the sequences forked from it.
+// Pages lie anywhere in the pool, so the next page's keys and values are fetched while this one is read;
+// each page is widened to float32 once for every head that reads it (bfloat16 pages where `uses_pairs`: read
+// as pairs, widened in registers). Each member's arithmetic is the same whatever the other members are.
 template <typename KT, typename VT>
 void attend_pages(const float* const* qs, int members, int group, int64_t D, const KT* kbase, const VT* vbase,
                   const int32_t* pages, int64_t n, int64_t page_size, HeadState* const* st, float* const* acc) {
