@@ -259,6 +259,7 @@ class RuntimeInfo(BaseModel):
     page_size: int
     total_pages: int
     free_pages: int
+    written_pages: int = 0  # pages ever handed out: where a CPU's lazily zeroed pool is resident
     num_contexts: int
     num_cached_tokens: int
     running: int

@@ -337,7 +337,8 @@ class LLMEngine:
         compiled, total = self.runner.compile_status()
         return RuntimeInfo(
             model=self.name, max_context_len=self.runner.seq_limit, page_size=self.kv.page_size,
-            total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages, num_contexts=len(self.kv),
+            total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages,
+            written_pages=self.kv.num_written_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,

@@ -21,6 +21,8 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:kv_cache_usage_perc{engine}     used fraction (0..1, as vLLM) of the engine's KV pages, from its
                                          latest heartbeat / ping (`core.engines.runtime(name)`); engines
                                          that have not reported yet are left out
+  parrot:kv_cache_written_pages{engine}  KV pages the engine ever handed out: on a CPU, where its lazily
+                                         zeroed pool is resident (times engine_info's kv_bytes / kv_pages: bytes)
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
   parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts (with several
@@ -111,6 +113,8 @@ class _CoreCollector(Collector):
                                     "Sequences the engine reports running.", labels=["engine"])
         waiting = GaugeMetricFamily("parrot:engine_num_requests_waiting",
                                     "Sequences the engine reports waiting.", labels=["engine"])
+        written = GaugeMetricFamily("parrot:kv_cache_written_pages", "KV pages the engine ever handed out (on a "
+                                    "CPU, where its pool is resident).", labels=["engine"])
         for client in live:
             info = core.engines.runtime(client.name)
             if info is None:
@@ -119,9 +123,11 @@ class _CoreCollector(Collector):
             usage.add_metric([client.name], min(1.0, max(0.0, used)))
             running.add_metric([client.name], info.running)
             waiting.add_metric([client.name], info.waiting)
+            written.add_metric([client.name], info.written_pages)
         yield usage
         yield running
         yield waiting
+        yield written
         contexts = core.contexts
         yield GaugeMetricFamily("parrot:prefix_cache_hit_rate",
                                 "Fraction of prompt tokens served from cached prefix contexts.",

@@ -43,6 +43,7 @@ def test_new_pool() -> None:
     assert m.num_used_pages == 0
     assert m.num_cached_tokens == 0
     assert len(m) == 0
+    assert m.num_written_pages == 0
     assert all(m.refcount(p) == 0 for p in range(8))
 
 
@@ -50,6 +51,18 @@ def test_new_pool() -> None:
 def test_bad_construction(num_pages: int, page_size: int) -> None:
     with pytest.raises(ValueError):
         KVCacheManager(num_pages, page_size)
+
+
+def test_written_pages_count_every_page_ever_handed_out() -> None:
+    """Pages freed stay written (a CPU's pool stays resident there); taken again, they count once."""
+    m = KVCacheManager(num_pages=16, page_size=PS)
+    filled(m, "a", 3 * PS)
+    filled(m, "b", PS + 1)
+    assert m.num_written_pages == m.num_used_pages == 5
+    m.free("a")
+    assert m.num_written_pages == 5 and m.num_used_pages == 2
+    taken = len(set(filled(m, "c", 2 * PS).pages) - set(m.get("b").pages))
+    assert taken == 2 and m.num_written_pages <= 7
 
 
 def test_only_scratch_page() -> None:

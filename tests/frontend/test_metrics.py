@@ -20,7 +20,7 @@ HISTOGRAMS = ["parrot:time_to_first_token_seconds", "parrot:time_per_output_toke
               "parrot:inter_token_latency_seconds", "parrot:e2e_request_latency_seconds",
               "parrot:request_queue_time_seconds"]
 GAUGES = ["parrot:num_requests_running", "parrot:num_requests_waiting", "parrot:kv_cache_usage_perc",
-          "parrot:prefix_cache_hit_rate", "parrot:engines_live"]
+          "parrot:kv_cache_written_pages", "parrot:prefix_cache_hit_rate", "parrot:engines_live"]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,10 @@ def test_metrics_follow_requests(server) -> None:
                                            extra_body={"ignore_eos": True})
         usages.append([c.usage for c in stream if c.usage is not None][-1])
 
-    deadline = time.time() + 10  # KV usage comes from the engine's ping (every second)
+    deadline = time.time() + 10  # KV usage comes from the engine's ping (every second): one after the work
     fams = scrape(url)
-    while not fams["parrot:kv_cache_usage_perc"] and time.time() < deadline:
+    while (not fams["parrot:kv_cache_written_pages"]
+           or value(fams, "parrot:kv_cache_written_pages", engine="local") == 0) and time.time() < deadline:
         time.sleep(0.2)
         fams = scrape(url)
     for name in HISTOGRAMS + GAUGES:
@@ -90,6 +91,8 @@ def test_metrics_follow_requests(server) -> None:
     assert value(fams, "parrot:num_requests_waiting") == 0
     assert value(fams, "parrot:engines_live") == 1
     assert 0.0 <= value(fams, "parrot:kv_cache_usage_perc", engine="local") <= 1.0
+    written = value(fams, "parrot:kv_cache_written_pages", engine="local")  # the prompts' pages at least
+    assert 0 < written <= core.engines.runtime("local").total_pages
     assert value(fams, "parrot:engine_mixed_steps", "parrot:engine_mixed_steps_total", engine="local") >= 0
     # plain calls are all latency-critical: the throughput hold holds nothing
     assert value(fams, "parrot:engine_held_steps", "parrot:engine_held_steps_total", engine="local") == 0
