@@ -1103,6 +1103,35 @@ inline void for_each_page(const KT* kbase, const VT* vbase, const int32_t* pages
   }
 }
 
+// The online softmax of one head's page of scores s[0, cnt) (eight at a time): the running maximum `m` and sum
+// `l` updated, s turned into the probabilities; returns the factor the head's accumulator is rescaled by.
+inline float page_softmax(float* s, int64_t cnt, float& m, float& l) {
+  float mx = m;
+  int64_t t = 0;
+  if (cnt >= 8) {
+    __m256 m8 = _mm256_loadu_ps(s);
+    for (t = 8; t + 8 <= cnt; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    mx = std::max(mx, _mm_cvtss_f32(m4));
+  }
+  for (; t < cnt; ++t) mx = std::max(mx, s[t]);
+  const float corr = mx == m ? 1.f : std::exp(m - mx);  // exp(-inf) = 0 on the first page
+  m = mx;
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= cnt; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+    _mm256_storeu_ps(s + t, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float sum = hsum(sum8);
+  for (; t < cnt; ++t) sum += (s[t] = std::exp(s[t] - mx));
+  l = l * corr + sum;
+  return corr;
+}
+
 // One page's update of a sequence's `group` query heads (scaled queries `qs`) against its keys and values
 // `kp`, `vp` ([cnt, D] float32): scores, the running maximum and sum, the weighted values into `acc`.
 inline void page_update(const float* qs, int group, int64_t D, const float* kp, const float* vp, int64_t cnt,
@@ -1113,31 +1142,7 @@ inline void page_update(const float* qs, int group, int64_t D, const float* kp, 
     int64_t t = 0;
     for (; t + 8 <= cnt; t += 8) _mm256_store_ps(s[h] + t, dot8(qh, kp + t * D, D));
     for (; t < cnt; ++t) s[h][t] = dot(qh, kp + t * D, D);
-    float mx = st.m[h];
-    t = 0;
-    if (cnt >= 8) {
-      __m256 m8 = _mm256_load_ps(s[h]);
-      for (t = 8; t + 8 <= cnt; t += 8) m8 = _mm256_max_ps(m8, _mm256_load_ps(s[h] + t));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      mx = std::max(mx, _mm_cvtss_f32(m4));
-    }
-    for (; t < cnt; ++t) mx = std::max(mx, s[h][t]);
-    const float corr = mx == st.m[h] ? 1.f : std::exp(st.m[h] - mx);  // exp(-inf) = 0 on the first page
-    st.m[h] = mx;
-    // probabilities of this page, eight at a time
-    t = 0;
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 sum8 = _mm256_setzero_ps();
-    for (; t + 8 <= cnt; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(s[h] + t), vmx));
-      _mm256_store_ps(s[h] + t, e);
-      sum8 = _mm256_add_ps(sum8, e);
-    }
-    float sum = hsum(sum8);
-    for (; t < cnt; ++t) sum += (s[h][t] = std::exp(s[h][t] - mx));
-    st.l[h] = st.l[h] * corr + sum;
+    const float corr = page_softmax(s[h], cnt, st.m[h], st.l[h]);
     float* a = acc + h * D;
     if (D % 64 == 0) {
       weighted_rows(s[h], vp, cnt, D, corr, a);
@@ -1434,16 +1439,12 @@ void paged_decode(ffi::ThreadPool& pool, const float* qp, const KT* kc, const VT
     for (int h = 0; h < group; ++h) {
       const float inv = st->l[h] > 0.f ? 1.f / st->l[h] : 0.f;
       float* a = acc + h * D;
-      if (pairs) {
-        for (int64_t i = 0; i < D; ++i) ordered[pair_dim(i)] = a[i];
-        for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
-        continue;
-      }
-      if (!bf16) {
+      if (!pairs && !bf16) {
         for (int64_t i = 0; i < D; ++i) a[i] *= inv;
         continue;
       }
-      for (int64_t i = 0; i < D; ++i) ordered[bf16_dim_of(i)] = a[i];
+      // the accumulators' dimensions as the pair code (pair_dim) or the bf16 products (bf16_dim_of) hold them
+      for (int64_t i = 0; i < D; ++i) ordered[pairs ? pair_dim(i) : bf16_dim_of(i)] = a[i];
       for (int64_t i = 0; i < D; ++i) a[i] = ordered[i] * inv;
     }
   }, B <= kHotRows);

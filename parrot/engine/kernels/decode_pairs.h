@@ -1,6 +1,6 @@
 // Decode attention over bfloat16 pages with AVX2 (no AVX-512): the page's keys and values read in place as
 // pairs of bfloat16, widened in registers, every query head of a KV head at once. Included by cpu_kernels.cc
-// inside its anonymous namespace (HeadState, exp256, dot and hsum from there); attend_pages takes it for
+// inside its anonymous namespace (HeadState and page_softmax from there); attend_pages takes it for
 // bfloat16 pages where D % 16 == 0 (`pairs_fit`).
 //
 // Numbers. Keys and values are widened exactly (bfloat16 -> float32), the products and sums are float32, as
@@ -84,35 +84,6 @@ PARROT_PAIRS_INLINE void pair_values(const float (*p)[64], const float* corr, co
   }
 }
 
-// The online softmax of one head's page of scores s[0, cnt): the running maximum and sum updated, s turned
-// into the probabilities; returns the factor the head's accumulator is rescaled by.
-PARROT_PAIRS_INLINE float pair_softmax(float* s, int64_t cnt, float& m, float& l) {
-  float mx = m;
-  int64_t t = 0;
-  if (cnt >= 8) {
-    __m256 m8 = _mm256_loadu_ps(s);
-    for (t = 8; t + 8 <= cnt; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    mx = std::max(mx, _mm_cvtss_f32(m4));
-  }
-  for (; t < cnt; ++t) mx = std::max(mx, s[t]);
-  const float corr = mx == m ? 1.f : std::exp(m - mx);  // exp(-inf) = 0 on the first page
-  m = mx;
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (t = 0; t + 8 <= cnt; t += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
-    _mm256_storeu_ps(s + t, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  float sum = hsum(sum8);
-  for (; t < cnt; ++t) sum += (s[t] = std::exp(s[t] - mx));
-  l = l * corr + sum;
-  return corr;
-}
-
 // NH (<= 3) query heads of one sequence against one page's `cnt` keys and values (rows of D bfloat16 at kp,
 // vp; the page holds whole groups of 4 rows past cnt, whatever they hold: their scores are not used).
 template <int NH>
@@ -126,7 +97,7 @@ PARROT_PAIRS_INLINE void pair_heads(const float* q, int64_t D, const uint16_t* k
   float corr[NH];
   float* accs[NH];
   for (int h = 0; h < NH; ++h) {
-    corr[h] = pair_softmax(s[h], cnt, m[h], l[h]);
+    corr[h] = page_softmax(s[h], cnt, m[h], l[h]);
     accs[h] = acc + h * D;
   }
   pair_values<NH>(s, corr, vp, cnt, D, accs);
