@@ -547,6 +547,30 @@ def test_concurrent_calls_share_the_helper_threads_safely(team: bool) -> None:
         kernels.use_team(before)
 
 
+def test_the_helper_threads_are_named() -> None:
+    """The kernels' own helper threads show as `parrot-team` (`top -H`, /proc/<pid>/task/*/comm), not as
+    `python`, so a thread's CPU time can be told from XLA's and the engine's."""
+    from pathlib import Path
+
+    from parrot import procinfo
+    from parrot.engine import quant
+
+    if procinfo.usable_cores() < 2:
+        pytest.skip("one core: the kernels start no helper threads")
+    q = quant.quantize((np.random.default_rng(1).standard_normal((576, 64)) * 0.05).astype(np.float32), "q4_1")
+    tiled = quant.tiled(q)
+    before = kernels.team()
+    assert kernels.use_team(True)
+    try:
+        x = np.ones((1, 576), np.float32)  # one row: a decode step's call, which the team takes
+        jax.block_until_ready(jax.jit(lambda x: kernels.qmatmul(
+            x, jnp.asarray(q.data), "q4_1", None, 2, None if tiled is None else jnp.asarray(tiled)))(x))
+    finally:
+        kernels.use_team(before)
+    names = [(t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    assert "parrot-team" in names
+
+
 def test_units_hold_every_part_once() -> None:
     source = kernels.SOURCE.read_text()
     for cores, units in kernels.UNITS.items():

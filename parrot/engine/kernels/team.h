@@ -34,7 +34,11 @@ constexpr int64_t kSpinNs = 100000;  // a helper spins this long after its last 
 class Team {
  public:
   explicit Team(int helpers) {
-    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { helper(); });
+    for (int i = 0; i < helpers; ++i)
+      threads_.emplace_back([this] {
+        pthread_setname_np(pthread_self(), "parrot-team");  // as `top -H` and /proc/<pid>/task/*/comm show it
+        helper();
+      });
     for (auto& t : threads_) t.detach();  // they live as long as the process
   }
 
