@@ -4,6 +4,7 @@ in one run, the codes taking turns.
 
     python -m benchmarks.products [--rows 1 4 16 64] [--repeats 30] [--codes ...] [--weights-in huge xla]
     python -m benchmarks.products --prompt [--rows 128 512] [--repeats 9]
+    python -m benchmarks.products --other-build before=/path/to/an/older/checkout [--codes 'avx2 int8']
 
 Codes: "avx2 float32" (the AVX2 code with the dequantized weights: `use_avx2_int8(False)`), "avx2 int8" (its
 integer sums from the tiled weights, kernels/avx2_int8.h), and where the CPU has them "avx512-vnni" and
@@ -12,7 +13,9 @@ different matrices of a shape in turn (a step's layers: the weights come from me
 Prints the median microseconds per matrix and each code's ratio to the first, with the CPU's name and the
 machine's floors; writes JSON. `--weights-in huge xla` measures each
 code with the matrices in huge pages (parrot.engine.huge_pages, as the engine places them) and in XLA's
-own memory, in turns.
+own memory, in turns. `--other-build LABEL=PATH` (repeatable: a checkout, its cpu_kernels.cc, or a library)
+measures every code of another build of the kernels beside this one's, in the same turns (`kernels.use_build`:
+each build's own tiled copies, calls and switches), its columns named `code @LABEL`.
 
 `--prompt`: a prompt step's rows instead (fill rows, in bfloat16 where the CPU multiplies them so), on the
 prompt shapes (QKV, O, gate|up, gate|up with silu(gate) * up out of the product as the model asks for it,
@@ -60,7 +63,7 @@ def _chain(qtype: str, prompt: bool = False, swiglu: bool = False):  # noqa: ANN
 
 
 def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: list[str] | None = None,
-        prompt: bool = False) -> dict:
+        prompt: bool = False, builds: dict[str, str] | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,11 +83,13 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
         have += [f"{c} gguf-rows" for c in have[1:]]  # the weights dequantized from the GGUF rows, not the copy
     codes = [c for c in have if codes is None or c in codes]
     places = places or ["huge"]
-    configs = [f"{c}, {p}" if len(places) > 1 else c for c in codes for p in places]
+    libs = {"": None, **(builds or {})}  # build label ("": this process's) -> its library
+    # a configuration: (build, code, place), named "code[, place][ @build]"
+    configs = {f"{c}, {p}" if len(places) > 1 else c: ("", c, p) for c in codes for p in places}
+    configs |= {f"{name} @{b}": (b, c, p) for b in libs if b for name, (_, c, p) in list(configs.items())}
     before = kernels.matmul_path()
 
-    def select(config: str) -> None:
-        code = config.split(",")[0]
+    def select(code: str) -> None:  # the switches of the build in use
         if prompt:
             kernels.use_matmul(PROMPT_CODES[code.split()[0]] or before)
             kernels.use_bf16_fills(code != "integer")
@@ -98,27 +103,35 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
         return huge_pages.put(a) if place == "huge" else jnp.asarray(a)
 
     rng = np.random.default_rng(0)
-    result: dict = {"machine": procinfo.cpu_name(), "jax": jax.__version__, "codes": configs, "rows": rows,
+    result: dict = {"machine": procinfo.cpu_name(), "jax": jax.__version__, "codes": list(configs), "rows": rows,
+                    "builds": {b: lib for b, lib in libs.items() if b},
                     "layers": LAYERS, "huge_pages": huge_pages.enabled(), "prompt": prompt, "us_per_matrix": {}}
     for shape, (qtype, n, k, swiglu) in (PROMPT_SHAPES if prompt else SHAPES).items():
         one = quant.quantize((rng.standard_normal((k, n)) * 0.05).astype(np.float32), qtype)
-        mats: dict[str, list] = {p: [] for p in places}
+        mats: dict[tuple[str, str], list] = {(b, p): [] for b in libs for p in places}
         for i in range(LAYERS):  # the same values, 30 copies in memory
             data = np.roll(one.data, i, axis=0)
-            tiled = kernels.tile_rows(data, qtype, k)
-            for p in places:
-                mats[p].append((put(data, p), put(tiled, p)))
-
-        f = jax.jit(_chain(qtype, prompt, swiglu))
+            for b, lib in libs.items():
+                kernels.use_build(lib)
+                tiled = kernels.tile_rows(data, qtype, k)  # this build's tiled copy
+                for p in places:
+                    mats[(b, p)].append((put(data, p), put(tiled, p)))
+        kernels.use_build(None)
+        fs = {b: jax.jit(_chain(qtype, prompt, swiglu)) for b in libs}  # each traced with its build in use
 
         result["us_per_matrix"][shape] = {}
         for r in rows:
             x = jnp.asarray(rng.standard_normal((r, k)).astype(np.float32))
             times: dict[str, list[float]] = {c: [] for c in configs}
 
-            def go(c: str, f=f, x=x, mats=mats) -> None:  # noqa: ANN001
-                select(c)
-                f(x, mats[c.split(", ")[1] if len(places) > 1 else places[0]]).block_until_ready()
+            def go(c: str, x=x, mats=mats, fs=fs) -> None:  # noqa: ANN001
+                b, code, p = configs[c]
+                kernels.use_build(libs[b])
+                try:
+                    select(code)
+                    fs[b](x, mats[(b, p)]).block_until_ready()
+                finally:
+                    kernels.use_build(None)
 
             for c in configs:  # compile and warm each configuration once
                 go(c)
@@ -128,11 +141,14 @@ def run(rows: list[int], repeats: int, codes: list[str] | None = None, places: l
                     go(c)
                     times[c].append((time.perf_counter() - t0) / LAYERS * 1e6)
             result["us_per_matrix"][shape][r] = {c: float(np.median(v)) for c, v in times.items()}
-    kernels.use_matmul(before)
-    kernels.use_avx2_int8(True)
-    kernels.use_amx_few(True)
-    kernels.use_bf16_fills(True)
-    kernels.use_tiled(True)
+    for lib in libs.values():  # every build's switches as they were
+        kernels.use_build(lib)
+        kernels.use_matmul(before)
+        kernels.use_avx2_int8(True)
+        kernels.use_amx_few(True)
+        kernels.use_bf16_fills(True)
+        kernels.use_tiled(True)
+    kernels.use_build(None)
     result["floors"] = measure()
     return result
 
@@ -159,12 +175,18 @@ def main() -> None:
                          "avx512-vnni, amx-int8 (--prompt: integer, avx512-bf16, amx-bf16)")
     ap.add_argument("--weights-in", nargs="+", default=["huge"], choices=["huge", "xla"],
                     help="where the matrices lie: huge pages (as the engine places them) or XLA's memory")
+    ap.add_argument("--other-build", action="append", default=[], metavar="LABEL=PATH",
+                    help="another build of the kernels (a checkout, its cpu_kernels.cc, or a library), in turns")
     ap.add_argument("--out", default="benchmarks/results/products.json")
     args = ap.parse_args()
+    from pathlib import Path
+
+    from benchmarks.engine_micro import _other_builds
     from benchmarks.report import write_json
 
     rows = args.rows or ([128, 512] if args.prompt else [1, 4, 16, 64])
-    r = run(rows, args.repeats or (9 if args.prompt else 30), args.codes, args.weights_in, args.prompt)
+    builds = _other_builds(args.other_build, Path(args.out).with_suffix(".builds"))
+    r = run(rows, args.repeats or (9 if args.prompt else 30), args.codes, args.weights_in, args.prompt, builds)
     print(report(r))
     write_json(r, args.out)
 
