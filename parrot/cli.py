@@ -44,6 +44,17 @@ def _int_at_least(least: int, most: int | None = None, what: str = "") -> Callab
     return parse
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more, else a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give 0 or more seconds")
+    return value
+
+
 POSITIVE = _int_at_least(1, what="a positive integer")
 NON_NEGATIVE = _int_at_least(0, what="0 or more")
 PORT = _int_at_least(1, 65535)
@@ -65,6 +76,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-mb", type=POSITIVE, default=None,
                    help="memory budget of the paged KV cache (default: 1024 on a CPU; on an accelerator what "
                         "--gpu-memory-utilization leaves after the weights)")
+    p.add_argument("--kv-release-idle-s", type=_seconds, default=EngineConfig.kv_release_idle_s, metavar="S",
+                   help="a CPU's KV pool takes memory where its pages are written: after the engine idles this many "
+                        "seconds, its free pages go back to the OS (default %(default)s; 0: the pool keeps its peak)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="accelerators: share of device memory for weights + KV cache (default 0.9)")
     p.add_argument("--compilation-cache-dir", default=EngineConfig.compilation_cache_dir,
@@ -260,7 +274,7 @@ def _engine_config(args: argparse.Namespace, **more: object) -> EngineConfig:
     """EngineConfig from the model options every command has (`_add_model_args`) and `more`; an
     inconsistency is a clear ParrotError."""
     try:
-        return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb,
+        return EngineConfig(model=args.model, kv_memory_mb=args.kv_memory_mb, kv_release_idle_s=args.kv_release_idle_s,
                             memory_utilization=args.gpu_memory_utilization,
                             compilation_cache_dir=args.compilation_cache_dir or None, weights=args.weights,
                             kv_dtype=args.kv_dtype, v_dtype=args.v_dtype, overlap=not args.no_overlap,
@@ -532,7 +546,7 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
                    "--name", f"engine-{i}", "--exit-with-parent", str(os.getpid()),
                    "--compilation-cache-dir", args.compilation_cache_dir or "", "--log-format", args.log_format,
                    "--uvicorn-log-level", args.uvicorn_log_level]
-            for flag, value in (("--kv-memory-mb", args.kv_memory_mb),
+            for flag, value in (("--kv-memory-mb", args.kv_memory_mb), ("--kv-release-idle-s", args.kv_release_idle_s),
                                 ("--gpu-memory-utilization", args.gpu_memory_utilization),
                                 ("--max-model-len", args.max_model_len), ("--max-batch-size", args.max_batch_size),
                                 ("--max-num-batched-tokens", args.max_num_batched_tokens),

@@ -26,6 +26,10 @@ class EngineConfig:
     kv_memory_mb: int | None = None
     memory_utilization: float | None = None  # accelerators: weights + KV share of device memory (default 0.9)
     kv_pages: int | None = None  # exact page count (overrides kv_memory_mb), page 0 included
+    # a CPU's pool takes memory where its pages are written: after the engine has idled this many seconds, the
+    # free pages written since are given back to the OS, so that its memory follows the pages in use after a
+    # peak (those pages are zero-filled again by the OS when next written). 0: never (the pool keeps its peak)
+    kv_release_idle_s: float = 10.0
     max_batch_size: int = 64
     max_num_batched_tokens: int = 512  # prefill chunk / token budget per step
     # prefill tokens in a step that also decodes (each decoding sequence waits for them: inter-token
@@ -165,6 +169,8 @@ class EngineConfig:
             raise ValueError("memory_utilization must be in (0, 1]")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError("kv_memory_mb must be positive")
+        if not self.kv_release_idle_s >= 0:
+            raise ValueError("kv_release_idle_s must be 0 (never) or a number of seconds")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
         if self.seed is not None and self.seed < 0:

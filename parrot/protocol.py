@@ -259,7 +259,8 @@ class RuntimeInfo(BaseModel):
     page_size: int
     total_pages: int
     free_pages: int
-    written_pages: int = 0  # pages ever handed out: where a CPU's lazily zeroed pool is resident
+    written_pages: int = 0  # pages handed out and not given back since: where a CPU's lazily zeroed pool is resident
+    released_pages: int = 0  # free pages given back to the OS after the engine idled (EngineConfig.kv_release_idle_s)
     num_contexts: int
     num_cached_tokens: int
     running: int

@@ -63,6 +63,7 @@ from parrot.protocol import (
 
 log = logging.getLogger(__name__)
 COMPILE_JOIN_S = 120.0  # at shutdown, how long to wait for the compiles under way (one shape each)
+RELEASE_MIN_PAGES = 16  # free written KV pages worth giving back to the OS at once (idle engine)
 
 
 class EngineDeadError(ParrotError):
@@ -133,6 +134,8 @@ class LLMEngine:
         # host time per step: the loop's own work (scheduling, batch building, applying tokens, streaming),
         # outside JAX's dispatch and waits (`ModelRunner.dispatch_s`, `wait_s`)
         self._host_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self._idle_since: float | None = None  # when the loop last found nothing to do (None: busy since)
+        self.released_pages = 0  # KV pages given back to the OS (`_release_idle_pages`)
         self._inflight: tuple[StepPlan, Launched] | None = None  # a launched step not applied yet
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (overlap)
         self._settings: dict[str, object] | None = None
@@ -338,7 +341,7 @@ class LLMEngine:
         return RuntimeInfo(
             model=self.name, max_context_len=self.runner.seq_limit, page_size=self.kv.page_size,
             total_pages=self.kv.total_pages, free_pages=self.kv.num_free_pages,
-            written_pages=self.kv.num_written_pages, num_contexts=len(self.kv),
+            written_pages=self.kv.num_written_pages, released_pages=self.released_pages, num_contexts=len(self.kv),
             num_cached_tokens=self.kv.num_cached_tokens, running=len(s.running), waiting=len(s.waiting),
             recent_step_ms=float(np.median(self._step_ms)) if self._step_ms else 0.0, steps=self.steps,
             prompt_tokens=s.prompt_tokens, generated_tokens=s.generated_tokens,
@@ -372,6 +375,7 @@ class LLMEngine:
         return {"platform": dev.platform, "device": dev.kind,
                 "weights": r.weights_mode, "dtype": str(r.dtype), "kv_dtype": r.kv_dtype_name,
                 "kv_pages": self.kv.total_pages, "kv_bytes": r.kv_bytes or None, "page_size": c.page_size,
+                "kv_release_idle_s": c.kv_release_idle_s if r.lazy_pool else None,
                 "memory_utilization": c.memory_utilization, "max_batch_size": c.max_batch_size,
                 "max_num_batched_tokens": c.max_num_batched_tokens, "bs_buckets": list(c.bs_buckets),
                 "prefill_bs_buckets": list(c.prefill_bs_buckets),
@@ -415,9 +419,11 @@ class LLMEngine:
                 busy = self.scheduler.has_work() or self._inflight is not None
                 self.runner.compiler.serving(busy)  # background compiling yields the cores to steps
                 if not busy:  # nothing to do, or waiting work held back by a kept slot until it is let go
+                    self._release_idle_pages()
                     self._wake.wait(timeout=self.scheduler.wake_in())
                     self._wake.clear()
                     continue
+                self._idle_since = None
                 self.step()
         except BaseException as exc:  # a crash must not leave callers waiting forever
             self._dead = exc  # first: a submit that checks it now is refused
@@ -446,6 +452,28 @@ class LLMEngine:
             except queue.Empty:
                 return
             fn()
+
+    def _release_idle_pages(self) -> None:
+        """Once the engine has idled `kv_release_idle_s`, the free KV pages written since are given back to the OS
+        (a CPU's pool: `ModelRunner.release_pages`), at least `RELEASE_MIN_PAGES` of them at a time."""
+        after = self.cfg.kv_release_idle_s
+        if not after or not self.runner.lazy_pool:
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since < after:
+            return
+        n = int(self.kv.releasable().sum())
+        if n < RELEASE_MIN_PAGES:
+            return
+        t0 = time.perf_counter()
+        pages = self.kv.free_mask()  # every free page: those never written cost nothing, and a copy skips them
+        self.runner.release_pages(pages)
+        self.kv.released(pages)
+        self.released_pages += n
+        log.info("gave %d free KV pages back to the OS after %.0f s idle (%.1f ms)", n, after,
+                 (time.perf_counter() - t0) * 1e3)
 
     def step(self) -> None:
         """One iteration: the scheduler plans, the runner launches the plan, the scheduler applies the

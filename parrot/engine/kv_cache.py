@@ -48,6 +48,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from parrot.engine.page_pool import PagePool
 from parrot.errors import KVCacheFullError, NotFoundError, ParrotError
 
@@ -124,8 +126,21 @@ class KVCacheManager:
 
     @property
     def num_written_pages(self) -> int:
-        """Pages ever handed out: on a CPU, where the lazily zeroed pool is resident."""
+        """Pages handed out and not given back to the OS since (`released`): on a CPU, where the lazily zeroed
+        pool is resident."""
         return self._free.ever_taken
+
+    def releasable(self) -> np.ndarray:
+        """The free pages written since they were last given back (bool, [num_pages])."""
+        return self._free.releasable()
+
+    def free_mask(self) -> np.ndarray:
+        """The free pages (bool, [num_pages])."""
+        return self._free.free_mask()
+
+    def released(self, pages: np.ndarray) -> None:
+        """The runner gave these free pages (a bool mask) back to the OS (`ModelRunner.release_pages`)."""
+        self._free.released(pages)
 
     @property
     def num_cached_tokens(self) -> int:

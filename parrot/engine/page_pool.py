@@ -12,8 +12,9 @@ The pool keeps a bitmap of the free pages instead:
 - otherwise, and for a new context, its pages start a new run: in the first gap of free pages (in page order)
   with `room` pages to spare on either side, `room` pages after the gap's start (at the start where no page
   precedes it), so that the run before the gap can still grow by `room` pages and runs stay packed at the
-  pool's low end. A CPU's pool is resident where it was ever written (lazily zeroed, never given back), so the
-  room is what the pool's footprint grows by: 8 pages (128 tokens) keep the pages ever written within
+  pool's low end. A CPU's pool is resident where it was written (lazily zeroed; free pages are given back
+  only after the engine idles, `EngineConfig.kv_release_idle_s`), so the room is what the pool's footprint
+  grows by under load: 8 pages (128 tokens) keep the pages ever written within
   ~1.1-1.3x the most in use at once, with 0.93-0.99 of a sequence's page pairs still one after the other
   (64 pages kept them all in order, at 2.6-2.7x the footprint; the stack: 1.0x, in order ~0.05);
 - where no gap has that room, in the middle of the largest gap, so that the run before it can still grow
@@ -58,8 +59,21 @@ class PagePool:
 
     @property
     def ever_taken(self) -> int:
-        """How many pages were ever taken (a CPU's pool is resident on them)."""
+        """How many pages were taken and not `released` since (a CPU's pool is resident on them)."""
         return int(self._ever.sum())
+
+    def releasable(self) -> np.ndarray:
+        """The free pages taken since the pool began or since they were last `released` (bool, [pages]): those a
+        CPU's pool holds memory for while nothing uses them."""
+        return self._free & self._ever
+
+    def free_mask(self) -> np.ndarray:
+        """The free pages (bool, [pages]; a copy)."""
+        return self._free.copy()
+
+    def released(self, pages: np.ndarray) -> None:
+        """`pages` (a bool mask, [pages]; free ones) were given back to the OS: they count as never taken."""
+        self._ever[pages & self._free] = False
 
     def pages(self) -> list[int]:
         """The free pages, in order (O(pages))."""

@@ -365,6 +365,7 @@ class ModelRunner:
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
                                 self.multi_max_batch, self.host_stages)
         self.kv: KVCache = self._alloc_kv()
+        self._release: Callable | None = None  # release_pages' jitted call
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
         per_call = block_size(cfg.num_layers, ecfg.layers_per_call)
@@ -573,7 +574,8 @@ class ModelRunner:
         # placed on the device explicitly (committed), as every step's output pool is: a pool that is not
         # would make the page copy that precompile() compiled compile again on the first real copy
         one = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(self.weights)[0].devices())))
-        if self.mesh is None and kernels.available():  # the CPU: pages resident once the engine writes them
+        self._lazy = self.mesh is None and kernels.available()
+        if self._lazy:  # the CPU: pages resident once the engine writes them
             kv = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, kd)] * n
                                                     + [jax.ShapeDtypeStruct(shape, vd)] * n), out_shardings=one)()
             return tuple(kv[:n]), tuple(kv[n:])
@@ -1042,6 +1044,29 @@ class ModelRunner:
         out = self._sampler(batch, stages)(logits, sampling, extras,
                                            self._neutral(batch)[1] if counts is None else counts)
         return tuple(np.asarray(a) for a in out)
+
+    @property
+    def lazy_pool(self) -> bool:
+        """Whether the KV pool takes memory only where pages are written, and can give free pages back
+        (`release_pages`): one process on a CPU with the native kernels (`kernels.lazy_zeros`)."""
+        return self._lazy and self.mirror is None and not self.following
+
+    def release_pages(self, pages: np.ndarray) -> None:
+        """Give the free pages of the bool mask `pages` [num_pages] back to the OS in every layer's K and V
+        (`kernels.release_pages`, in place): the pool's memory follows the pages in use again after a peak. Their
+        contents are lost, which nothing reads: a page's keys and values are written before they are read."""
+        assert self.lazy_pool
+        if self._release is None:
+            def release(mask: jax.Array, ks: tuple, vs: tuple) -> tuple[tuple, tuple]:
+                out = kernels.release_pages(mask, [*ks, *vs])
+                return tuple(out[: len(ks)]), tuple(out[len(ks) :])
+
+            self._release = jax.jit(release, donate_argnums=(1, 2))
+        before = [a.unsafe_buffer_pointer() for a in self.kv[0]]
+        self.kv = self._release(np.asarray(pages, np.uint8), *self.kv)
+        jax.block_until_ready(self.kv)
+        if [a.unsafe_buffer_pointer() for a in self.kv[0]] != before:  # correct, but the old pool was copied
+            log.warning("the KV pool was copied to give its free pages back (a buffer of it is referenced elsewhere)")
 
     def copy_pages(self, copies: list[PageCopy]) -> None:
         """Copy whole pages src -> dst in every layer's K and V (fork / copy-on-write of a partial page)."""

@@ -21,8 +21,10 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:kv_cache_usage_perc{engine}     used fraction (0..1, as vLLM) of the engine's KV pages, from its
                                          latest heartbeat / ping (`core.engines.runtime(name)`); engines
                                          that have not reported yet are left out
-  parrot:kv_cache_written_pages{engine}  KV pages the engine ever handed out: on a CPU, where its lazily
-                                         zeroed pool is resident (times engine_info's kv_bytes / kv_pages: bytes)
+  parrot:kv_cache_written_pages{engine}  KV pages the engine handed out and did not give back since: on a CPU,
+                                         where its lazily zeroed pool is resident (times engine_info's kv_bytes /
+                                         kv_pages: bytes); free pages go back to the OS after the engine idles
+  parrot:kv_cache_released_pages_total{engine}  free KV pages given back to the OS so far
   parrot:prefix_cache_hit_rate           `core.contexts.hit_rate` (cached / looked-up prompt tokens)
   parrot:prefix_cache_queries_total, parrot:prefix_cache_hits_total   those token counts
   parrot:engines_live, parrot:num_sessions, parrot:variable_bytes, parrot:num_cached_contexts (with several
@@ -113,8 +115,10 @@ class _CoreCollector(Collector):
                                     "Sequences the engine reports running.", labels=["engine"])
         waiting = GaugeMetricFamily("parrot:engine_num_requests_waiting",
                                     "Sequences the engine reports waiting.", labels=["engine"])
-        written = GaugeMetricFamily("parrot:kv_cache_written_pages", "KV pages the engine ever handed out (on a "
-                                    "CPU, where its pool is resident).", labels=["engine"])
+        written = GaugeMetricFamily("parrot:kv_cache_written_pages", "KV pages the engine handed out and did not "
+                                    "give back since (on a CPU, where its pool is resident).", labels=["engine"])
+        released = CounterMetricFamily("parrot:kv_cache_released_pages", "Free KV pages the engine gave back to "
+                                       "the OS after idling.", labels=["engine"])
         for client in live:
             info = core.engines.runtime(client.name)
             if info is None:
@@ -124,10 +128,12 @@ class _CoreCollector(Collector):
             running.add_metric([client.name], info.running)
             waiting.add_metric([client.name], info.waiting)
             written.add_metric([client.name], info.written_pages)
+            released.add_metric([client.name], info.released_pages)
         yield usage
         yield running
         yield waiting
         yield written
+        yield released
         contexts = core.contexts
         yield GaugeMetricFamily("parrot:prefix_cache_hit_rate",
                                 "Fraction of prompt tokens served from cached prefix contexts.",

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from parrot.engine import kernels
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
@@ -724,5 +725,38 @@ def test_work_submitted_as_the_loop_dies_is_refused_not_lost(monkeypatch: pytest
     try:
         with pytest.raises(EngineDeadError):
             eng.generate_future(GenerateRequest(context_id="a", sampling=SamplingParams(max_tokens=2)))
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
+def test_an_idle_engine_gives_free_pages_back_and_computes_the_same() -> None:
+    """After `kv_release_idle_s` of idling, the free pages written before go back to the OS (they no longer count
+    as written); a context that stayed keeps its KV, and work on the given-back pages gives the same tokens."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(kv_release_idle_s=0.2)).start(precompile=False)
+    try:
+        p = prompt(7, 60)
+        fill(eng, "keep", p)
+        first = gen(eng, "keep", max_tokens=8, ignore_eos=True, logprobs=3)
+        for i in range(4):
+            fill(eng, f"gone{i}", prompt(i, 90))
+            gen(eng, f"gone{i}", max_tokens=8, ignore_eos=True)
+        written = eng.ping().written_pages
+        for i in range(4):
+            eng.free_future(f"gone{i}").result(TIMEOUT)
+        deadline = time.monotonic() + 30
+        while eng.ping().released_pages == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = eng.ping()
+        assert info.released_pages >= 4 * 90 // eng.kv.page_size
+        assert info.written_pages == eng.kv.num_used_pages < written
+        assert info.settings["kv_release_idle_s"] == 0.2
+        more = gen(eng, "keep", max_tokens=8, ignore_eos=True, logprobs=3)  # its pages were kept
+        fill(eng, "again", p + first.token_ids)  # on pages given back
+        again = gen(eng, "again", max_tokens=8, ignore_eos=True, logprobs=3)
+        assert again.token_ids == more.token_ids and same_logprobs(again.logprobs, more.logprobs, float_weights=True)
+        fill(eng, "ref", p)
+        ref = gen(eng, "ref", max_tokens=8, ignore_eos=True, logprobs=3)
+        assert ref.token_ids == first.token_ids and same_logprobs(ref.logprobs, first.logprobs, float_weights=True)
     finally:
         eng.shutdown()

@@ -684,6 +684,10 @@ def test_cli_engine_config() -> None:
     assert not engine_config_from_args(build_parser().parse_args(["engine", "--no-gc-freeze"])).gc_freeze
     cfg = engine_config_from_args(build_parser().parse_args(["serve", "--throughput-hold-ms", "1000"]))
     assert cfg.throughput_hold_ms == 1000
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).kv_release_idle_s == 10.0
+    cfg = engine_config_from_args(build_parser().parse_args(["engine", "--kv-release-idle-s", "2.5"]))
+    assert cfg.kv_release_idle_s == 2.5
+    assert engine_config_from_args(build_parser().parse_args(["engine"])).kv_release_idle_s == 10.0
     assert engine_config_from_args(build_parser().parse_args(["serve", "--max-num-seqs", "8"])).max_batch_size == 8
     assert "kv_buckets" in engine_config_from_args(build_parser().parse_args(["serve", "--max-model-len", "512"])
                                                    ).explicit  # the engine refuses one past the model's context
@@ -693,7 +697,8 @@ def test_cli_engine_config() -> None:
                                   ["--max-num-batched-tokens", "-1"], ["--kv-memory-mb", "0"], ["--port", "70000"],
                                   ["--port", "0"], ["--engines", "-1"], ["--throughput-hold-ms", "-1"],
                                   ["--max-model-len", "-16"], ["--precompile-bs-paddings", "1", "0"],
-                                  ["--speculative-tokens", "-2"], ["--max-sessions", "0"]])
+                                  ["--speculative-tokens", "-2"], ["--max-sessions", "0"],
+                                  ["--kv-release-idle-s", "-1"], ["--kv-release-idle-s", "nan"]])
 def test_cli_numbers_out_of_range_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before anything loads, naming the flag (a negative batch size was taken and every request hung;
     port 70000 listened on 4464)."""

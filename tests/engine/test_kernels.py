@@ -519,6 +519,41 @@ def test_lazy_zeros_read_as_zeros_and_take_memory_only_where_written() -> None:
     assert float(jnp.max(jnp.abs(odd))) == 0.0  # partial pages at both ends written as zeros
 
 
+def test_released_pages_give_their_memory_back_and_the_others_keep_theirs() -> None:
+    """`release_pages` in place (the caches donated): the marked pages' whole OS pages are given back (the
+    process's resident memory falls by about their bytes; they read as zeros), the other pages keep their
+    values, and an OS page a marked page shares with an unmarked one keeps its bytes."""
+    shape = (2, 4096, 16, 64)  # 2 KV heads of 4,096 pages of 4 KiB (float32): 32 MiB a cache, 64 MiB in all
+    pool = jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, jnp.float32)] * 2))()
+    fill = jax.jit(lambda cs: [c + jnp.arange(1, 4097, dtype=jnp.float32)[None, :, None, None] for c in cs],
+                   donate_argnums=0)
+    release = jax.jit(kernels.release_pages, donate_argnums=1)
+    keep = np.zeros(4096, bool)
+    keep[[0, 1, 2, 100, 2000, 4095]] = True
+    jax.block_until_ready(release(jnp.zeros(4096, jnp.uint8), fill(pool)))  # compiled once, outside the count
+    pool = fill(jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, jnp.float32)] * 2))())
+    jax.block_until_ready(pool)
+    ptrs = [c.unsafe_buffer_pointer() for c in pool]
+    before = _rss_mb()
+    pool = release(jnp.asarray(~keep, jnp.uint8), pool)
+    jax.block_until_ready(pool)
+    assert before - _rss_mb() > 48  # of the 64 MiB written, all but the kept pages' OS pages
+    assert [c.unsafe_buffer_pointer() for c in pool] == ptrs  # in place
+    want = np.arange(1, 4097, dtype=np.float32)
+    for c in pool:
+        a = np.asarray(c)
+        for p in np.flatnonzero(keep):
+            assert (a[:, p] == want[p]).all()  # kept pages keep every value
+        inner = a[:, 10:90].reshape(2, -1)[:, 1024:-1024]  # inside a run of released pages: whole OS pages
+        assert not inner.any()
+        values = set(np.unique(a).tolist())
+        assert values <= {0.0, *want[keep].tolist(), *want[~keep].tolist()}  # nothing else was written
+    whole = fill(jax.jit(lambda: kernels.lazy_zeros([jax.ShapeDtypeStruct(shape, jnp.float32)]))())
+    copied = jax.jit(kernels.release_pages)(jnp.asarray(~keep, jnp.uint8), whole)[0]  # not donated: on XLA's copy
+    assert (np.asarray(whole[0])[:, :, 0, 0] == want).all()  # the operand keeps every page
+    assert (np.asarray(copied)[:, keep, 0, 0] == want[keep]).all() and not np.asarray(copied)[:, 10:90, 1:].any()
+
+
 @pytest.mark.parametrize("team", [True, False])
 def test_concurrent_calls_share_the_helper_threads_safely(team: bool) -> None:
     """Kernel calls from several threads at once (two engines in one process, XLA running calls side by

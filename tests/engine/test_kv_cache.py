@@ -7,6 +7,7 @@ import copy
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -63,6 +64,20 @@ def test_written_pages_count_every_page_ever_handed_out() -> None:
     assert m.num_written_pages == 5 and m.num_used_pages == 2
     taken = len(set(filled(m, "c", 2 * PS).pages) - set(m.get("b").pages))
     assert taken == 2 and m.num_written_pages <= 7
+
+
+def test_released_pages_no_longer_count_as_written() -> None:
+    """Free written pages given back to the OS (`released`) leave the written count; used ones never do."""
+    m = KVCacheManager(num_pages=16, page_size=PS)
+    filled(m, "a", 3 * PS)
+    filled(m, "b", 2 * PS)
+    m.free("a")
+    pages = m.releasable()
+    assert pages.sum() == 3 and not pages[m.get("b").pages].any() and not pages[0]
+    m.released(np.ones(16, bool))  # a mask that also names used pages and the scratch page: only free ones count
+    assert m.num_written_pages == m.num_used_pages == 2 and not m.releasable().any()
+    filled(m, "c", PS)
+    assert m.num_written_pages == 3
 
 
 def test_only_scratch_page() -> None:

@@ -93,6 +93,8 @@ def test_metrics_follow_requests(server) -> None:
     assert 0.0 <= value(fams, "parrot:kv_cache_usage_perc", engine="local") <= 1.0
     written = value(fams, "parrot:kv_cache_written_pages", engine="local")  # the prompts' pages at least
     assert 0 < written <= core.engines.runtime("local").total_pages
+    assert value(fams, "parrot:kv_cache_released_pages", "parrot:kv_cache_released_pages_total",
+                 engine="local") == core.engines.runtime("local").released_pages >= 0
     assert value(fams, "parrot:engine_mixed_steps", "parrot:engine_mixed_steps_total", engine="local") >= 0
     # plain calls are all latency-critical: the throughput hold holds nothing
     assert value(fams, "parrot:engine_held_steps", "parrot:engine_held_steps_total", engine="local") == 0

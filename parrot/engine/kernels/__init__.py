@@ -66,6 +66,7 @@ MATMUL_PATHS = ("avx2", "avx512-vnni", "amx-int8")  # parrot_matmul_select's cod
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 _TARGETS = {"parrot_qmatmul": "ParrotQMatmul", "parrot_paged_decode": "ParrotPagedDecode",
             "parrot_paged_prefill": "ParrotPagedPrefill", "parrot_lazy_zeros": "ParrotLazyZeros",
+            "parrot_release_pages": "ParrotReleasePages",
             "parrot_sample": "ParrotSample", "parrot_logprobs": "ParrotLogprobs",
             "parrot_qmatmul_pick": "ParrotQMatmulPick", "parrot_paged_decode_pick": "ParrotPagedDecodePick",
             "parrot_rope_kv_pick": "ParrotRopeKvPick"}
@@ -500,6 +501,17 @@ def lazy_zeros(shapes: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
     back to the OS, which maps them as zeros on first touch): a KV pool costs memory in proportion to the
     pages used, as llama.cpp's does. Inside a jitted function, like the other calls."""
     return list(_ffi_call("parrot_lazy_zeros", shapes)())
+
+
+def release_pages(release: jax.Array, caches: list[jax.Array]) -> list[jax.Array]:
+    """The KV pool's `caches` ([Hkv, P, page_size, D] each) with the pages where `release` [P] (uint8) is 1 given
+    back to the OS: the whole OS pages within a run of them (a 2 KiB page of one KV head shares its OS page with a
+    neighbour) read as zeros again and take memory only once written, as `lazy_zeros`'s. Each cache is aliased to
+    its result: jit it with the caches donated, and the call changes them in place."""
+    out = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
+    aliases = {i + 1: i for i in range(len(caches))}
+    return list(_ffi_call("parrot_release_pages", out, input_output_aliases=aliases)(release.astype(jnp.uint8),
+                                                                                    *caches))
 
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, q_index: jax.Array, positions: jax.Array,

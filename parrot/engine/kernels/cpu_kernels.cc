@@ -1986,5 +1986,53 @@ static ffi::Error LazyZerosImpl(ffi::RemainingRets rets) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotLazyZeros, LazyZerosImpl, ffi::Ffi::Bind().RemainingRets());
 
+// Free pages given back to the OS (`kernels.release_pages`): operand 0 marks the pool's pages to give back
+// (`release` [P], 1 to give back), then come the pool's caches ([Hkv, P, page_size, D] each), each aliased to
+// its result. For every run of marked pages the whole OS pages inside each KV head's bytes of the run are
+// given back (madvise MADV_DONTNEED: they read as zeros and are resident again once written); the bytes an OS
+// page shares with an unmarked page are left as they are. A marked page's contents are not the pool's any more
+// (the engine writes a page's keys and values before it reads them). XLA aliases each cache to its result (where
+// the operand is not donated, it copies the operand first, and the pages marked are given back in the copy).
+static ffi::Error ReleasePagesImpl(ffi::Buffer<ffi::U8> release, ffi::RemainingArgs caches, ffi::RemainingRets rets) {
+  const uintptr_t os_page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const int64_t pages = static_cast<int64_t>(release.element_count());
+  const uint8_t* mark = release.typed_data();
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    auto a = caches.get<ffi::AnyBuffer>(i);
+    if (!r.has_value() || !a.has_value()) return ffi::Error::InvalidArgument("parrot_release_pages: not a buffer");
+    ffi::AnyBuffer out = **r, in = *a;
+    auto dims = out.dimensions();
+    if (dims.size() != 4 || dims[1] != pages || in.size_bytes() != out.size_bytes())
+      return ffi::Error::InvalidArgument("parrot_release_pages: a cache is not [Hkv, P, page_size, D]");
+    if (out.untyped_data() != in.untyped_data())
+      return ffi::Error::InvalidArgument("parrot_release_pages: a cache is not aliased to its result");
+    const uintptr_t base = reinterpret_cast<uintptr_t>(out.untyped_data());
+    const uintptr_t page_bytes = out.size_bytes() / static_cast<size_t>(dims[0] * pages);
+    for (int64_t h = 0; h < dims[0]; ++h) {
+      for (int64_t p = 0; p < pages;) {
+        if (!mark[p]) {
+          ++p;
+          continue;
+        }
+        int64_t e = p;
+        while (e < pages && mark[e]) ++e;
+        const uintptr_t lo = base + static_cast<uintptr_t>(h * pages + p) * page_bytes;
+        const uintptr_t hi = base + static_cast<uintptr_t>(h * pages + e) * page_bytes;
+        const uintptr_t lo1 = (lo + os_page - 1) & ~(os_page - 1), hi0 = hi & ~(os_page - 1);
+        if (lo1 < hi0) madvise(reinterpret_cast<void*>(lo1), hi0 - lo1, MADV_DONTNEED);  // best effort
+        p = e;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ParrotReleasePages, ReleasePagesImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // release [P]: 1 = give the page back
+                                  .RemainingArgs()                // the caches
+                                  .RemainingRets());              // the same caches (aliased)
+
 #pragma GCC visibility pop
 #endif  // PARROT_PART_REST
