@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from pathlib import Path
 import parrot as P
 from benchmarks.report import write_json
 from benchmarks.soak import free_port, rss_mb
+from benchmarks.startup import stop
 
 WORDS = ("river", "garden", "engine", "violet", "castle", "harbor", "lantern", "meadow", "copper", "window",
          "thunder", "pepper", "island", "marble", "falcon", "winter", "saddle", "orchard", "candle", "bridge")
@@ -143,12 +143,7 @@ def serve_once(port: int, cache_dir: str, idle_s: float, requests: int, words: i
         again = _chat(base, prompt(0, words), max_tokens, timeout)
         out["same_answer_after"] = again == answers[0]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 60.0)
     return out
 
 

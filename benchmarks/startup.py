@@ -80,13 +80,18 @@ def start_once(port: int, cache_dir: str, layers_per_call: int, timeout: float, 
         out["warm_s"] = time.monotonic() - t0
         out["rss_gb"] = (procinfo.rss_bytes(proc.pid) or 0) / 1e9
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return out
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a server this benchmark started: SIGINT to its PID, killed if it is still there after `grace_s`."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run(layers: list[int], port: int, timeout: float, log_dir: Path, first_start: bool = False) -> dict:
