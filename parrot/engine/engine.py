@@ -63,7 +63,8 @@ from parrot.protocol import (
 
 log = logging.getLogger(__name__)
 COMPILE_JOIN_S = 120.0  # at shutdown, how long to wait for the compiles under way (one shape each)
-RELEASE_MIN_PAGES = 16  # free written KV pages worth giving back to the OS at once (idle engine)
+RELEASE_MIN_PAGES = 16  # free written KV pages worth giving back to the OS (idle engine)
+RELEASE_CHUNK_PAGES = 128  # given back in one call, ~5-10 ms on a CPU: work that arrives waits for one call at most
 
 
 class EngineDeadError(ParrotError):
@@ -136,6 +137,7 @@ class LLMEngine:
         self._host_ms: collections.deque[float] = collections.deque(maxlen=256)
         self._idle_since: float | None = None  # when the loop last found nothing to do (None: busy since)
         self.released_pages = 0  # KV pages given back to the OS (`_release_idle_pages`)
+        self._releasing: tuple[int, float, int] | None = None  # pages, seconds and calls of the giving back under way
         self._inflight: tuple[StepPlan, Launched] | None = None  # a launched step not applied yet
         self.ahead_steps = 0  # steps launched before the previous step's tokens were read (overlap)
         self._settings: dict[str, object] | None = None
@@ -419,11 +421,13 @@ class LLMEngine:
                 busy = self.scheduler.has_work() or self._inflight is not None
                 self.runner.compiler.serving(busy)  # background compiling yields the cores to steps
                 if not busy:  # nothing to do, or waiting work held back by a kept slot until it is let go
-                    self._release_idle_pages()
+                    if self._release_idle_pages():
+                        continue  # more pages to give back: new work first
                     self._wake.wait(timeout=self.scheduler.wake_in())
                     self._wake.clear()
                     continue
                 self._idle_since = None
+                self._releasing = None
                 self.step()
         except BaseException as exc:  # a crash must not leave callers waiting forever
             self._dead = exc  # first: a submit that checks it now is refused
@@ -453,27 +457,37 @@ class LLMEngine:
                 return
             fn()
 
-    def _release_idle_pages(self) -> None:
+    def _release_idle_pages(self) -> bool:
         """Once the engine has idled `kv_release_idle_s`, the free KV pages written since are given back to the OS
-        (a CPU's pool: `ModelRunner.release_pages`), at least `RELEASE_MIN_PAGES` of them at a time."""
+        (a CPU's pool: `ModelRunner.release_pages`), once at least `RELEASE_MIN_PAGES` are, in calls of about
+        `RELEASE_CHUNK_PAGES` (new work goes first between them). Returns whether some are left to give back."""
         after = self.cfg.kv_release_idle_s
         if not after or not self.runner.lazy_pool:
-            return
+            return False
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
         if now - self._idle_since < after:
-            return
-        n = int(self.kv.releasable().sum())
-        if n < RELEASE_MIN_PAGES:
-            return
+            return False
+        written = self.kv.releasable()
+        n = int(written.sum())
+        if n == 0 or (n < RELEASE_MIN_PAGES and self._releasing is None):
+            return False
         t0 = time.perf_counter()
-        pages = self.kv.free_mask()  # every free page: those never written cost nothing, and a copy skips them
+        pages = self.kv.release_span(RELEASE_CHUNK_PAGES)
         self.runner.release_pages(pages)
         self.kv.released(pages)
-        self.released_pages += n
-        log.info("gave %d free KV pages back to the OS after %.0f s idle (%.1f ms)", n, after,
-                 (time.perf_counter() - t0) * 1e3)
+        k = int((pages & written).sum())
+        self.released_pages += k
+        done, secs, calls = self._releasing or (0, 0.0, 0)
+        self._releasing = (done + k, secs + time.perf_counter() - t0, calls + 1)
+        if k < n:
+            return True
+        done, secs, calls = self._releasing
+        self._releasing = None
+        log.info("gave %d free KV pages back to the OS after %.0f s idle (%.1f ms in %d call(s))", done, after,
+                 secs * 1e3, calls)
+        return False
 
     def step(self) -> None:
         """One iteration: the scheduler plans, the runner launches the plan, the scheduler applies the

@@ -134,9 +134,9 @@ class KVCacheManager:
         """The free pages written since they were last given back (bool, [num_pages])."""
         return self._free.releasable()
 
-    def free_mask(self) -> np.ndarray:
-        """The free pages (bool, [num_pages])."""
-        return self._free.free_mask()
+    def release_span(self, most: int) -> np.ndarray:
+        """The free pages to give back to the OS next, about `most` of them written (`PagePool.release_span`)."""
+        return self._free.release_span(most)
 
     def released(self, pages: np.ndarray) -> None:
         """The runner gave these free pages (a bool mask) back to the OS (`ModelRunner.release_pages`)."""

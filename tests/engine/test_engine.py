@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
+import re
 import time
 
+import numpy as np
 import pytest
 
+from parrot.engine import engine as engine_module
 from parrot.engine import kernels
 from parrot.engine.engine import EngineDeadError, LLMEngine
 from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
@@ -730,27 +734,41 @@ def test_work_submitted_as_the_loop_dies_is_refused_not_lost(monkeypatch: pytest
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
-def test_an_idle_engine_gives_free_pages_back_and_computes_the_same() -> None:
+def test_an_idle_engine_gives_free_pages_back_and_computes_the_same(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
     """After `kv_release_idle_s` of idling, the free pages written before go back to the OS (they no longer count
-    as written); a context that stayed keeps its KV, and work on the given-back pages gives the same tokens."""
+    as written), a few calls' worth at a time; a context that stayed keeps its KV, and work on the given-back
+    pages gives the same tokens."""
+    monkeypatch.setattr(engine_module, "RELEASE_CHUNK_PAGES", 16)  # several calls
+    caplog.set_level(logging.INFO, logger="parrot.engine.engine")
     eng = LLMEngine(tiny_model(), tiny_engine_config(kv_release_idle_s=0.2)).start(precompile=False)
     try:
         p = prompt(7, 60)
-        fill(eng, "keep", p)
-        first = gen(eng, "keep", max_tokens=8, ignore_eos=True, logprobs=3)
-        for i in range(4):
+        for i in range(4):  # the kept context's pages lie between those given back
             fill(eng, f"gone{i}", prompt(i, 90))
             gen(eng, f"gone{i}", max_tokens=8, ignore_eos=True)
+            if i == 1:
+                fill(eng, "keep", p)
+                first = gen(eng, "keep", max_tokens=8, ignore_eos=True, logprobs=3)
+        pages = eng.kv.get("keep").pages
+        assert min(eng.kv.get("gone0").pages) < min(pages) and max(pages) < max(eng.kv.get("gone3").pages)
+        spans = []
+        release = eng.runner.release_pages
+        monkeypatch.setattr(eng.runner, "release_pages", lambda span: (spans.append(span.copy()), release(span)))
         written = eng.ping().written_pages
         for i in range(4):
             eng.free_future(f"gone{i}").result(TIMEOUT)
         deadline = time.monotonic() + 30
-        while eng.ping().released_pages == 0 and time.monotonic() < deadline:
+        while eng.ping().written_pages > eng.kv.num_used_pages and time.monotonic() < deadline:
             time.sleep(0.05)
         info = eng.ping()
         assert info.released_pages >= 4 * 90 // eng.kv.page_size
         assert info.written_pages == eng.kv.num_used_pages < written
         assert info.settings["kv_release_idle_s"] == 0.2
+        calls = [int(m.group(1)) for r in caplog.records if (m := re.search(r"in (\d+) call", r.getMessage()))]
+        assert calls == [len(spans)] and len(spans) >= 2
+        kept = [s for s in spans if np.flatnonzero(s)[0] < min(pages) and max(pages) < np.flatnonzero(s)[-1]]
+        assert kept and not any(s[pages].any() for s in kept)  # a span around the kept context, which it skips
         more = gen(eng, "keep", max_tokens=8, ignore_eos=True, logprobs=3)  # its pages were kept
         fill(eng, "again", p + first.token_ids)  # on pages given back
         again = gen(eng, "again", max_tokens=8, ignore_eos=True, logprobs=3)

@@ -78,6 +78,33 @@ def test_give_and_errors() -> None:
     assert 0 not in pool and 1 in pool
 
 
+def test_release_spans_cover_every_written_free_page_in_aligned_pieces() -> None:
+    """Spans given back one after another: each starts at the first written free page and holds about `most` of
+    them, cut at multiples of `align`; free pages never written come along, used pages never; in the end no free
+    page counts as written and the used ones still do."""
+    rng = np.random.default_rng(3)
+    pool = PagePool(200)
+    taken = pool.take(150)
+    for p in rng.choice(taken, 90, replace=False):
+        pool.give(int(p))
+    used = ~pool._free.copy()
+    used[0] = False
+    spans = []
+    while (written := pool.releasable()).any():
+        span = pool.release_span(16, align=8)
+        lo, hi = np.flatnonzero(span)[[0, -1]]
+        assert lo // 8 * 8 <= np.flatnonzero(written)[0] and not (span & used).any()
+        assert 16 <= int((span & written).sum()) <= 16 + 8 or not (written & ~span).any()
+        assert (span == (pool._free & (np.arange(span.size) >= lo // 8 * 8)
+                         & (np.arange(span.size) <= hi))).all()  # every free page in between
+        pool.released(span)
+        spans.append(span)
+        assert len(spans) < 20
+    assert len(spans) >= 5 and pool.ever_taken == int(used.sum()) == 60
+    cuts = [int(np.flatnonzero(s)[-1]) + 1 for s in spans[:-1]]
+    assert all(c % 8 == 0 or not pool._free[c] for c in cuts)  # a span ends at a multiple of 8, or a used page
+
+
 @pytest.mark.parametrize("runs", [True, False])
 def test_random_takes_and_gives_account_for_every_page(runs: bool) -> None:
     rng = np.random.default_rng(3)
