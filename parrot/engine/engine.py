@@ -485,7 +485,7 @@ class LLMEngine:
             return True
         done, secs, calls = self._releasing
         self._releasing = None
-        log.info("gave %d free KV pages back to the OS after %.0f s idle (%.1f ms in %d call(s))", done, after,
+        log.info("gave %d free KV pages back to the OS after %g s idle (%.1f ms in %d call(s))", done, after,
                  secs * 1e3, calls)
         return False
 
