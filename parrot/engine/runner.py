@@ -121,6 +121,12 @@ def _copy_pages(kv: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return jax.tree.map(lambda c: c.at[:, dst].set(c[:, src]), kv)
 
 
+def _release_pages(kv: KVCache, mask: jax.Array) -> KVCache:
+    ks, vs = kv
+    out = kernels.release_pages(mask, [*ks, *vs])
+    return tuple(out[: len(ks)]), tuple(out[len(ks) :])
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class Weights:
@@ -365,7 +371,6 @@ class ModelRunner:
         self.shapes = ShapeBook(ecfg, self.max_len, self.prefill_in_place, self.mixed, self.multi_step,
                                 self.multi_max_batch, self.host_stages)
         self.kv: KVCache = self._alloc_kv()
-        self._release: Callable | None = None  # release_pages' jitted call
         # layers run in blocks of `layers_per_call`: one compiled block function per shape serves every
         # block, so compiling costs one block's trace instead of the whole model's
         per_call = block_size(cfg.num_layers, ecfg.layers_per_call)
@@ -457,6 +462,7 @@ class ModelRunner:
         # prompt logprobs of a fill's tokens: compiled on first use, once per bucket of rows
         self._scores = jax.jit(self._spmd(scores, lambda s: (s.head, P(), P(), P()), (P(), P(), P())))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self._release = jax.jit(_release_pages, donate_argnums=(0,))  # CPU pools only (`release_pages`)
         self._copy_width = 16
         self._greedy = jax.jit(greedy_sample)
         self._splice = jax.jit(_splice_tokens)
@@ -1056,14 +1062,8 @@ class ModelRunner:
         (`kernels.release_pages`, in place): the pool's memory follows the pages in use again after a peak. Their
         contents are lost, which nothing reads: a page's keys and values are written before they are read."""
         assert self.lazy_pool
-        if self._release is None:
-            def release(mask: jax.Array, ks: tuple, vs: tuple) -> tuple[tuple, tuple]:
-                out = kernels.release_pages(mask, [*ks, *vs])
-                return tuple(out[: len(ks)]), tuple(out[len(ks) :])
-
-            self._release = jax.jit(release, donate_argnums=(1, 2))
         before = [a.unsafe_buffer_pointer() for a in self.kv[0]]
-        self.kv = self._release(np.asarray(pages, np.uint8), *self.kv)
+        self.kv = self._release(self.kv, np.asarray(pages, np.uint8))
         jax.block_until_ready(self.kv)
         if [a.unsafe_buffer_pointer() for a in self.kv[0]] != before:  # correct, but the old pool was copied
             log.warning("the KV pool was copied to give its free pages back (a buffer of it is referenced elsewhere)")
