@@ -14,7 +14,8 @@ Each server takes two bursts of `--requests` requests at once, each a distinct p
 
 Reported per burst: resident memory (the server and its engine processes) before it, right after it and after
 idling, the KV pages written (`parrot:kv_cache_written_pages`) and given back
-(`parrot:kv_cache_released_pages_total`); at the end, the first chat request once more, its answer compared with
+(`parrot:kv_cache_released_pages_total`; both as the engines last reported them to the core, which can lag a
+burst of a few requests by a report); at the end, the first chat request once more, its answer compared with
 the first one's (pages given back read as zeros again; the engine writes a page before it reads it).
 
     python -m benchmarks.kv_release [--requests 32] [--prompt-words 700] [--idle-s 5]
@@ -41,19 +42,12 @@ from pathlib import Path
 
 import parrot as P
 from benchmarks.report import write_json
+from benchmarks.serve_differential import http_get
 from benchmarks.soak import free_port, rss_mb
 from benchmarks.startup import stop
 
 WORDS = ("river", "garden", "engine", "violet", "castle", "harbor", "lantern", "meadow", "copper", "window",
          "thunder", "pepper", "island", "marble", "falcon", "winter", "saddle", "orchard", "candle", "bridge")
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.read()
-    except OSError:
-        return None
 
 
 def _chat(base: str, text: str, max_tokens: int, timeout: float) -> str:
@@ -111,12 +105,12 @@ def _burst(base: str, pid: int, kind: str, requests: int, words: int, max_tokens
         answers = list(pool.map(one, range(requests)))
     out["burst_s"] = time.monotonic() - t0
     out["rss_mb_peak"] = rss_mb(pid)
-    metrics = (_get(base + "/metrics") or b"").decode()
+    metrics = (http_get(base + "/metrics") or b"").decode()
     out["written_pages_peak"] = _metric(metrics, "parrot:kv_cache_written_pages")
     released = _metric(metrics, "parrot:kv_cache_released_pages_total")
     time.sleep(wait_s)
     out["rss_mb_idle"] = rss_mb(pid)
-    metrics = (_get(base + "/metrics") or b"").decode()
+    metrics = (http_get(base + "/metrics") or b"").decode()
     out["written_pages_idle"] = _metric(metrics, "parrot:kv_cache_written_pages")
     out["released_pages"] = _metric(metrics, "parrot:kv_cache_released_pages_total") - released
     return out, answers
@@ -132,7 +126,7 @@ def serve_once(port: int, cache_dir: str, idle_s: float, requests: int, words: i
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     out: dict = {"kv_release_idle_s": idle_s}
     try:
-        while (health := _get(base + "/health")) is None or json.loads(health).get("status") != "ok":
+        while (health := http_get(base + "/health")) is None or json.loads(health).get("status") != "ok":
             if proc.poll() is not None or time.monotonic() - t0 > timeout:
                 raise RuntimeError(f"the server did not warm up; see {log_path}")
             time.sleep(0.5)
