@@ -7,12 +7,14 @@ import logging
 import re
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from parrot.engine import engine as engine_module
 from parrot.engine import kernels
 from parrot.engine.engine import EngineDeadError, LLMEngine
+from parrot.engine.runner import ModelRunner
 from parrot.engine.sampling import COMMON_DRAWS, GREEDY, PLAIN, Stages
 from parrot.engine.sequence import Job, JobKind
 from parrot.errors import ConflictError, GenerationFailedError, InvalidRequestError, NotFoundError
@@ -731,6 +733,30 @@ def test_work_submitted_as_the_loop_dies_is_refused_not_lost(monkeypatch: pytest
             eng.generate_future(GenerateRequest(context_id="a", sampling=SamplingParams(max_tokens=2)))
     finally:
         eng.shutdown()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
+def test_precompile_compiles_the_page_release_so_its_first_use_compiles_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Without precompile the first release compiles (the check sees compiles); precompile compiles it on a thread
+    of its own, and the first release then compiles nothing and gives the pages back in place."""
+    caplog.set_level(logging.WARNING)
+
+    def release(runner: ModelRunner) -> list[str]:
+        mask = np.zeros(runner.num_pages, bool)
+        mask[8:24] = True
+        caplog.clear()
+        before = runner.kv[0][0].unsafe_buffer_pointer()
+        with jax.log_compiles(True):
+            runner.release_pages(mask)
+        assert runner.kv[0][0].unsafe_buffer_pointer() == before
+        return [r.getMessage() for r in caplog.records if "_release_pages" in r.getMessage()]
+
+    model = tiny_model()
+    assert release(ModelRunner(model.config, model.weights, tiny_engine_config(kv_pages=40)))  # compiled here
+    runner = ModelRunner(model.config, model.weights, tiny_engine_config(kv_pages=48))  # a shape not compiled yet
+    runner.precompile(shapes=[], progress=False)
+    assert runner.lazy_pool and release(runner) == []
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
