@@ -156,6 +156,12 @@ def logprobs_within(items: Sequence[TokenLogprob], chars: int) -> list[TokenLogp
 WAITED = ("seconds this work already waited upstream (e.g. the task it belongs to, in the serve core): the "
           "engine queues it as if it had arrived that long ago, so a task's later primitives keep its place")
 
+CLIENT = ("whose work this is (e.g. the API key it came with; the serve core names its keys' indices): with "
+          "several clients' work running or waiting, waiting work is admitted in turns between them, and in a full "
+          "batch a client running fewer jobs than its share (the batch size over the clients) takes the place of the "
+          "newest job, no more urgent than its own, of the client furthest above its share, which is preempted "
+          "(recomputed later: the same output). None: no client")
+
 PRIORITY = ("0 (default) runs before 1, 1 before 2...: waiting work is admitted and prefilled by (priority, "
             "arrival); the serve core sends 0 for latency-critical tasks and 1 for throughput tasks. The engine's "
             "throughput hold makes work of higher numbers that has prompts to fill wait, its decodes too, while "
@@ -178,6 +184,7 @@ class FillRequest(BaseModel):
                     "with tokens it feeds the last one again, so only a context's first token has none")
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
     priority: int = Field(0, ge=0, le=9, description=PRIORITY)
+    client: str | None = Field(None, min_length=1, max_length=256, description=CLIENT)
 
 
 class FillResponse(BaseModel):
@@ -197,6 +204,7 @@ class GenerateRequest(BaseModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     waited_s: float = Field(0.0, ge=0.0, le=86400.0, description=WAITED)
     priority: int = Field(0, ge=0, le=9, description=PRIORITY)
+    client: str | None = Field(None, min_length=1, max_length=256, description=CLIENT)
 
 
 class GenerateResponse(BaseModel):
@@ -277,6 +285,7 @@ class RuntimeInfo(BaseModel):
     shape_misses: int
     preemptions: int
     priority_preemptions: int = 0  # of those, to make room in a full batch for more urgent work (priority)
+    fair_preemptions: int = 0  # of those, to give a client its share of a full batch (client)
     # slots an urgent prompt kept for the primitive that followed it, and which it took (priority_handoff_ms)
     kept_slots: int = 0
     evictions: int

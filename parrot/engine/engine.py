@@ -227,7 +227,8 @@ class LLMEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         job = Job(JobKind.FILL, req.context_id, req.parent_context_id, fill_tokens=list(req.token_ids),
                   parent_num_tokens=req.parent_num_tokens, fill_logprobs=req.logprobs,
-                  on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s, priority=req.priority)
+                  on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s, priority=req.priority,
+                  client=req.client)
         self.submit(job)
         return fut
 
@@ -239,7 +240,7 @@ class LLMEngine:
         job = Job(JobKind.GENERATE, req.context_id, req.parent_context_id, sampling=req.sampling,
                   parent_num_tokens=req.parent_num_tokens,
                   on_chunk=on_chunk, on_done=_resolver(fut), arrival=time.monotonic() - req.waited_s,
-                  priority=req.priority, constraint=constraint)
+                  priority=req.priority, client=req.client, constraint=constraint)
         self.submit(job)
         return fut
 
@@ -350,7 +351,8 @@ class LLMEngine:
             recent_host_ms=float(np.median(self._host_ms)) if self._host_ms else 0.0, ahead_steps=self.ahead_steps,
             overlap=self.cfg.overlap, settings=self.settings(),
             shape_misses=self.runner.shape_misses, preemptions=s.preemptions,
-            priority_preemptions=s.priority_preemptions, kept_slots=s.kept_slots, evictions=s.evictions,
+            priority_preemptions=s.priority_preemptions, fair_preemptions=s.fair_preemptions,
+            kept_slots=s.kept_slots, evictions=s.evictions,
             cascade_steps=self.runner.cascade_steps, mixed_steps=self.runner.mixed_steps, aborts=s.aborts,
             multi_step_launches=self.runner.multi_step_launches, decode_bursts=s.decode_bursts,
             held_steps=s.held_steps,

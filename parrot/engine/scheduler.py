@@ -12,7 +12,12 @@ oldest job always makes progress. Before that, idle contexts (no job on them) lo
 recently used first; their tokens are kept, so the next primitive on them recomputes it. A job that
 cannot fit even then fails with an explicit error. Priority (0 latency-critical, then 1, ...) orders the
 queue, and with the batch full a waiting job preempts a running one of a larger priority number (the
-newest of the least urgent): a chat does not wait for a batch job's whole generation.
+newest of the least urgent): a chat does not wait for a batch job's whole generation. Jobs name their client
+(`Job.client`, e.g. an API key): with several clients' work running or waiting, waiting jobs of a priority are
+admitted in turns between the clients (`_in_turns`), and in a full batch a client running fewer jobs than its
+share (the batch size over the clients) takes the place of the newest job, no more urgent, of the client furthest
+above its share (`_yield_to_fair_share`): one client flooding the engine does not keep another's work waiting for
+its whole first wave.
 
 Overlap (`schedule_ahead`): while a decode-only step runs on the device, the next step of the same
 batch is planned and launched before the first's tokens reach the host. Its slots feed a placeholder
@@ -67,7 +72,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -245,6 +250,7 @@ class Scheduler:
         self.last_used: dict[str, float] = {}
         self.preemptions = 0  # running jobs whose KV was dropped for recompute
         self.priority_preemptions = 0  # ... of them, to make room in a full batch for more urgent work
+        self.fair_preemptions = 0  # ... of them, to give a client its share of a full batch (`_yield_to_fair_share`)
         self.evictions = 0  # idle contexts whose KV was dropped for recompute
         self.aborts = 0  # jobs aborted before they finished
         self.prompt_tokens = 0  # tokens computed in prompt chunks (a throughput figure: recomputed ones too)
@@ -306,11 +312,12 @@ class Scheduler:
     # ---- slots kept for the primitive after an urgent prompt --------------------------------------
     def _keep_slot(self, job: Job) -> None:
         """`job` (running, about to leave `running`) has filled its tokens: a prompt of more urgent work than some
-        waiting job, in a full batch, with nothing queued on its context or forking it yet, keeps its slot
-        `handoff_s` for that next primitive (see `EngineConfig.priority_handoff_ms`)."""
+        waiting job (or of a client within its share while another's waits: `_within_share`), in a full batch, with
+        nothing queued on its context or forking it yet, keeps its slot `handoff_s` for that next primitive (see
+        `EngineConfig.priority_handoff_ms`)."""
         ctx = job.context_id
         if (not self.handoff_s or job.kind is not JobKind.FILL or len(self.running) < self.cfg.max_batch_size
-                or not any(w.priority > job.priority for w in self.waiting)
+                or not (any(w.priority > job.priority for w in self.waiting) or self._within_share(job))
                 or any(w.context_id == ctx or w.parent_context_id == ctx for w in self.waiting)):
             return
         self.kept[ctx] = time.monotonic() + self.handoff_s
@@ -635,8 +642,9 @@ class Scheduler:
             return None
         if self.waiting and (len(self.running) + len(self.kept) < self.cfg.max_batch_size
                              or self.waiting[0].priority < max(j.priority for j in self.running)
-                             or any(self._takes_kept(j) for j in self.waiting)):
-            return None  # the full scheduler admits waiting work now (with a full batch only more urgent work)
+                             or any(self._takes_kept(j) for j in self.waiting) or self._fair_share_due()):
+            return None  # the full scheduler admits waiting work now (with a full batch only more urgent work, or a
+            # client's below its share)
         jobs = [slot.job for slot in plan.decode]
         if len(jobs) != len(self.running) or not all(slot.sample for slot in plan.decode):
             return None  # a running job outside the batch (e.g. a fill waiting for pages) needs the full scheduler
@@ -1131,17 +1139,105 @@ class Scheduler:
             self._preempt(max(victims, key=lambda j: j.order))
             self.priority_preemptions += 1
 
+    def _clients(self) -> Counter[str | None] | None:
+        """Running jobs per client, where several clients have work running or waiting (else None)."""
+        if not self.waiting:
+            return None
+        first = self.waiting[0].client
+        if all(j.client == first for j in itertools.chain(self.waiting, self.running)):
+            return None
+        running: Counter[str | None] = Counter(j.client for j in self.running)
+        for job in self.waiting:
+            running.setdefault(job.client, 0)
+        return running
+
+    def _in_turns(self) -> list[Job] | None:
+        """The waiting jobs in the order `_admit` takes them where several clients have work (None: one client, the
+        queue's order): by priority, then each client's jobs take turns (a job's turn is how many contexts of its
+        client run or wait before it, each client's own order kept), then queue order."""
+        running = self._clients()
+        if running is None:
+            return None
+        turns = running.copy()
+        seen: set[str] = {j.context_id for j in self.running}
+        keyed = []
+        for job in self.waiting:
+            keyed.append((job.priority, turns[job.client], job.order, job))
+            if job.context_id not in seen:  # a context's fill and generate are one turn
+                seen.add(job.context_id)
+                turns[job.client] += 1
+        keyed.sort(key=lambda k: k[:3])
+        return [k[3] for k in keyed]
+
+    def _within_share(self, job: Job) -> bool:
+        """Whether running `job` is within its client's share of the batch while another client's work waits (the
+        slot of its prompt is then kept for its next primitive, as an urgent prompt's is: `_keep_slot`)."""
+        running = self._clients()
+        if running is None or not any(w.client != job.client for w in self.waiting):
+            return False
+        return running[job.client] <= max(1, self.cfg.max_batch_size // len(running))
+
+    def _fair_share_due(self) -> bool:
+        """Whether `_yield_to_fair_share` would preempt now: a full batch, a client with work waiting below its share
+        and one running above it."""
+        if len(self.running) + len(self.kept) < self.cfg.max_batch_size:
+            return False
+        running = self._clients()
+        if running is None:
+            return False
+        share = max(1, self.cfg.max_batch_size // len(running))
+        waiting = {j.client for j in self.waiting}
+        return any(running[c] < share for c in waiting) and any(n > share for n in running.values())
+
+    def _yield_to_fair_share(self) -> None:
+        """Fair share between clients (`Job.client`): with the batch full, a waiting job whose client runs fewer jobs
+        than its share (the batch size over the clients with work running or waiting) takes the place of a running
+        job, no more urgent than it, of the client furthest above its share (its newest), which is preempted: its KV
+        is dropped and recomputed when it runs again, so its output is the same. `_in_turns` then admits it first.
+        A client that floods the engine runs its share; another's request does not wait for its whole first wave."""
+        if not self._fair_share_due():
+            return
+        running = self._clients()
+        assert running is not None
+        share = max(1, self.cfg.max_batch_size // len(running))
+        taken: set[str] = set()
+        first: dict[str, int] = {}  # each context's first waiting job, as taken (a fork waits for one on its parent)
+        for job in self.waiting:
+            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
+        for job in self._in_turns() or []:
+            parent = job.parent_context_id
+            if (job.context_id in self.busy or job.context_id in taken or parent in self.busy or parent in taken
+                    or (parent is not None and first.get(parent, job.queued) < job.queued)):
+                continue  # it waits for work on its context (or its parent's, running or queued first) anyway
+            taken.add(job.context_id)
+            if running[job.client] >= share or self._takes_kept(job):
+                continue
+            victims = [j for j in self.running if running[j.client] > share and j.priority >= job.priority
+                       and j.status is JobStatus.RUNNING]
+            if not victims:
+                continue
+            most = max(running[j.client] for j in victims)
+            victim = max((j for j in victims if running[j.client] == most), key=lambda j: j.order)
+            self._preempt(victim)
+            running[victim.client] -= 1
+            running[job.client] += 1
+            self.fair_preemptions += 1
+
     def _admit(self, plan: StepPlan) -> None:
         """Move waiting jobs whose context (and parent) are idle into running, setting up contexts (a full batch
         first makes room for more urgent work: `_yield_to_priority`; a slot kept for the primitive after an
         urgent prompt is that primitive's: `_keep_slot`)."""
         self._let_go()
         self._yield_to_priority()
+        self._yield_to_fair_share()
         blocked: set[str] = set()
         kept: deque[Job] = deque()
         first: dict[str, int] = {}  # each context's first job still waiting, as taken (`Job.queued`)
         for job in self.waiting:
             first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
+        turns = self._in_turns()
+        reordered = turns is not None
+        self.waiting = deque(turns) if reordered else self.waiting
         while self.waiting:
             job = self.waiting.popleft()
             ctx_id, parent = job.context_id, job.parent_context_id
@@ -1175,7 +1271,7 @@ class Scheduler:
             self.running.append(job)
             self.busy[ctx_id] = job
             self._take_kept(job)
-        self.waiting = kept
+        self.waiting = deque(sorted(kept, key=lambda j: j.order)) if reordered else kept
 
     def _setup(self, job: Job, plan: StepPlan) -> None:
         ctx_id, parent = job.context_id, job.parent_context_id

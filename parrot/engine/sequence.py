@@ -43,6 +43,7 @@ class Job:
     job_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower first (latency-critical work before throughput work)
+    client: str | None = None  # whose work it is (an API key): several clients share a full batch (`Scheduler`)
     queued: int = 0  # jobs the scheduler took before this one (`Scheduler.add`): the last tie-break of `order`
     status: JobStatus = JobStatus.WAITING
     base_len: int = -1  # context length before this fill was applied (-1: not yet); failures roll back

@@ -46,6 +46,7 @@ Computed at scrape time from the core (a custom collector, read on the event loo
   parrot:engine_decode_bursts_total{engine}   decode-only bursts between prompt steps (--decode-bursts)
   parrot:engine_preemptions_total{engine} / parrot:engine_priority_preemptions_total{engine}   running sequences
                                          preempted (KV dropped, recomputed later); of them, for more urgent work
+  parrot:engine_fair_preemptions_total{engine}   of them, to give an API key its share of a full batch
   parrot:engine_held_steps_total{engine}   steps planned while throughput prompts waited for latency-critical
                                          decodes (--throughput-hold-ms)
   parrot:engine_info{engine, platform, weights, kv_dtype, kv_pages, ...}   the engine's device settings (1)
@@ -271,6 +272,8 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
                                     "recompute later (for KV space, or for more urgent work).", labels=["engine"])
     yielded = CounterMetricFamily("parrot:engine_priority_preemptions", "Of those, the ones that made room in a full "
                                   "batch for more urgent (latency-critical) work.", labels=["engine"])
+    shared = CounterMetricFamily("parrot:engine_fair_preemptions", "Of those, the ones that gave an API key (a client) "
+                                 "its share of a full batch another key ran more of.", labels=["engine"])
     drafted = CounterMetricFamily("parrot:engine_spec_draft_tokens", "Draft tokens the engine fed for verification "
                                   "(speculative decoding by prompt lookup).", labels=["engine"])
     accepted = CounterMetricFamily("parrot:engine_spec_accepted_tokens", "Draft tokens the samples after them "
@@ -290,11 +293,12 @@ def _step_metrics(core: ParrotServeCore) -> Iterator[Metric]:
         held.add_metric([name], info.held_steps)
         preempted.add_metric([name], info.preemptions)
         yielded.add_metric([name], info.priority_preemptions)
+        shared.add_metric([name], info.fair_preemptions)
         drafted.add_metric([name], info.spec_draft_tokens)
         accepted.add_metric([name], info.spec_accepted_tokens)
         if info.settings:
             settings.add_metric([name, *(str(info.settings.get(k, "")) for k in keys)], 1)
-    yield from (step, host, ahead, mixed, multi, bursts, held, preempted, yielded, drafted, accepted, settings)
+    yield from (step, host, ahead, mixed, multi, bursts, held, preempted, yielded, shared, drafted, accepted, settings)
 
 
 class RequestTimer:

@@ -90,6 +90,7 @@ class _TaskRecord:
     diverged: bool = False  # a re-run elsewhere generated other text than what was delivered (`deliver`)
     created: float = field(default_factory=time.perf_counter)
     priority: int = 0  # engine queue priority: 0 latency-critical, 1 throughput
+    client: str | None = None  # whose work it is for the engines' fair share (`ServeCore._engine_client`)
     overloads: int = 0  # times an engine refused it for KV space (it is retried later or elsewhere)
     cancelled: str | None = None  # why it was cancelled (its readers went away); None while wanted
     running_on: tuple[EngineClient, str] | None = None  # (engine, context id) of the generate in flight
@@ -833,7 +834,7 @@ class ParrotServeCore:
         started = self._app_started.setdefault(session.session_id, clock.ready)
         chain.run["criterion"] = criterion  # the live view keeps it once the chain has ended
         rec = _ChainRecord(sampling, owners, session.session_id, created=clock.ready, clock=clock, session=session,
-                           chain=chain, priority=self._priority(criterion),
+                           chain=chain, priority=self._priority(criterion), client=self._engine_client(session.owner),
                            app_started=started if self.scheduler.app_aware else None)
         task = CompletionTask(session.session_id, tokens, boundaries, criterion, session.executor.depth(chain),
                               session.executor.group(chain), payload=rec, salt=session.salt, client=session.owner)
@@ -871,6 +872,13 @@ class ParrotServeCore:
         if sampling.seed is not None or sampling.temperature == 0:
             return sampling
         return sampling.model_copy(update={"seed": self._seeds.getrandbits(63)})
+
+    def _engine_client(self, key: int | None) -> str | None:
+        """The client an API key's work is for in the engines (`FillRequest.client`: several keys share a full batch
+        in turns, each its share), where the keys take turns (`--no-fair-share` off, app-aware mode)."""
+        if key is None or not (self.scheduler.fair and self.scheduler.app_aware):
+            return None
+        return f"key-{key}"
 
     def _priority(self, criterion: Criterion) -> int:
         """Latency-critical work goes first in the engines' queues too (app-aware mode only)."""
@@ -913,7 +921,7 @@ class ParrotServeCore:
             gen_owner = rec.owner if self.prefix_sharing else task.task_id
             gen_id = self.contexts.new_id(gen_owner)
             req = GenerateRequest(context_id=gen_id, parent_context_id=parent.context_id, sampling=rec.sampling,
-                                  waited_s=rec.waited(), priority=rec.priority)
+                                  waited_s=rec.waited(), priority=rec.priority, client=rec.client)
             text, ids, finish, stop_reason = "", [], "stop", None
             timer = (self.request_timer("semantic_call", rec.created)
                      if self.request_timer is not None and isinstance(rec, _ChainRecord) else None)
@@ -1082,7 +1090,8 @@ class ParrotServeCore:
         if not self.prefix_sharing:  # baseline: the whole prompt into a fresh context, freed after the task
             self.contexts.record_lookup(len(task.tokens), 0)
             ctx_id = self.contexts.new_id(task.task_id)
-            req = FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(), priority=rec.priority)
+            req = FillRequest(context_id=ctx_id, token_ids=task.tokens, waited_s=rec.waited(), priority=rec.priority,
+                              client=rec.client)
             self.serve_time.sending(rec.clock)
             if client.ordered:  # the generate goes right behind it
                 fut = client.send_fill(req)
@@ -1163,7 +1172,7 @@ class ParrotServeCore:
         owner = rec.owner if self.prefix_sharing else task.task_id
         ctx_id = self.contexts.new_id(owner)
         req = FillRequest(context_id=ctx_id, token_ids=task.tokens, logprobs=rec.prompt_logprobs,
-                          waited_s=rec.waited(), priority=rec.priority)
+                          waited_s=rec.waited(), priority=rec.priority, client=rec.client)
         self.serve_time.sending(rec.clock)
         try:
             resp = await client.fill(req)
@@ -1210,7 +1219,7 @@ class ParrotServeCore:
             rec.note(forked_from=holder.context_id, forked_tokens=fork_len)
         req = FillRequest(context_id=ctx_id, parent_context_id=parent.context_id if parent else None,
                           parent_num_tokens=fork_len, token_ids=tokens[start:], waited_s=rec.waited(),
-                          priority=rec.priority)
+                          priority=rec.priority, client=rec.client)
         if client.ordered:
             self.serve_time.sending(rec.clock)
             sent = client.send_fill(req)
@@ -1321,7 +1330,8 @@ class ParrotServeCore:
                 owners.append(None if i < shared or self.prefix_sharing else owner)
         queue: asyncio.Queue = asyncio.Queue()
         rec = _PlainRecord(self._seeded(sampling), owners, owner, created=clock.ready, clock=clock, queue=queue,
-                           priority=self._priority(criterion), prompt_logprobs=prompt_logprobs)
+                           priority=self._priority(criterion), client=self._engine_client(client),
+                           prompt_logprobs=prompt_logprobs)
         task = CompletionTask(owner, flat, boundaries, criterion, payload=rec, salt=salt_digest(cache_salt),
                               client=client)
         self._completions[queue] = task

@@ -100,10 +100,24 @@ class GlobalScheduler:
             return room
         latency_running = sum(1 for t in self.running.values() if t.engine == view.name and t.criterion == "latency")
         if adding.criterion == "latency":  # whatever throughput work it holds: the engine preempts that for it
-            return min(view.max_batch, self.latency_cap) - latency_running
+            return max(min(view.max_batch, self.latency_cap) - latency_running, self._below_share(view, adding))
         if latency_running:
             return min(room, self.latency_cap - load)
         return room
+
+    def _below_share(self, view: EngineView, adding: CompletionTask) -> int:
+        """1 where latency-critical `adding`'s API key runs fewer tasks on `view` than its share of the batch (its size
+        over the keys with tasks there, and this one) while another key runs more: the engine gives it that share,
+        preempting the other key's newest work no more urgent (`Scheduler._yield_to_fair_share`), so it goes to a full
+        engine too. Else 0 (throughput work waits for its turn here)."""
+        if not self.fair:
+            return 0
+        per = Counter(t.client for t in self.running.values() if t.engine == view.name)
+        per.setdefault(adding.client, 0)
+        if len(per) < 2:
+            return 0
+        share = max(1, view.max_batch // len(per))
+        return int(per[adding.client] < share and any(n > share for n in per.values()))
 
     def schedule(self) -> list[CompletionTask]:
         """Place as many queued tasks as capacity allows; returns them with `engine` set."""

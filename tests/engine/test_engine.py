@@ -304,6 +304,35 @@ def test_preempting_running_jobs_keeps_results() -> None:
         small.shutdown()
 
 
+def test_a_client_below_its_share_runs_at_once_beside_a_flooding_client_with_the_same_tokens() -> None:
+    """Client "a" sends 4 long generations to an engine of batch 2; client "b"'s request, sent once "a"'s first two
+    decode, takes the place of "a"'s newest (its share: 1 of the 2 slots) and ends before "a"'s running ones; every
+    output is the tokens it gets alone."""
+    eng = LLMEngine(tiny_model(), tiny_engine_config(max_batch_size=2)).start(precompile=False)
+    try:
+        def send(ctx: str, client: str, n: int, tokens: list[int], on_chunk=None) -> cf.Future:  # noqa: ANN001
+            eng.fill_future(FillRequest(context_id=ctx, token_ids=tokens, client=client))
+            sp = SamplingParams(max_tokens=n, ignore_eos=True)
+            return eng.generate_future(GenerateRequest(context_id=ctx, sampling=sp, client=client), on_chunk=on_chunk)
+
+        alone = [send(f"alone{i}", "a", 120 if i < 4 else 8, prompt(20 + i, 24)).result(TIMEOUT).token_ids
+                 for i in range(5)]
+        ended: list[str] = []
+        started = cf.Future()
+        flood = [send(f"a{i}", "a", 120, prompt(20 + i, 24),
+                      on_chunk=(lambda c: started.done() or started.set_result(True)) if i == 0 else None)
+                 for i in range(4)]
+        for i, f in enumerate(flood):
+            f.add_done_callback(lambda _, i=i: ended.append(f"a{i}"))
+        started.result(TIMEOUT)
+        chat = send("b", "b", 8, prompt(24, 24))
+        chat.add_done_callback(lambda _: ended.append("b"))
+        assert [f.result(TIMEOUT).token_ids for f in (*flood, chat)] == alone
+        assert ended.index("b") < ended.index("a0") and eng.ping().fair_preemptions >= 1
+    finally:
+        eng.shutdown()
+
+
 def test_shared_prefix_attention_keeps_results() -> None:
     """Concurrent forks of one long root decode through cascade attention: same tokens as without."""
     model = tiny_model()

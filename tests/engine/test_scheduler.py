@@ -1187,3 +1187,88 @@ def test_throughput_prefill_beside_latency_critical_decodes_is_shorter() -> None
         s.add(job)
         plan = s.schedule()
         assert plan.decode and [len(slot.tokens) for slot in plan.prefill] == [chunk], (decoding, filling)
+
+
+def _clients_full(batch: int = 4, each: int = 6) -> tuple[Scheduler, list[Job], list[JobOutput]]:
+    """A scheduler whose batch of `batch` is full of client "a"'s decoding generates, `each` of them sent (the rest
+    waiting), a0, a1, ..."""
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_batch_size=batch)
+    s = Scheduler(KVCacheManager(128, cfg.page_size), cfg, max_len=512)
+    gens = []
+    for i in range(each):
+        for job in (_fill(f"a{i}", 20), _gen(f"a{i}", 30)):
+            job.client = "a"
+            s.add(job)
+        gens.append(job)
+    outputs: list[JobOutput] = []
+    while not all(job.output_ids for job in gens[:batch]):
+        _one_step(s, outputs)
+    return s, gens, outputs
+
+
+def test_a_client_below_its_share_of_a_full_batch_takes_the_place_of_a_flooding_clients_newest_job() -> None:
+    """Client "a" fills the batch of 4 and has 2 more waiting; client "b" sends a chat: its share is 2 of the 4
+    slots, so its prompt runs at once in place of "a"'s newest running job (preempted: recomputed later, the same
+    length of output), and its generate takes the slot the prompt kept. "b" finishes before "a"'s waiting work."""
+    s, gens, outputs = _clients_full()
+    chat, reply = _fill("b", 10), _gen("b", 3)
+    chat.client = reply.client = "b"
+    s.add(chat)
+    plan = s.schedule()
+    assert [slot.job.context_id for slot in plan.prefill] == ["b"]  # at once
+    assert gens[3].status is JobStatus.WAITING and s.fair_preemptions == s.preemptions == 1  # "a"'s newest
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    assert chat.status is JobStatus.FINISHED and list(s.kept) == ["b"]  # its slot waits for the generate
+    s.add(reply)
+    outputs += _drive(s)
+    assert s.fair_preemptions == 1  # once: "a" runs its share, 3 of 4, while "b" is at 1 of its 2
+    done = [o.job for o in outputs if o.finished and o.error is None]
+    assert done.index(reply) < done.index(gens[3]) and done.index(reply) < done.index(gens[4])
+    assert len(reply.output_ids) == 3 and all(len(job.output_ids) == 30 for job in gens)
+
+
+def test_clients_within_their_share_or_more_urgent_work_are_not_preempted_for_another_client() -> None:
+    s, gens, outputs = _clients_full(batch=4, each=4)
+    for job in gens[2:]:  # "a" runs 2 urgent jobs and 2 throughput ones
+        job.priority = 1
+    late = _fill("c", 10)
+    late.client, late.priority = "c", 1
+    two = [_fill("b0", 10), _fill("b1", 10)]
+    for job in two:
+        job.client, job.priority = "b", 1
+        s.add(job)
+    s.add(late)
+    plan = s.schedule()  # 3 clients: a share of 1 slot each; "a" gives up its 2 throughput jobs, never its urgent ones
+    assert s.fair_preemptions == 2 and all(job.status is JobStatus.RUNNING for job in gens[:2])
+    assert sorted(slot.job.context_id for slot in plan.prefill) == ["b0", "c"]  # "b"'s second waits: b has its share
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    outputs += _drive(s)
+    assert s.fair_preemptions == 2
+    assert all(len(job.output_ids) == 30 for job in gens) and all(j.status is JobStatus.FINISHED for j in (*two, late))
+
+
+def test_waiting_clients_take_turns_as_slots_free() -> None:
+    """With a full batch of "a"'s and both "a" and "b" waiting, freed slots go to the clients in turns: "b"'s jobs,
+    sent after all of "a"'s, do not wait behind them."""
+    s, gens, outputs = _clients_full(batch=2, each=5)
+    bs = []
+    for i in range(2):
+        for job in (_fill(f"b{i}", 20), _gen(f"b{i}", 30)):
+            job.client = "b"
+            s.add(job)
+        bs.append(job)
+    outputs += _drive(s)
+    done = [o.job.context_id for o in outputs if o.finished and o.error is None and o.job.kind is JobKind.GENERATE]
+    assert done.index("b0") < done.index("a3") and done.index("b1") < done.index("a4")
+
+
+def test_a_stable_batch_does_not_run_ahead_past_a_client_below_its_share() -> None:
+    s, gens, outputs = _clients_full()
+    plan = s.schedule()
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    plan = s.schedule()
+    assert s.schedule_ahead(plan) is not None  # one client: the batch runs ahead
+    chat = _fill("b", 10)
+    chat.client = "b"
+    s.add(chat)
+    assert s.schedule_ahead(plan) is None  # the full scheduler gives "b" its share first

@@ -100,6 +100,8 @@ def test_metrics_follow_requests(server) -> None:
     assert value(fams, "parrot:engine_held_steps", "parrot:engine_held_steps_total", engine="local") == 0
     assert value(fams, "parrot:engine_priority_preemptions", "parrot:engine_priority_preemptions_total",
                  engine="local") == 0  # plain calls are all of one priority
+    assert value(fams, "parrot:engine_fair_preemptions", "parrot:engine_fair_preemptions_total",
+                 engine="local") == 0  # and of no API key
     assert value(fams, "parrot:engine_preemptions", "parrot:engine_preemptions_total", engine="local") >= 0
     # speculative decoding is off by default: nothing drafted
     assert value(fams, "parrot:engine_spec_draft_tokens", "parrot:engine_spec_draft_tokens_total", engine="local") == 0

@@ -784,3 +784,49 @@ def test_each_api_keys_waiting_completions_are_bounded() -> None:
                     core.get_session(s.session_id, s.token, owner=other)
 
     asyncio.run(run())
+
+
+class ClientRecordingEngine(ScriptedEngine):
+    """Records the client each fill and generate names."""
+
+    def __init__(self) -> None:
+        super().__init__([], max_batch_size=4)
+        self.clients: list[tuple[str, str | None]] = []
+
+    async def fill(self, req: FillRequest) -> FillResponse:
+        self.clients.append(("fill", req.client))
+        return await super().fill(req)
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        self.clients.append(("generate", req.client))
+        async for chunk in super().generate_stream(req):
+            yield chunk
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_the_engines_are_told_whose_work_it_is_where_the_keys_take_turns(fair: bool) -> None:
+    """Each primitive names its API key (`client`) to the engine, which gives each key its share of a full batch;
+    a completion without a key, and every one without fair share, names none."""
+    from parrot.protocol import SamplingParams
+    from parrot.serve.core import CompletionResult
+
+    async def run() -> list[tuple[str, str | None]]:
+        engine = ClientRecordingEngine()
+        async with started_core(engine, fair_share=fair) as core:
+            sp = SamplingParams(max_tokens=2)
+            for client in (0, 1, None):
+                q = core.complete([f"Hello {client}"], sp, client=client)
+                while not isinstance(await asyncio.wait_for(q.get(), 10), CompletionResult):
+                    pass
+                engine.clients.append(("done", None))
+        return engine.clients
+
+    per: list[set[str | None]] = []
+    current: set[str | None] = set()
+    for kind, client in asyncio.run(run()):
+        if kind == "done":
+            per.append(current)
+            current = set()
+        else:
+            current.add(client)
+    assert per == ([{"key-0"}, {"key-1"}, {None}] if fair else [{None}] * 3)

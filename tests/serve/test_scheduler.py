@@ -336,3 +336,21 @@ def test_without_fair_share_the_keys_share_one_queue_order() -> None:
     for t in [*flood, late]:
         s.submit(t)
     assert drain(s) == [*flood, late]
+
+
+def test_a_chat_of_a_key_below_its_share_goes_to_an_engine_full_of_another_keys_chats() -> None:
+    """The engine gives each key its share of a full batch (preempting the key furthest above it:
+    `Scheduler._yield_to_fair_share`), so a latency-critical task of a key below its share is sent to a full engine;
+    without fair share, or within its share, it waits for a slot."""
+    for fair in (True, False):
+        s = GlobalScheduler(ContextManager(), lambda: [EngineView("e", max_batch=4)], latency_cap=8, fair=fair)
+        flood = [task([i], client=0, criterion="latency") for i in range(6)]
+        for t in flood:
+            s.submit(t)
+        assert s.schedule() == flood[:4]  # the batch is full
+        other = [task([10 + i], client=1, criterion="latency") for i in range(3)]
+        batch_job = task([20], client=1)
+        for t in [*other, batch_job]:
+            s.submit(t)
+        # a share of 2 of the 4 slots: two of key 1's chats go at once; its batch job waits for its turn
+        assert s.schedule() == (other[:2] if fair else [])
