@@ -73,7 +73,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from parrot.config import EngineConfig
@@ -1109,6 +1109,21 @@ class Scheduler:
         self.waiting = deque(sorted(self.waiting, key=lambda j: j.order))
 
     # ---- admission ----------------------------------------------------------------------------
+    def _startable(self, jobs: list[Job]) -> Iterator[Job]:
+        """`jobs` in their order, leaving out those that wait for work on their context anyway (or on their parent's,
+        running or queued first) and later ones on a context already yielded: the jobs a freed slot would start."""
+        taken: set[str] = set()
+        first: dict[str, int] = {}  # each context's first waiting job, as taken (a fork waits for one on its parent)
+        for job in self.waiting:
+            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
+        for job in jobs:
+            parent = job.parent_context_id
+            if (job.context_id in self.busy or job.context_id in taken or parent in self.busy or parent in taken
+                    or (parent is not None and first.get(parent, job.queued) < job.queued)):
+                continue
+            taken.add(job.context_id)
+            yield job
+
     def _yield_to_priority(self) -> None:
         """Priority preemption (as vLLM's priority scheduling): with the batch full, a waiting job that only the
         batch size keeps out takes the place of a running job of a larger priority number (the least urgent, the
@@ -1118,16 +1133,7 @@ class Scheduler:
         room = self.cfg.max_batch_size - len(self.running) - len(self.kept)  # a kept slot is its follower's
         if not self.waiting or self.waiting[0].priority >= max((j.priority for j in self.running), default=0):
             return
-        taken: set[str] = set()
-        first: dict[str, int] = {}  # each context's first waiting job, as taken (a fork waits for one on its parent)
-        for job in self.waiting:
-            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
-        for job in list(self.waiting):  # most urgent first
-            parent = job.parent_context_id
-            if (job.context_id in self.busy or job.context_id in taken or parent in self.busy or parent in taken
-                    or (parent is not None and first.get(parent, job.queued) < job.queued)):
-                continue  # it waits for work on its context (or its parent's, running or queued first) anyway
-            taken.add(job.context_id)
+        for job in self._startable(list(self.waiting)):  # most urgent first
             if self._takes_kept(job):
                 continue  # the slot kept for it
             if room > 0:
@@ -1200,16 +1206,7 @@ class Scheduler:
         running = self._clients()
         assert running is not None
         share = max(1, self.cfg.max_batch_size // len(running))
-        taken: set[str] = set()
-        first: dict[str, int] = {}  # each context's first waiting job, as taken (a fork waits for one on its parent)
-        for job in self.waiting:
-            first[job.context_id] = min(first.get(job.context_id, job.queued), job.queued)
-        for job in self._in_turns() or []:
-            parent = job.parent_context_id
-            if (job.context_id in self.busy or job.context_id in taken or parent in self.busy or parent in taken
-                    or (parent is not None and first.get(parent, job.queued) < job.queued)):
-                continue  # it waits for work on its context (or its parent's, running or queued first) anyway
-            taken.add(job.context_id)
+        for job in self._startable(self._in_turns() or []):
             if running[job.client] >= share or self._takes_kept(job):
                 continue
             victims = [j for j in self.running if running[j.client] > share and j.priority >= job.priority
