@@ -5,8 +5,10 @@ the engine (the default) and with one queue order for both (`--no-fair-share`), 
 default), so that the server is full and work waits in its scheduler: key A sends `--flood` streamed chat
 completions at once; a second later, while most of them still wait, key B sends `--polite` at once. Printed
 per mode: key B's time to the first token and to the end of its requests (medians), key A's output tokens per
-second and the time to drain its backlog, and the ratios of the two modes. With one queue order B's requests
-wait behind A's backlog; with turns they take the next free slots. Greedy, `ignore_eos`, distinct prompts,
+second and the time to drain its backlog, the engine's preemptions (and of them those for a key's share of the
+batch, `parrot:engine_fair_preemptions_total`), and the ratios of the two modes. With one queue order B's requests
+wait behind A's backlog; with turns they go first, and up to B's share of the batch at once, in the place of
+A's newest (preempted). Greedy, `ignore_eos`, distinct prompts,
 the real `openai` client. The floors are measured in the same run.
 
     python -m benchmarks.key_fairness [--flood 24] [--polite 3] [--tokens 32] [--rounds 1]
@@ -26,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import floors
+from benchmarks.kv_release import _metric
 from benchmarks.report import write_json
+from benchmarks.serve_differential import http_get
 from benchmarks.serve_stream import Server, _free_port, _prompts, _stream
 from parrot import procinfo
 
@@ -54,7 +58,10 @@ def measure(port: int, flood: int, polite: int, tokens: int, prompts: list[str])
         results = [f.result() for f in floods]
     drained = max(r[1][-1] for r in results if r[1]) - t0
     produced = sum(r[2] for r in results)
-    return {"polite_ttft_s": [r[0] for r in polite_runs], "polite_latency_s": [r[1] for r in polite_runs],
+    metrics = (http_get(f"http://127.0.0.1:{port}/metrics") or b"").decode()
+    return {"preemptions": _metric(metrics, "parrot:engine_preemptions_total"),
+            "fair_preemptions": _metric(metrics, "parrot:engine_fair_preemptions_total"),
+            "polite_ttft_s": [r[0] for r in polite_runs], "polite_latency_s": [r[1] for r in polite_runs],
             "polite_ttft_s_median": float(np.median([r[0] for r in polite_runs])),
             "polite_latency_s_median": float(np.median([r[1] for r in polite_runs])),
             "flood_drained_s": drained, "flood_output_tokens": produced, "flood_output_tok_s": produced / drained}
@@ -87,7 +94,8 @@ def main() -> None:
             runs[mode].append(run)
             print(f"[{mode}] key B: TTFT {run['polite_ttft_s_median']:.2f} s, latency "
                   f"{run['polite_latency_s_median']:.2f} s (medians of {args.polite}); key A: "
-                  f"{run['flood_output_tok_s']:.1f} output tok/s, drained in {run['flood_drained_s']:.1f} s",
+                  f"{run['flood_output_tok_s']:.1f} output tok/s, drained in {run['flood_drained_s']:.1f} s; "
+                  f"{run['preemptions']:.0f} preempted, {run['fair_preemptions']:.0f} of them for a key's share",
                   flush=True)
     summary = {m: {k: float(np.median([run[k] for run in rs])) for k in
                    ("polite_ttft_s_median", "polite_latency_s_median", "flood_output_tok_s", "flood_drained_s")}
