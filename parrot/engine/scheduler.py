@@ -1159,19 +1159,20 @@ class Scheduler:
 
     def _in_turns(self) -> list[Job] | None:
         """The waiting jobs in the order `_admit` takes them where several clients have work (None: one client, the
-        queue's order): by priority, then each client's jobs take turns (a job's turn is how many contexts of its
-        client run or wait before it, each client's own order kept), then queue order."""
+        queue's order): by priority, then each client's jobs take turns (a job's turn is how many requests of its
+        client run or wait before it, each client's own order kept), then queue order. A request is a chain of
+        primitives: on one context, or on contexts forking the one before (a prompt's pieces, then its generate)."""
         running = self._clients()
         if running is None:
             return None
         turns = running.copy()
-        seen: set[str] = {j.context_id for j in self.running}
+        owner: dict[str, str | None] = {j.context_id: j.client for j in self.running}  # context -> its client
         keyed = []
         for job in self.waiting:
             keyed.append((job.priority, turns[job.client], job.order, job))
-            if job.context_id not in seen:  # a context's fill and generate are one turn
-                seen.add(job.context_id)
-                turns[job.client] += 1
+            if job.client not in (owner.get(job.context_id, ""), owner.get(job.parent_context_id or "", "")):
+                turns[job.client] += 1  # a new request (not its client's context, nor forking one)
+            owner[job.context_id] = job.client
         keyed.sort(key=lambda k: k[:3])
         return [k[3] for k in keyed]
 

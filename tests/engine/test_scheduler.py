@@ -1272,3 +1272,22 @@ def test_a_stable_batch_does_not_run_ahead_past_a_client_below_its_share() -> No
     chat.client = "b"
     s.add(chat)
     assert s.schedule_ahead(plan) is None  # the full scheduler gives "b" its share first
+
+
+def test_a_clients_request_of_several_primitives_is_one_turn() -> None:
+    """A request reaches the engine as a chain of primitives (a prompt's pieces filled one after another on contexts
+    forking each other, then a generate forking the last): the chain is one turn of its client. Client "b"'s two
+    requests both start at once in a full batch (its share: 2 of 4), each preempting once."""
+    s, gens, outputs = _clients_full()
+    for i in range(2):
+        chain = [_fill(f"b{i}", 10), _fill(f"b{i}-more", 10, parent=f"b{i}"), _gen(f"b{i}-reply", 3, parent=f"b{i}-more")]
+        for job in chain:
+            job.client = "b"
+            s.add(job)
+    plan = s.schedule()
+    assert sorted(slot.job.context_id for slot in plan.prefill) == ["b0", "b1"] and s.fair_preemptions == 2
+    outputs += s.update(plan, [TOKEN] * len(plan.slots))
+    outputs += _drive(s)
+    assert s.fair_preemptions == 2
+    done = {o.job.context_id for o in outputs if o.finished and o.error is None}
+    assert {"b0-reply", "b1-reply"} <= done and all(len(job.output_ids) == 30 for job in gens)
