@@ -1185,16 +1185,17 @@ class Scheduler:
         return running[job.client] <= max(1, self.cfg.max_batch_size // len(running))
 
     def _fair_share_due(self) -> bool:
-        """Whether `_yield_to_fair_share` would preempt now: a full batch, a client with work waiting below its share
-        and one running above it."""
+        """Whether `_yield_to_fair_share` may preempt now: a full batch, a client running above its share, and one below
+        it with a job that could start (not waiting for work on its context or its parent's)."""
         if len(self.running) + len(self.kept) < self.cfg.max_batch_size:
             return False
         running = self._clients()
         if running is None:
             return False
         share = max(1, self.cfg.max_batch_size // len(running))
-        waiting = {j.client for j in self.waiting}
-        return any(running[c] < share for c in waiting) and any(n > share for n in running.values())
+        if not any(n > share for n in running.values()):
+            return False
+        return any(running[j.client] < share for j in self._startable(list(self.waiting)))
 
     def _yield_to_fair_share(self) -> None:
         """Fair share between clients (`Job.client`): with the batch full, a waiting job whose client runs fewer jobs
