@@ -1280,7 +1280,8 @@ def test_a_clients_request_of_several_primitives_is_one_turn() -> None:
     requests both start at once in a full batch (its share: 2 of 4), each preempting once."""
     s, gens, outputs = _clients_full()
     for i in range(2):
-        chain = [_fill(f"b{i}", 10), _fill(f"b{i}-more", 10, parent=f"b{i}"), _gen(f"b{i}-reply", 3, parent=f"b{i}-more")]
+        chain = [_fill(f"b{i}", 10), _fill(f"b{i}-more", 10, parent=f"b{i}"),
+                 _gen(f"b{i}-reply", 3, parent=f"b{i}-more")]
         for job in chain:
             job.client = "b"
             s.add(job)
