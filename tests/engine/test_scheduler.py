@@ -1292,3 +1292,37 @@ def test_a_clients_request_of_several_primitives_is_one_turn() -> None:
     assert s.fair_preemptions == 2
     done = {o.job.context_id for o in outputs if o.finished and o.error is None}
     assert {"b0-reply", "b1-reply"} <= done and all(len(job.output_ids) == 30 for job in gens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clients_coming_and_going_all_finish_without_preempting_back_and_forth(seed: int) -> None:
+    """Five clients send requests (a prompt, sometimes in two pieces, then a generate) to a batch of 4, one flooding it
+    at once, the others at random steps: every request finishes with all its tokens, shares are taken, and the share
+    preemptions stay fewer than the requests (no job preempted back and forth)."""
+    import random
+
+    rng = random.Random(seed)
+    cfg = tiny_engine_config(max_num_batched_tokens=64, token_buckets=[16, 32, 64], max_batch_size=4)
+    s = Scheduler(KVCacheManager(256, cfg.page_size), cfg, max_len=512)
+    arrivals = sorted([(0, "c0", i) for i in range(12)]  # one client floods, four come and go
+                      + [(rng.randrange(3, 80), f"c{rng.randrange(1, 5)}", i) for i in range(12, 30)])
+    gens: list[Job] = []
+    outputs: list[JobOutput] = []
+    for step in range(2000):
+        while arrivals and arrivals[0][0] <= step:
+            _, client, i = arrivals.pop(0)
+            chain = [_fill(f"r{i}", rng.randrange(5, 40))]
+            if rng.random() < 0.5:
+                chain.append(_fill(f"r{i}-more", rng.randrange(5, 20), parent=f"r{i}"))
+            chain.append(_gen(f"r{i}-reply", rng.randrange(10, 60), parent=chain[-1].context_id))
+            for job in chain:
+                job.client = client
+                s.add(job)
+            gens.append(chain[-1])
+        if not arrivals and not s.has_work():
+            break
+        if s.has_work():
+            _one_step(s, outputs)
+    assert not arrivals and not s.has_work()
+    assert all(job.status is JobStatus.FINISHED and len(job.output_ids) == job.sampling.max_tokens for job in gens)
+    assert 0 < s.fair_preemptions < len(gens)  # shares were taken, and not back and forth
