@@ -642,7 +642,7 @@ class Scheduler:
             return None
         if self.waiting and (len(self.running) + len(self.kept) < self.cfg.max_batch_size
                              or self.waiting[0].priority < max(j.priority for j in self.running)
-                             or any(self._takes_kept(j) for j in self.waiting) or self._fair_share_due()):
+                             or any(self._takes_kept(j) for j in self.waiting) or self._over_share() is not None):
             return None  # the full scheduler admits waiting work now (with a full batch only more urgent work, or a
             # client's below its share)
         jobs = [slot.job for slot in plan.decode]
@@ -1182,20 +1182,27 @@ class Scheduler:
         running = self._clients()
         if running is None or not any(w.client != job.client for w in self.waiting):
             return False
-        return running[job.client] <= max(1, self.cfg.max_batch_size // len(running))
+        return running[job.client] <= self._share(len(running))
 
-    def _fair_share_due(self) -> bool:
-        """Whether `_yield_to_fair_share` may preempt now: a full batch, a client running above its share, and one below
-        it with a job that could start (not waiting for work on its context or its parent's)."""
+    def _share(self, clients: int) -> int:
+        """Each client's share of a full batch: its size over the clients with work running or waiting."""
+        return max(1, self.cfg.max_batch_size // clients)
+
+    def _over_share(self) -> tuple[Counter[str | None], int] | None:
+        """(running jobs per client, the share) where `_yield_to_fair_share` may preempt now: a full batch, a client
+        running above its share, and one below it with a job that could start (not waiting for work on its context
+        or its parent's). Else None."""
         if len(self.running) + len(self.kept) < self.cfg.max_batch_size:
-            return False
+            return None
         running = self._clients()
         if running is None:
-            return False
-        share = max(1, self.cfg.max_batch_size // len(running))
+            return None
+        share = self._share(len(running))
         if not any(n > share for n in running.values()):
-            return False
-        return any(running[j.client] < share for j in self._startable(list(self.waiting)))
+            return None
+        if not any(running[j.client] < share for j in self._startable(list(self.waiting))):
+            return None
+        return running, share
 
     def _yield_to_fair_share(self) -> None:
         """Fair share between clients (`Job.client`): with the batch full, a waiting job whose client runs fewer jobs
@@ -1203,11 +1210,10 @@ class Scheduler:
         job, no more urgent than it, of the client furthest above its share (its newest), which is preempted: its KV
         is dropped and recomputed when it runs again, so its output is the same. `_in_turns` then admits it first.
         A client that floods the engine runs its share; another's request does not wait for its whole first wave."""
-        if not self._fair_share_due():
+        due = self._over_share()
+        if due is None:
             return
-        running = self._clients()
-        assert running is not None
-        share = max(1, self.cfg.max_batch_size // len(running))
+        running, share = due
         for job in self._startable(self._in_turns() or []):
             if running[job.client] >= share or self._takes_kept(job):
                 continue
