@@ -885,13 +885,38 @@ class ModelRunner:
 
     def _to_device(self, batch: ForwardBatch, shape: Shape) -> ForwardBatch:
         """The step's batch on the device: on one device its host arrays go as one packed transfer, unpacked
-        by the shape's compiled `unpack`; otherwise (tensor parallelism, arrays already on a device, or
-        that executable not compiled yet) array by array."""
+        by the compiled `unpack` of its arrays' shapes; otherwise (tensor parallelism, arrays already on a
+        device, or that executable not compiled yet) array by array. The unpacking is compiled on a shape's
+        first step, in the background (`_compile_unpack`), not by `precompile`: it is a quarter of the
+        compile time of all shapes, and most shapes are never used."""
         if self.mesh is None and not isinstance(batch.input_ids, jax.Array):
-            fut = self._parts.get(("unpack", shape))
-            if fut is not None and fut.done() and fut.exception() is None:
+            key = ("unpack", shape.tokens, shape.batch, shape.q_len, shape.pages, shape.prefix_pages)
+            fut = self._parts.get(key)
+            if fut is None:
+                self._compile_unpack(key, batch)
+            elif fut.done() and fut.exception() is None:
                 return fut.result()(jax.device_put(pack(batch)))
         return jax.device_put(batch, self._replicated) if jax.process_count() == 1 else self._put(batch)
+
+    def _compile_unpack(self, key: tuple, batch: ForwardBatch) -> None:
+        """Compile `unpack` for `batch`'s array shapes on a thread of its own, once (`_parts[key]`; a failure
+        is logged and kept, so the steps go on array by array)."""
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
+        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), jnp.int32)
+        with self._parts_lock:
+            if key in self._parts:
+                return
+            fut = self._parts[key] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(jax.jit(functools.partial(unpack, like=like)).lower(packed).compile())
+            except Exception as exc:
+                log.warning("compiling the batch unpacking of %s failed; its steps send their arrays one by one",
+                            key[1:], exc_info=True)
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="parrot-unpack-compile", daemon=True).start()
 
     def _done(self, out: object) -> object:
         """`out`, waited for where calls must not queue up (tensor parallelism on a CPU, see __init__)."""
@@ -915,10 +940,6 @@ class ModelRunner:
                            lambda: self._embed.lower(w.embed, tokens, tokens).compile())
         x, cos, sin = self._abstract(jax.eval_shape(self._embed, w.embed, tokens, tokens))
         batch = self._abstract(self.dummy_batch(shape))
-        if self.mesh is None:  # the packed batch's unpacking (see _to_device)
-            packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(batch)),), jnp.int32)
-            unpacker = jax.jit(functools.partial(unpack, like=batch))
-            self._part(("unpack", shape), lambda: unpacker.lower(packed).compile())
         if shape.steps > 1:
             return self._compile_loop(shape, w, batch, tokens, t0)
         kv = self._abstract(self.kv)

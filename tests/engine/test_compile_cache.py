@@ -16,14 +16,14 @@ from parrot.engine.compile_cache import enable_compilation_cache, fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# a tiny engine with a few shapes compiled through the cache; prints its greedy tokens as JSON
+# a tiny engine with one shape of each kind compiled through the cache; prints its greedy tokens as JSON
 SCRIPT = """
 import json, sys
 from parrot.engine.engine import LLMEngine
 from parrot.protocol import SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
-cfg = tiny_engine_config(compilation_cache_dir=sys.argv[1], token_buckets=[16, 32], bs_buckets=[1, 2],
-                         max_batch_size=2, kv_buckets=[64, 128], max_num_batched_tokens=32,
+cfg = tiny_engine_config(compilation_cache_dir=sys.argv[1], token_buckets=[32], bs_buckets=[1],
+                         max_batch_size=1, kv_buckets=[64], max_num_batched_tokens=32,
                          prefill_bs_buckets=[1], shared_prefix_attention=False)
 engine = LLMEngine(tiny_model(), cfg).start(precompile=True)
 out = engine.complete(list(range(3, 30)), SamplingParams(max_tokens=12, ignore_eos=True))

@@ -788,6 +788,42 @@ def test_precompile_compiles_the_page_release_so_its_first_use_compiles_nothing(
     assert runner.lazy_pool and release(runner) == []
 
 
+def test_a_shapes_batch_unpacking_compiles_on_its_first_step_and_keeps_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`precompile` leaves the packed batch's unpacking out; a shape's first step compiles it on a thread of its
+    own (once for the shapes whose arrays are the same) while its steps send the arrays one by one, and later
+    steps send one packed vector. The tokens equal those of an engine that never packs."""
+    from parrot.engine import runner as runner_module
+
+    def unpacks(eng: LLMEngine) -> dict:
+        return {k: f for k, f in eng.runner._parts.items() if k[0] == "unpack"}
+
+    runs = [dict(max_tokens=10, ignore_eos=True), dict(max_tokens=6, ignore_eos=True, temperature=0.9, seed=3)]
+    plain = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        monkeypatch.setattr(plain.runner, "_compile_unpack", lambda key, batch: None)  # array by array always
+        want = [r.token_ids for r in gen_many(plain, "u", runs)]
+    finally:
+        plain.shutdown()
+    eng = LLMEngine(tiny_model(), tiny_engine_config()).start(precompile=False)
+    try:
+        shape = eng.runner.shapes.all_shapes()[0]
+        eng.runner.precompile(shapes=[shape], progress=False)
+        assert unpacks(eng) == {}  # not precompiled
+        assert [r.token_ids for r in gen_many(eng, "u", runs)] == want  # the first steps: compiles start
+        started = unpacks(eng)
+        assert started and len(started) <= len(eng.runner.compiled)
+        for fut in started.values():
+            assert fut.result(TIMEOUT) is not None
+        packed = []
+        real_pack = runner_module.pack
+        monkeypatch.setattr(runner_module, "pack", lambda batch: packed.append(1) or real_pack(batch))
+        assert [r.token_ids for r in gen_many(eng, "u", runs)] == want  # the same shapes, packed now
+        assert packed and unpacks(eng).keys() == started.keys()
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
 def test_an_idle_engine_gives_free_pages_back_and_computes_the_same(monkeypatch: pytest.MonkeyPatch,
                                                                     caplog: pytest.LogCaptureFixture) -> None:

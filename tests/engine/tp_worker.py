@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain gravity to a child in one sentence."]
 
@@ -45,7 +47,7 @@ def main() -> None:
         engine.shutdown()
     pages = list(range(1, 1 + -(-len(prompts[0]) // cfg.page_size)))  # the engine is stopped: any pages do
     logits = engine.runner.prefill_logits(prompts[0], 0, pages)[0]
-    print(json.dumps({"tokens": [o.response.token_ids for o in outs], "logits": [float(x) for x in logits],
+    print(json.dumps({"tokens": [o.response.token_ids for o in outs], "logits": np.asarray(logits, np.float32).tolist(),
                       "prompt_logprobs": [lp.logprob for lp in scored.logprobs],
                       "prefill_dtype": str(engine.runner.prefill_dtype)}))
 
