@@ -916,7 +916,8 @@ class ModelRunner:
                             key[1:], exc_info=True)
                 fut.set_exception(exc)
 
-        threading.Thread(target=run, name="parrot-unpack-compile", daemon=True).start()
+        # not a daemon: a process that ends (a script's last step) waits for it instead of aborting in XLA's compiler
+        threading.Thread(target=run, name="parrot-unpack-compile").start()
 
     def _done(self, out: object) -> object:
         """`out`, waited for where calls must not queue up (tensor parallelism on a CPU, see __init__)."""
@@ -1175,8 +1176,16 @@ class ModelRunner:
         else:
             raise ValueError(f"unknown operation {op!r}")
 
-    def close(self) -> None:
-        """Let the followers of a multi-process engine go (the leader is done)."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait for the compiles under way on threads of their own (a process ending inside XLA's compiler
+        aborts), and let the followers of a multi-process engine go (the leader is done)."""
+        with self._parts_lock:
+            pending = [f for k, f in self._parts.items() if k[0] == "unpack" and not f.done()]
+        if self._release_compiled is not None:
+            pending.append(self._release_compiled)
+        if concurrent.futures.wait(pending, timeout=timeout).not_done:
+            log.warning("a batch unpacking or the page release was still compiling %.0f s after the engine stopped",
+                        timeout)
         if self.mirror is not None:
             self.mirror.stop()
             self.mirror = None

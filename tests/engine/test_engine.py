@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -822,6 +826,21 @@ def test_a_shapes_batch_unpacking_compiles_on_its_first_step_and_keeps_results(
         assert packed and unpacks(eng).keys() == started.keys()
     finally:
         eng.shutdown()
+
+
+def test_a_script_ending_after_its_first_step_ends_cleanly() -> None:
+    """A process whose last call is a shape's first step ends while that shape's unpacking compiles: it waits for
+    it (a daemon thread inside XLA's compiler at exit aborted the process)."""
+    script = ("from parrot.engine.runner import ModelRunner\n"
+              "from tests.conftest import tiny_engine_config, tiny_model\n"
+              "m = tiny_model()\n"
+              "r = ModelRunner(m.config, m.weights, tiny_engine_config())\n"
+              "print(r.prefill_logits(list(range(3, 40)), 0, [1, 2, 3]).shape)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the pool is lazily resident only with the native CPU kernels")
