@@ -18,12 +18,11 @@ SMALL = dict(token_buckets=[16, 32, 64], bs_buckets=[1, 2, 4], max_batch_size=4,
 @pytest.mark.usefixtures("without_compilation_cache")  # compiles that take their time
 def test_serves_while_warming_up_with_the_same_tokens() -> None:
     prompt, params = list(range(3, 45)), SamplingParams(max_tokens=10, ignore_eos=True)
-    warm = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
+    alone = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=False)  # its shapes as met
     try:
-        expected = warm.complete(prompt, params).response.token_ids
-        assert warm.ping().compiled_shapes == warm.ping().total_shapes > 0
+        expected = alone.complete(prompt, params).response.token_ids
     finally:
-        warm.shutdown()
+        alone.shutdown()
     eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True, wait=False)
     try:
         info = eng.ping()
@@ -45,8 +44,9 @@ def test_serves_while_warming_up_with_the_same_tokens() -> None:
 def test_the_precompiled_page_copy_serves_the_first_fork() -> None:
     """The page copy (copy-on-write of a fork's partial page) compiled by precompile() is the one the first
     real copy runs: the KV pool starts on the device as every step leaves it, so nothing compiles again."""
-    eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=True)
+    eng = LLMEngine(tiny_model(), tiny_engine_config(**SMALL)).start(precompile=False)
     try:
+        eng.runner.precompile(shapes=[], progress=False)  # the page copy (the steps' shapes compile as met)
         copies = eng.runner._copy._cache_size()
         eng.fill_future(FillRequest(context_id="parent", token_ids=list(range(3, 40)))).result(300)
         eng.fill_future(FillRequest(context_id="child", parent_context_id="parent", token_ids=[7, 8])).result(300)
