@@ -901,16 +901,17 @@ class ModelRunner:
     def _compile_unpack(self, key: tuple, batch: ForwardBatch) -> None:
         """Compile `unpack` for `batch`'s array shapes on a thread of its own, once (`_parts[key]`; a failure
         is logged and kept, so the steps go on array by array)."""
-        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
-        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), jnp.int32)
         with self._parts_lock:
             if key in self._parts:
                 return
             fut = self._parts[key] = concurrent.futures.Future()
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), batch)
+        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), jnp.int32)
+        unpacker = jax.jit(functools.partial(unpack, like=like))
 
         def run() -> None:
-            try:
-                fut.set_result(jax.jit(functools.partial(unpack, like=like)).lower(packed).compile())
+            try:  # as a shape's compile: a cache entry that does not load gets a second try without the cache
+                fut.set_result(compile_with_fallback(lambda: unpacker.lower(packed).compile(), key))
             except Exception as exc:
                 log.warning("compiling the batch unpacking of %s failed; its steps send their arrays one by one",
                             key[1:], exc_info=True)
