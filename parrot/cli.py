@@ -518,6 +518,12 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     from parrot.serve.engine_processes import EngineProcesses, PortsInUseError
     from parrot.serve.engines import LocalEngineClient
 
+    if args.engines and core.config.engine_key is None:  # its own engines' key: no client can register an engine
+        core.config.engine_key = secrets.token_urlsafe(32)
+    # the app and uvicorn (imports, routes) are built before the engine starts compiling: on a CPU with few
+    # cores they would otherwise share them with the compile threads, and the server would listen later
+    server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, args.tls,
+                         on_shutdown=core.drain)
     engine_cmds: list[tuple[str, int, list[str]]] = []
     engine = None
     if args.engines == 0:
@@ -585,10 +591,6 @@ def _serve_on(sock: socket.socket, args: argparse.Namespace, core: ParrotServeCo
     if args.chat_template is not None:
         core.tokenizers.register(args.model, core.tokenizers.get(args.model).with_chat_template(args.chat_template))
     processes = None
-    if engine_cmds and core.config.engine_key is None:  # its own engines' key: no client can register an engine
-        core.config.engine_key = secrets.token_urlsafe(32)
-    server = http_server(create_app(core), args.host, args.port, args.uvicorn_log_level, args.root_path, args.tls,
-                         on_shutdown=core.drain)
     if engine_cmds:
         env = dict(os.environ)
         env["PARROT_ENGINE_KEY"] = core.config.engine_key  # the engines register with this core: they need its key
