@@ -97,7 +97,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 def run(layers: list[int], port: int, timeout: float, log_dir: Path, first_start: bool = False) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict = {"cpu": procinfo.cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
-                    "first_start": first_start, "runs": []}
+                    "first_start": first_start, "runs": [],
+                    # without bytecode files (PYTHONDONTWRITEBYTECODE), every start compiles Parrot's modules again
+                    "writes_bytecode": not os.environ.get("PYTHONDONTWRITEBYTECODE")}
     for lpc in layers:
         with (tempfile.TemporaryDirectory(prefix="parrot-jax-cache-") as cache,
               tempfile.TemporaryDirectory(prefix="parrot-kernels-") as kernels):
@@ -128,7 +130,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/startup.json")
     args = ap.parse_args()
     r = run(args.layers_per_call, args.port, args.timeout, Path("benchmarks/results/logs"), args.first_start)
-    print(f"CPU: {r['cpu']} ({r['cores']} cores)")
+    print(f"CPU: {r['cpu']} ({r['cores']} cores)"
+          + ("" if r["writes_bytecode"] else "; PYTHONDONTWRITEBYTECODE is set: each start compiles the modules again"))
     write_json(r, args.out)
 
 
