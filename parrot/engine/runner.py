@@ -37,6 +37,7 @@ from parrot.engine.batch import (
 from parrot.engine.compile_cache import compile_with_fallback, enable_compilation_cache
 from parrot.engine.compiler import ShapeCompiler, forget_traces
 from parrot.engine.device import kv_budget_bytes
+from parrot.engine.executable_cache import ExecutableCache
 from parrot.engine.kv_cache import PageCopy
 from parrot.engine.logprobs import SampledLogprob, token_logprobs
 from parrot.engine.models.layer_loop import LayerLoop
@@ -486,6 +487,14 @@ class ModelRunner:
         self.shape_misses = 0  # shapes compiled while serving, after precompile(): each one is a bug
         self.precompiled = False
         self.compile_seconds: dict[Shape, float] = {}
+        # executables kept on disk by what they are built from (beside JAX's cache, on and off with it): a warm
+        # start loads them without tracing and lowering each function again
+        self.executables = ExecutableCache(repr((
+            self.model_cfg, self.ecfg, str(self._layer_graphdef), self.dtype, self.prefill_dtype, self.act_dtype,
+            self.qdtype, self.kv_dtype, self.v_dtype, self.tp, self.tp_exact, str(self.mesh), self.blocks,
+            self.page_size, self.max_len, self.decode_kernel, self.decode_fused, self.prefill_in_place, self.mixed,
+            self.multi_step, self.multi_max_batch, self.host_stages, self._layer_loop is not None)),
+            trace_state=kernels.trace_state)
 
     def _shard(self, w: Weights) -> tuple[Weights, Weights]:
         """The weights placed on the mesh (column-parallel matrices in device-major order), and their specs."""
@@ -939,28 +948,29 @@ class ModelRunner:
         w = self._abstract(self.prefill_weights if shape.q_len > 1 else self.weights)
         tokens = self._abstract(jax.ShapeDtypeStruct((shape.tokens,), jnp.int32))
         embed = self._part(("embed", shape.tokens, w.embed.table.dtype),
-                           lambda: self._embed.lower(w.embed, tokens, tokens).compile())
+                           lambda: self._aot("embed", self._embed, w.embed, tokens, tokens))
         x, cos, sin = self._abstract(jax.eval_shape(self._embed, w.embed, tokens, tokens))
         batch = self._abstract(self.dummy_batch(shape))
         if shape.steps > 1:
             return self._compile_loop(shape, w, batch, tokens, t0)
         kv = self._abstract(self.kv)
-        blocks = {n: self._block(n).lower(w.layers[:n], x, cos, sin, batch, list(kv[0][:n]),
-                                          list(kv[1][:n])).compile()
+        blocks = {n: self._aot(f"block{n}", self._block(n), w.layers[:n], x, cos, sin, batch, list(kv[0][:n]),
+                               list(kv[1][:n]))
                   for n in sorted({b - a for a, b in self.blocks})}
         rows = self._abstract(jax.ShapeDtypeStruct((shape.batch,), jnp.int32))
         head = self._part(("head", shape.tokens, shape.batch, w.head.proj.dtype),
-                          lambda: self._head.lower(w.head, x, rows).compile())
+                          lambda: self._aot("head", self._head, w.head, x, rows))
         logits = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.float32))
-        self._part(("greedy", shape.batch), lambda: self._greedy.lower(logits).compile())
+        self._part(("greedy", shape.batch), lambda: self._aot("greedy", self._greedy, logits))
         params = self._abstract(SamplingBatch.build([], [], shape.batch, []))
         extras = self._abstract(SamplerExtras.neutral(shape.batch, self.cfg.vocab_size))
         counts = self._abstract(jax.ShapeDtypeStruct((shape.batch, self.cfg.vocab_size), jnp.int32))
         for stages in COMMON_DRAWS if self.host_stages else (None,):  # None: one sampler, branching on the device
             self._part(("sampler", shape.batch, stages),
-                       lambda st=stages: processed_sampler.lower(logits, params, extras, counts, stages=st).compile())
+                       lambda st=stages: self._aot("sampler", processed_sampler, logits, params, extras, counts,
+                                                   stages=st))
         if shape.q_len == 1:  # decode: an ahead step takes its PENDING tokens from the previous one (overlap)
-            self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, rows).compile())
+            self._part(("splice", shape.tokens), lambda: self._aot("splice", self._splice, tokens, tokens, rows))
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(embed, blocks, head)
 
@@ -972,9 +982,9 @@ class ModelRunner:
         stops = jax.ShapeDtypeStruct((b, MULTI_STOP_IDS), jnp.int32)
         limit = jax.ShapeDtypeStruct((b,), jnp.int32)
         params = self._abstract(SamplingBatch.build([], [], b, []))
-        loop = self._decode_loop.lower(w, batch, list(kv[0]), list(kv[1]), params, stops, limit,
-                                       steps=shape.steps, stages=shape.sampler).compile()
-        self._part(("splice", shape.tokens), lambda: self._splice.lower(tokens, tokens, limit).compile())
+        loop = self._aot("decode_loop", self._decode_loop, w, batch, list(kv[0]), list(kv[1]), params, stops, limit,
+                         steps=shape.steps, stages=shape.sampler)
+        self._part(("splice", shape.tokens), lambda: self._aot("splice", self._splice, tokens, tokens, limit))
         self.compile_seconds[shape] = time.perf_counter() - t0
         return StepExecutables(None, {}, None, loop)
 
@@ -986,6 +996,10 @@ class ModelRunner:
             return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sharding or self._replicated)
 
         return jax.tree.map(leaf, tree)
+
+    def _aot(self, name: str, fn: Callable, *args: object, **kwargs: object) -> Callable:
+        """`fn` compiled ahead of time for these abstract arguments, or its executable kept on disk."""
+        return self.executables.compile(name, fn, *args, **kwargs)
 
     def _part(self, key: tuple, build: Callable[[], Callable]) -> Callable:
         """An executable shared by several shapes, built once (other threads wait for it). If the thread

@@ -332,6 +332,18 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
+def trace_state() -> str:
+    """What kernel calls traced on this thread depend on: the build they go to and its switches (a compiled
+    executable is kept on disk under it, executable_cache.py)."""
+    if not available():
+        return f"unavailable: {unavailable_reason()}"
+    lib = _routed_lib()
+    switches = [lib.parrot_matmul_select(-2)] + [  # -2 and -1: read, not set
+        getattr(lib, name)(-1) for name in ("parrot_bf16_enable", "parrot_decode_bf16_enable", "parrot_team_enable",
+                                            "parrot_tiled_enable", "parrot_amx_few_enable", "parrot_avx2_int8_enable")]
+    return repr((getattr(_route, "suffix", ""), _routed_paths(), switches))
+
+
 def unavailable_reason() -> str | None:
     return None if available() else str(_state.get("why"))
 

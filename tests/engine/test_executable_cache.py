@@ -1,0 +1,146 @@
+"""Executables kept on disk by what they are built from: a second engine loads them instead of compiling and
+computes the same tokens; a changed input, setting or kernel switch misses; bad entries and unusable
+directories compile as if there were no cache."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parrot.engine import executable_cache
+from parrot.engine.compile_cache import set_cache_dir
+from parrot.engine.engine import LLMEngine
+from parrot.engine.executable_cache import ExecutableCache
+from parrot.protocol import SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+
+
+@pytest.fixture
+def jax_cache(tmp_path: Path) -> Iterator[Path]:
+    """JAX's persistent cache (and so this one) on in `tmp_path` for the test, then as it was."""
+    before = jax.config.jax_compilation_cache_dir
+    set_cache_dir(str(tmp_path))
+    executable_cache._warned.clear()
+    try:
+        yield tmp_path
+    finally:
+        set_cache_dir(before)
+
+
+def _fn(x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.tanh(x @ y) + 1
+
+
+X = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+Y = jax.ShapeDtypeStruct((8, 3), jnp.float32)
+
+
+def _inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, 8), np.float32), rng.standard_normal((8, 3), np.float32)
+
+
+def _counts() -> tuple[int, int]:
+    return executable_cache.stats["loaded"], executable_cache.stats["compiled"]
+
+
+def test_a_second_cache_loads_what_the_first_kept(jax_cache: Path) -> None:
+    x, y = _inputs()
+    want = np.asarray(jax.jit(_fn)(x, y))
+    loaded, compiled = _counts()
+    first = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    assert _counts() == (loaded, compiled + 1)
+    (entry,) = (jax_cache / executable_cache.SUBDIR).iterdir()
+    second = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    assert _counts() == (loaded + 1, compiled + 1)
+    np.testing.assert_array_equal(np.asarray(first(x, y)), want)
+    np.testing.assert_array_equal(np.asarray(second(x, y)), want)
+    assert [p.name for p in (jax_cache / executable_cache.SUBDIR).iterdir()] == [entry.name]
+
+
+def test_another_input_context_setting_or_kernel_switch_misses(jax_cache: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = ExecutableCache("ctx")
+    keys = {cache.key("fn", (X, Y), {})}
+    keys.add(cache.key("fn", (jax.ShapeDtypeStruct((5, 8), jnp.float32), Y), {}))  # a shape
+    keys.add(cache.key("fn", (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16), Y), {}))  # a dtype
+    keys.add(cache.key("fn", (X, Y), {"steps": 4}))  # a static argument
+    keys.add(cache.key("other", (X, Y), {}))  # another function
+    keys.add(ExecutableCache("another model").key("fn", (X, Y), {}))
+    keys.add(ExecutableCache("ctx", trace_state=lambda: "another build").key("fn", (X, Y), {}))
+    monkeypatch.setenv("PARROT_SOME_SWITCH", "0")
+    keys.add(ExecutableCache("ctx").key("fn", (X, Y), {}))
+    monkeypatch.delenv("PARROT_SOME_SWITCH")
+    with jax.default_matmul_precision("highest"):
+        keys.add(ExecutableCache("ctx").key("fn", (X, Y), {}))
+    assert len(keys) == 9
+    assert ExecutableCache("ctx").key("fn", (X, Y), {}) == cache.key("fn", (X, Y), {})  # and nothing else
+
+
+def test_an_entry_that_does_not_load_is_compiled_again_and_rewritten(jax_cache: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    x, y = _inputs()
+    ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    (entry,) = (jax_cache / executable_cache.SUBDIR).iterdir()
+    good = entry.read_bytes()
+    for bad in (b"garbage", good[: len(good) // 2]):
+        entry.write_bytes(bad)
+        loaded, compiled = _counts()
+        with caplog.at_level(logging.WARNING, logger="parrot.engine.executable_cache"):
+            got = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+        assert _counts() == (loaded, compiled + 1)
+        np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(jax.jit(_fn)(x, y)))
+        assert len(entry.read_bytes()) == len(good)  # written again
+    assert len([r for r in caplog.records if "does not load" in r.message]) == 1  # one warning for all
+
+
+def test_without_jax_cache_nothing_is_kept(tmp_path: Path) -> None:
+    before = jax.config.jax_compilation_cache_dir
+    set_cache_dir(None)
+    try:
+        loaded, compiled = _counts()
+        ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+        assert _counts() == (loaded, compiled + 1)
+        assert ExecutableCache.directory() is None
+    finally:
+        set_cache_dir(before)
+
+
+def test_an_unwritable_directory_warns_once_and_compiles(jax_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (jax_cache / executable_cache.SUBDIR).write_text("a file where the directory would be")
+    x, y = _inputs()
+    with caplog.at_level(logging.WARNING, logger="parrot.engine.executable_cache"):
+        for _ in range(2):
+            got = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+            np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(jax.jit(_fn)(x, y)))
+    assert len([r for r in caplog.records if "cannot be written" in r.message]) == 1
+
+
+def test_a_second_engine_loads_every_executable_and_computes_the_same_tokens(jax_cache: Path) -> None:
+    cfg = tiny_engine_config(compilation_cache_dir=str(jax_cache), token_buckets=[32], bs_buckets=[1, 2],
+                             max_batch_size=2, kv_buckets=[64], max_num_batched_tokens=32, prefill_bs_buckets=[1],
+                             shared_prefix_attention=False, multi_step=4, multi_step_max_batch=2)
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        loaded, compiled = _counts()
+        engine = LLMEngine(tiny_model(), cfg).start(precompile=True)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # decoded side by side
+                outs = list(pool.map(lambda p, e=engine: e.complete(p, params), prompts))
+            runs.append(([o.response.token_ids for o in outs], _counts()[0] - loaded, _counts()[1] - compiled))
+        finally:
+            engine.shutdown()
+    (tokens, loads, compiles), (tokens2, loads2, compiles2) = runs
+    assert loads == 0 and compiles > 0
+    assert loads2 == compiles and compiles2 == 0  # every executable the first engine compiled, read back
+    assert tokens2 == tokens
+    assert all(len(t) == 10 for t in tokens)
