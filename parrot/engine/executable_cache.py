@@ -14,6 +14,12 @@ with its argument and result trees. It lives in JAX's cache directory (`executab
 with it, and under the same fingerprint (JAX versions, CPU flags, the kernels' source). An entry that does not
 load is removed and compiled again (one warning); one that cannot be written is skipped (one warning).
 Entries are pickles, as JAX's serialized executables are: the cache directory is trusted as the code is.
+
+An executable that JAX read from its own cache serializes without its compiled functions (XLA's CPU client
+keeps only what it loaded; such an entry fails at its first call: "Function ... not found"). So an entry
+is written only from a compile this thread saw happen: a fresh one is serialized, and one that JAX's cache
+gave is written with the bytes JAX read for it (`_watch`). An executable JAX's in-memory cache gave (no
+compile seen) is not written.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -33,6 +40,9 @@ from pathlib import Path
 import flax
 import jax
 import numpy as np
+from jax._src import compilation_cache as jax_compilation_cache  # the bytes of an entry JAX's cache gave
+from jax._src import monitoring
+from jax._src.lib import xla_client
 from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
@@ -75,6 +85,58 @@ def _describe(tree: object) -> str:
     return "|".join(parts)
 
 
+_seen = threading.local()  # this thread's compile: .requested (JAX compiled or read its cache), .hit, .read (bytes)
+_watching: list[bool] = []
+
+
+def _on_event(event: str, **_: object) -> None:
+    if event == "/jax/compilation_cache/compile_requests_use_cache":
+        _seen.requested = True
+    elif event == "/jax/compilation_cache/cache_hits":  # the entry read (`_seen.read`) loaded
+        _seen.hit = True
+
+
+def _watch() -> None:
+    """Note, on the compiling thread, that JAX compiled (or read its cache), and the bytes of an entry it read."""
+    with _warn_lock:
+        if _watching:
+            return
+        _watching.append(True)
+        monitoring.register_event_listener(_on_event)
+        extract = jax_compilation_cache.extract_executable_and_time
+
+        def extract_and_keep(entry: bytes) -> tuple[bytes, int]:
+            serialized, compile_time = extract(entry)
+            _seen.read = serialized
+            return serialized, compile_time
+
+        jax_compilation_cache.extract_executable_and_time = extract_and_keep
+
+
+class _Pickler(serialize_executable._JaxPjrtPickler):
+    """JAX's pickler of a compiled executable, given the executable's bytes where JAX's cache gave them."""
+
+    def __init__(self, file: io.BytesIO, raw: bytes | None) -> None:
+        super().__init__(file)
+        self.raw = raw
+
+    def persistent_id(self, obj: object) -> object:
+        if self.raw is not None and isinstance(obj, xla_client.LoadedExecutable):
+            return ("exec", self.raw)
+        return super().persistent_id(obj)
+
+
+def _serialize(compiled: object, raw: bytes | None) -> tuple[bytes, object, object]:
+    """As `serialize_executable.serialize`, with `raw` as the executable's bytes where given."""
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)  # type: ignore[attr-defined]
+    if unloaded is None:
+        raise ValueError("this compilation does not support serialization")
+    args_info_flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)  # type: ignore[attr-defined]
+    with io.BytesIO() as file:
+        _Pickler(file, raw).dump((unloaded, args_info_flat, compiled._no_kwargs))  # type: ignore[attr-defined]
+        return file.getvalue(), in_tree, compiled.out_tree  # type: ignore[attr-defined]
+
+
 def _count(what: str) -> None:
     with _stats_lock:
         stats[what] += 1
@@ -115,10 +177,13 @@ class ExecutableCache:
             if loaded is not None:
                 _count("loaded")
                 return loaded
+        if path is not None:
+            _watch()
+        _seen.requested, _seen.hit, _seen.read = False, False, None
         compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
         _count("compiled")
-        if path is not None:
-            self._store(path, compiled)
+        if path is not None and _seen.requested:  # else JAX's in-memory cache gave it: not kept (module doc)
+            self._store(path, compiled, _seen.read if _seen.hit else None)
         return compiled
 
     @staticmethod
@@ -140,9 +205,9 @@ class ExecutableCache:
             return None
 
     @staticmethod
-    def _store(path: Path, compiled: object) -> None:
+    def _store(path: Path, compiled: object, raw: bytes | None) -> None:
         try:
-            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            payload, in_tree, out_tree = _serialize(compiled, raw)
             blob = zlib.compress(pickle.dumps((payload, in_tree, out_tree)), 1)
         except Exception as exc:  # noqa: BLE001 - an executable JAX cannot serialize is just not kept
             _warn_once("serialize", "an executable cannot be kept on disk (%s: %s)", type(exc).__name__,

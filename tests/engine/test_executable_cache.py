@@ -5,8 +5,13 @@ directories compile as if there were no cache."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
-from collections.abc import Iterator
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -34,8 +39,12 @@ def jax_cache(tmp_path: Path) -> Iterator[Path]:
         set_cache_dir(before)
 
 
-def _fn(x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.tanh(x @ y) + 1
+def _fn() -> Callable:
+    """A new function each time: JAX's in-memory caches never give its executable (such a one is not kept)."""
+    def fn(x: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.tanh(x @ y) + 1
+
+    return jax.jit(fn)
 
 
 X = jax.ShapeDtypeStruct((4, 8), jnp.float32)
@@ -53,12 +62,12 @@ def _counts() -> tuple[int, int]:
 
 def test_a_second_cache_loads_what_the_first_kept(jax_cache: Path) -> None:
     x, y = _inputs()
-    want = np.asarray(jax.jit(_fn)(x, y))
+    want = np.asarray(_fn()(x, y))
     loaded, compiled = _counts()
-    first = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    first = ExecutableCache("ctx").compile("fn", _fn(), X, Y)
     assert _counts() == (loaded, compiled + 1)
     (entry,) = (jax_cache / executable_cache.SUBDIR).iterdir()
-    second = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    second = ExecutableCache("ctx").compile("fn", _fn(), X, Y)
     assert _counts() == (loaded + 1, compiled + 1)
     np.testing.assert_array_equal(np.asarray(first(x, y)), want)
     np.testing.assert_array_equal(np.asarray(second(x, y)), want)
@@ -87,18 +96,32 @@ def test_another_input_context_setting_or_kernel_switch_misses(jax_cache: Path,
 def test_an_entry_that_does_not_load_is_compiled_again_and_rewritten(jax_cache: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     x, y = _inputs()
-    ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+    ExecutableCache("ctx").compile("fn", _fn(), X, Y)
     (entry,) = (jax_cache / executable_cache.SUBDIR).iterdir()
     good = entry.read_bytes()
     for bad in (b"garbage", good[: len(good) // 2]):
         entry.write_bytes(bad)
         loaded, compiled = _counts()
         with caplog.at_level(logging.WARNING, logger="parrot.engine.executable_cache"):
-            got = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+            got = ExecutableCache("ctx").compile("fn", _fn(), X, Y)
         assert _counts() == (loaded, compiled + 1)
-        np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(jax.jit(_fn)(x, y)))
-        assert len(entry.read_bytes()) == len(good)  # written again
+        np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(_fn()(x, y)))
+        loaded, compiled = _counts()
+        again = ExecutableCache("ctx").compile("fn", _fn(), X, Y)  # written again: read now
+        assert _counts() == (loaded + 1, compiled)
+        np.testing.assert_array_equal(np.asarray(again(x, y)), np.asarray(got(x, y)))
     assert len([r for r in caplog.records if "does not load" in r.message]) == 1  # one warning for all
+
+
+def test_an_executable_from_jaxs_memory_is_not_kept(jax_cache: Path) -> None:
+    """One compiled before in this process comes from JAX's in-memory cache, maybe read from its disk cache
+    then: its serialization may lack its compiled functions, so it is not written."""
+    fn = _fn()
+    x, y = _inputs()
+    fn(x, y)  # compiled (and cached in memory) by the call
+    got = ExecutableCache("ctx").compile("fn", fn, X, Y)
+    np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(fn(x, y)))
+    assert not (jax_cache / executable_cache.SUBDIR).exists()
 
 
 def test_without_jax_cache_nothing_is_kept(tmp_path: Path) -> None:
@@ -106,7 +129,7 @@ def test_without_jax_cache_nothing_is_kept(tmp_path: Path) -> None:
     set_cache_dir(None)
     try:
         loaded, compiled = _counts()
-        ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
+        ExecutableCache("ctx").compile("fn", _fn(), X, Y)
         assert _counts() == (loaded, compiled + 1)
         assert ExecutableCache.directory() is None
     finally:
@@ -118,8 +141,8 @@ def test_an_unwritable_directory_warns_once_and_compiles(jax_cache: Path, caplog
     x, y = _inputs()
     with caplog.at_level(logging.WARNING, logger="parrot.engine.executable_cache"):
         for _ in range(2):
-            got = ExecutableCache("ctx").compile("fn", jax.jit(_fn), X, Y)
-            np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(jax.jit(_fn)(x, y)))
+            got = ExecutableCache("ctx").compile("fn", _fn(), X, Y)
+            np.testing.assert_array_equal(np.asarray(got(x, y)), np.asarray(_fn()(x, y)))
     assert len([r for r in caplog.records if "cannot be written" in r.message]) == 1
 
 
@@ -144,3 +167,47 @@ def test_a_second_engine_loads_every_executable_and_computes_the_same_tokens(jax
     assert loads2 == compiles and compiles2 == 0  # every executable the first engine compiled, read back
     assert tokens2 == tokens
     assert all(len(t) == 10 for t in tokens)
+
+
+# a tiny engine with one shape of each kind compiled through the caches; prints its greedy tokens and how many
+# executables it read from this cache and compiled
+SCRIPT = """
+import json, sys
+from parrot.engine import executable_cache
+from parrot.engine.engine import LLMEngine
+from parrot.protocol import SamplingParams
+from tests.conftest import tiny_engine_config, tiny_model
+cfg = tiny_engine_config(compilation_cache_dir=sys.argv[1], token_buckets=[32], bs_buckets=[1],
+                         max_batch_size=1, kv_buckets=[64], max_num_batched_tokens=32,
+                         prefill_bs_buckets=[1], shared_prefix_attention=False)
+engine = LLMEngine(tiny_model(), cfg).start(precompile=True)
+out = engine.complete(list(range(3, 30)), SamplingParams(max_tokens=12, ignore_eos=True))
+engine.shutdown()
+print(json.dumps([out.response.token_ids, executable_cache.stats]))
+"""
+
+
+def _run(cache: Path) -> tuple[list[int], dict[str, int]]:
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(cache)], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens, stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tokens, stats
+
+
+def test_executables_jax_read_from_its_own_cache_are_kept_whole(tmp_path: Path) -> None:
+    """A start that finds JAX's entries but not these (a cache from before, or these removed) keeps the bytes JAX
+    read: re-serialized, such an executable would lack its compiled functions and fail at its first call."""
+    cache = tmp_path / "cache"
+    reference, stats = _run(cache)  # cold: both caches written
+    assert stats["loaded"] == 0 and stats["compiled"] > 0
+    (kept,) = cache.glob(f"*/{executable_cache.SUBDIR}")
+    shutil.rmtree(kept)
+    tokens, stats = _run(cache)  # JAX's entries read, these written from them
+    assert tokens == reference and stats["loaded"] == 0
+    tokens, again = _run(cache)  # these read
+    assert tokens == reference
+    assert again == {"loaded": stats["compiled"], "compiled": 0}
