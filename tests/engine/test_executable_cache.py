@@ -159,12 +159,17 @@ def test_a_second_engine_loads_every_executable_and_computes_the_same_tokens(jax
         try:
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # decoded side by side
                 outs = list(pool.map(lambda p, e=engine: e.complete(p, params), prompts))
-            runs.append(([o.response.token_ids for o in outs], _counts()[0] - loaded, _counts()[1] - compiled))
+            kept = sorted(p.name.split("-")[0] for p in ExecutableCache.directory().iterdir())  # (namespaced)
+            runs.append(([o.response.token_ids for o in outs], _counts()[0] - loaded, _counts()[1] - compiled, kept))
         finally:
             engine.shutdown()
-    (tokens, loads, compiles), (tokens2, loads2, compiles2) = runs
+    (tokens, loads, compiles, kept), (tokens2, loads2, compiles2, kept2) = runs
     assert loads == 0 and compiles > 0
-    assert loads2 == compiles and compiles2 == 0  # every executable the first engine compiled, read back
+    # every executable the first engine kept is read back; the ones it did not keep came from JAX's in-memory
+    # cache (functions shared by engines, compiled by an earlier test in this process) and compile again
+    # (and may keep them then, where those caches have dropped them)
+    assert loads2 == len(kept) and compiles2 == compiles - len(kept) and set(kept) <= set(kept2)
+    assert {"block1", "decode_loop", "embed", "head"} <= set(kept)  # the model's own executables, all read back
     assert tokens2 == tokens
     assert all(len(t) == 10 for t in tokens)
 
