@@ -25,6 +25,7 @@ from parrot.engine.engine import LLMEngine
 from parrot.engine.executable_cache import ExecutableCache
 from parrot.protocol import SamplingParams
 from tests.conftest import tiny_engine_config, tiny_model
+from tests.engine.test_compile_cache import SCRIPT as COMPILE_SCRIPT
 
 
 @pytest.fixture
@@ -174,22 +175,12 @@ def test_a_second_engine_loads_every_executable_and_computes_the_same_tokens(jax
     assert all(len(t) == 10 for t in tokens)
 
 
-# a tiny engine with one shape of each kind compiled through the caches; prints its greedy tokens and how many
-# executables it read from this cache and compiled
-SCRIPT = """
-import json, sys
-from parrot.engine import executable_cache
-from parrot.engine.engine import LLMEngine
-from parrot.protocol import SamplingParams
-from tests.conftest import tiny_engine_config, tiny_model
-cfg = tiny_engine_config(compilation_cache_dir=sys.argv[1], token_buckets=[32], bs_buckets=[1],
-                         max_batch_size=1, kv_buckets=[64], max_num_batched_tokens=32,
-                         prefill_bs_buckets=[1], shared_prefix_attention=False)
-engine = LLMEngine(tiny_model(), cfg).start(precompile=True)
-out = engine.complete(list(range(3, 30)), SamplingParams(max_tokens=12, ignore_eos=True))
-engine.shutdown()
-print(json.dumps([out.response.token_ids, executable_cache.stats]))
-"""
+# test_compile_cache's script (a tiny engine, one shape of each kind), printing how many executables it read from
+# this cache and compiled as well as its greedy tokens
+_PRINT = "print(json.dumps(out.response.token_ids))"
+assert _PRINT in COMPILE_SCRIPT
+SCRIPT = "from parrot.engine import executable_cache\n" + COMPILE_SCRIPT.replace(
+    _PRINT, "print(json.dumps([out.response.token_ids, executable_cache.stats]))")
 
 
 def _run(cache: Path) -> tuple[list[int], dict[str, int]]:
