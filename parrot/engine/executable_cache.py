@@ -177,7 +177,6 @@ class ExecutableCache:
             if loaded is not None:
                 _count("loaded")
                 return loaded
-        if path is not None:
             _watch()
         _seen.requested, _seen.hit, _seen.read = False, False, None
         compiled = fn.lower(*args, **kwargs).compile()  # type: ignore[attr-defined]
